@@ -1,0 +1,27 @@
+"""pisa-jax: PISA pyramid block-sparse attention with log-linear block selection, in JAX.
+
+Public API (shapes follow `jax.nn.dot_product_attention`: q `[B, T, HQ, D]`, k/v `[B, T, HKV, D]`):
+  build_pyramid      the mean-summary pyramid of the keys (Eq. 7-15)
+  select_blocks      PISA / PISA-1 / PISA-2 / BSA / exact block selection -> int32 [B, T, HKV, K]
+  sparse_attention   causal attention over selected blocks (Eq. 6)
+  pisa_attention     selection under stop_gradient, then sparse attention
+  selection_quality  Recall@K, captured mass and mass ratio against full attention (App. D.2)
+Each takes `implementation="xla" | "pallas" | None`.
+"""
+
+from pisa_jax.attention import pisa_attention, sparse_attention
+from pisa_jax.pyramid import Pyramid, build_pyramid
+from pisa_jax.quality import SelectionQuality, selection_quality
+from pisa_jax.selection import select_blocks
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Pyramid",
+    "SelectionQuality",
+    "build_pyramid",
+    "pisa_attention",
+    "select_blocks",
+    "selection_quality",
+    "sparse_attention",
+]

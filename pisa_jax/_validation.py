@@ -1,0 +1,131 @@
+"""Argument checks shared by the public functions.
+
+Every check raises ValueError (bad value or shape) or TypeError (bad dtype) with a message that
+names the argument and the value expected. Shapes are static under `jit`, so all shape checks also
+run on tracers; checks of index *values* run only when the indices are concrete.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SELECTORS = ("pisa", "pisa1", "pisa2", "bsa", "exact")
+# Selectors that walk the pyramid; "bsa" and "exact" are flat.
+HIERARCHICAL_SELECTORS = ("pisa", "pisa1", "pisa2")
+# Forced blocks per query: the first, the previous and the current leaf block (Appendix B).
+NUM_FORCED = 3
+
+
+def check_float(name: str, x) -> None:
+  if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
+    dtype = getattr(x, "dtype", type(x).__name__)
+    raise TypeError(f"{name} must be a floating-point array (bfloat16, float16 or float32), got {dtype}")
+
+
+def check_rank4(name: str, x, layout: str) -> None:
+  if x.ndim != 4:
+    raise ValueError(f"{name} must have rank 4 with layout {layout}, got shape {tuple(x.shape)}")
+
+
+def check_qk(q, k) -> tuple[int, int, int, int, int]:
+  """Checks q [B, T, HQ, D] against k [B, T, HKV, D]; returns (B, T, HQ, HKV, D)."""
+  check_float("q", q)
+  check_float("k", k)
+  check_rank4("q", q, "[B, T, HQ, D]")
+  check_rank4("k", k, "[B, T, HKV, D]")
+  b, t, hq, d = q.shape
+  bk, tk, hkv, dk = k.shape
+  if bk != b:
+    raise ValueError(f"k batch {bk} must equal q batch {b} (q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)})")
+  if tk != t:
+    raise ValueError(
+        f"k length {tk} must equal q length {t}: only causal self-attention is supported "
+        f"(q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)})")
+  if dk != d:
+    raise ValueError(f"k head dim {dk} must equal q head dim {d}")
+  if t < 1:
+    raise ValueError(f"sequence length T={t} must be >= 1")
+  if hkv < 1 or hq % hkv != 0:
+    raise ValueError(f"query heads HQ={hq} must be a positive multiple of key/value heads HKV={hkv}")
+  return b, t, hq, hkv, d
+
+
+def check_v(v, k) -> None:
+  check_float("v", v)
+  check_rank4("v", v, "[B, T, HKV, D]")
+  if v.shape != k.shape:
+    raise ValueError(f"v.shape={tuple(v.shape)} must equal k.shape={tuple(k.shape)}")
+
+
+def check_block_size(block_size) -> None:
+  if not isinstance(block_size, (int, np.integer)) or isinstance(block_size, bool) or block_size < 1:
+    raise ValueError(f"{block_size=} must be an int >= 1")
+
+
+def check_branching(branching) -> None:
+  if not isinstance(branching, (int, np.integer)) or isinstance(branching, bool) or branching < 2:
+    raise ValueError(f"{branching=} must be an int >= 2: each upper node merges at least two children")
+
+
+def check_top_k(top_k) -> None:
+  if not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool) or top_k < NUM_FORCED:
+    raise ValueError(f"{top_k=} must be an int >= 3: the first, previous and current blocks are forced")
+
+
+def check_selector(selector) -> None:
+  if selector not in SELECTORS:
+    raise ValueError(f"{selector=} is unknown: expected one of {SELECTORS}")
+
+
+def resolve_beam(beam, top_k: int, selector: str) -> int:
+  """`beam=None` keeps top_k nodes at every level, the paper's rule."""
+  if beam is None:
+    return top_k
+  if not isinstance(beam, (int, np.integer)) or isinstance(beam, bool) or beam < top_k:
+    raise ValueError(f"{beam=} must be None or an int >= top_k={top_k}")
+  if selector not in HIERARCHICAL_SELECTORS:
+    raise ValueError(
+        f"{beam=} applies only to the hierarchical selectors {HIERARCHICAL_SELECTORS}; "
+        f"{selector=} has no levels above the leaves: pass beam=None")
+  return int(beam)
+
+
+def resolve_scale(scale, head_dim: int) -> float:
+  if scale is None:
+    return 1.0 / math.sqrt(head_dim)
+  if isinstance(scale, jax.core.Tracer):
+    raise TypeError(f"scale must be a Python float (it is a compile-time constant), got a traced value")
+  scale = float(scale)
+  if not math.isfinite(scale) or scale <= 0:
+    raise ValueError(f"{scale=} must be a finite float > 0 (default 1/sqrt(D))")
+  return scale
+
+
+def check_block_indices(block_indices, *, batch: int, seq_len: int, num_kv_heads: int,
+                        block_size: int) -> None:
+  """block_indices: int32 [B, T, HKV, K] with entries in [-1, ceil(T / block_size))."""
+  if not hasattr(block_indices, "dtype") or not jnp.issubdtype(block_indices.dtype, jnp.integer):
+    dtype = getattr(block_indices, "dtype", type(block_indices).__name__)
+    raise TypeError(f"block_indices must be an integer array (int32), got {dtype}")
+  expected = (batch, seq_len, num_kv_heads)
+  if block_indices.ndim != 4 or tuple(block_indices.shape[:3]) != expected or block_indices.shape[3] < 1:
+    raise ValueError(
+        f"block_indices.shape={tuple(block_indices.shape)} must be [B, T, HKV, K] = "
+        f"[{batch}, {seq_len}, {num_kv_heads}, K] with K >= 1")
+  if isinstance(block_indices, jax.core.Tracer):
+    return
+  num_blocks = -(-seq_len // block_size)
+  idx = np.asarray(block_indices)
+  if idx.size and (idx.min() < -1 or idx.max() >= num_blocks):
+    raise ValueError(
+        f"block_indices must lie in [-1, {num_blocks}) for T={seq_len} and {block_size=}: "
+        f"found values in [{idx.min()}, {idx.max()}]")
+  # The attended set is a set of blocks (Eq. 6 sums over their union): a repeated index would be
+  # counted twice by a kernel, so it is rejected rather than silently deduplicated.
+  srt = np.sort(idx, axis=-1)
+  if np.any((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)):
+    raise ValueError("block_indices must not repeat a block index within one [b, t, h] row (-1 may repeat)")

@@ -1,0 +1,130 @@
+"""Block-sparse attention over selected leaf blocks (Eq. 6), and the full PISA layer."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Float, Int
+
+from pisa_jax import _chunking, _dispatch, _validation
+from pisa_jax.selection import select_blocks
+
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def _sparse_attention_chunk(positions, q, block_indices, k, v, *, block_size, scale):
+  """Eq. 6 for one chunk of queries: q `[B, Tc, HQ, D]`, block_indices `[B, Tc, HKV, K]`."""
+  b, tc, hq, d = q.shape
+  seq_len, hkv = k.shape[1], k.shape[2]
+  qg = q.astype(jnp.float32).reshape(b, tc, hkv, hq // hkv, d)
+  # Key positions of every selected block: [B, Tc, HKV, K, C].
+  key_pos = jnp.maximum(block_indices, 0)[..., None] * block_size + jnp.arange(block_size)
+  # Keys after the query inside the current block, past the end of the sequence, and in -1
+  # padding slots are invisible.
+  visible = ((block_indices >= 0)[..., None] & (key_pos < seq_len)
+             & (key_pos <= positions[None, :, None, None, None]))
+  gather_pos = jnp.minimum(key_pos, seq_len - 1)
+  b_idx = jnp.arange(b)[:, None, None, None, None]
+  h_idx = jnp.arange(hkv)[None, None, :, None, None]
+  k_sel = k[b_idx, gather_pos, h_idx].astype(jnp.float32)
+  v_sel = v[b_idx, gather_pos, h_idx].astype(jnp.float32)
+  logits = scale * jnp.einsum("bthgd,bthkcd->bthgkc", qg, k_sel, precision=_HIGHEST)
+  visible = visible[:, :, :, None]
+  row_max = jnp.max(jnp.where(visible, logits, -jnp.inf), axis=(-2, -1), keepdims=True)
+  row_max = lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+  p = jnp.where(visible, jnp.exp(logits - row_max), 0.0)
+  denom = p.sum(axis=(-2, -1))
+  out = jnp.einsum("bthgkc,bthkcd->bthgd", p, v_sel, precision=_HIGHEST)
+  # A query with no visible key gets zeros, never NaN.
+  out = jnp.where(denom[..., None] > 0, out / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
+  return out.reshape(b, tc, hq, d).astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "scale"))
+def sparse_attention_reference(q, k, v, block_indices, *, block_size: int, scale: float):
+  """jnp reference of `sparse_attention`; arguments are already validated."""
+  b, seq_len, hq, d = q.shape
+  hkv, top = k.shape[2], block_indices.shape[-1]
+  block_indices = lax.stop_gradient(block_indices.astype(jnp.int32))
+  chunk = _chunking.query_chunk_size(seq_len, b * hkv * top * block_size * (2 * d + 2 * hq // hkv))
+  fn = functools.partial(_sparse_attention_chunk, block_size=block_size, scale=scale)
+  return _chunking.map_query_chunks(fn, chunk, (q, block_indices), (k, v))
+
+
+def sparse_attention(
+    q: Float[Array, "B T HQ D"],
+    k: Float[Array, "B T HKV D"],
+    v: Float[Array, "B T HKV D"],
+    block_indices: Int[Array, "B T HKV K"],
+    *,
+    block_size: int = 64,
+    scale: float | None = None,
+    implementation: str | None = None,
+) -> Float[Array, "B T HQ D"]:
+  """Causal attention of each query over the keys of its selected blocks (Eq. 6).
+
+  Query t, head hq attends to key positions j <= t inside the blocks `block_indices[b, t, hkv]`
+  of its KV head `hkv = hq // (HQ // HKV)`; -1 entries are ignored and a query with no visible key
+  gets zeros.
+
+  Args:
+    q: queries `[B, T, HQ, D]`.
+    k: keys `[B, T, HKV, D]`.
+    v: values `[B, T, HKV, D]`.
+    block_indices: int32 `[B, T, HKV, K]`, entries in [-1, ceil(T / block_size)), no repeats in a
+      row. Values are checked when concrete; under `jit`, out-of-range entries are not detected.
+    block_size: C, keys per leaf block.
+    scale: logit scale, default 1/sqrt(D).
+    implementation: "xla" (jnp reference), "pallas" (kernel) or None (pallas on GPU, else xla).
+
+  Returns:
+    `[B, T, HQ, D]` in q's dtype. Differentiable in q, k and v; the indices get no gradient.
+  """
+  b, t, _, hkv, d = _validation.check_qk(q, k)
+  _validation.check_v(v, k)
+  _validation.check_block_size(block_size)
+  _validation.check_block_indices(
+      block_indices, batch=b, seq_len=t, num_kv_heads=hkv, block_size=int(block_size))
+  scale = _validation.resolve_scale(scale, d)
+  impl = _dispatch.resolve_implementation(implementation)
+  if impl == "pallas":
+    from pisa_jax.kernels import attention as attention_kernels
+
+    return attention_kernels.sparse_attention_pallas(
+        q, k, v, block_indices, block_size=int(block_size), scale=scale,
+        interpret=_dispatch.interpret_mode())
+  return sparse_attention_reference(q, k, v, block_indices, block_size=int(block_size), scale=scale)
+
+
+def pisa_attention(
+    q: Float[Array, "B T HQ D"],
+    k: Float[Array, "B T HKV D"],
+    v: Float[Array, "B T HKV D"],
+    *,
+    block_size: int = 64,
+    top_k: int = 8,
+    branching: int = 2,
+    selector: str = "pisa",
+    scale: float | None = None,
+    beam: int | None = None,
+    implementation: str | None = None,
+) -> Float[Array, "B T HQ D"]:
+  """PISA attention: select blocks (no gradient through the choice), then attend to them.
+
+  Appendix B: during backpropagation the selected indices are held fixed; gradients flow through
+  attention on the selected entries only. Arguments as in `select_blocks` and `sparse_attention`.
+
+  Returns:
+    `[B, T, HQ, D]` in q's dtype, differentiable in q, k and v.
+  """
+  _validation.check_v(v, k)
+  block_indices = select_blocks(
+      lax.stop_gradient(q), lax.stop_gradient(k), block_size=block_size, top_k=top_k,
+      branching=branching, selector=selector, scale=scale, beam=beam,
+      implementation=implementation)
+  return sparse_attention(
+      q, k, v, lax.stop_gradient(block_indices), block_size=block_size, scale=scale,
+      implementation=implementation)

@@ -1,0 +1,101 @@
+"""Block-selection quality against full attention (Section 4.4, Appendix D.2, Eq. 35-36, 55-57)."""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from pisa_jax import _chunking, _validation
+from pisa_jax.selection import block_log_mass, flat_top_k
+
+
+class SelectionQuality(NamedTuple):
+  """Fractions in [0, 1], averaged over the (b, t, KV head) rows with more than K eligible blocks.
+
+  NaN when no row has more than K eligible blocks (every selector then keeps them all).
+  """
+
+  recall: Float[Array, ""]  # Recall@K, Eq. 35 (the forced blocks count).
+  captured_mass: Float[Array, ""]  # Eq. 57: the share of full-attention mass retained.
+  mass_ratio: Float[Array, ""]  # Eq. 36: captured mass over the reference set's mass.
+  num_rows: Int[Array, ""]  # rows averaged over.
+
+
+def _quality_chunk(positions, q, block_indices, k, *, block_size, scale):
+  top_k = block_indices.shape[-1]
+  # Eq. 55: a(B), the log of the full-attention weight of block B's visible keys, per query head.
+  log_mass = block_log_mass(positions, q, k, block_size=block_size, scale=scale, causal_in_block=True)
+  # Eq. 56: P(B), each head's normalised block mass averaged over the group. Blocks after the
+  # query have no visible key, so their mass is exactly zero.
+  head_mass = jax.nn.softmax(log_mass, axis=-1)
+  mass = head_mass.mean(axis=3)
+  # The full-attention reference set: forced blocks, then the highest grouped masses.
+  reference = flat_top_k(mass, positions, block_size=block_size, top_k=top_k)
+  selected_valid = block_indices >= 0
+  in_reference = jnp.any(
+      (block_indices[..., :, None] == reference[..., None, :]) & (reference[..., None, :] >= 0), axis=-1)
+  recall = jnp.sum(in_reference & selected_valid, axis=-1) / top_k
+
+  def mass_of(idx):
+    picked = jnp.take_along_axis(mass, jnp.maximum(idx, 0), axis=-1)
+    return jnp.sum(jnp.where(idx >= 0, picked, 0.0), axis=-1)
+
+  captured = mass_of(block_indices)
+  ratio = captured / mass_of(reference)
+  eligible = positions // block_size + 1
+  counted = jnp.broadcast_to((eligible > top_k)[None, :, None], recall.shape)
+  return recall.astype(jnp.float32), captured, ratio, counted
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "scale"))
+def _selection_quality(q, k, block_indices, *, block_size: int, scale: float) -> SelectionQuality:
+  b, seq_len, hq, _ = q.shape
+  num_blocks = -(-seq_len // block_size)
+  chunk = _chunking.query_chunk_size(seq_len, 3 * b * hq * num_blocks * block_size)
+  fn = functools.partial(_quality_chunk, block_size=block_size, scale=scale)
+  recall, captured, ratio, counted = _chunking.map_query_chunks(
+      fn, chunk, (q, block_indices.astype(jnp.int32)), (k,))
+  num_rows = counted.sum()
+
+  def average(x):
+    return jnp.where(num_rows > 0, jnp.sum(jnp.where(counted, x, 0.0)) / jnp.maximum(num_rows, 1), jnp.nan)
+
+  return SelectionQuality(average(recall), average(captured), average(ratio), num_rows)
+
+
+def selection_quality(
+    q: Float[Array, "B T HQ D"],
+    k: Float[Array, "B T HKV D"],
+    block_indices: Int[Array, "B T HKV K"],
+    *,
+    block_size: int = 64,
+    scale: float | None = None,
+) -> SelectionQuality:
+  """Recall@K, captured mass and attention-mass ratio of a selection against full attention.
+
+  The reference set keeps the forced blocks (first, previous, current) and fills the remaining
+  K - 3 slots with the eligible blocks of highest full-attention mass P(B), each query head's
+  normalised block mass averaged over the heads of the KV group (Eq. 55-56). This costs
+  O(T^2) time (chunked over queries, so memory stays bounded): it is a diagnostic.
+
+  Args:
+    q: queries `[B, T, HQ, D]` (post-RoPE, as the model attends with them).
+    k: keys `[B, T, HKV, D]`.
+    block_indices: int32 `[B, T, HKV, K]` from a selector, -1 padded.
+    block_size: C, keys per leaf block.
+    scale: logit scale, default 1/sqrt(D).
+
+  Returns:
+    `SelectionQuality` of scalar fractions, averaged over rows with more than K eligible blocks.
+  """
+  b, t, _, hkv, d = _validation.check_qk(q, k)
+  _validation.check_block_size(block_size)
+  _validation.check_block_indices(
+      block_indices, batch=b, seq_len=t, num_kv_heads=hkv, block_size=int(block_size))
+  _validation.check_top_k(block_indices.shape[-1])
+  return _selection_quality(q, k, block_indices, block_size=int(block_size),
+                            scale=_validation.resolve_scale(scale, d))

@@ -1,0 +1,273 @@
+"""Block selection: PISA's pyramid walk (Section 3.2, Appendix B), its variants, and flat baselines.
+
+Every selector returns, per query position t and KV head, the leaf blocks to attend to:
+int32 `[B, T, HKV, top_k]`, ascending, padded with -1 when fewer than top_k blocks are eligible.
+The jnp reference here is the contract that the Pallas kernels in `pisa_jax.kernels` reproduce.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Float, Int
+
+from pisa_jax import _chunking, _dispatch, _validation
+from pisa_jax.pyramid import Pyramid, build_pyramid_reference, node_span
+
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def reduce_scores(z: Float[Array, "... R"], valid, selector: str) -> Float[Array, "..."]:
+  """One candidate's score for one query head from its children's logits z (masked by `valid`).
+
+  Eq. 21 ("pisa"): log-sum-exp; Eq. 33 ("pisa1"): the mean; Eq. 34 ("pisa2"): the mean plus half
+  the population variance.
+  """
+  if selector == "pisa":
+    return jax.nn.logsumexp(jnp.where(valid, z, -jnp.inf), axis=-1)
+  count = jnp.maximum(valid.sum(axis=-1), 1).astype(jnp.float32)
+  mean = jnp.where(valid, z, 0.0).sum(axis=-1) / count
+  if selector == "pisa1":
+    return mean
+  var = jnp.where(valid, jnp.square(z - mean[..., None]), 0.0).sum(axis=-1) / count
+  return mean + 0.5 * var
+
+
+def forced_leaves(positions: Int[Array, "Tc"], block_size: int) -> tuple[Array, Array]:
+  """The first, previous and current leaf block of each query, `[Tc, 3]`, and which exist."""
+  cur = positions // block_size
+  leaves = jnp.stack([jnp.zeros_like(cur), cur - 1, cur], axis=-1)
+  return leaves, leaves >= 0
+
+
+def _sort_ascending_padded(idx: Int[Array, "... K"]) -> Int[Array, "... K"]:
+  """Sorts valid indices ascending, with the -1 padding moved to the end."""
+  big = jnp.iinfo(jnp.int32).max
+  srt = jnp.sort(jnp.where(idx < 0, big, idx), axis=-1)
+  return jnp.where(srt == big, -1, srt)
+
+
+def _keep(cand, valid, forced, scores, keep: int):
+  """Select_K of Eq. 17 with the forced-node rule of Appendix B.
+
+  Args:
+    cand: int32 `[..., n]` candidate node ids (ascending among the valid ones).
+    valid: `[..., n]` eligible and existing.
+    forced: `[..., n]` forced nodes (always also valid).
+    scores: float32 `[..., n]` group-summed scores (unused for forced nodes).
+    keep: how many nodes to keep.
+
+  Returns:
+    int32 `[..., keep]` kept node ids ascending, -1 padded.
+  """
+  # If the eligible candidates number <= keep, all are kept without scoring.
+  keep_all = valid.sum(axis=-1, keepdims=True) <= keep
+  # Forced nodes first, then the highest scores; lax.top_k breaks ties by array position, and
+  # candidates are ordered by node id, so ties go to the lower index.
+  key = jnp.where(forced, jnp.inf, scores)
+  key = jnp.where(keep_all, 0.0, key)
+  key = jnp.where(valid, key, -jnp.inf)
+  n = key.shape[-1]
+  if n < keep:
+    key = jnp.pad(key, [(0, 0)] * (key.ndim - 1) + [(0, keep - n)], constant_values=-jnp.inf)
+    cand = jnp.pad(cand, [(0, 0)] * (cand.ndim - 1) + [(0, keep - n)], constant_values=-1)
+  values, slots = lax.top_k(key, keep)
+  kept = jnp.take_along_axis(cand, slots, axis=-1)
+  return _sort_ascending_padded(jnp.where(values == -jnp.inf, -1, kept))
+
+
+def _hierarchical_chunk(positions, q, k, summaries, *, block_size, top_k, beam, branching,
+                        selector, scale, level_sizes):
+  """PISA selection for one chunk of queries: q `[B, Tc, HQ, D]` -> int32 `[B, Tc, HKV, top_k]`."""
+  b, tc, hq, d = q.shape
+  seq_len, hkv = k.shape[1], k.shape[2]
+  qg = q.astype(jnp.float32).reshape(b, tc, hkv, hq // hkv, d)
+  b_idx = jnp.arange(b)[:, None, None, None, None]
+  h_idx = jnp.arange(hkv)[None, None, :, None, None]
+  leaves, leaf_exists = forced_leaves(positions, block_size)
+  t = positions[None, :, None, None]
+  num_levels = len(level_sizes)
+  # Eq. 16-18: the walk starts at the root, A^(L) = {1}.
+  cand = jnp.zeros((b, tc, hkv, 1), jnp.int32)
+  for level in range(num_levels, 0, -1):
+    keep = top_k if level == 1 else beam
+    span = node_span(level, block_size, branching)
+    # A node is eligible when its first key position is <= t.
+    valid = (cand >= 0) & (cand < level_sizes[level - 1]) & (cand * span <= t)
+    # Forced nodes at this level: the ancestors of the first, previous and current leaves.
+    ancestors = leaves // (branching ** (level - 1))
+    forced = valid & jnp.any(
+        (cand[..., :, None] == ancestors[None, :, None, None, :]) & leaf_exists[None, :, None, None, :],
+        axis=-1)
+    n = cand.shape[-1]
+    if n <= keep:
+      kept = _sort_ascending_padded(jnp.where(valid, cand, -1))
+    else:
+      safe = jnp.where(valid, cand, 0)
+      if level == 1:
+        # Leaf level: the children are the block's raw keys (Eq. 21 with l = 1 is the exact LSE).
+        child = safe[..., None] * block_size + jnp.arange(block_size)
+        child_valid = valid[..., None] & (child < seq_len)
+        child_vecs = k[b_idx, jnp.minimum(child, seq_len - 1), h_idx].astype(jnp.float32)
+      else:
+        # Intermediate level: the children are the summaries one level down.
+        child = safe[..., None] * branching + jnp.arange(branching)
+        child_valid = valid[..., None] & (child < level_sizes[level - 2])
+        child_vecs = summaries[level - 2][b_idx, jnp.minimum(child, level_sizes[level - 2] - 1), h_idx]
+      # [B, Tc, HKV, G, n, R] logits of every query head against every child.
+      z = scale * jnp.einsum("bthgd,bthnrd->bthgnr", qg, child_vecs, precision=_HIGHEST)
+      per_head = reduce_scores(z, child_valid[:, :, :, None], selector)
+      # Eq. 22: the query heads of one KV head share the selection, scored by their sum.
+      scores = jnp.where(valid, per_head.sum(axis=3), 0.0)
+      kept = _keep(cand, valid, forced, scores, keep)
+    if level == 1:
+      cand = kept
+    else:
+      # Eq. 18: kept nodes expand to their children.
+      child = kept[..., None] * branching + jnp.arange(branching)
+      cand = jnp.where(kept[..., None] >= 0, child, -1).reshape(b, tc, hkv, -1)
+  if cand.shape[-1] < top_k:
+    cand = jnp.pad(cand, [(0, 0)] * 3 + [(0, top_k - cand.shape[-1])], constant_values=-1)
+  return cand[..., :top_k]
+
+
+def flat_top_k(scores: Float[Array, "B Tc H M"], positions, *, block_size: int, top_k: int):
+  """Flat Select_K over all leaf blocks with the forced-block rule, for "bsa", "exact" and the
+  full-attention reference set of `selection_quality`.
+
+  Blocks 0..cur are eligible; the first, previous and current blocks are forced; if at most top_k
+  are eligible all are kept; the rest go to the highest scores, ties to the lower index.
+  """
+  num_blocks = scores.shape[-1]
+  blocks = jnp.arange(num_blocks, dtype=jnp.int32)
+  cur = (positions // block_size)[None, :, None, None]
+  valid = blocks <= cur
+  forced = valid & ((blocks == 0) | (blocks == cur - 1) | (blocks == cur))
+  cand = jnp.broadcast_to(blocks, scores.shape)
+  return _keep(cand, valid, forced, scores, top_k)
+
+
+def _bsa_chunk(positions, q, leaves, *, block_size, top_k, scale):
+  """BSA for one chunk: per-head softmax over complete past blocks, summed over the group."""
+  b, tc, hq, d = q.shape
+  hkv = leaves.shape[2]
+  qg = q.astype(jnp.float32).reshape(b, tc, hkv, hq // hkv, d)
+  # Eq. 4 with the mean-key summaries of Eq. 2.
+  z = scale * jnp.einsum("bthgd,bmhd->bthgm", qg, leaves, precision=_HIGHEST)
+  cur = (positions // block_size)[None, :, None, None, None]
+  past = jnp.arange(leaves.shape[1]) < cur
+  probs = jax.nn.softmax(jnp.where(past, z, -jnp.inf), axis=-1, where=past)
+  probs = jnp.where(past, probs, 0.0)
+  return flat_top_k(probs.sum(axis=3), positions, block_size=block_size, top_k=top_k)
+
+
+def block_log_mass(positions, q, k, *, block_size: int, scale: float, causal_in_block: bool):
+  """Per-head raw-key LSE of every leaf block, `[B, Tc, HKV, G, M]` (Eq. 55).
+
+  With `causal_in_block`, keys after the query are left out (the diagnostic's a(B)); without it,
+  every key of the block counts (the "exact" selector scores only complete past blocks anyway).
+  """
+  b, tc, hq, d = q.shape
+  seq_len, hkv = k.shape[1], k.shape[2]
+  num_blocks = -(-seq_len // block_size)
+  qg = q.astype(jnp.float32).reshape(b, tc, hkv, hq // hkv, d)
+  z = scale * jnp.einsum("bthgd,bshd->bthgs", qg, k.astype(jnp.float32), precision=_HIGHEST)
+  pad = num_blocks * block_size - seq_len
+  z = jnp.pad(z, [(0, 0)] * 4 + [(0, pad)]).reshape(*z.shape[:4], num_blocks, block_size)
+  key_pos = jnp.arange(num_blocks * block_size).reshape(num_blocks, block_size)
+  visible = key_pos < seq_len
+  if causal_in_block:
+    visible = visible & (key_pos <= positions[None, :, None, None, None, None])
+  return jax.nn.logsumexp(jnp.where(visible, z, -jnp.inf), axis=-1)
+
+
+def _exact_chunk(positions, q, k, *, block_size, top_k, scale):
+  """Exhaustive selection: every complete past block by its exact raw-key LSE, summed over heads."""
+  lse = block_log_mass(positions, q, k, block_size=block_size, scale=scale, causal_in_block=False)
+  cur = (positions // block_size)[None, :, None, None]
+  num_blocks = lse.shape[-1]
+  scores = jnp.where(jnp.arange(num_blocks) < cur, lse.sum(axis=3), 0.0)
+  return flat_top_k(scores, positions, block_size=block_size, top_k=top_k)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("block_size", "top_k", "branching", "selector", "scale", "beam"))
+def select_blocks_reference(q, k, *, block_size: int, top_k: int, branching: int, selector: str,
+                            scale: float, beam: int):
+  """jnp reference of `select_blocks`; arguments are already validated and resolved."""
+  b, seq_len, hq, d = q.shape
+  hkv = k.shape[2]
+  num_blocks = -(-seq_len // block_size)
+  if selector == "bsa":
+    leaves = build_pyramid_reference(k, block_size=block_size, branching=branching).summaries[0]
+    chunk = _chunking.query_chunk_size(seq_len, 3 * b * hq * num_blocks)
+    fn = functools.partial(_bsa_chunk, block_size=block_size, top_k=top_k, scale=scale)
+    return _chunking.map_query_chunks(fn, chunk, (q,), (leaves,))
+  if selector == "exact":
+    chunk = _chunking.query_chunk_size(seq_len, 3 * b * hq * num_blocks * block_size)
+    fn = functools.partial(_exact_chunk, block_size=block_size, top_k=top_k, scale=scale)
+    return _chunking.map_query_chunks(fn, chunk, (q,), (k,))
+  pyramid = build_pyramid_reference(k, block_size=block_size, branching=branching)
+  sizes = tuple(s.shape[1] for s in pyramid.summaries)
+  width = max(top_k, beam) * branching
+  chunk = _chunking.query_chunk_size(
+      seq_len, b * hkv * width * max(block_size, branching) * (d + hq // hkv))
+  fn = functools.partial(
+      _hierarchical_chunk, block_size=block_size, top_k=top_k, beam=beam, branching=branching,
+      selector=selector, scale=scale, level_sizes=sizes)
+  return _chunking.map_query_chunks(fn, chunk, (q,), (k, pyramid.summaries))
+
+
+def select_blocks(
+    q: Float[Array, "B T HQ D"],
+    k: Float[Array, "B T HKV D"],
+    *,
+    block_size: int = 64,
+    top_k: int = 8,
+    branching: int = 2,
+    selector: str = "pisa",
+    scale: float | None = None,
+    beam: int | None = None,
+    implementation: str | None = None,
+) -> Int[Array, "B T HKV K"]:
+  """Selects top_k leaf blocks per query position and KV head.
+
+  Args:
+    q: queries `[B, T, HQ, D]`.
+    k: keys `[B, T, HKV, D]`; HQ must be a multiple of HKV. Causal: query t sees keys 0..t.
+    block_size: C, keys per leaf block.
+    top_k: K, blocks selected per query (>= 3: first, previous and current are forced).
+    branching: g, children per upper pyramid node.
+    selector: "pisa" (LSE, Eq. 21), "pisa1" (mean, Eq. 33), "pisa2" (mean + variance / 2,
+      Eq. 34), "bsa" (flat, per-head softmax over mean-key summaries summed over the group) or
+      "exact" (flat, exact raw-key LSE of every complete past block: PISA's upper bound; xla only).
+    scale: logit scale, default 1/sqrt(D).
+    beam: nodes kept at each level above the leaves (None: top_k, the paper's rule); the leaf
+      level always keeps top_k. Hierarchical selectors only.
+    implementation: "xla" (jnp reference), "pallas" (kernel) or None (pallas on GPU, else xla).
+
+  Returns:
+    int32 `[B, T, HKV, top_k]`: leaf block indices ascending, -1 padded when fewer than top_k
+    blocks are eligible (min(top_k, t // block_size + 1) are valid).
+  """
+  _, _, _, _, d = _validation.check_qk(q, k)
+  _validation.check_block_size(block_size)
+  _validation.check_branching(branching)
+  _validation.check_top_k(top_k)
+  _validation.check_selector(selector)
+  beam = _validation.resolve_beam(beam, top_k, selector)
+  scale = _validation.resolve_scale(scale, d)
+  impl = _dispatch.resolve_implementation(implementation)
+  kwargs = dict(block_size=int(block_size), top_k=int(top_k), branching=int(branching),
+                selector=selector, scale=scale, beam=beam)
+  if impl == "pallas":
+    if selector == "exact":
+      raise ValueError(
+          f"{selector=} exists only in the reference: pass implementation='xla' for it")
+    from pisa_jax.kernels import selection as selection_kernels
+
+    return selection_kernels.select_blocks_pallas(q, k, interpret=_dispatch.interpret_mode(), **kwargs)
+  return select_blocks_reference(q, k, **kwargs)
