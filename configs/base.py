@@ -1,0 +1,292 @@
+"""Config types for the decoder and its training run, their validation, and `--set` overrides.
+
+Three frozen dataclasses, `ModelConfig`, `DataConfig` and `TrainConfig`, grouped in `Config`. A
+preset (see `pisa_jax.configs.presets`) is a `Config`; the CLI applies `section.field=value`
+overrides to it and `validate` rejects an impossible combination before anything is compiled, with
+an error that names the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from typing import Any
+
+ATTENTION_KINDS = ("dense", "pisa", "pisa1", "pisa2", "bsa")
+# The sparse kinds map to `pisa_jax.pisa_attention(selector=...)`.
+SPARSE_ATTENTION_KINDS = ("pisa", "pisa1", "pisa2", "bsa")
+PARAM_DTYPES = ("float32", "bfloat16")
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+DATA_SOURCES = ("mqar", "tokens")
+LR_SCHEDULES = ("wsd_sqrt", "cosine", "constant")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Decoder-only LM (Appendix C.1): pre-RMSNorm, SiLU-gated MLP, RoPE, GQA, untied embeddings."""
+
+  vocab_size: int = 50_257
+  # Embedding and output rows are padded up to a multiple of this (50,257 -> 50,432, as the paper).
+  vocab_pad_multiple: int = 256
+  num_layers: int = 24
+  d_model: int = 1024
+  mlp_dim: int = 2816
+  num_heads: int = 32
+  num_kv_heads: int = 2
+  head_dim: int = 64
+  rope_base: float = 10_000.0
+  norm_eps: float = 1e-5
+  init_std: float = 0.02
+  attention: str = "pisa"
+  block_size: int = 64
+  top_k: int = 8
+  branching: int = 2
+  beam: int | None = None
+  attention_implementation: str | None = None
+  param_dtype: str = "float32"
+  # "auto": bfloat16 on a GPU, float32 elsewhere (CPU matmuls in bf16 are slow and emulated).
+  compute_dtype: str = "auto"
+
+  @property
+  def padded_vocab_size(self) -> int:
+    m = self.vocab_pad_multiple
+    return -(-self.vocab_size // m) * m
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Where batches come from: MQAR generated on the fly, or packed uint16 token files."""
+
+  source: str = "tokens"
+  # Folder holding train.bin / val.bin / meta.json written by `pisa-prepare-data`.
+  path: str | None = None
+  # MQAR (Zoology): number of key-value pairs per sequence; keys from [1, V/2), values [V/2, V).
+  mqar_num_pairs: int = 16
+  mqar_power_a: float = 0.01
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Optimiser, schedule, batch, mesh, checkpoints and logging (Table 5's training rows)."""
+
+  seq_len: int = 4096
+  per_device_batch: int = 8
+  grad_accum: int = 2
+  steps: int = 100_000
+  peak_lr: float = 3e-4
+  # Final learning rate of the decay, as a fraction of the peak (0.1: Table 5's sqrt decay).
+  final_lr_ratio: float = 0.1
+  lr_schedule: str = "wsd_sqrt"
+  # Exactly one of warmup_steps / warmup_fraction is used: a fraction of `steps` when nonzero.
+  warmup_steps: int = 1_000
+  warmup_fraction: float = 0.0
+  # wsd_sqrt: length of the final square-root decay; the plateau fills the rest.
+  decay_steps: int = 9_000
+  adam_b1: float = 0.9
+  adam_b2: float = 0.95
+  adam_eps: float = 1e-8
+  weight_decay: float = 0.1
+  grad_clip: float = 1.0
+  seed: int = 42
+  # Mesh (data, fsdp): fsdp = -1 puts every local device on the fsdp axis.
+  fsdp: int = -1
+  checkpoint_every: int = 1_000
+  keep_checkpoints: int = 3
+  async_checkpointing: bool = True
+  log_every: int = 50
+  eval_every: int = 1_000
+  eval_batches: int = 8
+  # Dense bf16 peak of one device for MFU; 0 means look it up from the device kind.
+  peak_tflops_per_device: float = 0.0
+  # Continued pretraining: a workdir whose latest checkpoint gives parameters and Adam moments
+  # when this run's workdir has none; the step (and so the schedule) restarts at 0.
+  init_from: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  def to_json(self) -> str:
+    return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> "Config":
+    sections = {}
+    for f in dataclasses.fields(cls):
+      section_cls = _section_type(f.name)
+      values = dict(d.get(f.name, {}))
+      known = {g.name for g in dataclasses.fields(section_cls)}
+      unknown = sorted(set(values) - known)
+      if unknown:
+        raise ValueError(f"unknown config field(s) {[f'{f.name}.{u}' for u in unknown]}")
+      sections[f.name] = section_cls(**values)
+    return cls(**sections)
+
+
+def _section_type(name: str) -> type:
+  return {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}[name]
+
+
+def _parse_value(text: str, annotation: Any, field: str) -> Any:
+  """Parses `text` as the type of a dataclass field (int, float, str, bool or `X | None`)."""
+  origin = typing.get_origin(annotation)
+  if origin in (typing.Union, types.UnionType):
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if text.lower() in ("none", "null"):
+      return None
+    (annotation,) = args
+  if annotation is bool:
+    if text.lower() in ("true", "1", "yes"):
+      return True
+    if text.lower() in ("false", "0", "no"):
+      return False
+    raise ValueError(f"{field}={text!r} is not a boolean: expected true or false")
+  if annotation is int:
+    try:
+      return int(text.replace("_", ""))
+    except ValueError:
+      raise ValueError(f"{field}={text!r} is not an integer") from None
+  if annotation is float:
+    try:
+      return float(text)
+    except ValueError:
+      raise ValueError(f"{field}={text!r} is not a number") from None
+  return text
+
+
+def apply_overrides(config: Config, overrides: list[str]) -> Config:
+  """Applies `section.field=value` strings, e.g. `model.attention=pisa`, `train.steps=100`."""
+  for item in overrides:
+    if "=" not in item:
+      raise ValueError(f"override {item!r} must look like section.field=value")
+    key, text = item.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) != 2 or parts[0] not in ("model", "data", "train"):
+      raise ValueError(
+          f"override key {key!r} must be section.field with section one of model, data, train"
+      )
+    section_name, field = parts
+    section = getattr(config, section_name)
+    hints = typing.get_type_hints(type(section))
+    if field not in hints:
+      known = ", ".join(f.name for f in dataclasses.fields(section))
+      raise ValueError(f"unknown config field {key!r}; {section_name} has: {known}")
+    value = _parse_value(text.strip(), hints[field], key)
+    config = dataclasses.replace(
+        config, **{section_name: dataclasses.replace(section, **{field: value})}
+    )
+  return config
+
+
+def validate(config: Config) -> Config:
+  """Raises ValueError naming the field for any impossible value; returns the config unchanged."""
+  m, d, t = config.model, config.data, config.train
+  if m.attention not in ATTENTION_KINDS:
+    raise ValueError(f"model.attention={m.attention!r} is unknown: expected one of {ATTENTION_KINDS}")
+  for name in ("vocab_size", "vocab_pad_multiple", "num_layers", "d_model", "mlp_dim",
+               "num_heads", "num_kv_heads", "head_dim", "block_size", "branching"):
+    if getattr(m, name) < 1:
+      raise ValueError(f"model.{name}={getattr(m, name)} must be >= 1")
+  if m.num_heads % m.num_kv_heads:
+    raise ValueError(
+        f"model.num_heads={m.num_heads} must be divisible by model.num_kv_heads={m.num_kv_heads} (GQA)"
+    )
+  if m.head_dim % 4:
+    # RoPE rotates the first half of each head in rotate-half pairs: head_dim / 2 must be even.
+    raise ValueError(f"model.head_dim={m.head_dim} must be a multiple of 4 (RoPE on half the dims)")
+  if m.rope_base <= 1:
+    raise ValueError(f"model.rope_base={m.rope_base} must be > 1")
+  if m.param_dtype not in PARAM_DTYPES:
+    raise ValueError(f"model.param_dtype={m.param_dtype!r} must be one of {PARAM_DTYPES}")
+  if m.compute_dtype not in COMPUTE_DTYPES:
+    raise ValueError(f"model.compute_dtype={m.compute_dtype!r} must be one of {COMPUTE_DTYPES}")
+  if m.attention in SPARSE_ATTENTION_KINDS:
+    if m.top_k < 3:
+      raise ValueError(
+          f"model.top_k={m.top_k} must be >= 3: the first, previous and current blocks are forced"
+      )
+    if m.branching < 2:
+      raise ValueError(f"model.branching={m.branching} must be >= 2")
+    if m.block_size > t.seq_len:
+      raise ValueError(
+          f"model.block_size={m.block_size} must be <= train.seq_len={t.seq_len}"
+      )
+    if m.beam is not None and m.beam < m.top_k:
+      raise ValueError(f"model.beam={m.beam} must be None or >= model.top_k={m.top_k}")
+    if m.attention_implementation not in (None, "xla", "pallas"):
+      raise ValueError(
+          f"model.attention_implementation={m.attention_implementation!r} must be None, 'xla' or 'pallas'"
+      )
+  elif m.attention_implementation is not None:
+    raise ValueError(
+        f"model.attention_implementation={m.attention_implementation!r} applies to sparse attention "
+        f"only; model.attention={m.attention!r} uses jax.nn.dot_product_attention"
+    )
+  if d.source not in DATA_SOURCES:
+    raise ValueError(f"data.source={d.source!r} must be one of {DATA_SOURCES}")
+  if d.source == "tokens" and not d.path:
+    raise ValueError("data.path must name a folder written by pisa-prepare-data when data.source='tokens'")
+  if d.source == "mqar":
+    if m.vocab_size < 4 or m.vocab_size % 2:
+      raise ValueError(f"model.vocab_size={m.vocab_size} must be even and >= 4 for MQAR")
+    if d.mqar_num_pairs < 1 or d.mqar_num_pairs >= m.vocab_size // 2:
+      raise ValueError(
+          f"data.mqar_num_pairs={d.mqar_num_pairs} must be in [1, vocab_size/2 - 1]: keys are distinct"
+      )
+    if 4 * d.mqar_num_pairs > t.seq_len:
+      raise ValueError(
+          f"data.mqar_num_pairs={d.mqar_num_pairs} needs train.seq_len >= {4 * d.mqar_num_pairs}"
+      )
+    if t.seq_len % 2:
+      raise ValueError(f"train.seq_len={t.seq_len} must be even for MQAR")
+  for name in ("seq_len", "per_device_batch", "grad_accum", "steps", "checkpoint_every",
+               "keep_checkpoints", "log_every", "eval_every"):
+    if getattr(t, name) < 1:
+      raise ValueError(f"train.{name}={getattr(t, name)} must be >= 1")
+  if t.eval_batches < 0:
+    raise ValueError(f"train.eval_batches={t.eval_batches} must be >= 0")
+  if t.lr_schedule not in LR_SCHEDULES:
+    raise ValueError(f"train.lr_schedule={t.lr_schedule!r} must be one of {LR_SCHEDULES}")
+  if t.peak_lr <= 0:
+    raise ValueError(f"train.peak_lr={t.peak_lr} must be > 0")
+  if not 0 <= t.final_lr_ratio <= 1:
+    raise ValueError(f"train.final_lr_ratio={t.final_lr_ratio} must be in [0, 1]")
+  if t.warmup_steps < 0 or not 0 <= t.warmup_fraction < 1:
+    raise ValueError(
+        f"train.warmup_steps={t.warmup_steps} must be >= 0 and train.warmup_fraction="
+        f"{t.warmup_fraction} in [0, 1)"
+    )
+  if t.warmup_steps and t.warmup_fraction:
+    raise ValueError(
+        f"set one of train.warmup_steps={t.warmup_steps} and train.warmup_fraction="
+        f"{t.warmup_fraction}, the other to 0"
+    )
+  if t.lr_schedule == "wsd_sqrt" and warmup_steps(t) + t.decay_steps > t.steps:
+    raise ValueError(
+        f"train.warmup_steps ({warmup_steps(t)}) + train.decay_steps={t.decay_steps} must be "
+        f"<= train.steps={t.steps}"
+    )
+  if t.lr_schedule == "cosine" and warmup_steps(t) >= t.steps:
+    raise ValueError(f"the warm-up ({warmup_steps(t)} steps) must be shorter than train.steps={t.steps}")
+  if t.decay_steps < 0:
+    raise ValueError(f"train.decay_steps={t.decay_steps} must be >= 0")
+  if t.fsdp == 0 or t.fsdp < -1:
+    raise ValueError(f"train.fsdp={t.fsdp} must be -1 (all devices) or >= 1")
+  if t.grad_clip <= 0:
+    raise ValueError(f"train.grad_clip={t.grad_clip} must be > 0")
+  return config
+
+
+def warmup_steps(t: TrainConfig) -> int:
+  """The warm-up length in steps: `warmup_fraction * steps` when set, else `warmup_steps`."""
+  if t.warmup_fraction:
+    return int(round(t.warmup_fraction * t.steps))
+  return t.warmup_steps

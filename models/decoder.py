@@ -1,0 +1,193 @@
+"""Decoder-only language model in Flax NNX (Appendix C.1, Table 5).
+
+Pre-RMSNorm blocks with GQA attention and a SiLU-gated MLP, no dropout, untied input and output
+embeddings padded to a multiple of `vocab_pad_multiple` rows (50,257 -> 50,432), RoPE on the
+high-frequency half of each head. The attention is dense (`jax.nn.dot_product_attention`) or
+block-sparse through `pisa_jax.pisa_attention` (PISA, PISA-1, PISA-2, BSA), chosen by the config.
+
+Parameters are stored in `param_dtype`; matmuls run in the compute dtype (bfloat16 on a GPU), while
+RMSNorm, RoPE angles, softmax statistics and the logits are float32. Each parameter carries
+`logical_axes` metadata that `pisa_jax.models.sharding.LOGICAL_AXIS_RULES` maps to the mesh.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+import pisa_jax
+from pisa_jax.configs.base import SPARSE_ATTENTION_KINDS, ModelConfig
+
+# Logit given to the padding rows of the output embedding: they never win and carry no mass.
+_PAD_LOGIT = -1e9
+
+
+def compute_dtype(cfg: ModelConfig) -> jnp.dtype:
+  """bfloat16 on a GPU and float32 elsewhere for "auto", else the named dtype."""
+  if cfg.compute_dtype == "auto":
+    return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+  return jnp.dtype(cfg.compute_dtype)
+
+
+def _normal(rngs: nnx.Rngs, shape, std: float, dtype, axes: tuple[str, ...]) -> nnx.Param:
+  value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+  return nnx.Param(value.astype(dtype), logical_axes=axes)
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm with a learned scale, computed in float32."""
+
+  def __init__(self, dim: int, eps: float, param_dtype):
+    self.eps = eps
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("norm",))
+
+  def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_angles(seq_len: int, head_dim: int, base: float) -> tuple[Array, Array]:
+  """cos, sin `[T, D/4]` for RoPE on the high-frequency half of a head (Appendix C.1).
+
+  A full RoPE over D dims has D/2 frequencies base^(-2i/D); we keep the highest D/4 of them
+  (i < D/4) and rotate only the first D/2 dims of each head, leaving the other half position-free.
+  """
+  i = jnp.arange(head_dim // 4, dtype=jnp.float32)
+  inv_freq = base ** (-2.0 * i / head_dim)
+  angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+  return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: Float[Array, "B T H D"], cos: Array, sin: Array) -> Float[Array, "B T H D"]:
+  """Rotates dims [0, D/2) of each head in rotate-half pairs (j, j + D/4); float32 arithmetic."""
+  d = x.shape[-1]
+  half, quarter = d // 2, d // 4
+  xf = x[..., :half].astype(jnp.float32)
+  x1, x2 = xf[..., :quarter], xf[..., quarter:]
+  c, s = cos[None, :, None, :], sin[None, :, None, :]
+  rotated = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+  return jnp.concatenate([rotated.astype(x.dtype), x[..., half:]], axis=-1)
+
+
+class Attention(nnx.Module):
+  """GQA self-attention; dense or block-sparse by `cfg.attention`."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    pdt = jnp.dtype(cfg.param_dtype)
+    d, hq, hkv, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
+    self.wq = _normal(rngs, (d, hq, hd), std, pdt, ("embed", "q_heads", "head_dim"))
+    self.wk = _normal(rngs, (d, hkv, hd), std, pdt, ("embed", "kv_heads", "head_dim"))
+    self.wv = _normal(rngs, (d, hkv, hd), std, pdt, ("embed", "kv_heads", "head_dim"))
+    # GPT-2's residual-branch scaling of the output projection.
+    self.wo = _normal(rngs, (hq, hd, d), out_std, pdt, ("q_heads", "head_dim", "embed"))
+
+  def __call__(self, x: Float[Array, "B T E"], cos: Array, sin: Array) -> Float[Array, "B T E"]:
+    cfg, cdt = self.cfg, x.dtype
+    q = jnp.einsum("bte,ehd->bthd", x, self.wq[...].astype(cdt))
+    k = jnp.einsum("bte,ehd->bthd", x, self.wk[...].astype(cdt))
+    v = jnp.einsum("bte,ehd->bthd", x, self.wv[...].astype(cdt))
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if cfg.attention == "dense":
+      # cuDNN's fused kernel takes bf16/fp16 only; the XLA path keeps float32 softmax statistics.
+      use_cudnn = jax.default_backend() == "gpu" and cdt in (jnp.bfloat16, jnp.float16)
+      out = jax.nn.dot_product_attention(
+          q, k, v, is_causal=True, implementation="cudnn" if use_cudnn else "xla"
+      )
+    elif cfg.attention in SPARSE_ATTENTION_KINDS:
+      out = pisa_jax.pisa_attention(
+          q, k, v, block_size=cfg.block_size, top_k=cfg.top_k, branching=cfg.branching,
+          selector=cfg.attention, beam=cfg.beam, implementation=cfg.attention_implementation,
+      )
+    else:
+      raise ValueError(f"model.attention={cfg.attention!r} is unknown")
+    return jnp.einsum("bthd,hde->bte", out.astype(cdt), self.wo[...].astype(cdt))
+
+
+class GatedMLP(nnx.Module):
+  """down(silu(gate(x)) * up(x))."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    pdt = jnp.dtype(cfg.param_dtype)
+    std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
+    self.w_gate = _normal(rngs, (cfg.d_model, cfg.mlp_dim), std, pdt, ("embed", "mlp"))
+    self.w_up = _normal(rngs, (cfg.d_model, cfg.mlp_dim), std, pdt, ("embed", "mlp"))
+    self.w_down = _normal(rngs, (cfg.mlp_dim, cfg.d_model), out_std, pdt, ("mlp", "embed"))
+
+  def __call__(self, x: Float[Array, "B T E"]) -> Float[Array, "B T E"]:
+    cdt = x.dtype
+    gate = x @ self.w_gate[...].astype(cdt)
+    up = x @ self.w_up[...].astype(cdt)
+    return (jax.nn.silu(gate) * up) @ self.w_down[...].astype(cdt)
+
+
+class Block(nnx.Module):
+  """Pre-RMSNorm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    pdt = jnp.dtype(cfg.param_dtype)
+    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pdt)
+    self.attn = Attention(cfg, rngs=rngs)
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pdt)
+    self.mlp = GatedMLP(cfg, rngs=rngs)
+
+  def __call__(self, x, cos, sin):
+    x = x + self.attn(self.attn_norm(x), cos, sin)
+    return x + self.mlp(self.mlp_norm(x))
+
+
+class Decoder(nnx.Module):
+  """The language model: tokens `[B, T]` -> float32 logits `[B, T, V_padded]`."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    pdt = jnp.dtype(cfg.param_dtype)
+    vp = cfg.padded_vocab_size
+    self.embed = _normal(rngs, (vp, cfg.d_model), cfg.init_std, pdt, ("vocab", "embed"))
+    self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pdt)
+    self.lm_head = _normal(rngs, (cfg.d_model, vp), cfg.init_std, pdt, ("embed", "vocab"))
+
+  def __call__(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T Vp"]:
+    cfg = self.cfg
+    cdt = compute_dtype(cfg)
+    x = jnp.take(self.embed[...], tokens, axis=0).astype(cdt)
+    cos, sin = rope_angles(tokens.shape[1], cfg.head_dim, cfg.rope_base)
+    for block in self.blocks:
+      x = block(x, cos, sin)
+    x = self.final_norm(x)
+    logits = jnp.einsum(
+        "bte,ev->btv", x, self.lm_head[...].astype(cdt), preferred_element_type=jnp.float32
+    )
+    # Padding rows are not tokens: keep the softmax exactly over the real vocabulary.
+    real = jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size
+    return jnp.where(real, logits, _PAD_LOGIT)
+
+
+def count_params(cfg: ModelConfig) -> int:
+  """Number of parameters, padded embedding rows included (418M / 1.47B / 2.67B for Table 5)."""
+  e, m, hd = cfg.d_model, cfg.mlp_dim, cfg.head_dim
+  attn = e * hd * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+  per_layer = attn + 3 * e * m + 2 * e
+  return cfg.num_layers * per_layer + 2 * cfg.padded_vocab_size * e + e
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+  """Training FLOPs per token (forward + backward = 3x forward), for MFU.
+
+  Matmuls: 6 x (parameters - input embedding). Attention: QK^T and PV cost 2 * 2 * HQ * D per
+  attended key in the forward pass; dense causal attends (T+1)/2 keys on average, the sparse kinds
+  at most top_k * block_size. Block selection is not counted.
+  """
+  matmul_params = count_params(cfg) - cfg.padded_vocab_size * cfg.d_model
+  attended = (seq_len + 1) / 2
+  if cfg.attention in SPARSE_ATTENTION_KINDS:
+    attended = min(attended, cfg.top_k * cfg.block_size)
+  attention = cfg.num_layers * 4 * cfg.num_heads * cfg.head_dim * attended
+  return 6 * matmul_params + 3 * attention

@@ -1,0 +1,100 @@
+"""Logical axis names on parameters and activations, mapped to mesh axes in ONE table.
+
+Every parameter of the decoder carries `logical_axes` metadata (e.g. `("embed", "mlp")`). The mesh
+has two axes: "data" (pure data parallelism) and "fsdp" (data parallelism whose members also shard
+the parameters and optimizer state, ZeRO-3 style). The batch is split over both; parameters are
+split over "fsdp" along their model dimension.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp")
+
+LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "batch": ("data", "fsdp"),
+    "length": None,
+    "embed": "fsdp",
+    "vocab": None,
+    "mlp": None,
+    "q_heads": None,
+    "kv_heads": None,
+    "head_dim": None,
+    "norm": None,
+}
+
+
+def logical_to_spec(logical_axes: tuple[str | None, ...]) -> P:
+  """`("embed", "mlp")` -> `P("fsdp", None)` through `LOGICAL_AXIS_RULES`."""
+  spec = []
+  for name in logical_axes:
+    if name is not None and name not in LOGICAL_AXIS_RULES:
+      raise ValueError(f"logical axis {name!r} has no rule in LOGICAL_AXIS_RULES")
+    spec.append(None if name is None else LOGICAL_AXIS_RULES[name])
+  return P(*spec)
+
+
+def _axis_size(mesh: Mesh, entry) -> int:
+  if entry is None:
+    return 1
+  names = entry if isinstance(entry, tuple) else (entry,)
+  size = 1
+  for n in names:
+    size *= mesh.shape[n]
+  return size
+
+
+def param_shardings(abstract_state: nnx.State, mesh: Mesh) -> Any:
+  """NamedShardings for a (pure-dict) parameter tree, from each Param's `logical_axes`.
+
+  Raises ValueError naming the parameter when a sharded dimension does not divide evenly.
+  """
+  flat = {}
+  for path, var in nnx.to_flat_state(abstract_state):
+    axes = var.get_metadata().get("logical_axes")
+    name = "/".join(str(p) for p in path)
+    if axes is None or len(axes) != len(var.get_value().shape):
+      raise ValueError(f"parameter {name} {var.get_value().shape} lacks matching logical_axes={axes}")
+    spec = logical_to_spec(axes)
+    for dim, entry in zip(var.get_value().shape, spec):
+      if dim % _axis_size(mesh, entry):
+        raise ValueError(
+            f"parameter {name} dimension {dim} ({axes}) is not divisible by mesh axis {entry} of "
+            f"size {_axis_size(mesh, entry)}: change the model width or train.fsdp"
+        )
+    flat[path] = NamedSharding(mesh, spec)
+  return _nest(flat)
+
+
+def _nest(flat: dict[tuple, Any]) -> dict:
+  out: dict = {}
+  for path, value in flat.items():
+    node = out
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = value
+  return out
+
+
+def batch_sharding(mesh: Mesh, rank: int, batch_dim: int) -> NamedSharding:
+  """Shards dimension `batch_dim` of a rank-`rank` array over the "batch" rule's mesh axes."""
+  spec = [None] * rank
+  spec[batch_dim] = LOGICAL_AXIS_RULES["batch"]
+  return NamedSharding(mesh, P(*spec))
+
+
+def make_mesh(fsdp: int = -1) -> Mesh:
+  """A (data, fsdp) mesh over all local devices; `fsdp=-1` puts every device on "fsdp"."""
+  n = jax.local_device_count()
+  fsdp = n if fsdp == -1 else fsdp
+  if n % fsdp:
+    raise ValueError(f"train.fsdp={fsdp} must divide the {n} local devices")
+  return jax.make_mesh(
+      (n // fsdp, fsdp), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2,
+      devices=jax.local_devices(),
+  )

@@ -1,0 +1,114 @@
+"""The NNX decoder: shapes, parameter counts of the presets, causality for every attention kind."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pisa_jax.configs import ATTENTION_KINDS, ModelConfig, get_config
+from pisa_jax.models import LOGICAL_AXIS_RULES, Decoder, count_params
+from pisa_jax.models.decoder import apply_rope, rope_angles
+
+# Small enough for interpret-free CPU runs; T=72 is not a multiple of the block size (16).
+SMALL = ModelConfig(
+    vocab_size=97, vocab_pad_multiple=32, num_layers=2, d_model=32, mlp_dim=64, num_heads=4,
+    num_kv_heads=2, head_dim=16, block_size=16, top_k=3, branching=2, param_dtype="float32",
+    compute_dtype="float32", attention="dense",
+)
+
+
+def _model(**overrides) -> Decoder:
+  return Decoder(dataclasses.replace(SMALL, **overrides), rngs=nnx.Rngs(0))
+
+
+def test_logits_shape_and_padding_rows():
+  model = _model()
+  tokens = jax.random.randint(jax.random.key(1), (2, 72), 0, SMALL.vocab_size)
+  logits = model(tokens)
+  assert logits.shape == (2, 72, 128)  # 97 padded to a multiple of 32
+  assert logits.dtype == jnp.float32
+  # Padding rows carry no probability: the softmax is over the 97 real tokens.
+  probs = jax.nn.softmax(logits, axis=-1)
+  assert float(probs[..., 97:].max()) == 0.0
+  np.testing.assert_allclose(probs[..., :97].sum(-1), 1.0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("418m", 418e6), ("1.47b", 1.47e9), ("2.67b", 2.67e9), ("small", 105e6),
+])
+def test_preset_parameter_counts(name, expected):
+  cfg = get_config(name).model
+  assert cfg.padded_vocab_size == 50_432  # Appendix C.1: 50,257 padded to 50,432 rows
+  assert abs(count_params(cfg) - expected) / expected < 0.005
+
+
+def test_count_params_matches_the_module():
+  model = _model()
+  state = nnx.state(model, nnx.Param)
+  assert sum(x.size for x in jax.tree.leaves(state)) == count_params(SMALL)
+
+
+def test_every_param_has_a_logical_axis_rule():
+  for path, var in nnx.to_flat_state(nnx.state(_model(), nnx.Param)):
+    axes = var.get_metadata()["logical_axes"]
+    assert len(axes) == var.get_value().ndim, path
+    assert all(a in LOGICAL_AXIS_RULES for a in axes), (path, axes)
+
+
+def test_rope_rotates_only_the_high_frequency_half():
+  cos, sin = rope_angles(8, 16, 10_000.0)
+  assert cos.shape == (8, 4)
+  # Frequencies are the highest quarter of a full 16-dim RoPE spectrum: base^(-2i/16), i < 4.
+  np.testing.assert_allclose(jnp.arctan2(sin[1], cos[1]), 10_000.0 ** (-2 * np.arange(4) / 16),
+                             rtol=1e-6)
+  x = jax.random.normal(jax.random.key(0), (1, 8, 2, 16))
+  y = apply_rope(x, cos, sin)
+  np.testing.assert_array_equal(y[..., 8:], x[..., 8:])
+  np.testing.assert_allclose(y[:, 0], x[:, 0], rtol=1e-6)  # position 0: no rotation
+  # A rotation: the norm of the rotated half is unchanged.
+  np.testing.assert_allclose(jnp.linalg.norm(y[..., :8], axis=-1),
+                             jnp.linalg.norm(x[..., :8], axis=-1), rtol=1e-5)
+
+
+def test_rope_scores_depend_on_relative_position_only():
+  q = jax.random.normal(jax.random.key(0), (1, 1, 1, 16))
+  k = jax.random.normal(jax.random.key(1), (1, 1, 1, 16))
+  cos, sin = rope_angles(40, 16, 10_000.0)
+
+  def score(tq, tk):
+    qr = apply_rope(jnp.broadcast_to(q, (1, 40, 1, 16)), cos, sin)[0, tq, 0]
+    kr = apply_rope(jnp.broadcast_to(k, (1, 40, 1, 16)), cos, sin)[0, tk, 0]
+    return float(qr @ kr)
+
+  np.testing.assert_allclose(score(10, 3), score(37, 30), rtol=1e-4)
+
+
+@pytest.mark.parametrize("attention", ATTENTION_KINDS)
+def test_causality(attention):
+  """Changing a future token leaves every earlier logit unchanged, for every attention kind."""
+  model = _model(attention=attention)
+  fn = jax.jit(lambda t: model(t))
+  tokens = jax.random.randint(jax.random.key(2), (2, 72), 0, SMALL.vocab_size)
+  changed = tokens.at[:, 50].set((tokens[:, 50] + 1) % SMALL.vocab_size)
+  a, b = fn(tokens), fn(changed)
+  np.testing.assert_allclose(a[:, :50], b[:, :50], atol=1e-6, rtol=0)
+  assert float(jnp.abs(a[:, 50:] - b[:, 50:]).max()) > 1e-4  # the change is visible afterwards
+
+
+def test_sparse_equals_dense_when_every_block_is_selected():
+  """top_k covering all blocks makes PISA exact attention (a wiring check of the layer)."""
+  tokens = jax.random.randint(jax.random.key(3), (1, 64), 0, SMALL.vocab_size)
+  dense = _model(attention="dense")(tokens)
+  sparse = _model(attention="pisa", top_k=4)(tokens)  # 64 / 16 = 4 blocks
+  np.testing.assert_allclose(sparse, dense, atol=2e-4, rtol=1e-4)
+
+
+def test_bfloat16_params_and_compute():
+  model = _model(param_dtype="bfloat16", compute_dtype="bfloat16", attention="pisa")
+  leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+  assert all(x.dtype == jnp.bfloat16 for x in leaves)
+  logits = model(jnp.zeros((1, 32), jnp.int32))
+  assert logits.dtype == jnp.float32 and bool(jnp.isfinite(logits[..., :97]).all())

@@ -1,0 +1,149 @@
+"""Batches: packed uint16 token files and the MQAR synthetic task, deterministic from (seed, step).
+
+Every batch is a dict of numpy arrays for THIS host:
+  inputs  int32   `[A, B_local, T]`   (A = gradient-accumulation micro-batches)
+  targets int32   `[A, B_local, T]`   the next token of each input position
+  weights float32 `[A, B_local, T]`   1 where the loss counts (all positions for text, answers for MQAR)
+The global batch of step s is drawn from `np.random.default_rng([seed, split, s])` and each host
+keeps its rows, so a resumed run (or one on another host count) sees exactly the same batches.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+FORMAT = "pisa-jax-tokens-v1"
+TRAIN, VAL = 0, 1
+
+
+def _host_rows(global_batch: int, process_index: int, process_count: int) -> slice:
+  if global_batch % process_count:
+    raise ValueError(f"global batch {global_batch} must divide over {process_count} hosts")
+  n = global_batch // process_count
+  return slice(process_index * n, (process_index + 1) * n)
+
+
+class TokenWindows:
+  """Random windows of seq_len + 1 tokens from a packed uint16 file written by pisa-prepare-data."""
+
+  def __init__(self, folder: str | Path, split: str, *, seq_len: int, global_batch: int,
+               accum: int, seed: int, vocab_size: int, process_index: int = 0,
+               process_count: int = 1):
+    folder = Path(folder)
+    meta_path = folder / "meta.json"
+    if not meta_path.is_file():
+      raise FileNotFoundError(
+          f"data.path={str(folder)!r} has no meta.json: write it with `pisa-prepare-data --out {folder}`"
+      )
+    try:
+      meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{meta_path} is corrupt: {e}") from None
+    if meta.get("format") != FORMAT:
+      raise ValueError(f"{meta_path} format={meta.get('format')!r}, expected {FORMAT!r}")
+    if meta["vocab_size"] > vocab_size:
+      raise ValueError(
+          f"{folder} holds tokens up to {meta['vocab_size'] - 1} but model.vocab_size={vocab_size}"
+      )
+    path = folder / f"{split}.bin"
+    expected = meta[f"{split}_tokens"]
+    if not path.is_file():
+      raise FileNotFoundError(f"{path} is missing (meta.json promises {expected} tokens)")
+    size = path.stat().st_size
+    if size != 2 * expected:
+      raise ValueError(f"{path} is corrupt: {size} bytes, meta.json promises {expected} uint16 tokens")
+    if expected < seq_len + 1:
+      raise ValueError(f"{path} has {expected} tokens, fewer than train.seq_len + 1 = {seq_len + 1}")
+    self.tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    self.meta = meta
+    self.split_id = TRAIN if split == "train" else VAL
+    self.seq_len, self.global_batch, self.accum, self.seed = seq_len, global_batch, accum, seed
+    self.rows = _host_rows(global_batch, process_index, process_count)
+
+  def batch(self, step: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng([self.seed, self.split_id, step])
+    starts = rng.integers(0, len(self.tokens) - self.seq_len, size=(self.accum, self.global_batch))
+    starts = starts[:, self.rows]
+    offsets = np.arange(self.seq_len + 1)
+    windows = self.tokens[starts[..., None] + offsets].astype(np.int32)
+    return {
+        "inputs": windows[..., :-1],
+        "targets": windows[..., 1:],
+        "weights": np.ones(windows[..., 1:].shape, np.float32),
+    }
+
+
+def mqar_examples(rng: np.random.Generator, n: int, *, seq_len: int, vocab_size: int,
+                  num_pairs: int, power_a: float = 0.01) -> dict[str, np.ndarray]:
+  """Multi-query associative recall, Zoology's `multiquery_ar` definition, vectorised.
+
+  Each sequence opens with `num_pairs` key-value pairs (keys distinct from [1, V/2), values distinct
+  from [V/2, V)); each key is queried once later, at position 2P + 2*gap with gaps drawn without
+  replacement from p(i) ~ a * i^(a-1); the answer (the key's value) is the target at the query
+  position and the only place the loss counts. Other positions hold random tokens from [0, V).
+
+  Returns inputs, targets int32 `[n, T]` and weights float32 `[n, T]`.
+  """
+  context = 2 * num_pairs
+  space = (seq_len - context) // 2
+  half = vocab_size // 2
+  # Distinct keys / values: the first P of a random permutation of each range.
+  keys = 1 + np.argsort(rng.random((n, half - 1)), axis=1)[:, :num_pairs]
+  values = half + np.argsort(rng.random((n, vocab_size - half)), axis=1)[:, :num_pairs]
+  # Sampling without replacement with p ~ a * i^(a-1) equals taking the top P of log p + Gumbel.
+  log_p = (power_a - 1.0) * np.log(np.arange(1, space + 1))
+  gaps = np.argsort(-(log_p + rng.gumbel(size=(n, space))), axis=1)[:, :num_pairs]
+  example = rng.integers(0, vocab_size, size=(n, seq_len + 1))
+  example[:, 0:context:2] = keys
+  example[:, 1:context:2] = values
+  rows = np.arange(n)[:, None]
+  query_pos = context + 2 * gaps
+  example[rows, query_pos] = keys
+  weights = np.zeros((n, seq_len), np.float32)
+  targets = example[:, 1:].copy()
+  # The target at a query position is the queried key's value (Zoology labels position q + 1).
+  targets[rows, query_pos] = values
+  weights[rows, query_pos] = 1.0
+  return {
+      "inputs": example[:, :-1].astype(np.int32),
+      "targets": targets.astype(np.int32),
+      "weights": weights,
+  }
+
+
+class MQARBatches:
+  """MQAR batches generated on the fly: `[A, B_local, T]` per step, deterministic from (seed, step)."""
+
+  def __init__(self, *, vocab_size: int, seq_len: int, num_pairs: int, power_a: float,
+               global_batch: int, accum: int, seed: int, split: str = "train",
+               process_index: int = 0, process_count: int = 1):
+    self.kw = dict(seq_len=seq_len, vocab_size=vocab_size, num_pairs=num_pairs, power_a=power_a)
+    self.global_batch, self.accum, self.seed = global_batch, accum, seed
+    self.split_id = TRAIN if split == "train" else VAL
+    self.rows = _host_rows(global_batch, process_index, process_count)
+
+  def batch(self, step: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng([self.seed, self.split_id, step])
+    ex = mqar_examples(rng, self.accum * self.global_batch, **self.kw)
+    return {
+        k: v.reshape(self.accum, self.global_batch, -1)[:, self.rows] for k, v in ex.items()
+    }
+
+
+def make_batches(config, split: str, *, global_batch: int, accum: int, process_index: int = 0,
+                 process_count: int = 1):
+  """The train or val batch source named by `config.data` (`TokenWindows` or `MQARBatches`)."""
+  d, t, m = config.data, config.train, config.model
+  if d.source == "mqar":
+    return MQARBatches(
+        vocab_size=m.vocab_size, seq_len=t.seq_len, num_pairs=d.mqar_num_pairs,
+        power_a=d.mqar_power_a, global_batch=global_batch, accum=accum, seed=t.seed, split=split,
+        process_index=process_index, process_count=process_count,
+    )
+  return TokenWindows(
+      d.path, split, seq_len=t.seq_len, global_batch=global_batch, accum=accum, seed=t.seed,
+      vocab_size=m.vocab_size, process_index=process_index, process_count=process_count,
+  )
