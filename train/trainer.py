@@ -166,7 +166,7 @@ def build_trainer(config: Config, mesh: Mesh | None = None) -> Trainer:
     # Mean over every counted token of the global batch and all micro-batches.
     denom = jnp.maximum(weight, 1.0)
     grads = jax.tree.map(lambda g: g / denom, grads)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state["opt_state"], params)
     lr = schedule(state["step"])
     params = jax.tree.map(lambda p, u: (p - lr * u).astype(p.dtype), params, updates)
@@ -175,7 +175,7 @@ def build_trainer(config: Config, mesh: Mesh | None = None) -> Trainer:
     # The new parameters' norm: a finite loss can still be followed by a non-finite update, and a
     # checkpoint of such a state must never be written.
     metrics = {"loss": loss / denom, "accuracy": hits / denom, "grad_norm": grad_norm, "lr": lr,
-               "param_norm": optax.global_norm(params)}
+               "param_norm": optax.tree.norm(params)}
     return new_state, metrics
 
   def eval_step(params, batch):
