@@ -1,0 +1,136 @@
+"""Slow, obviously-right float64 numpy loops over (t, KV head), written from the paper's rules.
+
+They share no code with `pisa_jax`: they are the independent side of the reference tests.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _reduce(z: np.ndarray, selector: str) -> float:
+  if selector == "pisa":  # Eq. 21
+    m = z.max()
+    return float(m + np.log(np.exp(z - m).sum()))
+  mean = float(z.mean())
+  if selector == "pisa1":  # Eq. 33
+    return mean
+  return mean + 0.5 * float(((z - mean) ** 2).mean())  # Eq. 34, population variance
+
+
+def pyramid(k: np.ndarray, block_size: int, branching: int) -> list[np.ndarray]:
+  """k `[T, H, D]` -> summaries per level `[M_l, H, D]`, leaves first (Eq. 2, 10-15)."""
+  seq_len = k.shape[0]
+  num_blocks = -(-seq_len // block_size)
+  levels = [np.stack([k[i * block_size:min((i + 1) * block_size, seq_len)].mean(0)
+                      for i in range(num_blocks)])]
+  while len(levels[-1]) > 1:
+    below = levels[-1]
+    n = -(-len(below) // branching)
+    levels.append(np.stack([below[j * branching:min((j + 1) * branching, len(below))].mean(0)
+                            for j in range(n)]))
+  return levels
+
+
+def select_hierarchical(q, k, *, block_size, top_k, branching, selector, scale, beam=None):
+  """q `[T, HQ, D]`, k `[T, HKV, D]` -> int `[T, HKV, top_k]`, the rules of issue 2 literally."""
+  q = np.asarray(q, np.float64)
+  k = np.asarray(k, np.float64)
+  seq_len, hq, _ = q.shape
+  hkv = k.shape[1]
+  group = hq // hkv
+  beam = top_k if beam is None else beam
+  levels = pyramid(k, block_size, branching)
+  out = np.full((seq_len, hkv, top_k), -1, np.int64)
+  for t in range(seq_len):
+    cur = t // block_size
+    forced_leaves = {b for b in (0, cur - 1, cur) if b >= 0}
+    for h in range(hkv):
+      heads = range(h * group, (h + 1) * group)
+      cand = [0]
+      for level in range(len(levels), 0, -1):
+        keep = top_k if level == 1 else beam
+        span = block_size * branching ** (level - 1)
+        cand = [i for i in cand if i < len(levels[level - 1]) and i * span <= t]
+        if len(cand) <= keep:
+          kept = list(cand)
+        else:
+          ancestors = {b // branching ** (level - 1) for b in forced_leaves}
+          forced = [i for i in cand if i in ancestors]
+          scored = []
+          for i in cand:
+            if i in forced:
+              continue
+            if level == 1:
+              children = k[i * block_size:min((i + 1) * block_size, seq_len), h]
+            else:
+              below = levels[level - 2]
+              children = below[i * branching:min((i + 1) * branching, len(below)), h]
+            u = sum(_reduce(scale * children @ q[t, hh], selector) for hh in heads)
+            scored.append((-u, i))
+          scored.sort()
+          kept = forced + [i for _, i in scored[:keep - len(forced)]]
+        if level > 1:
+          cand = sorted(c for i in kept for c in range(i * branching, (i + 1) * branching))
+        else:
+          cand = sorted(kept)
+      out[t, h, :len(cand)] = cand
+  return out
+
+
+def select_flat(q, k, *, block_size, top_k, scale, selector):
+  """"bsa" (per-head softmax over mean-key summaries of complete past blocks, summed) or "exact"
+  (summed raw-key LSE of complete past blocks); forced first/previous/current; then top-k."""
+  q = np.asarray(q, np.float64)
+  k = np.asarray(k, np.float64)
+  seq_len, hq, _ = q.shape
+  hkv = k.shape[1]
+  group = hq // hkv
+  leaves = pyramid(k, block_size, 2)[0]
+  out = np.full((seq_len, hkv, top_k), -1, np.int64)
+  for t in range(seq_len):
+    cur = t // block_size
+    for h in range(hkv):
+      if cur + 1 <= top_k:
+        out[t, h, :cur + 1] = np.arange(cur + 1)
+        continue
+      u = np.zeros(cur)
+      for hh in range(h * group, (h + 1) * group):
+        if selector == "bsa":
+          z = scale * leaves[:cur, h] @ q[t, hh]
+          p = np.exp(z - z.max())
+          u += p / p.sum()
+        else:
+          for i in range(cur):
+            u[i] += _reduce(scale * k[i * block_size:(i + 1) * block_size, h] @ q[t, hh], "pisa")
+      rest = sorted((-u[i], i) for i in range(1, cur - 1))
+      kept = [0, cur - 1, cur] + [i for _, i in rest[:top_k - 3]]
+      out[t, h] = sorted(kept)
+  return out
+
+
+def full_attention_reference_set(q, k, *, block_size, top_k, scale):
+  """Grouped full-attention block mass P `[T, HKV, M]` and the reference set `[T, HKV, top_k]`."""
+  q = np.asarray(q, np.float64)
+  k = np.asarray(k, np.float64)
+  seq_len, hq, _ = q.shape
+  hkv = k.shape[1]
+  group = hq // hkv
+  num_blocks = -(-seq_len // block_size)
+  mass = np.zeros((seq_len, hkv, num_blocks))
+  ref = np.full((seq_len, hkv, top_k), -1, np.int64)
+  for t in range(seq_len):
+    cur = t // block_size
+    for h in range(hkv):
+      for hh in range(h * group, (h + 1) * group):
+        z = scale * k[:t + 1, h] @ q[t, hh]
+        w = np.exp(z - z.max())
+        w /= w.sum()
+        for s in range(t + 1):
+          mass[t, h, s // block_size] += w[s] / group
+      if cur + 1 <= top_k:
+        ref[t, h, :cur + 1] = np.arange(cur + 1)
+        continue
+      rest = sorted((-mass[t, h, i], i) for i in range(1, cur - 1))
+      ref[t, h] = sorted([0, cur - 1, cur] + [i for _, i in rest[:top_k - 3]])
+  return mass, ref
