@@ -65,6 +65,9 @@ class DataConfig:
   # MQAR (Zoology): number of key-value pairs per sequence; keys from [1, V/2), values [V/2, V).
   mqar_num_pairs: int = 16
   mqar_power_a: float = 0.01
+  # Zoology's `random_non_queries`: positions outside the pairs and queries hold random tokens
+  # (True) or token 0 (False, no distractors).
+  mqar_random_filler: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--workdir", help="checkpoints, config.json and metrics.jsonl go here")
   parser.add_argument("--run-steps", type=int, default=None,
                       help="stop (with a checkpoint) after this many steps of this invocation")
+  parser.add_argument("--max-seconds", type=float, default=None,
+                      help="stop (with a checkpoint) after this much training wall time")
   parser.add_argument("--print-config", action="store_true")
   parser.add_argument("--no-progress", action="store_true")
   args = parser.parse_args(argv)
@@ -44,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
   from pisa_jax.train.trainer import NonFiniteLossError, train
 
   try:
-    result = train(config, args.workdir, run_steps=args.run_steps, progress=not args.no_progress)
+    result = train(config, args.workdir, run_steps=args.run_steps, max_seconds=args.max_seconds,
+                   progress=not args.no_progress)
   except (NonFiniteLossError, IncompatibleCheckpointError, FileNotFoundError, ValueError) as e:
     print(f"pisa-train: error: {e}", file=sys.stderr)
     return 1

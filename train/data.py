@@ -77,13 +77,15 @@ class TokenWindows:
 
 
 def mqar_examples(rng: np.random.Generator, n: int, *, seq_len: int, vocab_size: int,
-                  num_pairs: int, power_a: float = 0.01) -> dict[str, np.ndarray]:
+                  num_pairs: int, power_a: float = 0.01,
+                  random_filler: bool = True) -> dict[str, np.ndarray]:
   """Multi-query associative recall, Zoology's `multiquery_ar` definition, vectorised.
 
   Each sequence opens with `num_pairs` key-value pairs (keys distinct from [1, V/2), values distinct
   from [V/2, V)); each key is queried once later, at position 2P + 2*gap with gaps drawn without
   replacement from p(i) ~ a * i^(a-1); the answer (the key's value) is the target at the query
-  position and the only place the loss counts. Other positions hold random tokens from [0, V).
+  position and the only place the loss counts. Other positions hold random tokens from [0, V)
+  (Zoology's `random_non_queries=True`), or 0 with `random_filler=False`.
 
   Returns inputs, targets int32 `[n, T]` and weights float32 `[n, T]`.
   """
@@ -97,6 +99,8 @@ def mqar_examples(rng: np.random.Generator, n: int, *, seq_len: int, vocab_size:
   log_p = (power_a - 1.0) * np.log(np.arange(1, space + 1))
   gaps = np.argsort(-(log_p + rng.gumbel(size=(n, space))), axis=1)[:, :num_pairs]
   example = rng.integers(0, vocab_size, size=(n, seq_len + 1))
+  if not random_filler:
+    example[:] = 0
   example[:, 0:context:2] = keys
   example[:, 1:context:2] = values
   rows = np.arange(n)[:, None]
@@ -119,8 +123,9 @@ class MQARBatches:
 
   def __init__(self, *, vocab_size: int, seq_len: int, num_pairs: int, power_a: float,
                global_batch: int, accum: int, seed: int, split: str = "train",
-               process_index: int = 0, process_count: int = 1):
-    self.kw = dict(seq_len=seq_len, vocab_size=vocab_size, num_pairs=num_pairs, power_a=power_a)
+               process_index: int = 0, process_count: int = 1, random_filler: bool = True):
+    self.kw = dict(seq_len=seq_len, vocab_size=vocab_size, num_pairs=num_pairs, power_a=power_a,
+                   random_filler=random_filler)
     self.global_batch, self.accum, self.seed = global_batch, accum, seed
     self.split_id = TRAIN if split == "train" else VAL
     self.rows = _host_rows(global_batch, process_index, process_count)
@@ -140,7 +145,8 @@ def make_batches(config, split: str, *, global_batch: int, accum: int, process_i
   if d.source == "mqar":
     return MQARBatches(
         vocab_size=m.vocab_size, seq_len=t.seq_len, num_pairs=d.mqar_num_pairs,
-        power_a=d.mqar_power_a, global_batch=global_batch, accum=accum, seed=t.seed, split=split,
+        power_a=d.mqar_power_a, random_filler=d.mqar_random_filler, global_batch=global_batch,
+        accum=accum, seed=t.seed, split=split,
         process_index=process_index, process_count=process_count,
     )
   return TokenWindows(

@@ -274,17 +274,20 @@ class _Interrupt:
 
 
 def train(config: Config, workdir: str | Path, *, run_steps: int | None = None,
+          max_seconds: float | None = None,
           progress: bool = True, mesh: Mesh | None = None, quiet: bool = False,
-          trainer: Trainer | None = None) -> TrainResult:
+          print_config: bool = True, trainer: Trainer | None = None) -> TrainResult:
   """Trains `config` in `workdir`, resuming from its latest complete checkpoint.
 
   run_steps: stop after this many steps of this invocation (checkpointing first), as Ctrl-C does.
+  max_seconds: likewise, once this much wall time has passed in the loop (compilation excluded).
   """
   cfg, t = config, config.train
   workdir = Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   say = (lambda *a: None) if quiet else tqdm.write
-  say("resolved config:\n" + cfg.to_json())
+  if print_config:
+    say("resolved config:\n" + cfg.to_json())
   (workdir / "config.json").write_text(cfg.to_json() + "\n")
 
   trainer = build_trainer(cfg, mesh) if trainer is None else trainer
@@ -380,6 +383,7 @@ def train(config: Config, workdir: str | Path, *, run_steps: int | None = None,
     checkpoints.save(step, state, cfg, force=force)
 
   stopped_early = False
+  t_loop = time.perf_counter()
   bar = tqdm(total=t.steps, initial=start, disable=not progress, desc="train", unit="step",
              dynamic_ncols=True)
   pending = None
@@ -397,7 +401,8 @@ def train(config: Config, workdir: str | Path, *, run_steps: int | None = None,
         done = step % t.log_every == 0 or step == t.steps
         ckpt = step % t.checkpoint_every == 0 or step == t.steps
         ev = step % t.eval_every == 0 or step == t.steps
-        if done or ckpt or ev or interrupt.requested or step == stop_at:
+        out_of_time = max_seconds is not None and time.perf_counter() - t_loop > max_seconds
+        if done or ckpt or ev or interrupt.requested or out_of_time or step == stop_at:
           record(*pending)
           pending = None
           bar.set_postfix(loss=f"{losses[step - 1]:.4f}")
@@ -407,16 +412,22 @@ def train(config: Config, workdir: str | Path, *, run_steps: int | None = None,
           run_eval(step)
         if ckpt:
           save(step)
-        if interrupt.requested:
+        if interrupt.requested or out_of_time:
           stopped_early = True
           break
       if step == stop_at and stop_at < t.steps:
         stopped_early = True
       if stopped_early:
         log_interval(step)
+        if not evals or evals[-1]["step"] != step:
+          run_eval(step)
         save(step, force=True)
         say(f"stopped at step {step}; checkpoint saved to {checkpoints.directory}/{step}; run the "
             f"same command again to resume")
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+      metrics_file.write(json.dumps({"step": step, "peak_bytes_in_use": stats["peak_bytes_in_use"]}) + "\n")
+      say(f"peak device memory {_fmt_bytes(stats['peak_bytes_in_use'])}")
   finally:
     bar.close()
     checkpoints.close()
