@@ -19,6 +19,13 @@ find_python() {
   return 1
 }
 
+# pip, silent unless it fails (then its whole log is shown).
+pip_quiet() {
+  local log; log=$(mktemp)
+  if ! .venv/bin/python -m pip "$@" >"$log" 2>&1; then cat "$log" >&2; rm -f "$log"; return 1; fi
+  rm -f "$log"
+}
+
 setup() {
   local stamp=.venv/.pisa-installed want
   want=$(cat pyproject.toml run.sh | sha256sum | cut -d' ' -f1)
@@ -26,11 +33,11 @@ setup() {
   local py; py=$(find_python)
   echo "run.sh: setting up .venv with $("$py" --version) (first run only; a few minutes)" >&2
   [ -x .venv/bin/python ] || "$py" -m venv .venv
-  .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e ".[test,data,bench]"
+  pip_quiet install --upgrade pip
+  pip_quiet install -e ".[test,data,bench]"
   # The exact GPT-2 BPE ranks ship inside this source package (see WORKSPACE.md, "Data"); it is
   # installed without its dependencies and never imported.
-  .venv/bin/python -m pip install -q --no-deps "openai-whisper==20250625"
+  pip_quiet install --no-deps "openai-whisper==20250625"
   echo "$want" > "$stamp"
 }
 

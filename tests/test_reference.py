@@ -230,11 +230,13 @@ def test_default_scale_is_inverse_sqrt_head_dim():
     hkv=st.integers(1, 2),
     d=st.integers(8, 128),
     selector=st.sampled_from(SELECTORS),
+    extra_beam=st.sampled_from([None, 0, 1, 5]),
     seed=st.integers(0, 2**16),
 )
-def test_selection_invariants(seq_len, block_size, top_k, branching, group, hkv, d, selector, seed):
+def test_selection_invariants(seq_len, block_size, top_k, branching, group, hkv, d, selector, extra_beam, seed):
   q, k, _ = make_qkv(seq_len, group * hkv, hkv, d, seed=seed)
-  idx = select(q, k, block_size=block_size, top_k=top_k, branching=branching, selector=selector)
+  beam = None if extra_beam is None or selector == "bsa" else top_k + extra_beam
+  idx = select(q, k, block_size=block_size, top_k=top_k, branching=branching, selector=selector, beam=beam)
   assert idx.shape == (1, seq_len, hkv, top_k) and idx.dtype == np.int32
   check_invariants(idx, seq_len, block_size, top_k)
 
