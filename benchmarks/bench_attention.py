@@ -1,0 +1,403 @@
+"""Selected-block attention on the GPU: pisa-jax Pallas kernels against fla, cuDNN dense and XLA.
+
+Every side gets the same random valid causal block indices (sorted, unique, current block forced,
+-1 padding while fewer than K blocks are eligible), bf16 inputs, B=1.
+
+  python benchmarks/bench_attention.py --mode check   # GPU correctness at moderate T + tile sweep
+  python benchmarks/bench_attention.py --mode bench   # the side-by-side table, JSON + PNG
+
+Results go to $OUT (or benchmarks/results/) as attention.json and attention.png (bench mode) or
+attention_check.json (check mode). Times are medians in milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+import warnings
+
+import numpy as np
+
+warnings.filterwarnings("ignore", message=".*Triton.*deprecated.*")
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from pisa_jax.kernels import attention as attn  # noqa: E402
+
+BLOCK = 64
+RESULTS = {}
+# Off the GPU (a smoke run of this script on a CPU) the kernels run in the Pallas interpreter.
+INTERPRET = jax.default_backend() != "gpu"
+
+
+def log(key, value):
+  RESULTS[key] = value
+  print(f"{key}: {value}", flush=True)
+
+
+def random_causal_indices(seed: int, t: int, hkv: int, top_k: int, block_size: int = BLOCK):
+  """int32 [1, T, HKV, K]: K distinct blocks <= t // C, current block forced, ascending, -1 pad."""
+  rng = np.random.default_rng(seed)
+  cur = (np.arange(t) // block_size)[:, None, None]
+  m = top_k - 1
+  # K-1 distinct past blocks from [0, cur): sorted draws from [0, cur - m] plus 0..m-1.
+  span = np.maximum(cur - m + 1, 1)
+  draw = np.sort(np.floor(rng.random((t, hkv, m)) * span).astype(np.int64), axis=-1)
+  past = draw + np.arange(m)
+  # Queries with fewer than K-1 past blocks take all of them, then -1.
+  few = cur < m
+  all_past = np.broadcast_to(np.arange(m), past.shape)
+  past = np.where(few, np.where(all_past < cur, all_past, -1), past)
+  idx = np.concatenate([past, np.broadcast_to(cur, (t, hkv, 1))], axis=-1)
+  idx = np.where(idx < 0, np.iinfo(np.int32).max, idx)
+  idx = np.sort(idx, axis=-1)
+  idx = np.where(idx == np.iinfo(np.int32).max, -1, idx)
+  return idx[None].astype(np.int32)
+
+
+def time_jax(fn, *args, reps: int = 7, target_s: float = 0.04):
+  """Median ms per call of a jitted fn: warm-up, then `reps` batches of back-to-back calls."""
+  jax.block_until_ready(fn(*args))
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  est = time.perf_counter() - t0
+  n = max(1, min(50, int(target_s / max(est, 1e-6))))
+  samples = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(n):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - t0) / n)
+  return round(statistics.median(samples) * 1e3, 4)
+
+
+def matmul_tflops():
+  a = jax.random.normal(jax.random.PRNGKey(0), (8192, 8192), jnp.bfloat16)
+  b = jax.random.normal(jax.random.PRNGKey(1), (8192, 8192), jnp.bfloat16)
+  f = jax.jit(lambda a, b: a @ b)
+  ms = time_jax(f, a, b)
+  return round(2 * 8192 ** 3 / (ms * 1e-3) / 1e12, 1)
+
+
+def make_inputs(t, hq, hkv, d, top_k, seed=0, dtype=jnp.bfloat16):
+  keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+  q = jax.random.normal(keys[0], (1, t, hq, d), jnp.float32).astype(dtype)
+  k = jax.random.normal(keys[1], (1, t, hkv, d), jnp.float32).astype(dtype)
+  v = jax.random.normal(keys[2], (1, t, hkv, d), jnp.float32).astype(dtype)
+  do = jax.random.normal(keys[3], (1, t, hq, d), jnp.float32).astype(dtype)
+  idx = random_causal_indices(seed, t, hkv, top_k)
+  return q, k, v, do, idx
+
+
+def ours_fns(d, config=None):
+  scale = d ** -0.5
+
+  def fwd(q, k, v, idx):
+    return attn.sparse_attention_pallas(q, k, v, idx, block_size=BLOCK, scale=scale,
+                                        interpret=INTERPRET, config=config)
+
+  def fwdbwd(q, k, v, idx, do):
+    _, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, idx), q, k, v)
+    return vjp(do)
+
+  return jax.jit(fwd), jax.jit(fwdbwd)
+
+
+def attention_flops(t, hq, d, top_k):
+  """Forward FLOPs counted as fla does: 4 * T * HQ * (K * C) * D (two dots per selected key)."""
+  return 4.0 * t * hq * top_k * BLOCK * d
+
+
+# ----------------------------------------------------------------------------- check mode
+
+
+def check_mode(smoke: bool):
+  from pisa_jax.attention import sparse_attention_reference
+
+  cases = [(200, 4, 2, 48, 4, jnp.bfloat16)] if smoke else [(4096, 32, 2, 128, 32, jnp.bfloat16), (4096, 32, 2, 64, 8, jnp.float32),
+           (1000, 6, 2, 64, 8, jnp.bfloat16), (777, 8, 8, 48, 5, jnp.float16),
+           (2048, 32, 1, 64, 16, jnp.bfloat16), (300, 3, 1, 128, 64, jnp.float32)]
+  for t, hq, hkv, d, top_k, dtype in cases:
+    name = f"check.T{t}-HQ{hq}-HKV{hkv}-D{d}-K{top_k}-{jnp.dtype(dtype).name}"
+    try:
+      q, k, v, do, idx = make_inputs(t, hq, hkv, d, top_k, seed=t, dtype=dtype)
+      fwd, fwdbwd = ours_fns(d)
+      o = fwd(q, k, v, idx)
+      g = fwdbwd(q, k, v, idx, do)
+      g2 = fwdbwd(q, k, v, idx, do)
+      f32 = lambda x: x.astype(jnp.float32)
+      ref = lambda q, k, v: sparse_attention_reference(q, k, v, jnp.asarray(idx), block_size=BLOCK,
+                                                       scale=d ** -0.5)
+      o_r, vjp = jax.vjp(ref, f32(q), f32(k), f32(v))
+      g_r = vjp(f32(do))
+      errs = {n: float(jnp.max(jnp.abs(f32(a) - b)))
+              for n, a, b in zip(("o", "dq", "dk", "dv"), (o,) + tuple(g), (o_r,) + tuple(g_r))}
+      rel = {n: float(jnp.linalg.norm(f32(a) - b) / jnp.linalg.norm(b))
+             for n, a, b in zip(("o", "dq", "dk", "dv"), (o,) + tuple(g), (o_r,) + tuple(g_r))}
+      same = all(bool(jnp.array_equal(a, b)) for a, b in zip(g, g2))
+      log(name, {"max_abs": errs, "rel_l2": rel, "bitwise_repeat": same,
+                 "finite": all(bool(jnp.all(jnp.isfinite(x))) for x in (o,) + tuple(g))})
+    except Exception as e:  # keep going: one failing case must not hide the others
+      log(name + ".error", traceback.format_exc()[-1500:])
+
+  log("bf16_matmul_tflops", matmul_tflops())
+  for d, top_k in ((64, 8), (128, 32)):
+    t, hq, hkv = (256, 32, 2) if smoke else (16384, 32, 2)
+    q, k, v, do, idx = make_inputs(t, hq, hkv, d, top_k)
+    base = attn.SparseAttentionConfig.default(head_dim=d, group=hq // hkv, top_k=top_k,
+                                              block_size=BLOCK)
+    log(f"sweep.d{d}.default_config", dataclasses.asdict(base))
+    fl = attention_flops(t, hq, d, top_k)
+    for w, s in ((4, 1), (4, 2), (4, 3), (8, 2), (2, 2)):
+      cfg = dataclasses.replace(base, fwd_num_warps=w, fwd_num_stages=s)
+      try:
+        fwd, _ = ours_fns(d, cfg)
+        ms = time_jax(fwd, q, k, v, idx)
+        log(f"sweep.d{d}.fwd.w{w}s{s}.ms", ms)
+      except Exception as e:
+        log(f"sweep.d{d}.fwd.w{w}s{s}.error", str(e)[-500:])
+    for w, s in ((4, 2), (8, 2), (4, 1), (4, 3)):
+      cfg = dataclasses.replace(base, dq_num_warps=w, dq_num_stages=s)
+      try:
+        ms = time_component(cfg, "dq", q, k, v, do, idx, d)
+        log(f"sweep.d{d}.dq.w{w}s{s}.ms", ms)
+      except Exception as e:
+        log(f"sweep.d{d}.dq.w{w}s{s}.error", str(e)[-500:])
+    for rows, w, s, items in ((64, 4, 2, None), (32, 4, 2, None), (128, 8, 2, None),
+                              (64, 8, 2, None), (64, 4, 1, None), (64, 4, 2, 128)):
+      cfg = dataclasses.replace(base, dkv_rows=rows, dkv_num_warps=w, dkv_num_stages=s,
+                                items_entries=items or base.items_entries)
+      try:
+        ms = time_component(cfg, "dkv", q, k, v, do, idx, d)
+        log(f"sweep.d{d}.dkv.r{rows}w{w}s{s}i{cfg.items_entries}.ms", ms)
+      except Exception as e:
+        log(f"sweep.d{d}.dkv.r{rows}w{w}s{s}.error", str(e)[-500:])
+    try:
+      ms = time_component(base, "index", q, k, v, do, idx, d)
+      log(f"sweep.d{d}.inverted_index.ms", ms)
+      _, fwdbwd = ours_fns(d, base)
+      ms = time_jax(fwdbwd, q, k, v, idx, do)
+      log(f"sweep.d{d}.fwdbwd_default.ms", ms)
+      log(f"sweep.d{d}.fwdbwd_default.tflops", round(3.5 * fl / (ms * 1e-3) / 1e12, 1))
+    except Exception as e:
+      log(f"sweep.d{d}.fwdbwd.error", traceback.format_exc()[-1500:])
+    RESULTS.update(fla_times(q, k, v, do, idx, d, top_k, tag=f"sweep.d{d}"))
+
+
+def time_component(cfg, which, q, k, v, do, idx, d):
+  """Times one backward stage alone on the residuals of a forward pass."""
+  b, t, hq, _ = q.shape
+  hkv = k.shape[2]
+  g = hq // hkv
+  q5 = q.reshape(b, t, hkv, g, d)
+  do5 = do.reshape(b, t, hkv, g, d)
+  idx = jnp.asarray(idx)
+  kw = dict(block_size=BLOCK, scale=d ** -0.5, interpret=INTERPRET, config=cfg)
+  o5, lse = jax.jit(lambda *a: attn._forward(*a, **kw))(q5, k, v, idx)
+  if which == "dq":
+    f = jax.jit(lambda *a: attn._backward_dq(*a, **kw))
+    return time_jax(f, q5, k, v, idx, o5, do5, lse)
+  _, delta = jax.jit(lambda *a: attn._backward_dq(*a, **kw))(q5, k, v, idx, o5, do5, lse)
+  if which == "dkv":
+    f = jax.jit(lambda *a: attn._backward_dkv(*a, **kw))
+    return time_jax(f, q5, k, v, idx, do5, lse, delta)
+  f = jax.jit(lambda i: attn.inverted_index(i, num_blocks=t // BLOCK, block_size=BLOCK,
+                                            items_entries=cfg.items_entries))
+  return time_jax(f, idx)
+
+
+# ----------------------------------------------------------------------------- peers
+
+
+def fla_times(q, k, v, do, idx, d, top_k, tag, ours_fwd=None):
+  """fla ParallelNSAFunction fwd and fwd+bwd on the same inputs and indices (torch, do_bench)."""
+  out = {}
+  try:
+    import torch
+    import triton
+    from fla.ops.nsa.parallel import ParallelNSAFunction
+
+    dev = "cuda"
+    tq = lambda x: torch.from_numpy(np.asarray(x.astype(jnp.float32))).to(dev).to(torch.bfloat16)
+    q_t, k_t, v_t, do_t = (tq(x).requires_grad_(x is not do) for x in (q, k, v, do))
+    bi = torch.from_numpy(np.asarray(idx)).to(dev)
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    f = lambda: ParallelNSAFunction.apply(q_t, k_t, v_t, bi, top_k, BLOCK, d ** -0.5, None)
+    out[f"{tag}.fla.fwd.ms"] = round(bench(f), 4)
+
+    def fb():
+      o = ParallelNSAFunction.apply(q_t, k_t, v_t, bi, top_k, BLOCK, d ** -0.5, None)
+      o.backward(do_t)
+
+    out[f"{tag}.fla.fwdbwd.ms"] = round(bench(fb), 4)
+    # Same function? Compare fla's output with ours on these inputs.
+    if ours_fwd is not None:
+      with torch.no_grad():
+        o_fla = f().float().cpu().numpy()
+      o_ours = np.asarray(ours_fwd(q, k, v, jnp.asarray(idx)).astype(jnp.float32))
+      out[f"{tag}.fla_vs_ours.max_abs"] = float(np.max(np.abs(o_fla - o_ours)))
+    del q_t, k_t, v_t, do_t, bi
+    torch.cuda.empty_cache()
+  except Exception as e:
+    out[f"{tag}.fla.error"] = str(e)[-400:]
+  for key, value in out.items():
+    print(f"{key}: {value}", flush=True)
+  return out
+
+
+def dense_cudnn_fns():
+  def fwd(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+  def fwdbwd(q, k, v, do):
+    _, vjp = jax.vjp(fwd, q, k, v)
+    return vjp(do)
+
+  return jax.jit(fwd), jax.jit(fwdbwd)
+
+
+def xla_fns(d):
+  from pisa_jax.attention import sparse_attention_reference
+
+  def fwd(q, k, v, idx):
+    return sparse_attention_reference(q, k, v, idx, block_size=BLOCK, scale=d ** -0.5)
+
+  def fwdbwd(q, k, v, idx, do):
+    _, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, idx), q, k, v)
+    return vjp(do)
+
+  return jax.jit(fwd), jax.jit(fwdbwd)
+
+
+# ----------------------------------------------------------------------------- bench mode
+
+
+def bench_mode(sizes, budget_s, out_path, smoke=False):
+  start = time.perf_counter()
+  log("date", time.strftime("%Y-%m-%d %H:%M:%S"))
+  log("device", str(jax.devices()[0]))
+  log("bf16_matmul_tflops", matmul_tflops())
+  # In priority order; settings past the time budget are skipped (and say so in the JSON).
+  settings = [(16384, 32, 2, 64, 8), (16384, 32, 2, 128, 32), (65536, 32, 2, 64, 8),
+              (65536, 32, 2, 128, 32), (16384, 32, 8, 64, 8), (16384, 32, 4, 64, 8),
+              (16384, 32, 8, 128, 32), (16384, 32, 4, 128, 32)]
+  settings += [(n, 32, 2, 64, 8) for n in sizes if n > 65536]
+  settings += [(n, 32, 2, 128, 32) for n in sizes if n > 65536]
+  if smoke:
+    settings = [(256, 32, 2, 64, 8), (256, 32, 8, 64, 4)]
+  for t, hq, hkv, d, top_k in settings:
+    with open(out_path, "w") as f:
+      json.dump(RESULTS, f, indent=1)
+    if time.perf_counter() - start > budget_s:
+      log(f"skipped.N{t}.HQ{hq}.HKV{hkv}.d{d}.K{top_k}", "time budget of this run spent")
+      continue
+    tag = f"N{t}.HQ{hq}.HKV{hkv}.d{d}.K{top_k}"
+    q, k, v, do, idx_np = make_inputs(t, hq, hkv, d, top_k)
+    idx = jnp.asarray(idx_np)
+    fl = attention_flops(t, hq, d, top_k)
+    fwd = None
+    try:
+      fwd, fwdbwd = ours_fns(d)
+      ms = time_jax(fwd, q, k, v, idx)
+      log(f"{tag}.ours.fwd.ms", ms)
+      log(f"{tag}.ours.fwd.tflops", round(fl / (ms * 1e-3) / 1e12, 1))
+      ms = time_jax(fwdbwd, q, k, v, idx, do)
+      log(f"{tag}.ours.fwdbwd.ms", ms)
+      log(f"{tag}.ours.fwdbwd.tflops", round(3.5 * fl / (ms * 1e-3) / 1e12, 1))
+    except Exception:
+      log(f"{tag}.ours.error", traceback.format_exc()[-800:])
+    RESULTS.update(fla_times(q, k, v, do, idx_np, d, top_k, tag, ours_fwd=fwd))
+    if hkv == 2:
+      try:
+        fwd, fwdbwd = dense_cudnn_fns()
+        log(f"{tag}.cudnn_dense.fwd.ms", time_jax(fwd, q, k, v))
+        log(f"{tag}.cudnn_dense.fwdbwd.ms", time_jax(fwdbwd, q, k, v, do))
+      except Exception as e:
+        log(f"{tag}.cudnn_dense.error", str(e)[-400:])
+    if t <= 16384 and hkv == 2:
+      try:
+        fwd, fwdbwd = xla_fns(d)
+        log(f"{tag}.xla_reference.fwd.ms", time_jax(fwd, q, k, v, idx, reps=3))
+        log(f"{tag}.xla_reference.fwdbwd.ms", time_jax(fwdbwd, q, k, v, idx, do, reps=3))
+      except Exception as e:
+        log(f"{tag}.xla_reference.error", str(e)[-400:])
+    del q, k, v, do, idx
+
+
+def summary():
+  """Prints one line per setting: ours against fla (ratio > 1: ours faster) and cuDNN dense."""
+  tags = sorted({k.rsplit(".ours.", 1)[0] for k in RESULTS if ".ours.fwd.ms" in k})
+  print("setting | ours fwd | fla fwd | x | ours f+b | fla f+b | x | cudnn fwd | cudnn f+b")
+  for tag in tags:
+    get = lambda key: RESULTS.get(f"{tag}.{key}.ms", float("nan"))
+    of, ff, ob, fb = get("ours.fwd"), get("fla.fwd"), get("ours.fwdbwd"), get("fla.fwdbwd")
+    RESULTS[f"{tag}.speedup_vs_fla.fwd"] = round(ff / of, 3)
+    RESULTS[f"{tag}.speedup_vs_fla.fwdbwd"] = round(fb / ob, 3)
+    print(f"{tag} | {of} | {ff} | {ff / of:.2f} | {ob} | {fb} | {fb / ob:.2f} | "
+          f"{get('cudnn_dense.fwd')} | {get('cudnn_dense.fwdbwd')}", flush=True)
+
+
+def plot(path):
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+  tags = sorted({k.rsplit(".ours.", 1)[0] for k in RESULTS if ".ours.fwd.ms" in k})
+  sides = ("ours", "fla", "cudnn_dense", "xla_reference")
+  for ax, phase in zip(axes, ("fwd", "fwdbwd")):
+    width = 0.2
+    for j, side in enumerate(sides):
+      vals = [RESULTS.get(f"{tag}.{side}.{phase}.ms", np.nan) for tag in tags]
+      ax.bar(np.arange(len(tags)) + (j - 1.5) * width, vals, width, label=side)
+    ax.set_yscale("log")
+    ax.set_xticks(np.arange(len(tags)))
+    ax.set_xticklabels([tg.replace(".", "\n", 2) for tg in tags], fontsize=6, rotation=0)
+    ax.set_ylabel("ms (median, log)")
+    ax.set_title(f"selected-block attention {phase}, bf16, H200")
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--mode", choices=("check", "bench"), default="bench")
+  parser.add_argument("--sizes", default="16384,65536,131072")
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes, for a CPU dry run")
+  parser.add_argument("--budget-s", type=float, default=1e9,
+                      help="start no new setting after this many seconds")
+  args = parser.parse_args()
+  out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+  os.makedirs(out_dir, exist_ok=True)
+  print("jax", jax.__version__, jax.devices(), flush=True)
+  try:
+    if args.mode == "check":
+      check_mode(args.smoke)
+    else:
+      bench_mode([int(s) for s in args.sizes.split(",")], args.budget_s,
+                 os.path.join(out_dir, "attention.json"), smoke=args.smoke)
+      summary()
+  finally:
+    name = "attention_check.json" if args.mode == "check" else "attention.json"
+    with open(os.path.join(out_dir, name), "w") as f:
+      json.dump(RESULTS, f, indent=1)
+    if args.mode == "bench":
+      plot(os.path.join(out_dir, "attention.png"))
+  print("DONE", flush=True)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

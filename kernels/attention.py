@@ -1,0 +1,552 @@
+"""Pallas (Triton) block-sparse attention over selected leaf blocks (Eq. 6), forward and backward.
+
+The twin of `pisa_jax.attention.sparse_attention_reference`. Reads top to bottom: the tile config,
+the forward kernel, the dq kernel (which also writes delta = rowsum(o * do)), the inverted index,
+the dk/dv kernel and its deterministic reduction, then the `custom_vjp` op.
+
+Layout inside the kernels: q and o are viewed as `[B, T, HKV, G, D]` (a free reshape), so one
+program owns one query position and one KV head and loads the G query heads of that KV head at
+once: the `[G, D] x [D, C]` score tile feeds the tensor cores with M = G rows (padded to a power of
+two >= `min_rows`, padding rows masked). Key/value blocks are loaded as contiguous rows
+`k_ref[pl.ds(pl.multiple_of(b * C, C), C), :]` after clamping the index into `[0, t // C]`; the
+clamped slots and keys after the query are masked, so -1 padding and future blocks contribute
+nothing (the rule of Eq. 6 and contract rule 8).
+
+Backward (Appendix B: the selection is held fixed, gradients flow through the selected entries):
+- dq mirrors the forward: per (query, KV head) it re-streams the selected blocks.
+- dk/dv use an inverted index built outside the kernels with a stable argsort: for each (KV head,
+  key block) the queries that selected it, in ascending order. The list of a block is cut into
+  work items of at most `items_entries` queries so that a block selected by every query (block 0
+  is forced for all of them) does not become a long tail; each item writes a float32 partial and
+  a second kernel sums the partials of a block in item order. No atomics: results are bit-identical
+  run to run.
+
+Memory: O(T * HQ * D) for activations plus O(T * HKV * K) for the indices and the inverted index;
+the dk/dv partials are O(T * HKV * D) because an item holds at least K * C entries' worth of keys.
+No `[T, T]` or `[T, M]` buffer exists anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+from jaxtyping import Array, Float, Int
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseAttentionConfig:
+  """Tile sizes and Triton launch parameters of the three kernels.
+
+  Attributes:
+    min_rows: the smallest M of a tensor-core dot; the G query heads of a program are padded up to
+      max(min_rows, next power of two of G).
+    fwd_num_warps, fwd_num_stages: forward kernel launch.
+    dq_num_warps, dq_num_stages: dq kernel launch.
+    dkv_rows: rows (query, head) pairs per inner step of the dk/dv kernel, a power of two >= G;
+      each step covers dkv_rows // G queries.
+    dkv_num_warps, dkv_num_stages: dk/dv kernel launch.
+    items_entries: most queries one dk/dv program handles for one key block; a block selected by
+      more queries is split into several programs whose partials are summed in a fixed order.
+    reduce_num_warps: launch of the partial-sum kernel.
+  """
+
+  min_rows: int = 16
+  fwd_num_warps: int = 4
+  fwd_num_stages: int = 2
+  dq_num_warps: int = 4
+  dq_num_stages: int = 2
+  dkv_rows: int = 64
+  dkv_num_warps: int = 4
+  dkv_num_stages: int = 2
+  items_entries: int = 512
+  reduce_num_warps: int = 4
+
+  def __post_init__(self):
+    for name in ("min_rows", "dkv_rows"):
+      value = getattr(self, name)
+      if value < 1 or value & (value - 1):
+        raise ValueError(f"{name}={value} must be a power of two >= 1")
+    if self.items_entries < 1:
+      raise ValueError(f"items_entries={self.items_entries} must be >= 1")
+
+  @classmethod
+  def default(cls, *, head_dim: int, group: int, top_k: int, block_size: int
+              ) -> "SparseAttentionConfig":
+    """Heuristic defaults, from a sweep on the H200 at N=16K, HQ=32, HKV=2 (WORKSPACE.md).
+
+    Forward: 2 warps beat 4 and 8 (0.54 vs 0.66 / 1.11 ms at d=64, K=8; 3.81 vs 4.11 / 6.29 ms at
+    d=128, K=32), 2 stages beat 1. dq: 4 warps, 2 stages. dk/dv: 64 rows (4 queries of a group of
+    16) and 4 warps beat 32 or 128 rows and 8 warps at both head dims.
+    """
+    del head_dim
+    return cls(
+        fwd_num_warps=2,
+        fwd_num_stages=2,
+        dq_num_warps=4,
+        dq_num_stages=2,
+        dkv_rows=max(64, _next_pow2(group)),
+        dkv_num_warps=4,
+        dkv_num_stages=2,
+        # An item of K * C queries keeps the partials O(T * D) per KV head and the longest
+        # program no longer than an average block's list.
+        items_entries=max(64, top_k * block_size),
+    )
+
+
+def _next_pow2(n: int) -> int:
+  return 1 << max(0, (n - 1).bit_length())
+
+
+def _call_kernel(fn, *args):
+  # JAX 0.11 deprecates the Triton backend of Pallas in favour of Mosaic GPU; it still works, and
+  # every kernel stays behind the `implementation=` switch, so silence that one warning here.
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=".*Triton.*deprecated.*")
+    warnings.filterwarnings("ignore", message=".*deprecated.*Mosaic GPU.*")
+    return fn(*args)
+
+
+def _rows_mask(group: int, rows: int):
+  """[rows, 1] mask of the real query heads among the padded rows."""
+  return (jnp.arange(rows) < group)[:, None]
+
+
+def _load_rows(ref, t, group: int, rows: int, other=0.0):
+  """Loads the `[rows, ...]` tile of position t from a `[T, G, ...]` ref, rows >= G masked."""
+  if rows == group:
+    return ref[t]
+  if len(ref.shape) == 2:
+    return plt.load(ref.at[t, pl.ds(0, rows)], mask=jnp.arange(rows) < group, other=other)
+  return plt.load(ref.at[t, pl.ds(0, rows), :], mask=_rows_mask(group, rows), other=other)
+
+
+def _store_rows(ref, t, value, group: int, rows: int):
+  if rows == group:
+    ref[t] = value
+  elif value.ndim == 1:
+    plt.store(ref.at[t, pl.ds(0, rows)], value, mask=jnp.arange(rows) < group)
+  else:
+    plt.store(ref.at[t, pl.ds(0, rows), :], value, mask=_rows_mask(group, rows))
+
+
+def _dot_precision(dtype):
+  # float32 inputs get IEEE float32 dots (not TF32), so the f32 path meets the 1e-4 tolerance.
+  return lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
+def _block_slot(idx_ref, t, i, block_size: int):
+  """Block start and visibility mask for slot i of query t.
+
+  Returns the clamped start row (a valid, aligned block at or before the query's block) and the
+  `[C]` mask of keys j <= t inside a real selected block: -1 padding and blocks after the query's
+  own block are invalid; the clamp keeps every load in bounds.
+  """
+  cur = t // block_size
+  blk = idx_ref[t, i]
+  valid = (blk >= 0) & (blk <= cur)
+  start = pl.multiple_of(jnp.clip(blk, 0, cur) * block_size, block_size)
+  key_pos = start + jnp.arange(block_size)
+  visible = valid & (key_pos <= t)
+  return start, visible
+
+
+# ----------------------------------------------------------------------------- forward kernel
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, lse_ref, *, block_size: int, scale: float,
+                group: int, rows: int, top_k: int):
+  """One program: query position t, KV head h. q_ref `[T, G, D]`, k_ref/v_ref `[Tk, D]`."""
+  t = pl.program_id(0)
+  # [R, D]
+  b_q = _load_rows(q_ref, t, group, rows)
+  precision = _dot_precision(b_q.dtype)
+  qk_scale = scale * _LOG2E
+  d = b_q.shape[-1]
+
+  def body(i, carry):
+    b_m, b_l, b_acc = carry
+    start, visible = _block_slot(idx_ref, t, i, block_size)
+    # [C, D]
+    b_k = k_ref[pl.ds(start, block_size), :]
+    b_v = v_ref[pl.ds(start, block_size), :]
+    # [R, C]: base-2 logits, Eq. 6 masked to the visible keys.
+    b_s = jnp.dot(b_q, b_k.T, precision=precision, preferred_element_type=jnp.float32) * qk_scale
+    b_s = jnp.where(visible[None, :], b_s, -jnp.inf)
+    m_new = jnp.maximum(b_m, jnp.max(b_s, axis=1))
+    # Until a row has seen a visible key its max is -inf; shift by 0 so no inf - inf appears.
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(b_m - m_use)
+    b_p = jnp.exp2(b_s - m_use[:, None])
+    b_l = b_l * alpha + jnp.sum(b_p, axis=1)
+    b_acc = b_acc * alpha[:, None] + jnp.dot(
+        b_p.astype(b_v.dtype), b_v, precision=precision, preferred_element_type=jnp.float32)
+    return m_new, b_l, b_acc
+
+  init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
+          jnp.zeros((rows, d), jnp.float32))
+  b_m, b_l, b_acc = lax.fori_loop(0, top_k, body, init)
+  # A row with no visible key has l = 0 and acc = 0: it gets zeros (contract rule 8), lse = -inf.
+  has_key = b_l > 0
+  b_o = b_acc / jnp.where(has_key, b_l, 1.0)[:, None]
+  b_lse = jnp.where(has_key, (b_m + jnp.log2(jnp.where(has_key, b_l, 1.0))) * _LN2, -jnp.inf)
+  _store_rows(o_ref, t, b_o.astype(o_ref.dtype), group, rows)
+  _store_rows(lse_ref, t, b_lse, group, rows)
+
+
+def _forward(q5, k, v, block_indices, *, block_size, scale, interpret, config):
+  """q5 `[B, T, HKV, G, D]`, k/v `[B, Tk, HKV, D]` -> (o5 like q5, lse float32 `[B, T, HKV, G]`)."""
+  b, t, hkv, g, d = q5.shape
+  tk = k.shape[1]
+  top_k = block_indices.shape[-1]
+  rows = max(config.min_rows, _next_pow2(g))
+  kernel = functools.partial(_fwd_kernel, block_size=block_size, scale=scale, group=g, rows=rows,
+                             top_k=top_k)
+  q_spec = pl.BlockSpec((None, t, None, g, d), lambda i, h, bb: (bb, 0, h, 0, 0))
+  kv_spec = pl.BlockSpec((None, tk, None, d), lambda i, h, bb: (bb, 0, h, 0))
+  idx_spec = pl.BlockSpec((None, t, None, top_k), lambda i, h, bb: (bb, 0, h, 0))
+  lse_spec = pl.BlockSpec((None, t, None, g), lambda i, h, bb: (bb, 0, h, 0))
+  call = pl.pallas_call(
+      kernel,
+      grid=(t, hkv, b),
+      in_specs=[q_spec, kv_spec, kv_spec, idx_spec],
+      out_specs=[q_spec, lse_spec],
+      out_shape=[jax.ShapeDtypeStruct(q5.shape, q5.dtype),
+                 jax.ShapeDtypeStruct((b, t, hkv, g), jnp.float32)],
+      compiler_params=plt.CompilerParams(num_warps=config.fwd_num_warps,
+                                         num_stages=config.fwd_num_stages),
+      interpret=interpret,
+      name="pisa_sparse_attention_fwd",
+  )
+  return _call_kernel(call, q5, k, v, block_indices)
+
+
+# ----------------------------------------------------------------------------- dq kernel
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, do_ref, lse_ref, dq_ref, delta_ref, *,
+               block_size: int, scale: float, group: int, rows: int, top_k: int):
+  """One program: query t, KV head h. Writes dq and delta = rowsum(o * do) for the dk/dv kernel."""
+  t = pl.program_id(0)
+  # [R, D]
+  b_q = _load_rows(q_ref, t, group, rows)
+  b_do = _load_rows(do_ref, t, group, rows)
+  b_o = _load_rows(o_ref, t, group, rows)
+  # [R]
+  b_delta = jnp.sum(b_o.astype(jnp.float32) * b_do.astype(jnp.float32), axis=1)
+  # Rows without a visible key carry lse = -inf; every entry of theirs is masked below.
+  b_lse2 = _load_rows(lse_ref, t, group, rows) * _LOG2E
+  precision = _dot_precision(b_q.dtype)
+  qk_scale = scale * _LOG2E
+  d = b_q.shape[-1]
+
+  def body(i, b_dq):
+    start, visible = _block_slot(idx_ref, t, i, block_size)
+    b_k = k_ref[pl.ds(start, block_size), :]
+    b_v = v_ref[pl.ds(start, block_size), :]
+    # [R, C]
+    b_s = jnp.dot(b_q, b_k.T, precision=precision, preferred_element_type=jnp.float32) * qk_scale
+    b_p = jnp.where(visible[None, :], jnp.exp2(b_s - b_lse2[:, None]), 0.0)
+    b_dp = jnp.dot(b_do, b_v.T, precision=precision, preferred_element_type=jnp.float32)
+    b_ds = b_p * (b_dp - b_delta[:, None])
+    return b_dq + jnp.dot(b_ds.astype(b_k.dtype), b_k, precision=precision,
+                          preferred_element_type=jnp.float32)
+
+  b_dq = lax.fori_loop(0, top_k, body, jnp.zeros((rows, d), jnp.float32))
+  _store_rows(dq_ref, t, (b_dq * scale).astype(dq_ref.dtype), group, rows)
+  _store_rows(delta_ref, t, b_delta, group, rows)
+
+
+def _backward_dq(q5, k, v, block_indices, o5, do5, lse, *, block_size, scale, interpret, config):
+  b, t, hkv, g, d = q5.shape
+  tk = k.shape[1]
+  top_k = block_indices.shape[-1]
+  rows = max(config.min_rows, _next_pow2(g))
+  kernel = functools.partial(_dq_kernel, block_size=block_size, scale=scale, group=g, rows=rows,
+                             top_k=top_k)
+  q_spec = pl.BlockSpec((None, t, None, g, d), lambda i, h, bb: (bb, 0, h, 0, 0))
+  kv_spec = pl.BlockSpec((None, tk, None, d), lambda i, h, bb: (bb, 0, h, 0))
+  idx_spec = pl.BlockSpec((None, t, None, top_k), lambda i, h, bb: (bb, 0, h, 0))
+  lse_spec = pl.BlockSpec((None, t, None, g), lambda i, h, bb: (bb, 0, h, 0))
+  call = pl.pallas_call(
+      kernel,
+      grid=(t, hkv, b),
+      in_specs=[q_spec, kv_spec, kv_spec, idx_spec, q_spec, q_spec, lse_spec],
+      out_specs=[q_spec, lse_spec],
+      out_shape=[jax.ShapeDtypeStruct(q5.shape, q5.dtype),
+                 jax.ShapeDtypeStruct((b, t, hkv, g), jnp.float32)],
+      compiler_params=plt.CompilerParams(num_warps=config.dq_num_warps,
+                                         num_stages=config.dq_num_stages),
+      interpret=interpret,
+      name="pisa_sparse_attention_dq",
+  )
+  return _call_kernel(call, q5, k, v, block_indices, o5, do5, lse)
+
+
+# ----------------------------------------------------------------------------- inverted index
+
+
+def inverted_index(block_indices: Int[Array, "B T HKV K"], *, num_blocks: int, block_size: int,
+                   items_entries: int):
+  """For each (batch, KV head, key block), the queries that selected it, cut into work items.
+
+  Built with a stable argsort, so within a block the queries come out ascending and the result is
+  deterministic. Only valid entries count: index in [0, t // C] for query t.
+
+  Returns:
+    entry_query: int32 `[B, HKV, T * K]`, the query position of each entry, grouped by block
+      (invalid entries sorted to the end).
+    item_block, item_start, item_end: int32 `[B, HKV, NI]`; item i covers entries
+      [item_start, item_end) of block item_block (empty items: start == end, block 0).
+    item_offsets: int32 `[B, HKV, M + 1]`; the items of block n are [item_offsets[n],
+      item_offsets[n + 1]).
+  """
+  b, t, hkv, top_k = block_indices.shape
+  num_items = -(-t * top_k // items_entries) + num_blocks
+  cur = (jnp.arange(t, dtype=jnp.int32) // block_size)[None, :, None, None]
+  valid = (block_indices >= 0) & (block_indices <= cur)
+  # [B, HKV, T * K], t-major then slot: the stable sort keeps queries ascending within a block.
+  key = jnp.where(valid, block_indices, num_blocks).transpose(0, 2, 1, 3).reshape(b, hkv, t * top_k)
+  order = jnp.argsort(key, axis=-1, stable=True).astype(jnp.int32)
+  entry_query = order // top_k
+
+  def per_head(key_h):
+    counts = jnp.zeros((num_blocks + 1,), jnp.int32).at[key_h].add(1)[:num_blocks]
+    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
+    n_items = -(-counts // items_entries)
+    item_offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                                    jnp.cumsum(n_items, dtype=jnp.int32)])
+    item = jnp.arange(num_items, dtype=jnp.int32)
+    blk = jnp.searchsorted(item_offsets[1:], item, side="right").astype(jnp.int32)
+    in_range = blk < num_blocks
+    blk = jnp.minimum(blk, num_blocks - 1)
+    start = offsets[blk] + (item - item_offsets[blk]) * items_entries
+    end = jnp.minimum(start + items_entries, offsets[blk + 1])
+    start = jnp.where(in_range, start, 0)
+    end = jnp.where(in_range, end, 0)
+    return blk, start, end, item_offsets
+
+  per_batch = jax.vmap(jax.vmap(per_head))
+  item_block, item_start, item_end, item_offsets = per_batch(key)
+  return entry_query, item_block, item_start, item_end, item_offsets
+
+
+# ----------------------------------------------------------------------------- dk/dv kernels
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entry_ref, blk_ref, start_ref,
+                end_ref, dk_ref, dv_ref, *, block_size: int, scale: float, group: int,
+                rows: int):
+  """One program: one work item (a key block and a run of the queries that selected it).
+
+  Each step gathers `rows // G` queries x G heads as the M dimension of the dots (Appendix B
+  gradients for the keys of one block). Writes float32 partials, scale not yet applied to dk.
+  """
+  i = pl.program_id(0)
+  n = blk_ref[i]
+  first = start_ref[i]
+  last = end_ref[i]
+  per_step = rows // group
+  start = pl.multiple_of(n * block_size, block_size)
+  # [C, D]
+  b_k = k_ref[pl.ds(start, block_size), :]
+  b_v = v_ref[pl.ds(start, block_size), :]
+  precision = _dot_precision(b_k.dtype)
+  qk_scale = scale * _LOG2E
+  d = b_k.shape[-1]
+  key_pos = start + jnp.arange(block_size)
+  o_r = jnp.arange(rows)
+  o_j = o_r // group
+  o_g = o_r % group
+  o_d = jnp.arange(d)
+
+  def body(step, carry):
+    b_dk, b_dv = carry
+    entry = first + step * per_step + o_j
+    m_r = (o_j < per_step) & (entry < last)
+    o_t = entry_ref[jnp.where(m_r, entry, first)]
+    # [R, D] gathered (query, head) rows; clamped addresses, masked rows zeroed.
+    m_rd = m_r[:, None] & (o_d[None, :] < d)
+    i_t = jnp.broadcast_to(o_t[:, None], (rows, d))
+    i_g = jnp.broadcast_to(o_g[:, None], (rows, d))
+    i_d = jnp.broadcast_to(o_d[None, :], (rows, d))
+    b_q = plt.load(q_ref.at[i_t, i_g, i_d], mask=m_rd, other=0.0)
+    b_do = plt.load(do_ref.at[i_t, i_g, i_d], mask=m_rd, other=0.0)
+    b_lse2 = plt.load(lse_ref.at[o_t, o_g], mask=m_r, other=0.0) * _LOG2E
+    b_delta = plt.load(delta_ref.at[o_t, o_g], mask=m_r, other=0.0)
+    # [C, R]
+    b_s = jnp.dot(b_k, b_q.T, precision=precision, preferred_element_type=jnp.float32) * qk_scale
+    visible = m_r[None, :] & (key_pos[:, None] <= o_t[None, :])
+    b_p = jnp.where(visible, jnp.exp2(b_s - b_lse2[None, :]), 0.0)
+    b_dv = b_dv + jnp.dot(b_p.astype(b_do.dtype), b_do, precision=precision,
+                          preferred_element_type=jnp.float32)
+    b_dp = jnp.dot(b_v, b_do.T, precision=precision, preferred_element_type=jnp.float32)
+    b_ds = b_p * (b_dp - b_delta[None, :])
+    b_dk = b_dk + jnp.dot(b_ds.astype(b_q.dtype), b_q, precision=precision,
+                          preferred_element_type=jnp.float32)
+    return b_dk, b_dv
+
+  num_steps = (last - first + per_step - 1) // per_step
+  zeros = jnp.zeros((block_size, d), jnp.float32)
+  b_dk, b_dv = lax.fori_loop(0, num_steps, body, (zeros, zeros))
+  dk_ref[...] = b_dk
+  dv_ref[...] = b_dv
+
+
+def _reduce_kernel(item_offsets_ref, dk_part_ref, dv_part_ref, dk_ref, dv_ref, *, scale: float):
+  """Sums the partials of key block n in item order (deterministic), applies the dk scale."""
+  n = pl.program_id(0)
+  first = item_offsets_ref[n]
+  last = item_offsets_ref[n + 1]
+
+  def body(i, carry):
+    b_dk, b_dv = carry
+    return b_dk + dk_part_ref[i], b_dv + dv_part_ref[i]
+
+  zeros = jnp.zeros(dk_ref.shape, jnp.float32)
+  b_dk, b_dv = lax.fori_loop(first, last, body, (zeros, zeros))
+  dk_ref[...] = (b_dk * scale).astype(dk_ref.dtype)
+  dv_ref[...] = b_dv.astype(dv_ref.dtype)
+
+
+def _backward_dkv(q5, k, v, block_indices, do5, lse, delta, *, block_size, scale, interpret,
+                  config):
+  b, t, hkv, g, d = q5.shape
+  tk = k.shape[1]
+  num_blocks = tk // block_size
+  top_k = block_indices.shape[-1]
+  rows = max(config.dkv_rows, _next_pow2(g))
+  items_entries = config.items_entries
+  entry_query, item_block, item_start, item_end, item_offsets = inverted_index(
+      block_indices, num_blocks=num_blocks, block_size=block_size, items_entries=items_entries)
+  num_items = item_block.shape[-1]
+  kernel = functools.partial(_dkv_kernel, block_size=block_size, scale=scale, group=g, rows=rows)
+  q_spec = pl.BlockSpec((None, t, None, g, d), lambda i, h, bb: (bb, 0, h, 0, 0))
+  kv_spec = pl.BlockSpec((None, tk, None, d), lambda i, h, bb: (bb, 0, h, 0))
+  lse_spec = pl.BlockSpec((None, t, None, g), lambda i, h, bb: (bb, 0, h, 0))
+  entry_spec = pl.BlockSpec((None, None, t * top_k), lambda i, h, bb: (bb, h, 0))
+  item_spec = pl.BlockSpec((None, None, num_items), lambda i, h, bb: (bb, h, 0))
+  part_spec = pl.BlockSpec((None, None, None, block_size, d), lambda i, h, bb: (bb, h, i, 0, 0))
+  part_shape = jax.ShapeDtypeStruct((b, hkv, num_items, block_size, d), jnp.float32)
+  dk_part, dv_part = _call_kernel(pl.pallas_call(
+      kernel,
+      grid=(num_items, hkv, b),
+      in_specs=[q_spec, kv_spec, kv_spec, q_spec, lse_spec, lse_spec, entry_spec, item_spec,
+                item_spec, item_spec],
+      out_specs=[part_spec, part_spec],
+      out_shape=[part_shape, part_shape],
+      compiler_params=plt.CompilerParams(num_warps=config.dkv_num_warps,
+                                         num_stages=config.dkv_num_stages),
+      interpret=interpret,
+      name="pisa_sparse_attention_dkv",
+  ), q5, k, v, do5, lse, delta, entry_query, item_block, item_start, item_end)
+
+  offsets_spec = pl.BlockSpec((None, None, num_blocks + 1), lambda n, h, bb: (bb, h, 0))
+  parts_spec = pl.BlockSpec((None, None, num_items, block_size, d),
+                            lambda n, h, bb: (bb, h, 0, 0, 0))
+  out_spec = pl.BlockSpec((None, block_size, None, d), lambda n, h, bb: (bb, n, h, 0))
+  dk, dv = _call_kernel(pl.pallas_call(
+      functools.partial(_reduce_kernel, scale=scale),
+      grid=(num_blocks, hkv, b),
+      in_specs=[offsets_spec, parts_spec, parts_spec],
+      out_specs=[out_spec, out_spec],
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      compiler_params=plt.CompilerParams(num_warps=config.reduce_num_warps, num_stages=1),
+      interpret=interpret,
+      name="pisa_sparse_attention_dkv_reduce",
+  ), item_offsets, dk_part, dv_part)
+  return dk, dv
+
+
+# ----------------------------------------------------------------------------- custom_vjp op
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _sparse_attention_core(q5, k, v, block_indices, block_size, scale, interpret, config):
+  o5, _ = _forward(q5, k, v, block_indices, block_size=block_size, scale=scale,
+                   interpret=interpret, config=config)
+  return o5
+
+
+def _core_fwd(q5, k, v, block_indices, block_size, scale, interpret, config):
+  o5, lse = _forward(q5, k, v, block_indices, block_size=block_size, scale=scale,
+                     interpret=interpret, config=config)
+  return o5, (q5, k, v, block_indices, o5, lse)
+
+
+def _core_bwd(block_size, scale, interpret, config, residuals, do5):
+  q5, k, v, block_indices, o5, lse = residuals
+  dq5, delta = _backward_dq(q5, k, v, block_indices, o5, do5.astype(q5.dtype), lse,
+                            block_size=block_size, scale=scale, interpret=interpret,
+                            config=config)
+  dk, dv = _backward_dkv(q5, k, v, block_indices, do5.astype(q5.dtype), lse, delta,
+                         block_size=block_size, scale=scale, interpret=interpret, config=config)
+  # Integer indices get no cotangent.
+  return dq5, dk, dv, None
+
+
+_sparse_attention_core.defvjp(_core_fwd, _core_bwd)
+
+
+def sparse_attention_pallas(
+    q: Float[Array, "B T HQ D"],
+    k: Float[Array, "B T HKV D"],
+    v: Float[Array, "B T HKV D"],
+    block_indices: Int[Array, "B T HKV K"],
+    *,
+    block_size: int,
+    scale: float,
+    interpret: bool,
+    config: SparseAttentionConfig | None = None,
+) -> Float[Array, "B T HQ D"]:
+  """Pallas twin of `sparse_attention_reference` (Eq. 6); arguments already validated.
+
+  Args:
+    q: queries `[B, T, HQ, D]` (bf16, f16 or f32; accumulation is float32).
+    k: keys `[B, T, HKV, D]`.
+    v: values `[B, T, HKV, D]`.
+    block_indices: int32 `[B, T, HKV, K]`, leaf indices with -1 padding; held fixed (no gradient).
+    block_size: C, keys per leaf block.
+    scale: logit scale.
+    interpret: run the kernels in the Pallas interpreter (CPU / CI) instead of through Triton.
+    config: tiles and launch parameters; None picks `SparseAttentionConfig.default`.
+
+  Returns:
+    `[B, T, HQ, D]` in q's dtype, differentiable in q, k and v under `jax.custom_vjp`.
+  """
+  b, t, hq, d = q.shape
+  hkv = k.shape[2]
+  g = hq // hkv
+  top_k = block_indices.shape[-1]
+  if config is None:
+    config = SparseAttentionConfig.default(head_dim=d, group=g, top_k=top_k,
+                                           block_size=block_size)
+  dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
+  q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
+  # Head dims that are not a power of two >= 16 are zero-padded: zero columns change no dot
+  # product and give zero output columns, which are sliced off (autodiff handles pad and slice).
+  dp = max(16, _next_pow2(d))
+  # Keys are padded to whole blocks so every block load is in bounds; padded keys sit after every
+  # query and are masked by causality.
+  tk = -(-t // block_size) * block_size
+  if dp != d:
+    pad = ((0, 0), (0, 0), (0, 0), (0, dp - d))
+    q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
+  if tk != t:
+    pad = ((0, 0), (0, tk - t), (0, 0), (0, 0))
+    k, v = jnp.pad(k, pad), jnp.pad(v, pad)
+  block_indices = lax.stop_gradient(block_indices.astype(jnp.int32))
+  q5 = q.reshape(b, t, hkv, g, dp)
+  o5 = _sparse_attention_core(q5, k, v, block_indices, int(block_size), float(scale),
+                              bool(interpret), config)
+  return o5.reshape(b, t, hq, dp)[..., :d]
