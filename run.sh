@@ -46,7 +46,7 @@ cmd=${1:-}
 case "$cmd" in
   demo)
     setup
-    exec .venv/bin/python -m pisa_jax.demo "$@"
+    exec .venv/bin/python -m pisa_jax.train.demo "$@"
     ;;
   test)
     setup
