@@ -1,0 +1,376 @@
+"""Block-selection latency on the GPU: the paper's Table 4 / Figure 3 setting, side by side.
+
+B=1, 32 query heads, 2 KV heads, d=64, C=64, K=8, g=2, bf16 random q/k (seed 0). Each time covers
+the summaries (pyramid or leaf means) and every selection stage, not attention. Rows:
+  pisa_q1 / pisa_q2 / pisa_q4  two-stage Pallas kernels with key-tile reuse over 1/2/4 queries
+  pisa_fused                   per-query fused Pallas kernel (all levels incl. leaves)
+  bsa_pallas                   our flat BSA kernel (two passes, running top-k, no [T, M] in HBM)
+  fla_bsa                      fla's NSA top-k after mean pooling (= BSA), fla-core 0.6.0
+plus the stage breakdown of the default variant and the memory each jitted selection needs.
+Before timing, the kernels are checked against the jnp reference on float32 inputs (and bf16 at
+128K) at 4K, 32K, 128K and 1M; every mismatching row must be a proven near-tie
+(tests/test_selection_pallas.py: decision_margin).
+
+Run on the H200: `python3 benchmarks/bench_selection.py --out $OUT`. Writes selection.json and
+selection.png (log-log latency against N, like the paper's Figure 3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import functools
+import json
+import os
+import sys
+import time
+import traceback
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+jax.config.update("jax_default_matmul_precision", "highest")  # the reference, not our kernels
+
+from pisa_jax.kernels import selection as sel  # noqa: E402
+from pisa_jax.kernels.pyramid import build_pyramid_pallas  # noqa: E402
+from pisa_jax.selection import select_blocks_reference  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from test_selection_pallas import decision_margin  # noqa: E402
+
+warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+
+HQ, HKV, D, C, TOP_K, G = 32, 2, 64, 64, 8, 2
+SCALE = D ** -0.5
+# Compiled through Triton on the GPU; the interpreter elsewhere (a CPU smoke run of this script).
+INTERPRET = jax.default_backend() != "gpu"
+RESULTS: dict = {"setting": dict(B=1, HQ=HQ, HKV=HKV, D=D, C=C, K=TOP_K, g=G, dtype="bfloat16",
+                                 seed=0)}
+
+
+def log(msg):
+  print(msg, flush=True)
+
+
+def inputs(n, dtype, seed=0):
+  kq, kk = jax.random.split(jax.random.PRNGKey(seed))
+  q = jax.random.normal(kq, (1, n, HQ, D), jnp.float32).astype(dtype)
+  k = jax.random.normal(kk, (1, n, HKV, D), jnp.float32).astype(dtype)
+  return q, k
+
+
+def kernel_fn(selector="pisa", variant="two_stage", q_tile=4, beam=TOP_K, interpret=INTERPRET,
+              **tiles):
+  cfg = sel.SelectionConfig(variant=variant, q_tile=q_tile, **tiles)
+  return jax.jit(functools.partial(
+      sel.select_blocks_pallas, block_size=C, top_k=TOP_K, branching=G, selector=selector,
+      scale=SCALE, beam=beam, interpret=interpret, config=cfg))
+
+
+def stage_fns():
+  """Cumulative prefixes of the default two-stage pipeline, for the stage breakdown."""
+  cfg = sel.SelectionConfig(variant="two_stage", q_tile=4)
+
+  def geo(q, k):
+    return sel._geometry(q, k, block_size=C, top_k=TOP_K, branching=G, selector="pisa",
+                         scale=SCALE, beam=TOP_K)
+
+  def pyr(q, k):
+    return build_pyramid_pallas(k, block_size=C, branching=G, interpret=INTERPRET).summaries
+
+  def walk(q, k):
+    s = build_pyramid_pallas(k, block_size=C, branching=G, interpret=INTERPRET).summaries
+    return sel.leaf_candidates_pallas(q, k, s, geo(q, k), interpret=INTERPRET, config=cfg)
+
+  def leaf(q, k):
+    cand = walk(q, k)
+    return sel.leaf_scores_pallas(q, k, cand, geo(q, k), interpret=INTERPRET, config=cfg)
+
+  return {"pyramid": jax.jit(pyr), "pyramid+walk": jax.jit(walk),
+          "pyramid+walk+leaf": jax.jit(leaf)}
+
+
+def time_jax(fn, *args, budget_s=0.25):
+  """Median ms per call over batches of back-to-back calls (async dispatch, one sync per batch)."""
+  jax.block_until_ready(fn(*args))
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  first = time.perf_counter() - t0
+  per_batch = int(np.clip(0.02 / max(first, 1e-6), 1, 50))
+  batches = int(np.clip(budget_s / max(first * per_batch, 1e-6), 3, 15))
+  times = []
+  for _ in range(batches):
+    t0 = time.perf_counter()
+    for _ in range(per_batch):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / per_batch)
+  return float(np.median(times) * 1e3)
+
+
+def memory_bytes(compiled):
+  m = compiled.memory_analysis()
+  return int(m.temp_size_in_bytes + m.output_size_in_bytes)
+
+
+def check(name, fn, q, k, selector, beam=TOP_K, max_proofs=30):
+  """Kernel vs reference; mismatching rows proven near-ties by a float64 re-walk."""
+  t0 = time.perf_counter()
+  out = np.asarray(fn(q, k))
+  kw = dict(block_size=C, top_k=TOP_K, branching=G, selector=selector, scale=SCALE, beam=beam)
+  ref = np.asarray(select_blocks_reference(q.astype(jnp.float32), k.astype(jnp.float32), **kw))
+  bad = np.argwhere(np.any(out != ref, axis=-1))
+  qn, kn = np.asarray(q.astype(jnp.float32)), np.asarray(k.astype(jnp.float32))
+  margins, cache = [], {}
+  for b, t, h in bad[:max_proofs]:
+    margins.append(decision_margin(qn, kn, int(b), int(t), int(h), cache=cache, **kw))
+  proven = all(m < 1e-4 for m in margins)
+  res = dict(rows=int(np.prod(out.shape[:3])), mismatched_rows=int(len(bad)),
+             proofs_checked=len(margins), max_margin_of_mismatch=float(max(margins, default=0)),
+             all_checked_mismatches_near_ties=bool(proven), seconds=round(time.perf_counter() - t0, 1))
+  RESULTS.setdefault("correctness", {})[name] = res
+  log(f"check {name}: {res}")
+
+
+def fla_fns(n):
+  import torch
+  from fla.ops.nsa.parallel import parallel_nsa_topk
+  from fla.ops.utils.pooling import mean_pooling
+  torch.manual_seed(0)
+  q = torch.randn(1, n, HQ, D, device="cuda", dtype=torch.bfloat16)
+  k = torch.randn(1, n, HKV, D, device="cuda", dtype=torch.bfloat16)
+
+  def run():
+    kc = mean_pooling(k, C)
+    return parallel_nsa_topk(q=q, k=kc, lse=None, TK=n, block_counts=TOP_K, block_size=C,
+                             scale=SCALE)
+  return run
+
+
+def time_fla(n):
+  import torch
+  import triton
+  run = fla_fns(n)
+  run()
+  torch.cuda.synchronize()
+  torch.cuda.reset_peak_memory_stats()
+  base = torch.cuda.memory_allocated()
+  t0 = time.perf_counter()
+  run()
+  torch.cuda.synchronize()
+  first = time.perf_counter() - t0
+  peak = torch.cuda.max_memory_allocated() - base
+  if first < 0.05:
+    ms = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median")
+  else:
+    times = []
+    for _ in range(3 if first < 1 else 1):
+      t0 = time.perf_counter()
+      run()
+      torch.cuda.synchronize()
+      times.append(time.perf_counter() - t0)
+    ms = float(np.median(times) * 1e3)
+  return float(ms), int(peak)
+
+
+def plot(out_dir):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  lat = RESULTS["latency_ms"]
+  fig, ax = plt.subplots(figsize=(7, 5))
+  for name, style in (("fla_bsa", "k--o"), ("bsa_pallas", "c-s"), ("pisa_fused", "m-^"),
+                      ("pisa_q1", "y-v"), ("pisa_q2", "g-v"), ("pisa_q4", "b-D")):
+    pts = sorted((int(n), v) for n, v in lat.get(name, {}).items())
+    if pts:
+      ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=name, ms=4)
+  best = RESULTS.get("best_pisa", {})
+  for n, row in best.items():
+    fla = lat.get("fla_bsa", {}).get(n)
+    if fla:
+      ax.annotate(f"{fla / row['ms']:.1f}x", (int(n), row["ms"]), textcoords="offset points",
+                  xytext=(0, -12), fontsize=7, ha="center", color="b")
+  ax.set_xscale("log", base=2)
+  ax.set_yscale("log")
+  ax.set_xlabel("sequence length N")
+  ax.set_ylabel("selection latency (ms)")
+  ax.set_title("Block selection on H200: B=1, 32/2 heads, d=64, C=64, K=8, g=2, bf16\n"
+               "(annotations: fla BSA time / best PISA time)", fontsize=9)
+  ax.grid(True, which="both", alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(os.path.join(out_dir, "selection.png"), dpi=120)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+  ap.add_argument("--sizes", default="4096,8192,16384,32768,65536,131072,262144,524288,1048576")
+  ap.add_argument("--checks", default="4096,32768,131072,1048576")
+  ap.add_argument("--variants", default="pisa_q1,pisa_q2,pisa_q4,pisa_fused,bsa_pallas")
+  # Tuning probes, timed only at --probe-sizes.
+  ap.add_argument("--probes", default="pisa_q4_walkw1,pisa_q4_walkw4,pisa_fused_w4")
+  ap.add_argument("--probe-sizes", default="32768,131072")
+  ap.add_argument("--stage-sizes", default="32768,131072",
+                  help="sizes with the stage breakdown of pisa_q4 (3 extra compiles each)")
+  ap.add_argument("--compile-threads", type=int, default=16)
+  ap.add_argument("--skip-fla", action="store_true")
+  args = ap.parse_args()
+  sizes = [int(x) for x in args.sizes.split(",") if x]
+  checks = [int(x) for x in args.checks.split(",") if x]
+  variants = [x for x in args.variants.split(",") if x]
+  probes = [x for x in args.probes.split(",") if x]
+  probe_sizes = {int(x) for x in args.probe_sizes.split(",") if x}
+
+  stage_sizes = {int(x) for x in args.stage_sizes.split(",") if x}
+
+  def names_at(n):
+    return variants + (probes if n in probe_sizes else [])
+
+  def stages_at(n):
+    return list(stages) if n in stage_sizes else []
+  RESULTS["device"] = str(jax.devices()[0])
+  RESULTS["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+  out_json = os.path.join(args.out, "selection.json")
+
+  def dump():
+    with open(out_json, "w") as f:
+      json.dump(RESULTS, f, indent=1)
+
+  fns = {"pisa_q1": kernel_fn(q_tile=1), "pisa_q2": kernel_fn(q_tile=2),
+         "pisa_q4": kernel_fn(q_tile=4), "pisa_fused": kernel_fn(variant="fused"),
+         "pisa_q4_walkw1": kernel_fn(q_tile=4, walk_warps=1, topk_warps=1),
+         "pisa_q4_walkw4": kernel_fn(q_tile=4, walk_warps=4, topk_warps=4),
+         "pisa_fused_w4": kernel_fn(variant="fused", walk_warps=4),
+         "bsa_pallas": kernel_fn(selector="bsa")}
+  stages = stage_fns()
+
+  def check_list(n):
+    """(name, selector, beam, dtype, seed, kernel) of the checks at size n."""
+    out = [(f"pisa_q4.f32.N{n}", "pisa", TOP_K, jnp.float32, 1, kernel_fn(q_tile=4))]
+    if n <= 32768:
+      out.append((f"pisa_fused.f32.N{n}", "pisa", TOP_K, jnp.float32, 1,
+                  kernel_fn(variant="fused")))
+      out.append((f"bsa_pallas.f32.N{n}", "bsa", TOP_K, jnp.float32, 1,
+                  kernel_fn(selector="bsa")))
+    if n == 4096:
+      for s in ("pisa1", "pisa2"):
+        out.append((f"{s}_q4.f32.N{n}", s, TOP_K, jnp.float32, 1, kernel_fn(selector=s)))
+      out.append((f"pisa_q2_beam16.f32.N{n}", "pisa", 16, jnp.float32, 1,
+                  kernel_fn(q_tile=2, beam=16)))
+    if n == 131072:
+      out.append((f"pisa_q4.bf16.N{n}", "pisa", TOP_K, jnp.bfloat16, 2, kernel_fn(q_tile=4)))
+    return out
+
+  # Compile everything up front, in parallel (Triton compiles are CPU-bound and independent).
+  t0 = time.perf_counter()
+  jobs = {}
+  check_compiled = {}
+  with concurrent.futures.ThreadPoolExecutor(args.compile_threads) as pool:
+    for n in sizes:
+      spec = [jax.ShapeDtypeStruct((1, n, HQ, D), jnp.bfloat16),
+              jax.ShapeDtypeStruct((1, n, HKV, D), jnp.bfloat16)]
+      for name in names_at(n):
+        jobs[(name, n)] = pool.submit(lambda f=fns[name], s=spec: f.lower(*s).compile())
+      for name in stages_at(n):
+        f = stages[name]
+        jobs[(name, n)] = pool.submit(lambda f=f, s=spec: f.lower(*s).compile())
+    check_jobs = {}
+    for n in checks:
+      for name, selector, beam, dtype, seed, fn in check_list(n):
+        spec = [jax.ShapeDtypeStruct((1, n, HQ, D), dtype), jax.ShapeDtypeStruct((1, n, HKV, D), dtype)]
+        check_jobs[name] = pool.submit(lambda f=fn, s=spec: f.lower(*s).compile())
+    compiled = {}
+    for fut in concurrent.futures.as_completed(list(jobs.values())):
+      key = next(k for k, v in jobs.items() if v is fut)
+      log(f"compiled {key} at {time.perf_counter() - t0:.1f} s")
+      try:
+        compiled[key] = fut.result()
+      except Exception as e:  # a failing variant is recorded, the others still run
+        RESULTS.setdefault("errors", {})[f"compile.{key[0]}.N{key[1]}"] = repr(e)[:600]
+        log(f"compile failed {key}: {repr(e)[:600]}")
+    for name, fut in check_jobs.items():
+      try:
+        check_compiled[name] = fut.result()
+      except Exception as e:
+        RESULTS.setdefault("errors", {})[f"compile.{name}"] = repr(e)[:600]
+        log(f"compile failed {name}: {repr(e)[:600]}")
+  RESULTS["compile_seconds"] = round(time.perf_counter() - t0, 1)
+  log(f"compiled {len(compiled)} in {RESULTS['compile_seconds']} s")
+
+  # Correctness first at the smallest check size, then the timings, then the larger checks.
+  def run_checks(ns):
+    for n in ns:
+      for name, selector, beam, dtype, seed, fn in check_list(n):
+        try:
+          q, k = inputs(n, dtype, seed=seed)
+          check(name, check_compiled.get(name, fn), q, k, selector, beam=beam)
+        except Exception as e:
+          RESULTS.setdefault("errors", {})[f"check.{name}"] = traceback.format_exc()[-1500:]
+          log(f"check failed {name}: {traceback.format_exc()[-1500:]}")
+        dump()
+
+  run_checks([n for n in checks if n <= 4096])
+
+  lat = RESULTS.setdefault("latency_ms", {})
+  mem = RESULTS.setdefault("memory_bytes", {})
+  for n in sizes:
+    q, k = inputs(n, jnp.bfloat16, seed=0)
+    for name in names_at(n) + stages_at(n):
+      if (name, n) not in compiled:
+        continue
+      try:
+        lat.setdefault(name, {})[str(n)] = round(time_jax(compiled[(name, n)], q, k), 4)
+        mem.setdefault(name, {})[str(n)] = memory_bytes(compiled[(name, n)])
+      except Exception as e:
+        RESULTS.setdefault("errors", {})[f"run.{name}.N{n}"] = repr(e)[:600]
+        log(f"run failed {name} N{n}: {repr(e)[:600]}")
+    if not args.skip_fla:
+      try:
+        ms, peak = time_fla(n)
+        lat.setdefault("fla_bsa", {})[str(n)] = round(ms, 4)
+        mem.setdefault("fla_bsa", {})[str(n)] = peak
+      except Exception as e:
+        RESULTS.setdefault("errors", {})[f"fla.N{n}"] = repr(e)[:600]
+        log(f"fla failed N{n}: {repr(e)[:600]}")
+    row = {name: lat.get(name, {}).get(str(n)) for name in names_at(n) + ["fla_bsa"] + stages_at(n)}
+    log(f"N={n}: " + ", ".join(f"{a}={b}" for a, b in row.items()))
+    dump()
+
+  # Derived: best PISA variant per N, ratio to fla, doubling growth, stage breakdown.
+  pisa_names = [v for v in variants if v.startswith("pisa")]
+  best = {}
+  for n in sizes:
+    cands = [(lat[v][str(n)], v) for v in pisa_names if str(n) in lat.get(v, {})]
+    if cands:
+      ms, v = min(cands)
+      fla = lat.get("fla_bsa", {}).get(str(n))
+      best[str(n)] = dict(ms=ms, variant=v, fla_over_pisa=round(fla / ms, 2) if fla else None)
+  RESULTS["best_pisa"] = best
+  growth = {}
+  for v in pisa_names + ["bsa_pallas", "fla_bsa"]:
+    pts = lat.get(v, {})
+    growth[v] = {f"{a}->{b}": round(pts[str(b)] / pts[str(a)], 2)
+                 for a, b in zip(sizes, sizes[1:]) if str(a) in pts and str(b) in pts}
+  RESULTS["doubling_ratio"] = growth
+  brk = {}
+  for n in sizes:
+    s = {name: lat.get(name, {}).get(str(n)) for name in list(stages) + ["pisa_q4"]}
+    if all(x is not None for x in s.values()):
+      brk[str(n)] = dict(pyramid=s["pyramid"], walk=round(s["pyramid+walk"] - s["pyramid"], 4),
+                         leaf_scoring_incl_sort=round(s["pyramid+walk+leaf"] - s["pyramid+walk"], 4),
+                         final_topk=round(s["pisa_q4"] - s["pyramid+walk+leaf"], 4))
+  RESULTS["stage_breakdown_ms_pisa_q4"] = brk
+  dump()
+  plot(args.out)
+
+  run_checks([n for n in checks if n > 4096])
+  dump()
+  log(json.dumps({k: RESULTS[k] for k in ("best_pisa", "doubling_ratio") if k in RESULTS}))
+  log("DONE")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,771 @@
+"""Pallas kernels for block selection (Section 3.3, Algorithm 1, Appendix B): the twin of
+`pisa_jax.selection.select_blocks_reference` for "pisa", "pisa1", "pisa2" and "bsa".
+
+Variants (chosen by `SelectionConfig.variant`):
+- "two_stage" (Algorithm 1, the paper's Q1/Q2/Q4):
+  1. `_walk_kernel`, one program per (query, KV head): loads the group's query heads once and walks
+     the pyramid from the root to level 2 (Eq. 16-18). At each level it gathers the candidates'
+     child summaries, scores them per head (Eq. 21/33/34), sums over the group (Eq. 22), applies
+     the eligibility and forced-node rules and keeps `beam` nodes with an in-kernel top-k (repeated
+     max / lowest-index argmax). Candidates live in registers; only the level-1 candidates
+     `[B*T*HKV, NC]` go back to HBM.
+  2. `_leaf_tile_kernel`: the (query, candidate leaf) pairs that need a score are grouped by leaf
+     with a stable argsort outside the kernel and cut into tiles of at most `q_tile` queries; each
+     program loads one leaf's raw keys once and scores `q_tile` queries x the group's heads with one
+     dot (Eq. 21 with l = 1: the exact raw-key LSE).
+  3. `_final_topk_kernel`: forced blocks first, then the top_k best scores, ascending, -1 padded.
+- "fused" (the paper's per-query variant, and the shape of a decode kernel): `_fused_kernel` walks
+  all levels, the leaves included, in one program per (query, KV head).
+BSA (`_bsa_kernel`) is flat: one program per (tile of queries, KV head) makes two passes over the
+leaf summaries, the first for each head's online softmax normaliser, the second for the
+group-summed probabilities merged into a running top-k, so no `[T, M]` array ever reaches HBM.
+
+Layout: q `[B, T, HQ, D]` and k `[B, T, HKV, D]` are viewed as rows `[B*T*HQ, D]` / `[B*T*HKV, D]`
+(free reshapes, native layout) and gathered with clamped, masked 2-D index arrays. Every value in a
+kernel has power-of-two shapes: the group's heads are padded to `Gp`, the candidates to `NC`, the
+head dim to `Dp` and the block to `Cp`, with masks. Scores are float32 whatever the input dtype:
+16-bit inputs are exact in a 16-bit tensor-core dot with float32 accumulation, and the float32
+summaries are split into a 16-bit high and low part (two dots, ~2^-17 relative error); float32
+inputs use an IEEE float32 dot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+from jaxtyping import Array, Float, Int
+
+from pisa_jax.kernels.pyramid import build_pyramid_pallas, leaf_summaries_pallas, next_pow2
+from pisa_jax.pyramid import level_sizes, node_span
+
+SELECTORS = ("pisa", "pisa1", "pisa2", "bsa")
+VARIANTS = ("two_stage", "fused")
+_BIG = 2**30  # larger than any node id; marks an empty slot in the in-kernel top-k
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+# Triton's tensor-core dots need every dimension >= 16.
+_MIN_DOT = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionConfig:
+  """Variant and tile sizes of the selection kernels.
+
+  Attributes:
+    variant: "two_stage" (walk kernel, leaf-tile kernel, final top-k) or "fused" (per query, all
+      levels in one kernel). Ignored by "bsa".
+    q_tile: queries per leaf-tile program of the two-stage variant (1, 2, 4 or 8; the paper's
+      Q1/Q2/Q4): one leaf's keys are loaded once for up to q_tile queries x the group's heads.
+    topk_rows: (query, KV head) rows per program of the final top-k kernel.
+    bsa_q_tile: queries per BSA program.
+    bsa_block_tile: leaf summaries per BSA loop step.
+    walk_warps: Triton warps of the walk and fused kernels (their values are tiny, `[16, NC]`:
+      fewer warps mean cheaper cross-warp reductions in the in-kernel top-k).
+    leaf_warps: Triton warps of the leaf-tile and BSA kernels (dots of 64+ rows).
+    topk_warps: Triton warps of the final top-k kernel.
+    num_stages: Triton software-pipelining stages.
+  """
+
+  variant: str = "two_stage"
+  q_tile: int = 4
+  topk_rows: int = 32
+  bsa_q_tile: int = 4
+  bsa_block_tile: int = 64
+  walk_warps: int = 2
+  leaf_warps: int = 4
+  topk_warps: int = 2
+  num_stages: int = 2
+
+  def __post_init__(self):
+    if self.variant not in VARIANTS:
+      raise ValueError(f"variant={self.variant!r} must be one of {VARIANTS}")
+    for name in ("q_tile", "topk_rows", "bsa_q_tile", "bsa_block_tile"):
+      value = getattr(self, name)
+      if value < 1 or value & (value - 1):
+        raise ValueError(f"{name}={value} must be a power of two")
+    if self.bsa_block_tile < _MIN_DOT:
+      raise ValueError(f"bsa_block_tile={self.bsa_block_tile} must be >= {_MIN_DOT} (dot size)")
+
+  @classmethod
+  def default(cls, *, seq_len: int, group: int) -> "SelectionConfig":
+    """Heuristic default: the two-stage variant with Q4 key-tile reuse (fewest leaf-key loads per
+    query), and BSA tiles of about 64 query rows (bsa_q_tile * padded group) per program."""
+    del seq_len
+    gp = next_pow2(group)
+    return cls(variant="two_stage", q_tile=4, bsa_q_tile=max(1, min(16, 64 // gp)))
+
+
+def _pow2_at_least(n: int, floor: int) -> int:
+  return max(floor, next_pow2(n))
+
+
+def _qk(a, b, mode: str):
+  """a @ b.T in float32: a `[R, Dp]`, b `[N, Dp]` -> `[R, N]`.
+
+  mode "f32": float32 operands at IEEE precision; "native": both in the same 16-bit dtype (the
+  products are exact, the accumulation float32); "split": a 16-bit, b float32 split into a 16-bit
+  high part and the 16-bit rounding of the remainder (two dots, relative error ~2^-17).
+  """
+  dims = (((1,), (1,)), ((), ()))
+  if mode == "f32":
+    return lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dims,
+                           precision=(lax.Precision.HIGHEST, lax.Precision.HIGHEST),
+                           preferred_element_type=jnp.float32)
+  if mode == "native":
+    return lax.dot_general(a, b.astype(a.dtype), dims, preferred_element_type=jnp.float32)
+  hi = b.astype(a.dtype)
+  lo = (b - hi.astype(jnp.float32)).astype(a.dtype)
+  return (lax.dot_general(a, hi, dims, preferred_element_type=jnp.float32)
+          + lax.dot_general(a, lo, dims, preferred_element_type=jnp.float32))
+
+
+def _reduce_children(zs, masks, selector: str):
+  """Per-head score of each candidate from its children's logits (natural units).
+
+  zs: list over children of `[Gp, N]` logits; masks: list of `[N]` child-exists masks.
+  Eq. 21 ("pisa"): log-sum-exp; Eq. 33 ("pisa1"): mean; Eq. 34 ("pisa2"): mean + population
+  variance / 2.
+  """
+  if selector == "pisa":
+    m = functools.reduce(jnp.maximum, [jnp.where(v[None, :], z, -jnp.inf) for z, v in zip(zs, masks)])
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    total = sum(jnp.where(v[None, :], jnp.exp2((z - m_safe) * _LOG2E), 0.0) for z, v in zip(zs, masks))
+    return m_safe + jnp.log2(total) * _LN2
+  count = jnp.maximum(sum(v.astype(jnp.float32) for v in masks), 1.0)[None, :]
+  mean = sum(jnp.where(v[None, :], z, 0.0) for z, v in zip(zs, masks)) / count
+  if selector == "pisa1":
+    return mean
+  var = sum(jnp.where(v[None, :], jnp.square(z - mean), 0.0) for z, v in zip(zs, masks)) / count
+  return mean + 0.5 * var
+
+
+def _reduce_keys(z, m_key, selector: str):
+  """Per-row score over one leaf's raw keys: z `[R, Cp]` logits, m_key `[Cp]` -> `[R]`."""
+  if selector == "pisa":
+    # Eq. 21 at the leaves: the exact raw-key LSE, with exp2 on log2(e)-scaled logits.
+    z2 = jnp.where(m_key[None, :], z * _LOG2E, -jnp.inf)
+    m = jnp.max(z2, axis=1)
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    total = jnp.sum(jnp.exp2(z2 - m_safe[:, None]), axis=1)
+    return (m_safe + jnp.log2(total)) * _LN2
+  count = jnp.maximum(jnp.sum(m_key.astype(jnp.float32)), 1.0)
+  mean = jnp.sum(jnp.where(m_key[None, :], z, 0.0), axis=1) / count
+  if selector == "pisa1":
+    return mean
+  var = jnp.sum(jnp.where(m_key[None, :], jnp.square(z - mean[:, None]), 0.0), axis=1) / count
+  return mean + 0.5 * var
+
+
+def _forced(cand, cur, leaves_per_node):
+  """Ancestors (nodes of `leaves_per_node` leaves) of the first, previous and current leaves
+  (Appendix B)."""
+  prev_anc = jnp.where(cur >= 1, (cur - 1) // leaves_per_node, -1)
+  return (cand == 0) | (cand == prev_anc) | (cand == cur // leaves_per_node)
+
+
+def _top_mask(cand, valid, forced, score, keep: int):
+  """Select_K of Eq. 17 with the forced-node rule: which candidates are kept, `[..., N]` bool.
+
+  If at most `keep` candidates are valid all are kept; otherwise forced ones first, then the highest
+  scores, ties to the lower node id. Repeated max / lowest-index argmax (no sort in kernels).
+  Reductions run over the last axis, so this works on `[N]` and `[rows, N]`.
+  """
+  keep_all = jnp.sum(valid.astype(jnp.int32), axis=-1, keepdims=True) <= keep
+  key = jnp.where(forced | keep_all, jnp.inf, score)
+
+  # A loop, not an unrolled Python loop: Triton compile time grows with the unrolled code.
+  def pick_one(_, taken):
+    avail = valid & ~taken
+    k_avail = jnp.where(avail, key, -jnp.inf)
+    best = jnp.max(k_avail, axis=-1, keepdims=True)
+    pick = jnp.min(jnp.where(avail & (k_avail == best), cand, _BIG), axis=-1, keepdims=True)
+    return taken | (avail & (cand == pick))
+
+  return lax.fori_loop(0, keep, pick_one, jnp.zeros(cand.shape, jnp.bool_))
+
+
+def _sorted_kept(cand, taken, width: int):
+  """The kept node ids ascending, -1 padded: `[..., N]` -> `[..., width]`."""
+  out = jnp.full(cand.shape[:-1] + (width,), -1, jnp.int32)
+  slot = lax.broadcasted_iota(jnp.int32, out.shape, out.ndim - 1)
+
+  def next_smallest(r, carry):
+    out, prev = carry
+    nxt = jnp.min(jnp.where(taken & (cand > prev), cand, _BIG), axis=-1, keepdims=True)
+    out = jnp.where((slot == r) & (nxt < _BIG), nxt, out)
+    return out, jnp.where(nxt < _BIG, nxt, prev)
+
+  prev = jnp.full(cand.shape[:-1] + (1,), -1, jnp.int32)
+  return lax.fori_loop(0, width, next_smallest, (out, prev))[0]
+
+
+def _expand(cand, taken, branching: int, width: int):
+  """Eq. 18: the children of the kept nodes, `[N]` -> `[width]` candidate ids (-1 empty)."""
+  slot = jnp.arange(width)
+  o_parent, o_child = slot // branching, slot % branching
+
+  def next_parent(r, carry):
+    out, prev = carry
+    nxt = jnp.min(jnp.where(taken & (cand > prev), cand, _BIG), axis=-1, keepdims=True)
+    out = jnp.where((o_parent == r) & (nxt < _BIG), nxt * branching + o_child, out)
+    return out, jnp.where(nxt < _BIG, nxt, prev)
+
+  init = (jnp.full((width,), -1, jnp.int32), jnp.full((1,), -1, jnp.int32))
+  return lax.fori_loop(0, width // branching, next_parent, init)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geometry:
+  """Static shapes shared by the kernels."""
+
+  batch: int
+  seq_len: int
+  hq: int
+  hkv: int
+  d: int
+  block_size: int
+  top_k: int
+  beam: int
+  branching: int
+  selector: str
+  scale: float
+  sizes: tuple[int, ...]
+  score_mode: str  # dot mode for summaries: "f32" or "split"
+  key_mode: str  # dot mode for raw keys: "f32" or "native"
+
+  @property
+  def group(self) -> int:
+    return self.hq // self.hkv
+
+  @property
+  def gp(self) -> int:
+    return _pow2_at_least(self.group, _MIN_DOT)
+
+  @property
+  def dp(self) -> int:
+    return _pow2_at_least(self.d, _MIN_DOT)
+
+  @property
+  def cp(self) -> int:
+    return _pow2_at_least(self.block_size, _MIN_DOT)
+
+  @property
+  def nc(self) -> int:
+    """Candidate slots per level below the root: up to beam * branching children."""
+    return _pow2_at_least(self.beam * self.branching, _MIN_DOT)
+
+  @property
+  def kp(self) -> int:
+    return next_pow2(self.top_k)
+
+  @property
+  def num_blocks(self) -> int:
+    return self.sizes[0]
+
+
+def _load_group_queries(q_ref, geo: _Geometry, i_b, t, i_h, rows: int):
+  """The group's query heads of query t: `[rows, Dp]` (padded heads and columns read as zero)."""
+  o_head = jnp.arange(rows)
+  o_col = jnp.arange(geo.dp)
+  m = (o_head < geo.group)[:, None] & (o_col < geo.d)[None, :]
+  q_rows = (i_b * geo.seq_len + t) * geo.hq + i_h * geo.group + jnp.minimum(o_head, geo.group - 1)
+  return plt.load(q_ref.at[q_rows[:, None], jnp.minimum(o_col, geo.d - 1)[None, :]], mask=m,
+                  other=0.0)
+
+
+def _load_rows(ref, rows, m_row, geo: _Geometry):
+  """Rows `[N]` of a `[*, D]` ref as `[N, Dp]`, masked rows and padded columns zero."""
+  o_col = jnp.arange(geo.dp)
+  return plt.load(ref.at[rows[:, None], jnp.minimum(o_col, geo.d - 1)[None, :]],
+                  mask=m_row[:, None] & (o_col < geo.d)[None, :], other=0.0)
+
+
+def _level_table(geo: _Geometry):
+  """int32 `[3, LP]`: per level l (index l - 1) its node count, its first row in the stacked
+  summaries `[sum_l B*M_l*HKV, D]` of levels 1..L-1, and its leaves per node g^(l-1)."""
+  lp = next_pow2(len(geo.sizes) + 1)
+  sizes = list(geo.sizes) + [1] * (lp - len(geo.sizes))
+  offsets, acc = [], 0
+  for m in sizes:
+    offsets.append(acc)
+    acc += geo.batch * m * geo.hkv
+  pows = [geo.branching ** i for i in range(lp)]
+  return jnp.asarray([sizes, offsets, pows], jnp.int32)
+
+
+def _load_table(tab_ref, geo: _Geometry):
+  lp = tab_ref.shape[1]
+  o = jnp.arange(lp)
+  return tuple(plt.load(tab_ref.at[jnp.full((lp,), r, jnp.int32), o]) for r in range(3))
+
+
+def _pick(vec, idx):
+  """vec[idx] for a value (no dynamic indexing of values in Triton kernels)."""
+  return jnp.sum(jnp.where(jnp.arange(vec.shape[0]) == idx, vec, 0))
+
+
+def _walk_to_leaves(qg, m_head, i_b, t, i_h, s_ref, tab_ref, geo: _Geometry):
+  """Stage 1 (Algorithm 1, lines 5-14): root -> level 2 for one (query, KV head).
+
+  The levels are a loop (sizes and offsets read from `tab_ref`), so the kernel's code does not grow
+  with the number of levels. Returns the level-1 candidates `[NC]` (leaf ids, -1 where empty or not
+  eligible).
+  """
+  sizes, g, nc = geo.sizes, geo.branching, geo.nc
+  num_levels = len(sizes)
+  slot = jnp.arange(nc)
+  cur = t // geo.block_size
+  if num_levels == 1:
+    return jnp.where(slot == 0, 0, -1)
+  tab_size, tab_off, tab_pow = _load_table(tab_ref, geo)
+
+  def one_level(i, cand):
+    level = num_levels - 1 - i  # L-1 down to 2
+    m_level = _pick(tab_size, level - 1)
+    leaves_per_node = _pick(tab_pow, level - 1)
+    n_child = _pick(tab_size, level - 2)
+    off_child = _pick(tab_off, level - 2)
+    valid = (cand >= 0) & (cand < m_level) & (cand * (leaves_per_node * geo.block_size) <= t)
+    forced = valid & _forced(cand, cur, leaves_per_node)
+    zs, masks = [], []
+    for j in range(g):
+      child = jnp.where(valid, cand, 0) * g + j
+      m_child = valid & (child < n_child)
+      rows = off_child + (i_b * n_child + jnp.minimum(child, n_child - 1)) * geo.hkv + i_h
+      b_s = _load_rows(s_ref, rows, m_child, geo)
+      # [Gp, NC] logits of every head against child j of every candidate.
+      zs.append(geo.scale * _qk(qg, b_s, geo.score_mode))
+      masks.append(m_child)
+    per_head = _reduce_children(zs, masks, geo.selector)
+    # Eq. 22: the group's heads share one selection, scored by their sum.
+    score = jnp.sum(jnp.where(m_head[:, None], per_head, 0.0), axis=0)
+    taken = _top_mask(cand, valid, forced, score, geo.beam)
+    return _expand(cand, taken, g, nc)
+
+  # The root is always kept (one candidate <= beam): A^(L-1) = its children (Eq. 18).
+  cand = jnp.where(slot < min(g, sizes[-2]), slot, -1)
+  cand = lax.fori_loop(0, num_levels - 2, one_level, cand)
+  valid = (cand >= 0) & (cand < sizes[0]) & (cand * geo.block_size <= t)
+  return jnp.where(valid, cand, -1)
+
+
+def _leaf_needs_score(cand, t, geo: _Geometry):
+  """Which level-1 candidates are ranked by score: eligible, not forced, and more eligible
+  candidates than top_k. `cand` `[..., NC]`, t broadcastable to it."""
+  valid = cand >= 0
+  cur = t // geo.block_size
+  forced = _forced(cand, cur, 1)
+  many = jnp.sum(valid.astype(jnp.int32), axis=-1, keepdims=True) > geo.top_k
+  return valid & ~forced & many, valid, forced
+
+
+def _walk_kernel(q_ref, s_ref, tab_ref, cand_ref, *, geo: _Geometry):
+  """Stage 1: one program per (query, KV head); writes the leaf candidates `[NC]`."""
+  i_p = pl.program_id(0)
+  i_bh, t = i_p // geo.seq_len, i_p % geo.seq_len
+  i_b, i_h = i_bh // geo.hkv, i_bh % geo.hkv
+  m_head = jnp.arange(geo.gp) < geo.group
+  qg = _load_group_queries(q_ref, geo, i_b, t, i_h, geo.gp)
+  cand = _walk_to_leaves(qg, m_head, i_b, t, i_h, s_ref, tab_ref, geo)
+  row = (i_b * geo.seq_len + t) * geo.hkv + i_h
+  cand_ref[row, :] = cand
+
+
+def _leaf_scores_one(qg, m_head, leaf, valid, i_b, i_h, k_ref, geo: _Geometry):
+  """Group-summed raw-key score of one leaf for one query: qg `[Gp, Dp]` -> scalar."""
+  o_key = jnp.arange(geo.cp)
+  pos = leaf * geo.block_size + o_key
+  m_key = (o_key < geo.block_size) & (pos < geo.seq_len)
+  rows = (i_b * geo.seq_len + jnp.minimum(pos, geo.seq_len - 1)) * geo.hkv + i_h
+  b_k = _load_rows(k_ref, rows, m_key & valid, geo)
+  z = geo.scale * _qk(qg, b_k, geo.key_mode)
+  per_head = _reduce_keys(z, m_key, geo.selector)
+  return jnp.sum(jnp.where(m_head, per_head, 0.0))
+
+
+def _final_select(cand, score, t, geo: _Geometry):
+  """Leaf Select_K (Eq. 17 at l = 1) and ascending order: `[..., NC]` -> `[..., KP]`."""
+  need, valid, forced = _leaf_needs_score(cand, t, geo)
+  score = jnp.where(need, score, 0.0)
+  taken = _top_mask(cand, valid, forced, score, geo.top_k)
+  return _sorted_kept(cand, taken, geo.kp)
+
+
+def _fused_kernel(q_ref, k_ref, s_ref, tab_ref, out_ref, *, geo: _Geometry):
+  """Per-query variant: all levels, the leaves included, for one (query, KV head)."""
+  i_p = pl.program_id(0)
+  i_bh, t = i_p // geo.seq_len, i_p % geo.seq_len
+  i_b, i_h = i_bh // geo.hkv, i_bh % geo.hkv
+  m_head = jnp.arange(geo.gp) < geo.group
+  qg = _load_group_queries(q_ref, geo, i_b, t, i_h, geo.gp)
+  cand = _walk_to_leaves(qg, m_head, i_b, t, i_h, s_ref, tab_ref, geo)
+  need, _, _ = _leaf_needs_score(cand, t, geo)
+  slot = jnp.arange(geo.nc)
+
+  def score_leaf(c, scores):
+    leaf = jnp.sum(jnp.where(slot == c, cand, 0))
+    needed = jnp.sum(jnp.where(slot == c, need.astype(jnp.int32), 0)) > 0
+    s = _leaf_scores_one(qg, m_head, jnp.maximum(leaf, 0), needed, i_b, i_h, k_ref, geo)
+    return jnp.where(slot == c, s, scores)
+
+  scores = lax.fori_loop(0, geo.nc, score_leaf, jnp.zeros((geo.nc,), jnp.float32))
+  out = _final_select(cand[None, :], scores[None, :], t, geo)
+  row = (i_b * geo.seq_len + t) * geo.hkv + i_h
+  out_ref[pl.ds(row, 1), :] = out
+
+
+def _leaf_tile_kernel(q_ref, k_ref, start_ref, bucket_ref, pair_ref, score_ref, *, geo: _Geometry,
+                      q_tile: int, num_pairs: int, num_buckets: int):
+  """Stage 2 (Algorithm 1, lines 16-22): one leaf's keys against up to q_tile queries.
+
+  start_ref `[NG]`: first sorted position of each tile (num_pairs when the tile is unused);
+  bucket_ref `[P]`: sorted (batch, KV head, leaf) buckets; pair_ref `[P]`: the pair id
+  (row * NC + slot) at each sorted position. Writes score_ref[pair] (trash slot P when masked).
+  """
+  gp = max(_pow2_at_least(geo.group, 1), _MIN_DOT // q_tile)
+  rows_n = q_tile * gp
+  i_g = pl.program_id(0)
+  o_r = jnp.arange(rows_n)
+  o_e = jnp.arange(q_tile)
+  start = jnp.max(plt.load(start_ref.at[jnp.full((q_tile,), i_g, jnp.int32)]))
+  # Entry e of the tile is sorted position start + e; it belongs to the tile if it exists and has
+  # the tile's bucket (a bucket's last tile may be short).
+  pos_e = start + o_e
+  bucket0 = jnp.max(plt.load(bucket_ref.at[jnp.full((q_tile,), jnp.minimum(start, num_pairs - 1))]))
+  bucket_e = plt.load(bucket_ref.at[jnp.minimum(pos_e, num_pairs - 1)])
+  m_e = (pos_e < num_pairs) & (bucket_e == bucket0)
+  pair_e = plt.load(pair_ref.at[jnp.minimum(pos_e, num_pairs - 1)])
+  # An unused tile (start == P) reads the last pair's bucket; clamp so its addresses stay valid.
+  bucket = jnp.minimum(bucket0, num_buckets - 1)
+  m_blocks = geo.num_blocks
+  leaf = bucket % m_blocks
+  i_bh = bucket // m_blocks
+  i_b, i_h = i_bh // geo.hkv, i_bh % geo.hkv
+  # [Q*Gp] query rows: entry r // gp, head r % gp.
+  e_r = o_r // gp
+  j_r = o_r % gp
+  pos_r = start + e_r
+  m_r = (pos_r < num_pairs) & (j_r < geo.group)
+  pair_r = plt.load(pair_ref.at[jnp.minimum(pos_r, num_pairs - 1)])
+  bucket_r = plt.load(bucket_ref.at[jnp.minimum(pos_r, num_pairs - 1)])
+  m_r = m_r & (bucket_r == bucket0)
+  qk_row = pair_r // geo.nc  # (b * T + t) * HKV + h
+  q_rows = (qk_row // geo.hkv) * geo.hq + i_h * geo.group + jnp.minimum(j_r, geo.group - 1)
+  b_q = _load_rows(q_ref, q_rows, m_r, geo)
+  o_key = jnp.arange(geo.cp)
+  key_pos = leaf * geo.block_size + o_key
+  m_key = (o_key < geo.block_size) & (key_pos < geo.seq_len)
+  k_rows = (i_b * geo.seq_len + jnp.minimum(key_pos, geo.seq_len - 1)) * geo.hkv + i_h
+  b_k = _load_rows(k_ref, k_rows, m_key, geo)
+  # [Q*Gp, Cp]: every (query, head) of the tile against the leaf's raw keys, one dot.
+  z = geo.scale * _qk(b_q, b_k, geo.key_mode)
+  per_row = jnp.where(m_r, _reduce_keys(z, m_key, geo.selector), 0.0)
+  # Eq. 22: sum each entry's heads, [Q].
+  score_e = jnp.sum(jnp.where(e_r[None, :] == o_e[:, None], per_row[None, :], 0.0), axis=1)
+  trash = num_pairs
+  plt.store(score_ref.at[jnp.where(m_e, pair_e, trash)], score_e)
+
+
+def _final_topk_kernel(cand_ref, score_ref, out_ref, *, geo: _Geometry, rows: int, num_rows: int):
+  """Stage 2 final Select_K for `rows` (query, KV head) rows: `[rows, NC]` -> `[rows, KP]`."""
+  i_p = pl.program_id(0)
+  o_row = i_p * rows + jnp.arange(rows)
+  m_row = o_row < num_rows
+  c_row = jnp.minimum(o_row, num_rows - 1)
+  o_slot = jnp.arange(geo.nc)
+  cand = plt.load(cand_ref.at[c_row[:, None], o_slot[None, :]])
+  cand = jnp.where(m_row[:, None], cand, -1)
+  score = plt.load(score_ref.at[(c_row[:, None] * geo.nc + o_slot[None, :])])
+  t = ((c_row // geo.hkv) % geo.seq_len)[:, None]
+  out = _final_select(cand, score, t, geo)
+  trash = num_rows
+  plt.store(out_ref.at[jnp.where(m_row, o_row, trash)[:, None], jnp.arange(geo.kp)[None, :]], out)
+
+
+def _bsa_kernel(q_ref, s_ref, out_ref, *, geo: _Geometry, q_tile: int, block_tile: int):
+  """Flat BSA for q_tile queries of one KV head, without materialising `[T, M]` scores.
+
+  Pass 1: per (query, head) online max / sum of exp over the complete past blocks (the softmax
+  normaliser). Pass 2: the normalised probabilities summed over the group's heads, merged block
+  tile by block tile into a running top-(top_k - 3) of the non-forced past blocks.
+  """
+  gp = max(next_pow2(geo.group), _MIN_DOT // q_tile)
+  rows_n = q_tile * gp
+  n_tiles = pl.cdiv(geo.seq_len, q_tile)
+  i_p = pl.program_id(0)
+  i_bh, i_tile = i_p // n_tiles, i_p % n_tiles
+  i_b, i_h = i_bh // geo.hkv, i_bh % geo.hkv
+  t0 = i_tile * q_tile
+  o_r = jnp.arange(rows_n)
+  e_r, j_r = o_r // gp, o_r % gp
+  t_r = t0 + e_r
+  m_r = (t_r < geo.seq_len) & (j_r < geo.group)
+  q_rows = ((i_b * geo.seq_len + jnp.minimum(t_r, geo.seq_len - 1)) * geo.hq + i_h * geo.group
+            + jnp.minimum(j_r, geo.group - 1))
+  b_q = _load_rows(q_ref, q_rows, m_r, geo)
+  cur_r = (t_r // geo.block_size)[:, None]
+  o_e = jnp.arange(q_tile)
+  t_e = t0 + o_e
+  cur_e = (jnp.minimum(t_e, geo.seq_len - 1) // geo.block_size)[:, None]
+  num_blocks = geo.num_blocks
+  last_cur = jnp.minimum(t0 + q_tile - 1, geo.seq_len - 1) // geo.block_size
+  n_steps = pl.cdiv(last_cur, block_tile)
+  o_blk = jnp.arange(block_tile)
+  scale2 = geo.scale * _LOG2E
+
+  def logits(i):
+    blk = i * block_tile + o_blk
+    rows = (i_b * num_blocks + jnp.minimum(blk, num_blocks - 1)) * geo.hkv + i_h
+    b_s = _load_rows(s_ref, rows, blk < num_blocks, geo)
+    # [Q*Gp, BT] base-2 logits; Eq. 4 over complete past blocks only.
+    z2 = scale2 * _qk(b_q, b_s, geo.score_mode)
+    past = blk[None, :] < cur_r
+    return blk, jnp.where(past, z2, -jnp.inf)
+
+  def normaliser(i, carry):
+    m, l = carry
+    _, z2 = logits(i)
+    m_new = jnp.maximum(m, jnp.max(z2, axis=1, keepdims=True))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    l = l * jnp.exp2(jnp.where(m == -jnp.inf, -jnp.inf, m - m_safe)) + jnp.sum(
+        jnp.exp2(z2 - m_safe), axis=1, keepdims=True)
+    return m_new, l
+
+  m0 = jnp.full((rows_n, 1), -jnp.inf, jnp.float32)
+  m, l = lax.fori_loop(0, n_steps, normaliser, (m0, jnp.zeros((rows_n, 1), jnp.float32)))
+  m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+  inv_l = jnp.where(m_r[:, None] & (l > 0), 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
+  n_best = geo.top_k - 3
+  bp = next_pow2(max(n_best, 1))
+  o_best = jnp.arange(bp)[None, :]
+
+  def merge(i, carry):
+    best_v, best_i = carry
+    blk, z2 = logits(i)
+    p = jnp.exp2(z2 - m_safe) * inv_l
+    # [Q, BT] group-summed probabilities (Eq. 22 for BSA).
+    ps = jnp.sum(jnp.where((e_r[None, :] == o_e[:, None])[:, :, None], p[None, :, :], 0.0), axis=1)
+    blk2 = jnp.broadcast_to(blk[None, :], ps.shape)
+    # Candidates: complete past blocks that are not forced (0 and cur - 1 are kept anyway).
+    m_cand = (blk2 < cur_e) & (blk2 != 0) & (blk2 != cur_e - 1)
+    cv = jnp.where(m_cand, ps, -jnp.inf)
+
+    # Insert while some row has a candidate strictly better than its worst kept entry: the best
+    # candidate (lowest block on ties) replaces the worst entry (highest block on ties; earlier
+    # tiles hold lower blocks, so an equal newcomer never displaces it). Later tiles rarely beat
+    # the running top-(K-3), so this loop usually runs zero or one time.
+    def improvable(c):
+      best_v, _, cv = c
+      gain = (jnp.max(cv, axis=1) > jnp.min(best_v, axis=1)).astype(jnp.int32)
+      return jnp.max(gain) > 0
+
+    def insert(c):
+      best_v, best_i, cv = c
+      m2 = jnp.max(cv, axis=1, keepdims=True)
+      i2 = jnp.min(jnp.where(cv == m2, blk2, _BIG), axis=1, keepdims=True)
+      wv = jnp.min(best_v, axis=1, keepdims=True)
+      wi = jnp.max(jnp.where(best_v == wv, best_i, -1), axis=1, keepdims=True)
+      # Empty slots share the index _BIG: replace exactly one slot.
+      ws = jnp.max(jnp.where((best_v == wv) & (best_i == wi), o_best, -1), axis=1, keepdims=True)
+      do = m2 > wv
+      hit = do & (o_best == ws)
+      best_v = jnp.where(hit, m2, best_v)
+      best_i = jnp.where(hit, i2, best_i)
+      cv = jnp.where(do, jnp.where(blk2 == i2, -jnp.inf, cv), -jnp.inf)
+      return best_v, best_i, cv
+
+    best_v, best_i, _ = lax.while_loop(improvable, insert, (best_v, best_i, cv))
+    return best_v, best_i
+
+  # Slots past top_k - 3 hold +inf so they are never the worst entry, and no block.
+  best_v = jnp.where(o_best < n_best, -jnp.inf, jnp.inf) + jnp.zeros((q_tile, bp), jnp.float32)
+  best_i = jnp.full((q_tile, bp), _BIG, jnp.int32)
+  if n_best > 0:
+    best_v, best_i = lax.fori_loop(0, n_steps, merge, (best_v, best_i))
+  # Kept set: every eligible block when at most top_k are (blocks 0..cur), else the forced
+  # 0, cur - 1, cur plus the running best; then ascending.
+  kp = geo.kp
+  o_slot = jnp.arange(kp)[None, :]
+  keep_all = cur_e + 1 <= geo.top_k
+  # [Q, KP]: slot s < bp holds best_i[:, s] (a one-hot reduction: no concatenation in kernels).
+  best_w = jnp.sum(jnp.where(o_slot[:, :, None] == o_best[:, None, :], best_i[:, None, :], 0),
+                   axis=2)
+  best_w = jnp.where((o_slot < n_best) & (best_w < _BIG), best_w, _BIG)
+  chosen = jnp.where(o_slot == n_best, 0, best_w)
+  chosen = jnp.where(o_slot == n_best + 1, cur_e - 1, chosen)
+  chosen = jnp.where(o_slot == n_best + 2, cur_e, chosen)
+  chosen = jnp.where(keep_all, jnp.where(o_slot <= cur_e, o_slot, _BIG), chosen)
+  out = _sorted_kept(chosen, chosen < _BIG, kp)
+  m_e = t_e < geo.seq_len
+  trash = geo.batch * geo.seq_len * geo.hkv
+  out_rows = jnp.where(m_e, (i_b * geo.seq_len + t_e) * geo.hkv + i_h, trash)
+  plt.store(out_ref.at[out_rows[:, None], jnp.arange(kp)[None, :]], out)
+
+
+def _call(kernel, out_shape, grid: int, config: SelectionConfig, warps: int, interpret: bool,
+          name: str, *args):
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+    return pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(grid,),
+        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=config.num_stages),
+        interpret=interpret, name=name)(*args)
+
+
+def _geometry(q, k, *, block_size, top_k, branching, selector, scale, beam) -> _Geometry:
+  b, t, hq, d = q.shape
+  hkv = k.shape[2]
+  # 16-bit inputs of one dtype score on tensor cores (exact products, float32 accumulation);
+  # anything else is upcast to float32.
+  wide = q.dtype == k.dtype and q.dtype in (jnp.bfloat16, jnp.float16)
+  return _Geometry(
+      batch=b, seq_len=t, hq=hq, hkv=hkv, d=d, block_size=block_size, top_k=top_k, beam=beam,
+      branching=branching, selector=selector, scale=float(scale),
+      sizes=level_sizes(t, block_size, branching),
+      score_mode="split" if wide else "f32", key_mode="native" if wide else "f32")
+
+
+def _stacked(summaries):
+  """Levels 1..L-1 as one row array `[sum_l B*M_l*HKV, D]` (the root is never read)."""
+  d = summaries[0].shape[-1]
+  used = summaries[:-1] or summaries[:1]
+  return jnp.concatenate([s.reshape(-1, d) for s in used], axis=0)
+
+
+def leaf_candidates_pallas(q, k, summaries, geo: _Geometry, *, interpret: bool,
+                           config: SelectionConfig) -> Int[Array, "R NC"]:
+  """Stage 1 alone: level-1 candidates `[B*T*HKV, NC]` (exposed for the benchmark's breakdown)."""
+  b, t, hq, d = q.shape
+  rows = b * t * geo.hkv
+  return _call(functools.partial(_walk_kernel, geo=geo),
+               jax.ShapeDtypeStruct((rows, geo.nc), jnp.int32), rows, config, config.walk_warps, interpret,
+               "pisa_select_walk", q.reshape(-1, d), _stacked(summaries), _level_table(geo))
+
+
+def leaf_scores_pallas(q, k, cand, geo: _Geometry, *, interpret: bool, config: SelectionConfig):
+  """Stage 2 key-tile scoring: float32 scores `[B*T*HKV * NC + 1]` of the pairs that need one
+  (the last element is the trash slot of masked stores; unscored pairs are left unwritten)."""
+  b, t, hq, d = q.shape
+  rows = cand.shape[0]
+  num_pairs = rows * geo.nc
+  t_row = ((jnp.arange(rows) // geo.hkv) % t)[:, None]
+  need, _, _ = _leaf_needs_score(cand, t_row, geo)
+  bh = (jnp.arange(rows) // (t * geo.hkv)) * geo.hkv + jnp.arange(rows) % geo.hkv
+  num_buckets = b * geo.hkv * geo.num_blocks
+  bucket = jnp.where(need, bh[:, None] * geo.num_blocks + jnp.maximum(cand, 0), num_buckets)
+  bucket = bucket.reshape(-1)
+  # Group the pairs by leaf, stably (by query inside a leaf), and cut each leaf into tiles. The
+  # per-bucket counts and offsets are small ([B*HKV*M]), so no scan runs over the P pairs.
+  order = jnp.argsort(bucket, stable=True).astype(jnp.int32)
+  sorted_bucket = bucket[order]
+  pos = jnp.arange(num_pairs, dtype=jnp.int32)
+  q_tile = config.q_tile
+  counts = jnp.zeros((num_buckets + 1,), jnp.int32).at[bucket].add(1)[:num_buckets]
+  first = jnp.cumsum(counts) - counts  # first sorted position of each bucket
+  tiles = -(-counts // q_tile)
+  first_tile = jnp.cumsum(tiles) - tiles  # tiles before each bucket
+  live = sorted_bucket < num_buckets
+  safe_bucket = jnp.minimum(sorted_bucket, num_buckets - 1)
+  rank = pos - first[safe_bucket]
+  tile_head = (rank % q_tile == 0) & live
+  tile_id = first_tile[safe_bucket] + rank // q_tile
+  # Static bound on the number of tiles: each bucket adds at most one partial tile.
+  num_tiles = -(-num_pairs // q_tile) + min(num_pairs, num_buckets)
+  starts = jnp.full((num_tiles,), num_pairs, jnp.int32).at[
+      jnp.where(tile_head, tile_id, num_tiles)].set(pos, mode="drop")
+  scores = _call(
+      functools.partial(_leaf_tile_kernel, geo=geo, q_tile=q_tile, num_pairs=num_pairs,
+                        num_buckets=num_buckets),
+      jax.ShapeDtypeStruct((num_pairs + 1,), jnp.float32), num_tiles, config, config.leaf_warps,
+      interpret,
+      f"pisa_select_leaf_q{q_tile}", q.reshape(-1, d), k.reshape(-1, d), starts, sorted_bucket,
+      order)
+  return scores
+
+
+def final_topk_pallas(cand, scores, geo: _Geometry, *, interpret: bool, config: SelectionConfig):
+  rows = cand.shape[0]
+  tile = config.topk_rows
+  out = _call(functools.partial(_final_topk_kernel, geo=geo, rows=tile, num_rows=rows),
+              jax.ShapeDtypeStruct((rows + 1, geo.kp), jnp.int32), -(-rows // tile), config,
+              config.topk_warps, interpret, "pisa_select_topk", cand, scores)
+  return out[:rows]
+
+
+def _select_pisa(q, k, geo: _Geometry, *, interpret: bool, config: SelectionConfig):
+  b, t, hq, d = q.shape
+  pyramid = build_pyramid_pallas(k, block_size=geo.block_size, branching=geo.branching,
+                                 interpret=interpret)
+  rows = b * t * geo.hkv
+  if config.variant == "fused":
+    out = _call(functools.partial(_fused_kernel, geo=geo),
+                jax.ShapeDtypeStruct((rows, geo.kp), jnp.int32), rows, config, config.walk_warps,
+                interpret, "pisa_select_fused", q.reshape(-1, d), k.reshape(-1, d),
+                _stacked(pyramid.summaries), _level_table(geo))
+  else:
+    cand = leaf_candidates_pallas(q, k, pyramid.summaries, geo, interpret=interpret, config=config)
+    scores = leaf_scores_pallas(q, k, cand, geo, interpret=interpret, config=config)
+    out = final_topk_pallas(cand, scores, geo, interpret=interpret, config=config)
+  return out
+
+
+def _select_bsa(q, k, geo: _Geometry, *, interpret: bool, config: SelectionConfig):
+  b, t, hq, d = q.shape
+  leaves = leaf_summaries_pallas(k, block_size=geo.block_size, interpret=interpret)
+  q_tile = config.bsa_q_tile
+  n_tiles = -(-t // q_tile)
+  rows = b * t * geo.hkv
+  out = _call(functools.partial(_bsa_kernel, geo=geo, q_tile=q_tile,
+                                block_tile=config.bsa_block_tile),
+              jax.ShapeDtypeStruct((rows + 1, geo.kp), jnp.int32), b * geo.hkv * n_tiles, config,
+              config.leaf_warps, interpret, "bsa_select", q.reshape(-1, d), leaves.reshape(-1, d))
+  return out[:rows]
+
+
+def select_blocks_pallas(
+    q: Float[Array, "B T HQ D"],
+    k: Float[Array, "B T HKV D"],
+    *,
+    block_size: int,
+    top_k: int,
+    branching: int,
+    selector: str,
+    scale: float,
+    beam: int,
+    interpret: bool,
+    config: SelectionConfig | None = None,
+) -> Int[Array, "B T HKV K"]:
+  """Kernel twin of `select_blocks_reference` (arguments already validated).
+
+  Args:
+    q: queries `[B, T, HQ, D]`; k: keys `[B, T, HKV, D]` (any float dtype; scores in float32).
+    block_size: C. top_k: K (>= 3). branching: g. selector: "pisa", "pisa1", "pisa2" or "bsa".
+    scale: logit scale. beam: nodes kept per level above the leaves (>= top_k; unused by "bsa").
+    interpret: run the Pallas interpreter instead of compiling through Triton.
+    config: variant and tiles; None picks `SelectionConfig.default`.
+
+  Returns:
+    int32 `[B, T, HKV, top_k]`: leaf ids ascending, -1 padded.
+  """
+  if selector not in SELECTORS:
+    raise ValueError(f"{selector=} has no Pallas kernel: expected one of {SELECTORS}")
+  if selector != "bsa" and beam < top_k:
+    raise ValueError(f"{beam=} must be >= {top_k=}")
+  b, t, hq, d = q.shape
+  hkv = k.shape[2]
+  config = config or SelectionConfig.default(seq_len=t, group=hq // hkv)
+  geo = _geometry(q, k, block_size=block_size, top_k=top_k, branching=branching,
+                  selector=selector, scale=scale, beam=beam if selector != "bsa" else top_k)
+  if selector == "bsa":
+    out = _select_bsa(q, k, geo, interpret=interpret, config=config)
+  else:
+    out = _select_pisa(q, k, geo, interpret=interpret, config=config)
+  return out[:, :top_k].reshape(b, t, hkv, top_k)

@@ -1,0 +1,319 @@
+"""Pallas pyramid and selection kernels (interpret mode on CPU) against the jnp reference.
+
+Indices must equal the reference's. The only allowed exception is a row whose selection contains a
+near-tie: `decision_margin` re-walks that row in float64 (numpy, independent of both
+implementations) and returns the smallest relative gap between the last kept and the best dropped
+score over every level where scores decided; a mismatching row must have a margin below
+SELECTION_NEAR_TIE_RTOL, which proves the mismatch is a float32 summation-order flip.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pisa_jax
+from pisa_jax.kernels.pyramid import build_pyramid_pallas
+from pisa_jax.kernels.selection import SelectionConfig, select_blocks_pallas
+from pisa_jax.pyramid import build_pyramid_reference
+from pisa_jax.selection import select_blocks_reference
+
+from tolerances import PYRAMID_ATOL, SELECTION_NEAR_TIE_RTOL
+
+GOLDEN = pathlib.Path(__file__).parent / "data" / "selection_golden.npz"
+
+
+# ---------------------------------------------------------------------------------------------
+# Independent float64 re-walk of one row: the decision margin.
+
+
+def _levels64(k_bh: np.ndarray, block_size: int, branching: int) -> list[np.ndarray]:
+  """float64 pyramid of one (batch, KV head): k_bh `[T, D]` -> levels `[M_l, D]`, leaves first."""
+  t = k_bh.shape[0]
+  m = -(-t // block_size)
+  leaves = np.stack([k_bh[i * block_size:(i + 1) * block_size].mean(0) for i in range(m)])
+  levels = [leaves]
+  while levels[-1].shape[0] > 1:
+    x = levels[-1]
+    levels.append(np.stack([x[i:i + branching].mean(0) for i in range(0, x.shape[0], branching)]))
+  return levels
+
+
+def _rel_gap(a: float, b: float) -> float:
+  return abs(a - b) / max(abs(a), abs(b), 1e-30)
+
+
+def _select64(cand, valid, forced, score, keep):
+  """Select_K in float64; returns (kept ids, margin of the decision or inf if none was made)."""
+  elig = [c for c, v in zip(cand, valid) if v]
+  if len(elig) <= keep:
+    return sorted(elig), np.inf
+  kept = [c for c, v, f in zip(cand, valid, forced) if v and f]
+  rest = sorted([(-s, c) for c, v, f, s in zip(cand, valid, forced, score) if v and not f])
+  slots = keep - len(kept)
+  chosen = rest[:slots]
+  margin = np.inf
+  if 0 < slots < len(rest):
+    margin = _rel_gap(-rest[slots - 1][0], -rest[slots][0])
+  return sorted(kept + [c for _, c in chosen]), margin
+
+
+def _reduce64(z: np.ndarray, selector: str) -> np.ndarray:
+  """Per-head score over the last axis of z (Eq. 21, 33, 34)."""
+  if selector == "pisa":
+    m = z.max(-1, keepdims=True)
+    return (m + np.log(np.exp(z - m).sum(-1, keepdims=True)))[..., 0]
+  mean = z.mean(-1)
+  if selector == "pisa1":
+    return mean
+  return mean + 0.5 * z.var(-1)
+
+
+def decision_margin(q, k, b: int, t: int, h: int, *, block_size: int, top_k: int, branching: int,
+                    selector: str, scale: float, beam: int, cache: dict | None = None) -> float:
+  """Smallest relative score gap at a scored decision of row (b, t, h), walked in float64."""
+  q = np.asarray(q, np.float64)
+  k = np.asarray(k, np.float64)
+  hq, hkv = q.shape[2], k.shape[2]
+  g = hq // hkv
+  qg = q[b, t, h * g:(h + 1) * g]  # [G, D]
+  key = (b, h)
+  if cache is not None and key in cache:
+    levels = cache[key]
+  else:
+    levels = _levels64(k[b, :, h], block_size, branching)
+    if cache is not None:
+      cache[key] = levels
+  seq_len = k.shape[1]
+  cur = t // block_size
+  forced_leaves = [x for x in (0, cur - 1, cur) if x >= 0]
+  if selector == "bsa":
+    m = levels[0].shape[0]
+    cand = list(range(m))
+    valid = [c <= cur for c in cand]
+    forced = [c in forced_leaves for c in cand]
+    z = scale * qg @ levels[0][:cur].T  # [G, cur]
+    if cur:
+      p = np.exp(z - z.max(-1, keepdims=True))
+      p = (p / p.sum(-1, keepdims=True)).sum(0)
+    score = [p[c] if c < cur else 0.0 for c in cand]
+    return _select64(cand, valid, forced, score, top_k)[1]
+  margin = np.inf
+  num_levels = len(levels)
+  cand = [0]
+  for level in range(num_levels, 0, -1):
+    keep = top_k if level == 1 else beam
+    span = block_size * branching ** (level - 1)
+    valid = [c < levels[level - 1].shape[0] and c * span <= t for c in cand]
+    anc = {x // branching ** (level - 1) for x in forced_leaves}
+    forced = [v and c in anc for c, v in zip(cand, valid)]
+    score = []
+    for c, v in zip(cand, valid):
+      if not v:
+        score.append(0.0)
+        continue
+      if level == 1:
+        children = k[b, c * block_size:min((c + 1) * block_size, seq_len), h]
+      else:
+        children = levels[level - 2][c * branching:(c + 1) * branching]
+      score.append(float(_reduce64(scale * qg @ children.T, selector).sum()))
+    kept, lm = _select64(cand, valid, forced, score, keep)
+    margin = min(margin, lm)
+    if level > 1:
+      cand = [c * branching + j for c in kept for j in range(branching)]
+    else:
+      cand = kept
+  return margin
+
+
+def assert_same_or_near_tie(out, ref, q, k, *, block_size, top_k, branching, selector, scale,
+                            beam):
+  """Indices equal, except rows proven to be near-ties by `decision_margin`."""
+  out, ref = np.asarray(out), np.asarray(ref)
+  assert out.shape == ref.shape and out.dtype == ref.dtype == np.int32
+  bad = np.argwhere(np.any(out != ref, axis=-1))
+  cache = {}
+  for b, t, h in bad:
+    margin = decision_margin(q, k, int(b), int(t), int(h), block_size=block_size, top_k=top_k,
+                             branching=branching, selector=selector, scale=scale, beam=beam,
+                             cache=cache)
+    assert margin < SELECTION_NEAR_TIE_RTOL, (
+        f"row b={b} t={t} h={h}: kernel {out[b, t, h]} != reference {ref[b, t, h]} "
+        f"with decision margin {margin:.3g} >= {SELECTION_NEAR_TIE_RTOL}")
+  return len(bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cases.
+
+
+def _inputs(seed, t, hq, hkv, d, dtype=jnp.float32, b=1):
+  kq, kk = jax.random.split(jax.random.PRNGKey(seed))
+  q = jax.random.normal(kq, (b, t, hq, d), jnp.float32).astype(dtype)
+  k = jax.random.normal(kk, (b, t, hkv, d), jnp.float32)
+  # A few keys scaled up, as in the golden cases, so that scores are rarely near-ties.
+  k = k * jnp.where(jax.random.uniform(kk, (b, t, hkv, 1)) < 0.05, 3.0, 1.0)
+  return q, k.astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "top_k", "branching", "selector",
+                                             "scale", "beam", "config"))
+def _kernel(q, k, *, block_size, top_k, branching, selector, scale, beam, config):
+  return select_blocks_pallas(q, k, block_size=block_size, top_k=top_k, branching=branching,
+                              selector=selector, scale=scale, beam=beam, interpret=True,
+                              config=config)
+
+
+def _check(t, hq, hkv, d, top_k, selector, *, block_size=64, branching=2, beam=None,
+           config=None, dtype=jnp.float32, seed=0, b=1):
+  q, k = _inputs(seed, t, hq, hkv, d, dtype, b)
+  beam = top_k if beam is None else beam
+  kw = dict(block_size=block_size, top_k=top_k, branching=branching, selector=selector,
+            scale=float(d) ** -0.5, beam=beam)
+  out = _kernel(q, k, config=config, **kw)
+  ref = select_blocks_reference(q.astype(jnp.float32), k.astype(jnp.float32), **kw)
+  # Structure: ascending valid ids then -1, min(top_k, cur + 1) of them.
+  o = np.asarray(out)
+  n_valid = np.minimum(top_k, np.arange(t) // block_size + 1)
+  assert ((o >= 0).sum(-1) == n_valid[None, :, None]).all()
+  return assert_same_or_near_tie(out, ref, q.astype(jnp.float32), k.astype(jnp.float32), **kw)
+
+
+TWO = SelectionConfig(variant="two_stage", q_tile=4)
+# (T, HQ, HKV, D, top_k, selector, block_size, branching, config)
+CI_CASES = [
+    (1000, 16, 1, 64, 8, "pisa", 64, 2, TWO),
+    (300, 6, 2, 128, 3, "pisa", 16, 2, SelectionConfig(variant="fused")),
+    (65, 2, 2, 64, 3, "pisa1", 16, 2, SelectionConfig(q_tile=2)),
+    (300, 2, 1, 128, 8, "pisa2", 16, 3, SelectionConfig(q_tile=1)),
+    (1000, 16, 1, 64, 8, "bsa", 64, 2, SelectionConfig(bsa_q_tile=4, bsa_block_tile=16)),
+    (300, 3, 1, 64, 3, "bsa", 16, 2, SelectionConfig(bsa_q_tile=8, bsa_block_tile=16)),
+    (63, 3, 1, 128, 16, "pisa", 8, 2, TWO),
+    (64, 1, 1, 64, 3, "pisa2", 16, 2, SelectionConfig(variant="fused")),
+    (1, 2, 2, 64, 8, "pisa", 64, 2, TWO),
+]
+
+
+def _case_id(c):
+  t, hq, hkv, d, top_k, sel, bs, g, cfg = c
+  return f"T{t}-HQ{hq}-HKV{hkv}-D{d}-C{bs}-g{g}-K{top_k}-{sel}-{cfg.variant}-q{cfg.q_tile}"
+
+
+@pytest.mark.parametrize("case", CI_CASES, ids=_case_id)
+def test_selection_matches_reference(case):
+  t, hq, hkv, d, top_k, selector, bs, g, cfg = case
+  _check(t, hq, hkv, d, top_k, selector, block_size=bs, branching=g, config=cfg)
+
+
+SLOW_CASES = [
+    (t, hkv * grp, hkv, d, top_k, sel, 64 if t >= 1000 else 16, 2, cfg)
+    for t in (1, 63, 64, 65, 300, 1000)
+    for grp, hkv in ((1, 2), (2, 1), (3, 1), (16, 1))
+    for d in (64, 128)
+    for top_k in (3, 8, 16)
+    for sel in ("pisa", "pisa1", "pisa2", "bsa")
+    for cfg in ((TWO, SelectionConfig(variant="fused")) if sel != "bsa" else (TWO,))
+    if (t + grp + d + top_k) % 7 == 0  # a fixed, spread-out sixth of the full product
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW_CASES, ids=_case_id)
+def test_selection_matrix_slow(case):
+  t, hq, hkv, d, top_k, selector, bs, g, cfg = case
+  _check(t, hq, hkv, d, top_k, selector, block_size=bs, branching=g, config=cfg)
+
+
+def test_bf16_scores_in_f32():
+  # 16-bit inputs take the tensor-core path (exact products, split summaries); the reference gets
+  # the same bf16 values upcast to float32.
+  _check(300, 8, 2, 64, 8, "pisa", block_size=16, dtype=jnp.bfloat16, b=2,
+         config=SelectionConfig(q_tile=2))
+
+
+def test_beam_none_equals_beam_top_k_and_wider_beam_matches_reference():
+  q, k = _inputs(3, 300, 2, 1, 64)
+  kw = dict(block_size=8, top_k=4, branching=2, selector="pisa", implementation="pallas")
+  none = pisa_jax.select_blocks(q, k, beam=None, **kw)
+  same = pisa_jax.select_blocks(q, k, beam=4, **kw)
+  np.testing.assert_array_equal(np.asarray(none), np.asarray(same))
+  # A wider beam above the leaves (issue 7) against the reference; it must change some rows,
+  # otherwise the beam would not be reaching the kernel.
+  wide = pisa_jax.select_blocks(q, k, beam=7, **kw)
+  assert np.any(np.asarray(wide) != np.asarray(none))
+  ref_kw = dict(block_size=8, top_k=4, branching=2, selector="pisa", scale=0.125, beam=7)
+  assert_same_or_near_tie(wide, select_blocks_reference(q, k, **ref_kw), q, k, **ref_kw)
+
+
+def test_two_runs_bit_identical_and_variants_agree():
+  q, k = _inputs(5, 200, 4, 1, 64)
+  kw = dict(block_size=16, top_k=4, branching=2, selector="pisa", scale=0.125, beam=4)
+  a = _kernel(q, k, config=TWO, **kw)
+  b = _kernel(q, k, config=TWO, **kw)
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  for cfg in (SelectionConfig(variant="fused"),):
+    np.testing.assert_array_equal(np.asarray(_kernel(q, k, config=cfg, **kw)), np.asarray(a))
+
+
+@pytest.mark.parametrize("case,selectors", [
+    (2, ("pisa", "bsa")),
+    pytest.param(2, ("pisa1", "pisa2"), marks=pytest.mark.slow),
+    *[pytest.param(c, None, marks=pytest.mark.slow) for c in (0, 1, 3, 4, 5, 6)]])
+def test_golden_cases(case, selectors):
+  z = np.load(GOLDEN)
+  meta = json.loads(str(z["meta_json"]))[case]
+  q, k = z[f"c{case}_q"][None], z[f"c{case}_k"][None]
+  for selector in selectors or meta["selectors"]:
+    kw = dict(block_size=meta["block_size"], top_k=meta["top_k"], branching=meta["branching"],
+              selector=selector, scale=float(meta["D"]) ** -0.5, beam=meta["top_k"])
+    out = _kernel(jnp.asarray(q), jnp.asarray(k), config=None, **kw)
+    np.testing.assert_array_equal(np.asarray(out)[0], z[f"c{case}_idx_{selector}"],
+                                  err_msg=f"golden case {case} {selector}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Pyramid.
+
+
+@pytest.mark.parametrize("t,hkv,d,block_size,branching,dtype", [
+    (1, 2, 64, 64, 2, jnp.float32),
+    (65, 1, 128, 64, 2, jnp.float32),
+    (1000, 2, 64, 64, 2, jnp.bfloat16),
+    (300, 3, 128, 16, 3, jnp.float16),
+    pytest.param(333, 1, 8, 8, 4, jnp.float32, marks=pytest.mark.slow),
+])
+def test_pyramid_matches_reference(t, hkv, d, block_size, branching, dtype):
+  k = jax.random.normal(jax.random.PRNGKey(t), (2, t, hkv, d), jnp.float32).astype(dtype)
+  got = jax.jit(functools.partial(build_pyramid_pallas, block_size=block_size,
+                                  branching=branching, interpret=True))(k)
+  want = build_pyramid_reference(k, block_size=block_size, branching=branching)
+  assert (got.block_size, got.branching, got.seq_len) == (block_size, branching, t)
+  assert len(got.summaries) == len(want.summaries)
+  for level, (a, b) in enumerate(zip(got.summaries, want.summaries)):
+    assert a.dtype == jnp.float32 and a.shape == b.shape, level
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=PYRAMID_ATOL, rtol=0,
+                               err_msg=f"level {level + 1}")
+  for a, b in zip(got.counts, want.counts):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_near_tie_proof_detects_a_real_mismatch():
+  # The proof must be able to fail: swapping a selected block for a clearly worse one is caught.
+  q, k = _inputs(6, 300, 2, 1, 64)
+  kw = dict(block_size=16, top_k=4, branching=2, selector="pisa", scale=0.125, beam=4)
+  ref = np.asarray(select_blocks_reference(q, k, **kw)).copy()
+  t = 299
+  row = ref[0, t, 0]
+  bad = ref.copy()
+  spare = next(x for x in range(19) if x not in row)
+  bad[0, t, 0] = np.sort(np.concatenate([row[:1], [spare], row[2:]]))
+  if set(bad[0, t, 0]) == set(row):
+    pytest.fail("could not build a wrong selection")
+  with pytest.raises(AssertionError, match="decision margin"):
+    assert_same_or_near_tie(bad, ref, q, k, **kw)
