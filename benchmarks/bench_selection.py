@@ -211,7 +211,7 @@ def main():
   ap.add_argument("--checks", default="4096,32768,131072,1048576")
   ap.add_argument("--variants", default="pisa_q1,pisa_q2,pisa_q4,pisa_fused,bsa_pallas")
   # Tuning probes, timed only at --probe-sizes.
-  ap.add_argument("--probes", default="pisa_q4_walkw1,pisa_q4_walkw4,pisa_fused_w4")
+  ap.add_argument("--probes", default="pisa_q4_walkw1,pisa_q4_walkw4,pisa_fused_w4,pisa_q4_win8k")
   ap.add_argument("--probe-sizes", default="32768,131072")
   ap.add_argument("--stage-sizes", default="32768,131072",
                   help="sizes with the stage breakdown of pisa_q4 (3 extra compiles each)")
@@ -244,6 +244,7 @@ def main():
          "pisa_q4_walkw1": kernel_fn(q_tile=4, walk_warps=1, topk_warps=1),
          "pisa_q4_walkw4": kernel_fn(q_tile=4, walk_warps=4, topk_warps=4),
          "pisa_fused_w4": kernel_fn(variant="fused", walk_warps=4),
+         "pisa_q4_win8k": kernel_fn(q_tile=4, leaf_window=8192),
          "bsa_pallas": kernel_fn(selector="bsa")}
   stages = stage_fns()
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import warnings
 
 import jax
@@ -44,7 +43,7 @@ from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
 from pisa_jax.kernels.pyramid import build_pyramid_pallas, leaf_summaries_pallas, next_pow2
-from pisa_jax.pyramid import level_sizes, node_span
+from pisa_jax.pyramid import level_sizes
 
 SELECTORS = ("pisa", "pisa1", "pisa2", "bsa")
 VARIANTS = ("two_stage", "fused")
@@ -64,6 +63,9 @@ class SelectionConfig:
       levels in one kernel). Ignored by "bsa".
     q_tile: queries per leaf-tile program of the two-stage variant (1, 2, 4 or 8; the paper's
       Q1/Q2/Q4): one leaf's keys are loaded once for up to q_tile queries x the group's heads.
+    leaf_window: 0, or queries per window of the leaf-tile grouping: pairs are grouped by
+      (window, leaf) instead of leaf, so the programs of one window run together and its query
+      rows are re-read from L2 rather than HBM (at the price of shorter tiles).
     topk_rows: (query, KV head) rows per program of the final top-k kernel.
     bsa_q_tile: queries per BSA program.
     bsa_block_tile: leaf summaries per BSA loop step.
@@ -76,6 +78,7 @@ class SelectionConfig:
 
   variant: str = "two_stage"
   q_tile: int = 4
+  leaf_window: int = 0
   topk_rows: int = 32
   bsa_q_tile: int = 4
   bsa_block_tile: int = 64
@@ -91,6 +94,8 @@ class SelectionConfig:
       value = getattr(self, name)
       if value < 1 or value & (value - 1):
         raise ValueError(f"{name}={value} must be a power of two")
+    if self.leaf_window < 0:
+      raise ValueError(f"leaf_window={self.leaf_window} must be >= 0 (0: no windows)")
     if self.bsa_block_tile < _MIN_DOT:
       raise ValueError(f"bsa_block_tile={self.bsa_block_tile} must be >= {_MIN_DOT} (dot size)")
 
@@ -423,14 +428,14 @@ def _fused_kernel(q_ref, k_ref, s_ref, tab_ref, out_ref, *, geo: _Geometry):
 
 
 def _leaf_tile_kernel(q_ref, k_ref, start_ref, bucket_ref, pair_ref, score_ref, *, geo: _Geometry,
-                      q_tile: int, num_pairs: int, num_buckets: int):
+                      q_tile: int, num_pairs: int, num_buckets: int, num_windows: int):
   """Stage 2 (Algorithm 1, lines 16-22): one leaf's keys against up to q_tile queries.
 
   start_ref `[NG]`: first sorted position of each tile (num_pairs when the tile is unused);
   bucket_ref `[P]`: sorted (batch, KV head, leaf) buckets; pair_ref `[P]`: the pair id
   (row * NC + slot) at each sorted position. Writes score_ref[pair] (trash slot P when masked).
   """
-  gp = max(_pow2_at_least(geo.group, 1), _MIN_DOT // q_tile)
+  gp = max(next_pow2(geo.group), _MIN_DOT // q_tile)
   rows_n = q_tile * gp
   i_g = pl.program_id(0)
   o_r = jnp.arange(rows_n)
@@ -447,7 +452,7 @@ def _leaf_tile_kernel(q_ref, k_ref, start_ref, bucket_ref, pair_ref, score_ref, 
   bucket = jnp.minimum(bucket0, num_buckets - 1)
   m_blocks = geo.num_blocks
   leaf = bucket % m_blocks
-  i_bh = bucket // m_blocks
+  i_bh = bucket // m_blocks // num_windows
   i_b, i_h = i_bh // geo.hkv, i_bh % geo.hkv
   # [Q*Gp] query rows: entry r // gp, head r % gp.
   e_r = o_r // gp
@@ -659,8 +664,14 @@ def leaf_scores_pallas(q, k, cand, geo: _Geometry, *, interpret: bool, config: S
   t_row = ((jnp.arange(rows) // geo.hkv) % t)[:, None]
   need, _, _ = _leaf_needs_score(cand, t_row, geo)
   bh = (jnp.arange(rows) // (t * geo.hkv)) * geo.hkv + jnp.arange(rows) % geo.hkv
-  num_buckets = b * geo.hkv * geo.num_blocks
-  bucket = jnp.where(need, bh[:, None] * geo.num_blocks + jnp.maximum(cand, 0), num_buckets)
+  # Buckets are (batch, KV head, query window, leaf): with a window, the tiles of one window of
+  # queries run together, so its queries' rows stay in L2 across their ~NC leaves.
+  window = config.leaf_window or t
+  num_windows = -(-t // window)
+  num_buckets = b * geo.hkv * num_windows * geo.num_blocks
+  bucket = jnp.where(
+      need, (bh[:, None] * num_windows + t_row // window) * geo.num_blocks + jnp.maximum(cand, 0),
+      num_buckets)
   bucket = bucket.reshape(-1)
   # Group the pairs by leaf, stably (by query inside a leaf), and cut each leaf into tiles. The
   # per-bucket counts and offsets are small ([B*HKV*M]), so no scan runs over the P pairs.
@@ -683,7 +694,7 @@ def leaf_scores_pallas(q, k, cand, geo: _Geometry, *, interpret: bool, config: S
       jnp.where(tile_head, tile_id, num_tiles)].set(pos, mode="drop")
   scores = _call(
       functools.partial(_leaf_tile_kernel, geo=geo, q_tile=q_tile, num_pairs=num_pairs,
-                        num_buckets=num_buckets),
+                        num_buckets=num_buckets, num_windows=num_windows),
       jax.ShapeDtypeStruct((num_pairs + 1,), jnp.float32), num_tiles, config, config.leaf_warps,
       interpret,
       f"pisa_select_leaf_q{q_tile}", q.reshape(-1, d), k.reshape(-1, d), starts, sorted_bucket,

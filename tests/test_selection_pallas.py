@@ -191,6 +191,7 @@ CI_CASES = [
     (1000, 16, 1, 64, 8, "pisa", 64, 2, TWO),
     (300, 6, 2, 128, 3, "pisa", 16, 2, SelectionConfig(variant="fused")),
     (65, 2, 2, 64, 3, "pisa1", 16, 2, SelectionConfig(q_tile=2)),
+    (600, 4, 2, 64, 4, "pisa", 8, 2, SelectionConfig(q_tile=4, leaf_window=128)),
     (300, 2, 1, 128, 8, "pisa2", 16, 3, SelectionConfig(q_tile=1)),
     (1000, 16, 1, 64, 8, "bsa", 64, 2, SelectionConfig(bsa_q_tile=4, bsa_block_tile=16)),
     (300, 3, 1, 64, 3, "bsa", 16, 2, SelectionConfig(bsa_q_tile=8, bsa_block_tile=16)),
@@ -202,7 +203,8 @@ CI_CASES = [
 
 def _case_id(c):
   t, hq, hkv, d, top_k, sel, bs, g, cfg = c
-  return f"T{t}-HQ{hq}-HKV{hkv}-D{d}-C{bs}-g{g}-K{top_k}-{sel}-{cfg.variant}-q{cfg.q_tile}"
+  return (f"T{t}-HQ{hq}-HKV{hkv}-D{d}-C{bs}-g{g}-K{top_k}-{sel}-{cfg.variant}-q{cfg.q_tile}"
+          f"-w{cfg.leaf_window}")
 
 
 @pytest.mark.parametrize("case", CI_CASES, ids=_case_id)
