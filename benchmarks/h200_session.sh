@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One H200 call for the training-side figures (see WORKSPACE.md, "Running on the H200"):
-#   1. issue 5: the small preset, dense vs PISA at 4K and 16K (benchmarks/train_h200.sh);
-#   2. issue 7: selection quality vs beam on a dense model trained here, and selection time vs beam
-#      (benchmarks/selection_recall.py).
+# One H200 call for the figures of several issues, each stage under its own time limit so that a
+# slow stage cannot starve the others (see WORKSPACE.md, "Running on the H200"):
+#   1. issue 3: selection kernels vs fla (benchmarks/bench_selection.py)      SELECTION_S
+#   2. issue 7: quality vs beam on a dense model trained here, time vs beam  RECALL_S
+#   3. issue 5: the small preset, dense vs PISA at 4K and 16K                TRAIN_S
 # The device returns at most 8 files, so the figures are copied to $OUT's top level and every log
 # is packed into $OUT/logs.tgz.
 #   carry: [".whl", "data/corpus"]   (data/corpus from `pisa-prepare-data`, never committed)
@@ -11,17 +12,29 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 final=${OUT:?OUT must be set}
 work=/tmp/h200_session
-rm -rf "$work"; mkdir -p "$work"
+rm -rf "$work"; mkdir -p "$work/selection"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$work/gpu.txt" 2>&1
-if [ "${SKIP_TRAIN:-0}" != 1 ]; then
-  OUT=$work TRAIN_SECONDS=${TRAIN_SECONDS:-25} bash benchmarks/train_h200.sh 2>&1 | tee "$work/train_h200.log"
+export PYTHONWARNINGS="ignore::DeprecationWarning"
+if [ "${SELECTION_S:-210}" != 0 ]; then
+  timeout -k 10 "${SELECTION_S:-210}" python3 benchmarks/bench_selection.py --out "$work/selection" \
+    ${SELECTION_ARGS:-} > "$work/selection.log" 2>&1
+  echo "selection benchmark rc=$?"; tail -n 25 "$work/selection.log"
+  cp "$work/selection/selection.json" "$work/selection/selection.png" "$final/" 2>/dev/null
+fi
+if [ "${RECALL_S:-170}" != 0 ]; then
+  timeout -k 10 "${RECALL_S:-170}" python3 benchmarks/selection_recall.py --data data/corpus \
+    --workdir "$work/recall_run" --out "$work/recall" --train-seconds "${RECALL_TRAIN_S:-50}" \
+    > "$work/recall.log" 2>&1
+  echo "recall rc=$?"; grep -vE "^\s|^\{|^\}" "$work/recall.log" | tail -n 45
+  cp "$work/recall/selection_recall.json" "$work/recall/selection_recall.png" "$final/" 2>/dev/null
+fi
+if [ "${TRAIN_S:-170}" != 0 ]; then
+  OUT=$work TRAIN_SECONDS=${TRAIN_SECONDS:-15} timeout -k 10 "${TRAIN_S:-170}" \
+    bash benchmarks/train_h200.sh > "$work/train_h200.log" 2>&1
+  echo "train rc=$?"; tail -n 30 "$work/train_h200.log"
+  [ -f "$work/train_h200/summary.json" ] || bash benchmarks/train_h200.sh plot "$work/train_h200" >/dev/null 2>&1
   cp "$work/train_h200/summary.json" "$final/train_h200.json" 2>/dev/null
   cp "$work/train_h200/loss_curves.png" "$final/train_h200.png" 2>/dev/null
-fi
-if [ "${SKIP_RECALL:-0}" != 1 ]; then
-  python3 benchmarks/selection_recall.py --data data/corpus --workdir "$work/recall_run" \
-    --out "$work/recall" --train-seconds "${RECALL_SECONDS:-90}" 2>&1 | tee "$work/recall.log"
-  cp "$work/recall/selection_recall.json" "$work/recall/selection_recall.png" "$final/" 2>/dev/null
 fi
 find "$work" -name checkpoints -type d -prune -exec rm -rf {} +
 tar czf "$final/logs.tgz" -C "$work" .

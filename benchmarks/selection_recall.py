@@ -138,6 +138,8 @@ def main() -> None:
   results["quality_setting"] = {"windows": n, "seq_len": args.seq_len, "layers": len(layers),
                                 "heads": [config.model.num_heads, config.model.num_kv_heads],
                                 "block_size": config.model.block_size}
+  dump = lambda: (out / "selection_recall.json").write_text(json.dumps(results, indent=1, default=float) + "\n")
+  dump()
   if not args.skip_timing:
     timing = {}
     for seq_len in (32768, 131072):
@@ -151,8 +153,9 @@ def main() -> None:
             continue
           timing[f"N{seq_len}.K{top_k}.beam{beam}"] = {"N": seq_len, "top_k": top_k, "beam": beam, "ms": ms}
           print(f"N={seq_len} K={top_k} beam={beam}: {ms:.3f} ms", flush=True)
-    results["timing"] = timing
-  (out / "selection_recall.json").write_text(json.dumps(results, indent=1, default=float) + "\n")
+          results["timing"] = timing
+          dump()
+  dump()
   plot(results, out / "selection_recall.png")
 
 
