@@ -3,7 +3,11 @@
 The 418M / 1.47B / 2.67B presets are Table 5 exactly: the 24/24/32 layers, model and MLP widths,
 32 query / 2 KV heads, head dims, 4096 tokens, per-device batch / accumulation, 100K steps with a 1K
 linear warm-up, 90K plateau and 9K square-root decay to 0.1x of 3e-4, AdamW (0.9, 0.95, 1e-8, wd
-0.1), clipping at 1.0, seed 42, bfloat16 parameters, sparse methods with C=64, K=8.
+0.1), clipping at 1.0, seed 42, sparse methods with C=64, K=8. Table 5's "bfloat16 parameters, FP32
+reductions" is PyTorch FSDP's MixedPrecision(param_dtype=bf16, reduce_dtype=fp32), which keeps the
+sharded master weights in float32 and gathers bf16 copies for compute: here param_dtype="float32"
+with compute_dtype="bfloat16" (at the decay's 3e-5 an AdamW step is below bf16's resolution of a
+0.02-sized weight, so bf16 master weights would stop learning).
 
 The continued-pretraining presets (Appendix C.1, "Continued pretraining") change the context to
 16K, the RoPE base to 80,000, K to 32 and the schedule to a 10% linear warm-up to 3e-5 followed by
@@ -34,7 +38,7 @@ def _paper(num_layers, d_model, mlp_dim, head_dim, per_device_batch) -> Config:
   model = ModelConfig(
       num_layers=num_layers, d_model=d_model, mlp_dim=mlp_dim, num_heads=32, num_kv_heads=2,
       head_dim=head_dim, rope_base=10_000.0, attention="pisa", block_size=64, top_k=8,
-      param_dtype="bfloat16",
+      param_dtype="float32", compute_dtype="bfloat16",
   )
   train = dataclasses.replace(_PAPER_TRAIN, per_device_batch=per_device_batch, grad_accum=2)
   return Config(model=model, data=DataConfig(source="tokens", path="data/corpus"), train=train)

@@ -181,3 +181,12 @@ def test_cpt_cosine_schedule_breakpoints():
   np.testing.assert_allclose(f(499), 1.5e-5, rtol=1e-5)
   np.testing.assert_allclose(f(1_000 + 4_499), 3e-6 + 2.7e-5 * 0.5, rtol=1e-3)
   np.testing.assert_allclose(f(9_999), 3e-6, rtol=1e-5)
+
+
+def test_mqar_without_random_filler_leaves_zeros_outside_pairs_and_queries():
+  ex = mqar_examples(np.random.default_rng(2), 8, seq_len=128, vocab_size=64, num_pairs=4,
+                     random_filler=False)
+  x, w = ex["inputs"], ex["weights"]
+  used = w.astype(bool)
+  used[:, :8] = True
+  assert (x[~used] == 0).all() and (x[:, :8] > 0).all()
