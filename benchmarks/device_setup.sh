@@ -3,6 +3,9 @@
 # The image has jax 0.11.2, flax, optax, orbax, chex and torch/triton, but no registry access:
 # carried pure-Python wheels (.whl/, git-ignored, named in `carry`) and this project go to /tmp/site.
 export PYTHONUNBUFFERED=1
+# `python -m` from the repo root must import the installed pisa_jax (with .train, .models...), not
+# the source folder pisa_jax/ that lacks the mapped sub-packages.
+export PYTHONSAFEPATH=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 mkdir -p /tmp/site

@@ -102,10 +102,16 @@ class SelectionConfig:
   @classmethod
   def default(cls, *, seq_len: int, group: int) -> "SelectionConfig":
     """Heuristic default: the two-stage variant with Q4 key-tile reuse (fewest leaf-key loads per
-    query), and BSA tiles of about 64 query rows (bsa_q_tile * padded group) per program."""
+    query), and BSA tiles of about 64 query rows (bsa_q_tile * padded group) per program.
+
+    One warp for the walk and the final top-k: on the H200 (2026-11-29, Table 4 setting) the walk
+    with 1 warp took the whole Q4 selection from 5.80 to 3.99 ms at 32K and from 26.1 to 17.1 ms
+    at 128K (4 warps: 9.3 and 43.1 ms): its values are tiny and the top-k is reduction-bound.
+    """
     del seq_len
     gp = next_pow2(group)
-    return cls(variant="two_stage", q_tile=4, bsa_q_tile=max(1, min(16, 64 // gp)))
+    return cls(variant="two_stage", q_tile=4, bsa_q_tile=max(1, min(16, 64 // gp)),
+               walk_warps=1, topk_warps=1)
 
 
 def _pow2_at_least(n: int, floor: int) -> int:
