@@ -280,6 +280,17 @@ def xla_fns(d):
   return jax.jit(fwd), jax.jit(fwdbwd)
 
 
+def layer_fwdbwd_fn(top_k: int):
+  """The whole PISA layer, forward + backward: Pallas selection (under stop_gradient) + attention."""
+  import pisa_jax
+
+  def loss(q, k, v, do):
+    out = pisa_jax.pisa_attention(q, k, v, block_size=BLOCK, top_k=top_k, implementation="pallas")
+    return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32))
+
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
 # ----------------------------------------------------------------------------- bench mode
 
 
@@ -325,6 +336,14 @@ def bench_mode(sizes, budget_s, out_path, smoke=False):
         log(f"{tag}.cudnn_dense.fwdbwd.ms", time_jax(fwdbwd, q, k, v, do))
       except Exception as e:
         log(f"{tag}.cudnn_dense.error", str(e)[-400:])
+      try:
+        ms = time_jax(layer_fwdbwd_fn(top_k), q, k, v, do)
+        log(f"{tag}.pisa_layer.fwdbwd.ms", ms)
+        dense = RESULTS.get(f"{tag}.cudnn_dense.fwdbwd.ms")
+        if dense:
+          log(f"{tag}.pisa_layer.speedup_vs_cudnn.fwdbwd", round(dense / ms, 3))
+      except Exception:
+        log(f"{tag}.pisa_layer.error", traceback.format_exc()[-800:])
     if t <= 16384 and hkv == 2:
       try:
         fwd, fwdbwd = xla_fns(d)
@@ -356,12 +375,12 @@ def plot(path):
 
   fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
   tags = sorted({k.rsplit(".ours.", 1)[0] for k in RESULTS if ".ours.fwd.ms" in k})
-  sides = ("ours", "fla", "cudnn_dense", "xla_reference")
+  sides = ("ours", "fla", "cudnn_dense", "xla_reference", "pisa_layer")
   for ax, phase in zip(axes, ("fwd", "fwdbwd")):
-    width = 0.2
+    width = 0.16
     for j, side in enumerate(sides):
       vals = [RESULTS.get(f"{tag}.{side}.{phase}.ms", np.nan) for tag in tags]
-      ax.bar(np.arange(len(tags)) + (j - 1.5) * width, vals, width, label=side)
+      ax.bar(np.arange(len(tags)) + (j - 2) * width, vals, width, label=side)
     ax.set_yscale("log")
     ax.set_xticks(np.arange(len(tags)))
     ax.set_xticklabels([tg.replace(".", "\n", 2) for tg in tags], fontsize=6, rotation=0)
