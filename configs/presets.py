@@ -55,17 +55,19 @@ def _cpt(base: Config, per_device_batch: int) -> Config:
 
 
 def _tiny() -> Config:
-  # MQAR: 256 tokens, 16 key-value pairs in the first 32 positions (blocks 0-1 of 16), queries
-  # spread over the rest. With K=4 blocks of 16 (64 of 256 keys), PISA must find the pair's block
-  # among 16: the forced first / previous / current blocks alone miss block 1.
+  # MQAR (Zoology): 256 tokens, 16 key-value pairs in the first 32 positions (leaf blocks 0 and 1
+  # of 16 tokens), each key queried once in the remaining 224. With K=4 blocks (64 of 256 keys per
+  # query) the forced first / previous / current blocks miss block 1 for every query past position
+  # 48, so PISA has to select it. Filler positions hold token 0 (Zoology's
+  # random_non_queries=False), which lets a 2-layer model learn in CPU minutes.
   model = ModelConfig(
-      vocab_size=256, vocab_pad_multiple=64, num_layers=2, d_model=128, mlp_dim=256,
+      vocab_size=64, vocab_pad_multiple=64, num_layers=2, d_model=128, mlp_dim=256,
       num_heads=4, num_kv_heads=2, head_dim=32, attention="pisa", block_size=16, top_k=4,
-      branching=2, param_dtype="float32",
+      branching=2, init_std=0.05, param_dtype="float32",
   )
-  data = DataConfig(source="mqar", mqar_num_pairs=16)
+  data = DataConfig(source="mqar", mqar_num_pairs=16, mqar_random_filler=False)
   train = TrainConfig(
-      seq_len=256, per_device_batch=32, grad_accum=1, steps=300, peak_lr=3e-3,
+      seq_len=256, per_device_batch=16, grad_accum=1, steps=300, peak_lr=3e-3,
       lr_schedule="wsd_sqrt", warmup_steps=30, decay_steps=60, final_lr_ratio=0.1,
       weight_decay=0.1, seed=0, checkpoint_every=100, keep_checkpoints=2, log_every=25,
       eval_every=100, eval_batches=4,

@@ -10,6 +10,7 @@ block. It ends with the loss curve's start and end and the recall accuracy of bo
 from __future__ import annotations
 
 import argparse
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -69,15 +70,18 @@ def main(argv: list[str] | None = None) -> int:
     })
 
   chance = 1.0 / (m.vocab_size - m.vocab_size // 2)
-  print("\nResult (recall accuracy = share of held-out queries whose value is the top prediction)")
-  print(f"{'attention':<22}{'loss: first 10 -> last 10 steps':<34}{'held-out loss':<15}"
-        f"{'recall accuracy':<17}{'time':>6}")
+  header = ("attention", "train loss (first -> last 10 steps)", "held-out loss", "recall", "time")
+  table = [header]
   for r in rows:
     label = r["kind"] if r["kind"] == "dense" else f"{r['kind']} (C={m.block_size}, K={m.top_k})"
     trend = "down" if r["last"] < r["first"] else "NOT down"
-    print(f"{label:<22}{r['first']:.3f} -> {r['last']:.3f} ({trend}){'':<6}{r['eval_loss']:<15.3f}"
-          f"{100 * r['recall']:<17.1f}{r['seconds']:>5.0f}s")
-  print(f"{'chance':<22}{'':<34}{'':<15}{100 * chance:<17.1f}")
+    table.append((label, f"{r['first']:.3f} -> {r['last']:.3f} ({trend})", f"{r['eval_loss']:.3f}",
+                  f"{100 * r['recall']:.1f}%", f"{r['seconds']:.0f}s"))
+  table.append(("chance (1 / #values)", "", f"{math.log(1 / chance):.3f}", f"{100 * chance:.1f}%", ""))
+  widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+  print("\nResult: recall = share of held-out MQAR queries whose value is the top prediction")
+  for row in table:
+    print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
   return 0
 
 
