@@ -6,9 +6,10 @@ Variants (chosen by `SelectionConfig.variant`):
   1. `_walk_kernel`, one program per (query, KV head): loads the group's query heads once and walks
      the pyramid from the root to level 2 (Eq. 16-18). At each level it gathers the candidates'
      child summaries, scores them per head (Eq. 21/33/34), sums over the group (Eq. 22), applies
-     the eligibility and forced-node rules and keeps `beam` nodes with an in-kernel top-k (repeated
-     max / lowest-index argmax). Candidates live in registers; only the level-1 candidates
-     `[B*T*HKV, NC]` go back to HBM.
+     the eligibility and forced-node rules and keeps `beam` nodes with an in-kernel top-k
+     (`SelectionConfig.topk_impl`: repeated max / lowest-index argmax, or one rank compare).
+     Candidates live in registers; only the level-1 candidates `[B*T*HKV, NC]` go back to HBM.
+     `walk_q_tile` > 1 walks several consecutive queries per program.
   2. `_leaf_tile_kernel`: the (query, candidate leaf) pairs that need a score are grouped by leaf
      with a stable argsort outside the kernel and cut into tiles of at most `q_tile` queries; each
      program loads one leaf's raw keys once and scores `q_tile` queries x the group's heads with one
@@ -47,6 +48,7 @@ from pisa_jax.pyramid import level_sizes
 
 SELECTORS = ("pisa", "pisa1", "pisa2", "bsa")
 VARIANTS = ("two_stage", "fused")
+TOPK_IMPLS = ("passes", "rank")
 _BIG = 2**30  # larger than any node id; marks an empty slot in the in-kernel top-k
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -66,7 +68,9 @@ class SelectionConfig:
     leaf_window: 0, or queries per window of the leaf-tile grouping: pairs are grouped by
       (window, leaf) instead of leaf, so the programs of one window run together and its query
       rows are re-read from L2 rather than HBM (at the price of shorter tiles).
-    topk_rows: (query, KV head) rows per program of the final top-k kernel.
+    topk_rows: (query, KV head) rows per program of the final top-k kernel. With
+      topk_impl="rank" it holds `[topk_rows, NC, NC]` compares: keep topk_rows * NC^2 <= 2048 on
+      2 warps (ptxas, sm_90a: 8 rows at NC = 16 take 96 registers; 32 rows, or 8 at NC = 32, spill).
     bsa_q_tile: queries per BSA program.
     bsa_block_tile: leaf summaries per BSA loop step.
     walk_warps: Triton warps of the walk and fused kernels (their values are tiny, `[16, NC]`:
@@ -74,6 +78,16 @@ class SelectionConfig:
     leaf_warps: Triton warps of the leaf-tile and BSA kernels (dots of 64+ rows).
     topk_warps: Triton warps of the final top-k kernel.
     num_stages: Triton software-pipelining stages.
+    topk_impl: the in-kernel Select_K of the walk, the fused kernel and the final top-k.
+      "passes": `keep` dependent passes of max / lowest-index argmax / mask, then one min pass per
+      kept node to compact and order them. "rank": one broadcast compare `[..., N, N]` and one
+      row-sum give every candidate its rank in (score descending, node id ascending); kept nodes
+      are those ranked below `keep`, and a kept node's slot is its rank (children at
+      rank * g + r) or, at the leaves, its rank by node id. Same result, O(1) dependent reductions
+      instead of O(keep).
+    walk_q_tile: queries of one KV head per walk program (two-stage variant): their walks run in
+      one loop over the levels as independent instruction streams, which the scheduler can
+      interleave, and the program overhead is shared. 1 is one query per program.
   """
 
   variant: str = "two_stage"
@@ -86,11 +100,18 @@ class SelectionConfig:
   leaf_warps: int = 4
   topk_warps: int = 2
   num_stages: int = 2
+  topk_impl: str = "passes"
+  walk_q_tile: int = 1
 
   def __post_init__(self):
     if self.variant not in VARIANTS:
       raise ValueError(f"variant={self.variant!r} must be one of {VARIANTS}")
-    for name in ("q_tile", "topk_rows", "bsa_q_tile", "bsa_block_tile"):
+    if self.topk_impl not in TOPK_IMPLS:
+      raise ValueError(f"topk_impl={self.topk_impl!r} must be one of {TOPK_IMPLS}")
+    if self.walk_q_tile != 1 and self.variant != "two_stage":
+      raise ValueError(f"walk_q_tile={self.walk_q_tile} must be 1 unless variant='two_stage' "
+                       f"(the fused kernel walks one query per program), got {self.variant=}")
+    for name in ("q_tile", "topk_rows", "bsa_q_tile", "bsa_block_tile", "walk_q_tile"):
       value = getattr(self, name)
       if value < 1 or value & (value - 1):
         raise ValueError(f"{name}={value} must be a power of two")
@@ -233,6 +254,52 @@ def _expand(cand, taken, branching: int, width: int):
   return lax.fori_loop(0, width // branching, next_parent, init)[0]
 
 
+def _rank_keep(cand, valid, forced, score, keep: int):
+  """Select_K of Eq. 17 with the forced-node rule, by rank: `[..., N]` -> (kept, rank).
+
+  The same set as `_top_mask`: the order is score descending (forced nodes, and every node when at
+  most `keep` are valid, count as +inf) with ties to the lower node id, a strict total order on the
+  valid candidates (their ids are distinct). rank_i = #{valid j before i in that order}, from one
+  broadcast compare `[..., N, N]` and one row-sum, so the valid ranks are 0..n_valid-1 and the kept
+  nodes are those ranked below `keep`.
+  """
+  keep_all = jnp.sum(valid.astype(jnp.int32), axis=-1, keepdims=True) <= keep
+  key = jnp.where(forced | keep_all, jnp.inf, score)
+  k_i, k_j = key[..., :, None], key[..., None, :]
+  c_i, c_j = cand[..., :, None], cand[..., None, :]
+  before = valid[..., None, :] & ((k_j > k_i) | ((k_j == k_i) & (c_j < c_i)))
+  rank = jnp.sum(before.astype(jnp.int32), axis=-1)
+  return valid & (rank < keep), rank
+
+
+def _sorted_kept_rank(cand, taken, width: int):
+  """`_sorted_kept` in one pass: a kept node's output slot is its rank by node id among the kept
+  (ids are distinct), read back with a one-hot max. `[..., N]` -> `[..., width]`, -1 padded."""
+  before = taken[..., None, :] & (cand[..., None, :] < cand[..., :, None])
+  pos = jnp.sum(before.astype(jnp.int32), axis=-1)
+  slot = lax.broadcasted_iota(jnp.int32, cand.shape[:-1] + (width, 1), cand.ndim - 1)
+  hit = taken[..., None, :] & (pos[..., None, :] == slot)
+  return jnp.max(jnp.where(hit, cand[..., None, :], -1), axis=-1)
+
+
+def _expand_rank(cand, taken, rank, branching: int, width: int):
+  """Eq. 18 by rank: kept node of rank p fills slots p * g .. p * g + g - 1 with its children, so
+  no compaction loop runs. `[N]` -> `[width]` candidate ids (-1 empty)."""
+  slot = jnp.arange(width)
+  o_parent, o_child = slot // branching, slot % branching
+  hit = taken[None, :] & (rank[None, :] == o_parent[:, None])
+  return jnp.max(jnp.where(hit, cand[None, :] * branching + o_child[:, None], -1), axis=1)
+
+
+def _select_and_expand(cand, valid, forced, score, geo: "_Geometry", topk_impl: str):
+  """One level's Select_K (keep = beam) and Eq. 18 expansion to `[NC]` child candidates."""
+  if topk_impl == "rank":
+    taken, rank = _rank_keep(cand, valid, forced, score, geo.beam)
+    return _expand_rank(cand, taken, rank, geo.branching, geo.nc)
+  taken = _top_mask(cand, valid, forced, score, geo.beam)
+  return _expand(cand, taken, geo.branching, geo.nc)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Geometry:
   """Static shapes shared by the kernels."""
@@ -323,29 +390,24 @@ def _pick(vec, idx):
   return jnp.sum(jnp.where(jnp.arange(vec.shape[0]) == idx, vec, 0))
 
 
-def _walk_to_leaves(qg, m_head, i_b, t, i_h, s_ref, tab_ref, geo: _Geometry):
-  """Stage 1 (Algorithm 1, lines 5-14): root -> level 2 for one (query, KV head).
+def _walk_to_leaves(qgs, m_head, i_b, ts, i_h, s_ref, tab_ref, geo: _Geometry, topk_impl: str):
+  """Stage 1 (Algorithm 1, lines 5-14): root -> level 2 for queries of one KV head.
 
-  The levels are a loop (sizes and offsets read from `tab_ref`), so the kernel's code does not grow
-  with the number of levels. Returns the level-1 candidates `[NC]` (leaf ids, -1 where empty or not
-  eligible).
+  qgs: the queries' group heads, each `[Gp, Dp]`; ts: their positions (scalars). The levels are a
+  loop (sizes and offsets read from `tab_ref`), so the kernel's code does not grow with the number
+  of levels; the queries' walks share that loop as independent instruction streams. Returns the
+  level-1 candidates of each query, `[NC]` (leaf ids, -1 where empty or not eligible).
   """
   sizes, g, nc = geo.sizes, geo.branching, geo.nc
   num_levels = len(sizes)
   slot = jnp.arange(nc)
-  cur = t // geo.block_size
   if num_levels == 1:
-    return jnp.where(slot == 0, 0, -1)
+    return tuple(jnp.where(slot == 0, 0, -1) for _ in ts)
   tab_size, tab_off, tab_pow = _load_table(tab_ref, geo)
 
-  def one_level(i, cand):
-    level = num_levels - 1 - i  # L-1 down to 2
-    m_level = _pick(tab_size, level - 1)
-    leaves_per_node = _pick(tab_pow, level - 1)
-    n_child = _pick(tab_size, level - 2)
-    off_child = _pick(tab_off, level - 2)
+  def one_query_level(qg, t, cand, m_level, leaves_per_node, n_child, off_child):
     valid = (cand >= 0) & (cand < m_level) & (cand * (leaves_per_node * geo.block_size) <= t)
-    forced = valid & _forced(cand, cur, leaves_per_node)
+    forced = valid & _forced(cand, t // geo.block_size, leaves_per_node)
     zs, masks = [], []
     for j in range(g):
       child = jnp.where(valid, cand, 0) * g + j
@@ -358,14 +420,22 @@ def _walk_to_leaves(qg, m_head, i_b, t, i_h, s_ref, tab_ref, geo: _Geometry):
     per_head = _reduce_children(zs, masks, geo.selector)
     # Eq. 22: the group's heads share one selection, scored by their sum.
     score = jnp.sum(jnp.where(m_head[:, None], per_head, 0.0), axis=0)
-    taken = _top_mask(cand, valid, forced, score, geo.beam)
-    return _expand(cand, taken, g, nc)
+    return _select_and_expand(cand, valid, forced, score, geo, topk_impl)
+
+  def one_level(i, cands):
+    level = num_levels - 1 - i  # L-1 down to 2
+    m_level = _pick(tab_size, level - 1)
+    leaves_per_node = _pick(tab_pow, level - 1)
+    n_child = _pick(tab_size, level - 2)
+    off_child = _pick(tab_off, level - 2)
+    return tuple(one_query_level(qg, t, cand, m_level, leaves_per_node, n_child, off_child)
+                 for qg, t, cand in zip(qgs, ts, cands))
 
   # The root is always kept (one candidate <= beam): A^(L-1) = its children (Eq. 18).
-  cand = jnp.where(slot < min(g, sizes[-2]), slot, -1)
-  cand = lax.fori_loop(0, num_levels - 2, one_level, cand)
-  valid = (cand >= 0) & (cand < sizes[0]) & (cand * geo.block_size <= t)
-  return jnp.where(valid, cand, -1)
+  root_children = jnp.where(slot < min(g, sizes[-2]), slot, -1)
+  cands = lax.fori_loop(0, num_levels - 2, one_level, tuple(root_children for _ in ts))
+  return tuple(jnp.where((cand >= 0) & (cand < sizes[0]) & (cand * geo.block_size <= t), cand, -1)
+               for t, cand in zip(ts, cands))
 
 
 def _leaf_needs_score(cand, t, geo: _Geometry):
@@ -378,16 +448,28 @@ def _leaf_needs_score(cand, t, geo: _Geometry):
   return valid & ~forced & many, valid, forced
 
 
-def _walk_kernel(q_ref, s_ref, tab_ref, cand_ref, *, geo: _Geometry):
-  """Stage 1: one program per (query, KV head); writes the leaf candidates `[NC]`."""
+def _walk_kernel(q_ref, s_ref, tab_ref, cand_ref, *, geo: _Geometry, topk_impl: str,
+                 q_tile: int):
+  """Stage 1: one program per (tile of q_tile consecutive queries, KV head); writes each query's
+  leaf candidates `[NC]`."""
+  n_tiles = pl.cdiv(geo.seq_len, q_tile)
   i_p = pl.program_id(0)
-  i_bh, t = i_p // geo.seq_len, i_p % geo.seq_len
+  i_bh, i_tile = i_p // n_tiles, i_p % n_tiles
   i_b, i_h = i_bh // geo.hkv, i_bh % geo.hkv
   m_head = jnp.arange(geo.gp) < geo.group
-  qg = _load_group_queries(q_ref, geo, i_b, t, i_h, geo.gp)
-  cand = _walk_to_leaves(qg, m_head, i_b, t, i_h, s_ref, tab_ref, geo)
-  row = (i_b * geo.seq_len + t) * geo.hkv + i_h
-  cand_ref[row, :] = cand
+  # The last tile's queries past T walk as T - 1 (valid addresses) and are not stored.
+  t_raw = [i_tile * q_tile + e for e in range(q_tile)]
+  ts = [jnp.minimum(t, geo.seq_len - 1) for t in t_raw]
+  qgs = [_load_group_queries(q_ref, geo, i_b, t, i_h, geo.gp) for t in ts]
+  cands = _walk_to_leaves(qgs, m_head, i_b, ts, i_h, s_ref, tab_ref, geo, topk_impl)
+  for t, t_clamped, cand in zip(t_raw, ts, cands):
+    row = (i_b * geo.seq_len + t_clamped) * geo.hkv + i_h
+    if q_tile == 1:
+      cand_ref[row, :] = cand
+    else:
+      @pl.when(t < geo.seq_len)
+      def _():
+        cand_ref[row, :] = cand
 
 
 def _leaf_scores_one(qg, m_head, leaf, valid, i_b, i_h, k_ref, geo: _Geometry):
@@ -402,22 +484,25 @@ def _leaf_scores_one(qg, m_head, leaf, valid, i_b, i_h, k_ref, geo: _Geometry):
   return jnp.sum(jnp.where(m_head, per_head, 0.0))
 
 
-def _final_select(cand, score, t, geo: _Geometry):
+def _final_select(cand, score, t, geo: _Geometry, topk_impl: str):
   """Leaf Select_K (Eq. 17 at l = 1) and ascending order: `[..., NC]` -> `[..., KP]`."""
   need, valid, forced = _leaf_needs_score(cand, t, geo)
   score = jnp.where(need, score, 0.0)
+  if topk_impl == "rank":
+    taken, _ = _rank_keep(cand, valid, forced, score, geo.top_k)
+    return _sorted_kept_rank(cand, taken, geo.kp)
   taken = _top_mask(cand, valid, forced, score, geo.top_k)
   return _sorted_kept(cand, taken, geo.kp)
 
 
-def _fused_kernel(q_ref, k_ref, s_ref, tab_ref, out_ref, *, geo: _Geometry):
+def _fused_kernel(q_ref, k_ref, s_ref, tab_ref, out_ref, *, geo: _Geometry, topk_impl: str):
   """Per-query variant: all levels, the leaves included, for one (query, KV head)."""
   i_p = pl.program_id(0)
   i_bh, t = i_p // geo.seq_len, i_p % geo.seq_len
   i_b, i_h = i_bh // geo.hkv, i_bh % geo.hkv
   m_head = jnp.arange(geo.gp) < geo.group
   qg = _load_group_queries(q_ref, geo, i_b, t, i_h, geo.gp)
-  cand = _walk_to_leaves(qg, m_head, i_b, t, i_h, s_ref, tab_ref, geo)
+  (cand,) = _walk_to_leaves([qg], m_head, i_b, [t], i_h, s_ref, tab_ref, geo, topk_impl)
   need, _, _ = _leaf_needs_score(cand, t, geo)
   slot = jnp.arange(geo.nc)
 
@@ -428,7 +513,7 @@ def _fused_kernel(q_ref, k_ref, s_ref, tab_ref, out_ref, *, geo: _Geometry):
     return jnp.where(slot == c, s, scores)
 
   scores = lax.fori_loop(0, geo.nc, score_leaf, jnp.zeros((geo.nc,), jnp.float32))
-  out = _final_select(cand[None, :], scores[None, :], t, geo)
+  out = _final_select(cand[None, :], scores[None, :], t, geo, topk_impl)
   row = (i_b * geo.seq_len + t) * geo.hkv + i_h
   out_ref[pl.ds(row, 1), :] = out
 
@@ -485,7 +570,8 @@ def _leaf_tile_kernel(q_ref, k_ref, start_ref, bucket_ref, pair_ref, score_ref, 
   plt.store(score_ref.at[jnp.where(m_e, pair_e, trash)], score_e)
 
 
-def _final_topk_kernel(cand_ref, score_ref, out_ref, *, geo: _Geometry, rows: int, num_rows: int):
+def _final_topk_kernel(cand_ref, score_ref, out_ref, *, geo: _Geometry, rows: int, num_rows: int,
+                       topk_impl: str):
   """Stage 2 final Select_K for `rows` (query, KV head) rows: `[rows, NC]` -> `[rows, KP]`."""
   i_p = pl.program_id(0)
   o_row = i_p * rows + jnp.arange(rows)
@@ -496,7 +582,7 @@ def _final_topk_kernel(cand_ref, score_ref, out_ref, *, geo: _Geometry, rows: in
   cand = jnp.where(m_row[:, None], cand, -1)
   score = plt.load(score_ref.at[(c_row[:, None] * geo.nc + o_slot[None, :])])
   t = ((c_row // geo.hkv) % geo.seq_len)[:, None]
-  out = _final_select(cand, score, t, geo)
+  out = _final_select(cand, score, t, geo, topk_impl)
   trash = num_rows
   plt.store(out_ref.at[jnp.where(m_row, o_row, trash)[:, None], jnp.arange(geo.kp)[None, :]], out)
 
@@ -656,9 +742,13 @@ def leaf_candidates_pallas(q, k, summaries, geo: _Geometry, *, interpret: bool,
   """Stage 1 alone: level-1 candidates `[B*T*HKV, NC]` (exposed for the benchmark's breakdown)."""
   b, t, hq, d = q.shape
   rows = b * t * geo.hkv
-  return _call(functools.partial(_walk_kernel, geo=geo),
-               jax.ShapeDtypeStruct((rows, geo.nc), jnp.int32), rows, config, config.walk_warps, interpret,
-               "pisa_select_walk", q.reshape(-1, d), _stacked(summaries), _level_table(geo))
+  q_tile = config.walk_q_tile
+  grid = b * geo.hkv * -(-t // q_tile)
+  name = "pisa_select_walk" + ("_rank" if config.topk_impl == "rank" else "") + (
+      f"_q{q_tile}" if q_tile > 1 else "")
+  return _call(functools.partial(_walk_kernel, geo=geo, topk_impl=config.topk_impl, q_tile=q_tile),
+               jax.ShapeDtypeStruct((rows, geo.nc), jnp.int32), grid, config, config.walk_warps,
+               interpret, name, q.reshape(-1, d), _stacked(summaries), _level_table(geo))
 
 
 def leaf_scores_pallas(q, k, cand, geo: _Geometry, *, interpret: bool, config: SelectionConfig):
@@ -711,9 +801,11 @@ def leaf_scores_pallas(q, k, cand, geo: _Geometry, *, interpret: bool, config: S
 def final_topk_pallas(cand, scores, geo: _Geometry, *, interpret: bool, config: SelectionConfig):
   rows = cand.shape[0]
   tile = config.topk_rows
-  out = _call(functools.partial(_final_topk_kernel, geo=geo, rows=tile, num_rows=rows),
+  out = _call(functools.partial(_final_topk_kernel, geo=geo, rows=tile, num_rows=rows,
+                                topk_impl=config.topk_impl),
               jax.ShapeDtypeStruct((rows + 1, geo.kp), jnp.int32), -(-rows // tile), config,
-              config.topk_warps, interpret, "pisa_select_topk", cand, scores)
+              config.topk_warps, interpret,
+              "pisa_select_topk" + ("_rank" if config.topk_impl == "rank" else ""), cand, scores)
   return out[:rows]
 
 
@@ -723,9 +815,10 @@ def _select_pisa(q, k, geo: _Geometry, *, interpret: bool, config: SelectionConf
                                  interpret=interpret)
   rows = b * t * geo.hkv
   if config.variant == "fused":
-    out = _call(functools.partial(_fused_kernel, geo=geo),
+    out = _call(functools.partial(_fused_kernel, geo=geo, topk_impl=config.topk_impl),
                 jax.ShapeDtypeStruct((rows, geo.kp), jnp.int32), rows, config, config.walk_warps,
-                interpret, "pisa_select_fused", q.reshape(-1, d), k.reshape(-1, d),
+                interpret, "pisa_select_fused" + ("_rank" if config.topk_impl == "rank" else ""),
+                q.reshape(-1, d), k.reshape(-1, d),
                 _stacked(pyramid.summaries), _level_table(geo))
   else:
     cand = leaf_candidates_pallas(q, k, pyramid.summaries, geo, interpret=interpret, config=config)

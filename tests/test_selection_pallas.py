@@ -9,6 +9,7 @@ SELECTION_NEAR_TIE_RTOL, which proves the mismatch is a float32 summation-order 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import pathlib
@@ -20,6 +21,7 @@ import pytest
 
 import pisa_jax
 from pisa_jax.kernels.pyramid import build_pyramid_pallas
+from pisa_jax.kernels import selection as sel_kernels
 from pisa_jax.kernels.selection import SelectionConfig, select_blocks_pallas
 from pisa_jax.pyramid import build_pyramid_reference
 from pisa_jax.selection import select_blocks_reference
@@ -230,6 +232,117 @@ SLOW_CASES = [
 def test_selection_matrix_slow(case):
   t, hq, hkv, d, top_k, selector, bs, g, cfg = case
   _check(t, hq, hkv, d, top_k, selector, block_size=bs, branching=g, config=cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# The rank-based in-kernel top-k (topk_impl="rank") and multi-query walk programs (walk_q_tile).
+
+RANK = SelectionConfig(topk_impl="rank", topk_rows=8, topk_warps=2)
+RANK_WQ2 = dataclasses.replace(RANK, walk_q_tile=2)
+RANK_WQ4 = dataclasses.replace(RANK, walk_q_tile=4)
+RANK_FUSED = SelectionConfig(variant="fused", topk_impl="rank")
+# (T, HQ, HKV, D, top_k, selector, block_size, branching, beam, config); beam > top_k in most, so
+# the walk keeps more nodes than the leaves do.
+RANK_CI_CASES = [
+    (1000, 16, 1, 64, 8, "pisa", 64, 2, 12, RANK_WQ2),
+    (300, 6, 2, 64, 8, "pisa", 16, 2, 8, RANK),
+    (300, 3, 1, 64, 3, "pisa1", 16, 2, 5, RANK_FUSED),
+    (65, 2, 2, 64, 3, "pisa2", 8, 3, 4, RANK_WQ4),  # 65 % 4 != 0: the last walk tile is partial
+    (1, 16, 1, 64, 8, "pisa", 64, 2, 9, RANK),
+]
+
+
+def _rank_case_id(c):
+  t, hq, hkv, d, top_k, sel, bs, g, beam, cfg = c
+  return (f"T{t}-HQ{hq}-HKV{hkv}-D{d}-C{bs}-g{g}-K{top_k}-beam{beam}-{sel}-{cfg.variant}"
+          f"-{cfg.topk_impl}-wq{cfg.walk_q_tile}")
+
+
+@pytest.mark.parametrize("case", RANK_CI_CASES, ids=_rank_case_id)
+def test_rank_topk_matches_reference(case):
+  t, hq, hkv, d, top_k, selector, bs, g, beam, cfg = case
+  _check(t, hq, hkv, d, top_k, selector, block_size=bs, branching=g, beam=beam, config=cfg)
+
+
+RANK_SLOW_CASES = [
+    (t, hkv * grp, hkv, 64, top_k, sel, 64 if t >= 1000 else 16, 2, beam, cfg)
+    for t in (1, 65, 300, 1000)
+    for grp, hkv in ((1, 2), (3, 1), (16, 1))
+    for top_k in (3, 8)
+    for beam in (top_k, top_k + 5)
+    for sel in ("pisa", "pisa1", "pisa2")
+    for cfg in (RANK, RANK_WQ4, RANK_FUSED)
+    if (t + grp + top_k + beam + len(sel)) % 5 == 0  # a fixed, spread-out fifth of the product
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", RANK_SLOW_CASES, ids=_rank_case_id)
+def test_rank_topk_matrix_slow(case):
+  t, hq, hkv, d, top_k, selector, bs, g, beam, cfg = case
+  _check(t, hq, hkv, d, top_k, selector, block_size=bs, branching=g, beam=beam, config=cfg)
+
+
+def _tied_rows(seed, rows, n):
+  """Candidate rows with many exact score ties: distinct ids in shuffled slots (-1 holes), small
+  integer scores, forced nodes, and rows with few valid candidates (the keep-all rule)."""
+  rng = np.random.default_rng(seed)
+  cand = np.stack([rng.permutation(4 * n)[:n] for _ in range(rows)]).astype(np.int32)
+  n_valid = rng.integers(0, n + 1, size=(rows, 1))
+  valid = np.argsort(rng.random((rows, n)), axis=1) < n_valid
+  cand = np.where(valid, cand, -1)
+  forced = valid & (rng.random((rows, n)) < 0.15)
+  score = rng.integers(-2, 3, size=(rows, n)).astype(np.float32)
+  return jnp.asarray(cand), jnp.asarray(valid), jnp.asarray(forced), jnp.asarray(score)
+
+
+@pytest.mark.parametrize("keep", [1, 3, 8])
+def test_rank_helpers_equal_the_passes_on_ties(keep):
+  # Exact ties are rare with random float scores, so the kernels' tests seldom reach the tie
+  # rule; here integer scores make them common, forced nodes may even outnumber `keep` (both
+  # implementations then keep the lowest ids), and ids are shuffled over the slots so that ties
+  # must go to the lower node id, not to the lower slot.
+  n = 16
+  cand, valid, forced, score = _tied_rows(keep, 400, n)
+  want = jax.jit(sel_kernels._top_mask, static_argnums=4)(cand, valid, forced, score, keep)
+  got, rank = jax.jit(sel_kernels._rank_keep, static_argnums=4)(cand, valid, forced, score, keep)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  # The valid ranks are a permutation of 0..n_valid-1.
+  r, v = np.asarray(rank), np.asarray(valid)
+  for row in range(r.shape[0]):
+    np.testing.assert_array_equal(np.sort(r[row][v[row]]), np.arange(v[row].sum()))
+  np.testing.assert_array_equal(np.asarray(sel_kernels._sorted_kept_rank(cand, got, 8)),
+                                np.asarray(sel_kernels._sorted_kept(cand, want, 8)))
+  # Expansion: the same child set per row (the rank layout orders parents by rank, not id), and
+  # parent p's children in slots p * g .. p * g + g - 1.
+  g = 2
+  expand_rank = jax.jit(sel_kernels._expand_rank, static_argnums=(3, 4))
+  expand = jax.jit(sel_kernels._expand, static_argnums=(2, 3))
+  for row in range(40):
+    a = np.asarray(expand_rank(cand[row], got[row], rank[row], g, 2 * n))
+    b = np.asarray(expand(cand[row], want[row], g, 2 * n))
+    np.testing.assert_array_equal(np.sort(a), np.sort(b))
+    kept_by_rank = np.asarray(cand[row])[np.argsort(np.where(np.asarray(got[row]), r[row], 99))]
+    for p in range(int(np.asarray(got[row]).sum())):
+      np.testing.assert_array_equal(a[p * g:(p + 1) * g], kept_by_rank[p] * g + np.arange(g))
+
+
+def test_rank_and_passes_bit_identical():
+  q, k = _inputs(7, 300, 4, 1, 64)
+  kw = dict(block_size=16, top_k=4, branching=2, selector="pisa", scale=0.125, beam=6)
+  want = np.asarray(_kernel(q, k, config=TWO, **kw))
+  for cfg in (RANK_WQ4,):
+    np.testing.assert_array_equal(np.asarray(_kernel(q, k, config=cfg, **kw)), want)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(topk_impl="sort"), "topk_impl"),
+    (dict(walk_q_tile=3), "walk_q_tile"),
+    (dict(variant="fused", walk_q_tile=2), "walk_q_tile"),
+])
+def test_config_rejects_bad_values(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    SelectionConfig(**kwargs)
 
 
 def test_bf16_scores_in_f32():
