@@ -298,8 +298,6 @@ def main():
                   kernel_fn(selector="pisa2", beam=16, **PROBES["pisa_q4_rank_wq2"])))
     if n == 131072:
       out.append((f"pisa_q4.bf16.N{n}", "pisa", TOP_K, jnp.bfloat16, 2, kernel_fn(q_tile=4)))
-      out.append((f"pisa_q4_rank.bf16.N{n}", "pisa", TOP_K, jnp.bfloat16, 2,
-                  kernel_fn(**PROBES["pisa_q4_rank"])))
     return out
 
   # Compile everything up front, in parallel (Triton compiles are CPU-bound and independent).
