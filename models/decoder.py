@@ -12,15 +12,18 @@ RMSNorm, RoPE angles, softmax statistics and the logits are float32. Each parame
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 import pisa_jax
 from pisa_jax.configs.base import SPARSE_ATTENTION_KINDS, ModelConfig
+from pisa_jax.models.sharding import LOGICAL_AXIS_RULES
 
 # Logit given to the padding rows of the output embedding: they never win and carry no mass.
 _PAD_LOGIT = -1e9
@@ -74,6 +77,22 @@ def apply_rope(x: Float[Array, "B T H D"], cos: Array, sin: Array) -> Float[Arra
   return jnp.concatenate([rotated.astype(x.dtype), x[..., half:]], axis=-1)
 
 
+def per_batch_shard(fn):
+  """Runs `fn(q, k, v)` on each device's slice of the batch under the ambient mesh.
+
+  The Pallas kernels are custom calls that XLA's SPMD partitioner cannot split: under a plain
+  sharded `jit` it would gather the whole batch onto every device and run the kernel replicated.
+  Attention is independent per example, so a `shard_map` over the batch axes is exact. Without a
+  mesh (or on one device) `fn` runs as it is.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return fn
+  spec = P(LOGICAL_AXIS_RULES["batch"])
+  # check_vma=False: the kernels' outputs carry no varying-manual-axes annotation.
+  return jax.shard_map(fn, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)
+
+
 class Attention(nnx.Module):
   """GQA self-attention; dense or block-sparse by `cfg.attention`."""
 
@@ -101,10 +120,12 @@ class Attention(nnx.Module):
           q, k, v, is_causal=True, implementation="cudnn" if use_cudnn else "xla"
       )
     elif cfg.attention in SPARSE_ATTENTION_KINDS:
-      out = pisa_jax.pisa_attention(
-          q, k, v, block_size=cfg.block_size, top_k=cfg.top_k, branching=cfg.branching,
-          selector=cfg.attention, beam=cfg.beam, implementation=cfg.attention_implementation,
+      attend = functools.partial(
+          pisa_jax.pisa_attention, block_size=cfg.block_size, top_k=cfg.top_k,
+          branching=cfg.branching, selector=cfg.attention, beam=cfg.beam,
+          implementation=cfg.attention_implementation,
       )
+      out = per_batch_shard(attend)(q, k, v)
     else:
       raise ValueError(f"model.attention={cfg.attention!r} is unknown")
     return jnp.einsum("bthd,hde->bte", out.astype(cdt), self.wo[...].astype(cdt))

@@ -142,7 +142,7 @@ SHARDED_STEP = textwrap.dedent("""
     jax.config.update("jax_default_matmul_precision", "highest")
     devs = jax.devices()
     assert len(devs) == 4, devs
-    base = MICRO + ["model.attention=pisa"]
+    base = MICRO + ["model.attention=pisa"] + EXTRA
     cfg4 = validate(apply_overrides(get_config("tiny"), base + ["train.per_device_batch=2"]))
     cfg1 = validate(apply_overrides(get_config("tiny"), base + ["train.per_device_batch=8"]))
     t4 = build_trainer(cfg4, Mesh(np.array(devs).reshape(2, 2), ("data", "fsdp")))
@@ -169,8 +169,10 @@ SHARDED_STEP = textwrap.dedent("""
 """)
 
 
-def test_sharded_step_on_4_devices_equals_single_device_step():
-  code = f"MICRO = {MICRO!r}\n" + SHARDED_STEP
+# The Pallas case runs the kernels in interpret mode inside the model's per-batch-shard shard_map.
+@pytest.mark.parametrize("extra", [[], ["model.attention_implementation=pallas"]], ids=["xla", "pallas"])
+def test_sharded_step_on_4_devices_equals_single_device_step(extra):
+  code = f"MICRO = {MICRO!r}\nEXTRA = {extra!r}\n" + SHARDED_STEP
   out = _run_python(code, {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
   assert out.returncode == 0, out.stderr[-3000:]
   r = json.loads(out.stdout.strip().splitlines()[-1])
