@@ -2,9 +2,10 @@
 
 Trains the `tiny` preset twice on the CPU, on multi-query associative recall (MQAR, generated on the
 fly, nothing to download): once with PISA block-sparse attention and once with dense attention, on
-identical batches. Each query must retrieve the value stored next to its key up to 220 tokens
-earlier; PISA attends to only top_k * block_size of the 256 keys, so it has to select the right
-block. It ends with the loss curve's start and end and the recall accuracy of both beside chance.
+identical batches. Each query must retrieve the value stored next to its key up to 120 tokens
+earlier; PISA attends to only top_k * block_size = 32 of the 128 keys, so it has to select the
+right block. It ends with the loss curve's start and end and the recall accuracy of both beside
+chance.
 """
 
 from __future__ import annotations
