@@ -16,15 +16,13 @@ import textwrap
 
 import numpy as np
 
-MICRO = [
-    "model.vocab_size=64", "model.vocab_pad_multiple=64", "model.num_layers=1",
-    "model.d_model=32", "model.mlp_dim=64", "model.num_heads=4", "model.num_kv_heads=2",
-    "model.head_dim=16", "model.block_size=16", "model.top_k=3", "data.mqar_num_pairs=4",
-    "train.seq_len=64", "train.grad_accum=2", "train.steps=8",
-    "train.warmup_steps=2", "train.decay_steps=2", "train.checkpoint_every=3",
-    "train.log_every=1", "train.eval_every=100", "train.eval_batches=1", "train.peak_lr=3e-3",
-    "train.async_checkpointing=False",
-]
+import test_train
+
+# test_train's micro model; the batch per device is set per layout, checkpoints are synchronous and
+# the run saves at step 3 so that the second layout resumes from there.
+_REPLACED = ("train.per_device_batch=", "train.checkpoint_every=", "train.eval_every=")
+MICRO = [m for m in test_train.MICRO if not m.startswith(_REPLACED)] + [
+    "train.checkpoint_every=3", "train.eval_every=100", "train.async_checkpointing=False"]
 
 SCRIPT = textwrap.dedent("""
     import json, sys, tempfile
