@@ -204,6 +204,17 @@ def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, lse_ref, *, block_size: int
   _store_rows(lse_ref, t, b_lse, group, rows)
 
 
+def _query_grid_specs(t: int, tk: int, g: int, d: int, top_k: int):
+  """BlockSpecs of the (query, KV head, batch) grid shared by the forward and dq kernels: each
+  program sees one batch entry and one KV head's whole rows of q/o `[T, G, D]`, k/v `[Tk, D]`,
+  indices `[T, K]` and lse `[T, G]`, and picks its query row inside the kernel."""
+  q_spec = pl.BlockSpec((None, t, None, g, d), lambda i, h, bb: (bb, 0, h, 0, 0))
+  kv_spec = pl.BlockSpec((None, tk, None, d), lambda i, h, bb: (bb, 0, h, 0))
+  idx_spec = pl.BlockSpec((None, t, None, top_k), lambda i, h, bb: (bb, 0, h, 0))
+  lse_spec = pl.BlockSpec((None, t, None, g), lambda i, h, bb: (bb, 0, h, 0))
+  return q_spec, kv_spec, idx_spec, lse_spec
+
+
 def _forward(q5, k, v, block_indices, *, block_size, scale, interpret, config):
   """q5 `[B, T, HKV, G, D]`, k/v `[B, Tk, HKV, D]` -> (o5 like q5, lse float32 `[B, T, HKV, G]`)."""
   b, t, hkv, g, d = q5.shape
@@ -212,10 +223,7 @@ def _forward(q5, k, v, block_indices, *, block_size, scale, interpret, config):
   rows = max(config.min_rows, _next_pow2(g))
   kernel = functools.partial(_fwd_kernel, block_size=block_size, scale=scale, group=g, rows=rows,
                              top_k=top_k)
-  q_spec = pl.BlockSpec((None, t, None, g, d), lambda i, h, bb: (bb, 0, h, 0, 0))
-  kv_spec = pl.BlockSpec((None, tk, None, d), lambda i, h, bb: (bb, 0, h, 0))
-  idx_spec = pl.BlockSpec((None, t, None, top_k), lambda i, h, bb: (bb, 0, h, 0))
-  lse_spec = pl.BlockSpec((None, t, None, g), lambda i, h, bb: (bb, 0, h, 0))
+  q_spec, kv_spec, idx_spec, lse_spec = _query_grid_specs(t, tk, g, d, top_k)
   call = pl.pallas_call(
       kernel,
       grid=(t, hkv, b),
@@ -274,10 +282,7 @@ def _backward_dq(q5, k, v, block_indices, o5, do5, lse, *, block_size, scale, in
   rows = max(config.min_rows, _next_pow2(g))
   kernel = functools.partial(_dq_kernel, block_size=block_size, scale=scale, group=g, rows=rows,
                              top_k=top_k)
-  q_spec = pl.BlockSpec((None, t, None, g, d), lambda i, h, bb: (bb, 0, h, 0, 0))
-  kv_spec = pl.BlockSpec((None, tk, None, d), lambda i, h, bb: (bb, 0, h, 0))
-  idx_spec = pl.BlockSpec((None, t, None, top_k), lambda i, h, bb: (bb, 0, h, 0))
-  lse_spec = pl.BlockSpec((None, t, None, g), lambda i, h, bb: (bb, 0, h, 0))
+  q_spec, kv_spec, idx_spec, lse_spec = _query_grid_specs(t, tk, g, d, top_k)
   call = pl.pallas_call(
       kernel,
       grid=(t, hkv, b),
