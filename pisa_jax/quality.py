@@ -96,6 +96,9 @@ def selection_quality(
   _validation.check_block_size(block_size)
   _validation.check_block_indices(
       block_indices, batch=b, seq_len=t, num_kv_heads=hkv, block_size=int(block_size))
-  _validation.check_top_k(block_indices.shape[-1])
+  if block_indices.shape[-1] < _validation.NUM_FORCED:
+    raise ValueError(
+        f"block_indices.shape[-1]={block_indices.shape[-1]} must be >= 3: the reference set keeps "
+        f"the first, previous and current blocks")
   return _selection_quality(q, k, block_indices, block_size=int(block_size),
                             scale=_validation.resolve_scale(scale, d))

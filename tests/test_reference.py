@@ -422,6 +422,7 @@ def test_golden(case, selector):
     (lambda q, k, v: pisa_jax.build_pyramid(k.astype(jnp.int32)), TypeError, "k must be a floating-point"),
     (lambda q, k, v: pisa_jax.pisa_attention(q, k, v, top_k=1), ValueError, "top_k=1"),
     (lambda q, k, v: pisa_jax.selection_quality(q, k, jnp.zeros((1, 20, 1, 3), jnp.int32)), ValueError, "block_indices.shape"),
+    (lambda q, k, v: pisa_jax.selection_quality(q, k, jnp.full((1, 20, 2, 2), -1, jnp.int32)), ValueError, r"block_indices.shape\[-1\]=2 must be >= 3"),
 ])
 def test_bad_input_is_rejected_with_a_named_argument(call, error, match):
   q, k, v = make_qkv(20, 4, 2, 8)
