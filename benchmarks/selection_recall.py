@@ -14,7 +14,6 @@ Writes selection_recall.json and selection_recall.png to --out.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import time

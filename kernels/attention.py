@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +38,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
+
+from pisa_jax.kernels._common import next_pow2, triton_deprecation_silenced
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -95,7 +96,7 @@ class SparseAttentionConfig:
         fwd_num_stages=2,
         dq_num_warps=4,
         dq_num_stages=2,
-        dkv_rows=max(64, _next_pow2(group)),
+        dkv_rows=max(64, next_pow2(group)),
         dkv_num_warps=4,
         dkv_num_stages=2,
         # An item of K * C queries keeps the partials O(T * D) per KV head and the longest
@@ -104,16 +105,8 @@ class SparseAttentionConfig:
     )
 
 
-def _next_pow2(n: int) -> int:
-  return 1 << max(0, (n - 1).bit_length())
-
-
 def _call_kernel(fn, *args):
-  # JAX 0.11 deprecates the Triton backend of Pallas in favour of Mosaic GPU; it still works, and
-  # every kernel stays behind the `implementation=` switch, so silence that one warning here.
-  with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", message=".*Triton.*deprecated.*")
-    warnings.filterwarnings("ignore", message=".*deprecated.*Mosaic GPU.*")
+  with triton_deprecation_silenced():
     return fn(*args)
 
 
@@ -220,7 +213,7 @@ def _forward(q5, k, v, block_indices, *, block_size, scale, interpret, config):
   b, t, hkv, g, d = q5.shape
   tk = k.shape[1]
   top_k = block_indices.shape[-1]
-  rows = max(config.min_rows, _next_pow2(g))
+  rows = max(config.min_rows, next_pow2(g))
   kernel = functools.partial(_fwd_kernel, block_size=block_size, scale=scale, group=g, rows=rows,
                              top_k=top_k)
   q_spec, kv_spec, idx_spec, lse_spec = _query_grid_specs(t, tk, g, d, top_k)
@@ -279,7 +272,7 @@ def _backward_dq(q5, k, v, block_indices, o5, do5, lse, *, block_size, scale, in
   b, t, hkv, g, d = q5.shape
   tk = k.shape[1]
   top_k = block_indices.shape[-1]
-  rows = max(config.min_rows, _next_pow2(g))
+  rows = max(config.min_rows, next_pow2(g))
   kernel = functools.partial(_dq_kernel, block_size=block_size, scale=scale, group=g, rows=rows,
                              top_k=top_k)
   q_spec, kv_spec, idx_spec, lse_spec = _query_grid_specs(t, tk, g, d, top_k)
@@ -430,7 +423,7 @@ def _backward_dkv(q5, k, v, block_indices, do5, lse, delta, *, block_size, scale
   tk = k.shape[1]
   num_blocks = tk // block_size
   top_k = block_indices.shape[-1]
-  rows = max(config.dkv_rows, _next_pow2(g))
+  rows = max(config.dkv_rows, next_pow2(g))
   items_entries = config.items_entries
   entry_query, item_block, item_start, item_end, item_offsets = inverted_index(
       block_indices, num_blocks=num_blocks, block_size=block_size, items_entries=items_entries)
@@ -540,7 +533,7 @@ def sparse_attention_pallas(
   q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
   # Head dims that are not a power of two >= 16 are zero-padded: zero columns change no dot
   # product and give zero output columns, which are sliced off (autodiff handles pad and slice).
-  dp = max(16, _next_pow2(d))
+  dp = max(16, next_pow2(d))
   # Keys are padded to whole blocks so every block load is in bounds; padded keys sit after every
   # query and are masked by causality.
   tk = -(-t // block_size) * block_size

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -22,12 +21,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float
 
+from pisa_jax.kernels._common import next_pow2, triton_deprecation_silenced
+
 from pisa_jax.pyramid import Pyramid, level_sizes
-
-
-def next_pow2(n: int) -> int:
-  """Smallest power of two >= n (Pallas Triton values need power-of-two shapes)."""
-  return 1 << max(0, int(n) - 1).bit_length()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,8 +103,7 @@ def pool_rows(x2: Array, *, batch: int, num_children: int, group: int, hkv: int,
   kernel = functools.partial(
       _pool_kernel, batch=batch, num_children=num_children, group=group,
       num_parents=num_parents, hkv=hkv, d=d, node_tile=config.node_tile)
-  with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+  with triton_deprecation_silenced():
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((batch * num_parents * hkv + 1, next_pow2(d)), jnp.float32),
@@ -186,8 +181,7 @@ def pool_levels(x2: Array, *, batch: int, num_children: int, branching: int,
   tiles = -(-num_children // span)
   kernel = functools.partial(_subtree_kernel, batch=batch, num_children=num_children,
                              branching=branching, sizes=tuple(sizes), hkv=hkv, d=d)
-  with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+  with triton_deprecation_silenced():
     outs = pl.pallas_call(
         kernel,
         out_shape=[jax.ShapeDtypeStruct((batch * m * hkv + 1, next_pow2(d)), jnp.float32)

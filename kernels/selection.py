@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +42,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
-from pisa_jax.kernels.pyramid import build_pyramid_pallas, leaf_summaries_pallas, next_pow2
+from pisa_jax.kernels._common import next_pow2, triton_deprecation_silenced
+from pisa_jax.kernels.pyramid import build_pyramid_pallas, leaf_summaries_pallas
 from pisa_jax.pyramid import level_sizes
 
 SELECTORS = ("pisa", "pisa1", "pisa2", "bsa")
@@ -709,8 +709,7 @@ def _bsa_kernel(q_ref, s_ref, out_ref, *, geo: _Geometry, q_tile: int, block_til
 
 def _call(kernel, out_shape, grid: int, config: SelectionConfig, warps: int, interpret: bool,
           name: str, *args):
-  with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+  with triton_deprecation_silenced():
     return pl.pallas_call(
         kernel, out_shape=out_shape, grid=(grid,),
         compiler_params=plt.CompilerParams(num_warps=warps, num_stages=config.num_stages),

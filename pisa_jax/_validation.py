@@ -98,7 +98,7 @@ def resolve_scale(scale, head_dim: int) -> float:
   if scale is None:
     return 1.0 / math.sqrt(head_dim)
   if isinstance(scale, jax.core.Tracer):
-    raise TypeError(f"scale must be a Python float (it is a compile-time constant), got a traced value")
+    raise TypeError("scale must be a Python float (it is a compile-time constant), got a traced value")
   scale = float(scale)
   if not math.isfinite(scale) or scale <= 0:
     raise ValueError(f"{scale=} must be a finite float > 0 (default 1/sqrt(D))")

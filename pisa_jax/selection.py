@@ -15,7 +15,7 @@ from jax import lax
 from jaxtyping import Array, Float, Int
 
 from pisa_jax import _chunking, _dispatch, _validation
-from pisa_jax.pyramid import Pyramid, build_pyramid_reference, node_span
+from pisa_jax.pyramid import build_pyramid_reference, node_span
 
 _HIGHEST = lax.Precision.HIGHEST
 
