@@ -88,15 +88,19 @@ def sparse_attention(
   _validation.check_block_size(block_size)
   _validation.check_block_indices(
       block_indices, batch=b, seq_len=t, num_kv_heads=hkv, block_size=int(block_size))
-  scale = _validation.resolve_scale(scale, d)
-  impl = _dispatch.resolve_implementation(implementation)
-  if impl == "pallas":
+  return _attend(q, k, v, block_indices, block_size=int(block_size),
+                 scale=_validation.resolve_scale(scale, d), implementation=implementation)
+
+
+def _attend(q, k, v, block_indices, *, block_size: int, scale: float, implementation):
+  """Dispatches validated arguments to the reference or the kernel."""
+  if _dispatch.resolve_implementation(implementation) == "pallas":
     from pisa_jax.kernels import attention as attention_kernels
 
     return attention_kernels.sparse_attention_pallas(
-        q, k, v, block_indices, block_size=int(block_size), scale=scale,
+        q, k, v, block_indices, block_size=block_size, scale=scale,
         interpret=_dispatch.interpret_mode())
-  return sparse_attention_reference(q, k, v, block_indices, block_size=int(block_size), scale=scale)
+  return sparse_attention_reference(q, k, v, block_indices, block_size=block_size, scale=scale)
 
 
 def pisa_attention(
@@ -125,6 +129,7 @@ def pisa_attention(
       lax.stop_gradient(q), lax.stop_gradient(k), block_size=block_size, top_k=top_k,
       branching=branching, selector=selector, scale=scale, beam=beam,
       implementation=implementation)
-  return sparse_attention(
-      q, k, v, lax.stop_gradient(block_indices), block_size=block_size, scale=scale,
-      implementation=implementation)
+  # select_blocks has validated every argument, and its indices are valid by construction: no
+  # second check (which would copy concrete indices to the host on every eager call).
+  return _attend(q, k, v, lax.stop_gradient(block_indices), block_size=int(block_size),
+                 scale=_validation.resolve_scale(scale, q.shape[-1]), implementation=implementation)
