@@ -293,7 +293,7 @@ def layer_fwdbwd_fn(top_k: int):
 # ----------------------------------------------------------------------------- bench mode
 
 
-def bench_mode(sizes, budget_s, out_path, smoke=False):
+def bench_mode(sizes, budget_s, out_path, smoke=False, only=frozenset()):
   start = time.perf_counter()
   log("date", time.strftime("%Y-%m-%d %H:%M:%S"))
   log("device", str(jax.devices()[0]))
@@ -306,6 +306,8 @@ def bench_mode(sizes, budget_s, out_path, smoke=False):
   settings += [(n, 32, 2, 128, 32) for n in sizes if n > 65536]
   if smoke:
     settings = [(256, 32, 2, 64, 8), (256, 32, 8, 64, 4)]
+  if only:
+    settings = [s for s in settings if "N{}.HQ{}.HKV{}.d{}.K{}".format(*s) in only]
   for t, hq, hkv, d, top_k in settings:
     with open(out_path, "w") as f:
       json.dump(RESULTS, f, indent=1)
@@ -395,6 +397,8 @@ def main():
   parser.add_argument("--mode", choices=("check", "bench"), default="bench")
   parser.add_argument("--sizes", default="16384,65536,131072")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes, for a CPU dry run")
+  parser.add_argument("--only", default="",
+                      help="comma-separated setting tags (e.g. N131072.HQ32.HKV2.d64.K8): run only these")
   parser.add_argument("--budget-s", type=float, default=1e9,
                       help="start no new setting after this many seconds")
   args = parser.parse_args()
@@ -406,7 +410,8 @@ def main():
       check_mode(args.smoke)
     else:
       bench_mode([int(s) for s in args.sizes.split(",")], args.budget_s,
-                 os.path.join(out_dir, "attention.json"), smoke=args.smoke)
+                 os.path.join(out_dir, "attention.json"), smoke=args.smoke,
+                 only={x for x in args.only.split(",") if x})
       summary()
   finally:
     name = "attention_check.json" if args.mode == "check" else "attention.json"

@@ -3,8 +3,8 @@
 B=1, 32 query heads, 2 KV heads, d=64, C=64, K=8, g=2, bf16 random q/k (seed 0). Each time covers
 the summaries (pyramid or leaf means) and every selection stage, not attention. Every row starts
 from `SelectionConfig.default` (one-warp walk and final top-k) and changes only what it names:
-  pisa_q1 / pisa_q2 / pisa_q4  two-stage Pallas kernels with key-tile reuse over 1/2/4 queries
-                               (pisa_q4 is the default config)
+  pisa_q1 / pisa_q2 / pisa_q4 / pisa_q8  two-stage Pallas kernels with key-tile reuse over
+                               1/2/4/8 queries (pisa_q8 is the default config)
   pisa_fused                   per-query fused Pallas kernel (all levels incl. leaves)
   bsa_pallas                   our flat BSA kernel (two passes, running top-k, no [T, M] in HBM)
   fla_bsa                      fla's NSA top-k after mean pooling (= BSA), fla-core 0.6.0
@@ -83,10 +83,27 @@ PROBES = {
     "pisa_q4_rank_wq4": dict(RANK, walk_q_tile=4),
     "pisa_q4_passes_wq2": dict(walk_q_tile=2),  # the current top-k, 2 queries per walk program
     "pisa_fused_rank": dict(variant="fused", topk_impl="rank"),
+    # Longer leaf tiles: fewer programs, dots of q_tile * 16 rows.
+    "pisa_q8": dict(q_tile=8),
+    "pisa_q16": dict(q_tile=16),
+    "pisa_q16_lw8": dict(q_tile=16, leaf_warps=8),
+    "pisa_q16_rank": dict(RANK, q_tile=16),
+    # Windowed leaf grouping: a batched sort per window of queries instead of one global argsort.
+    "pisa_q8_w64": dict(q_tile=8, leaf_window=64),
+    "pisa_q8_w256": dict(q_tile=8, leaf_window=256),
+    "pisa_q8_w1024": dict(q_tile=8, leaf_window=1024),
+    "pisa_q16_w1024": dict(q_tile=16, leaf_window=1024),
+    "pisa_q8_s1": dict(q_tile=8, num_stages=1),
+    "pisa_q8_lw2": dict(q_tile=8, leaf_warps=2),
 }
+# Timed on the H200 on 2026-11-29 (session 2, 32K / 128K, ms; default pisa_q4 3.96 / 16.94):
+# rank 4.12 / 18.06, rank + 2-warp walk 5.07 / 22.5, rank + wq2 4.29 / 18.7, rank + wq4 6.21 /
+# 28.4, passes + wq2 4.17 / 18.3, fused rank 5.72 / 25.5, q8 3.39 / 14.83, q16 3.64 / 15.75,
+# q16 8-warp 3.86 / 16.6, q8 + global-sort window 4096 3.41 / 15.95, q16 rank 3.84 / 16.9.
+DEFAULT_PROBES = ("pisa_q8_w256", "pisa_q8_w1024", "pisa_q8_s1", "pisa_q8_lw2")
 
 
-def kernel_fn(selector="pisa", variant="two_stage", q_tile=4, beam=TOP_K, interpret=INTERPRET,
+def kernel_fn(selector="pisa", variant="two_stage", q_tile=8, beam=TOP_K, interpret=INTERPRET,
               **tiles):
   cfg = config(variant=variant, q_tile=q_tile, **tiles)
   return jax.jit(functools.partial(
@@ -210,7 +227,8 @@ def plot(out_dir):
   lat = RESULTS["latency_ms"]
   fig, ax = plt.subplots(figsize=(7, 5))
   for name, style in (("fla_bsa", "k--o"), ("bsa_pallas", "c-s"), ("pisa_fused", "m-^"),
-                      ("pisa_q1", "y-v"), ("pisa_q2", "g-v"), ("pisa_q4", "b-D")):
+                      ("pisa_q1", "y-v"), ("pisa_q2", "g-v"), ("pisa_q4", "c-D"),
+                      ("pisa_q8", "b-D")):
     pts = sorted((int(n), v) for n, v in lat.get(name, {}).items())
     if pts:
       ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=name, ms=4)
@@ -239,12 +257,12 @@ def main():
   # 1M is left out of the default: its float32 reference check alone overran the session's
   # 210 s stage limit on 2026-11-29 (pass --checks 1048576 in a call of its own).
   ap.add_argument("--checks", default="4096,32768,131072")
-  ap.add_argument("--variants", default="pisa_q1,pisa_q2,pisa_q4,pisa_fused,bsa_pallas")
+  ap.add_argument("--variants", default="pisa_q1,pisa_q2,pisa_q4,pisa_q8,pisa_fused,bsa_pallas")
   # Tuning probes, timed only at --probe-sizes.
-  ap.add_argument("--probes", default=",".join(PROBES))
+  ap.add_argument("--probes", default=",".join(DEFAULT_PROBES))
   ap.add_argument("--probe-sizes", default="32768,131072")
   ap.add_argument("--stage-sizes", default="32768,131072",
-                  help="sizes with the stage breakdown of pisa_q4 (4 extra compiles each)")
+                  help="sizes with the stage breakdown of pisa_q8 (4 extra compiles each)")
   ap.add_argument("--compile-threads", type=int, default=16)
   ap.add_argument("--skip-fla", action="store_true")
   args = ap.parse_args()
@@ -270,7 +288,8 @@ def main():
       json.dump(RESULTS, f, indent=1)
 
   fns = {"pisa_q1": kernel_fn(q_tile=1), "pisa_q2": kernel_fn(q_tile=2),
-         "pisa_q4": kernel_fn(q_tile=4), "pisa_fused": kernel_fn(variant="fused"),
+         "pisa_q4": kernel_fn(q_tile=4), "pisa_q8": kernel_fn(q_tile=8),
+         "pisa_fused": kernel_fn(variant="fused"),
          "bsa_pallas": kernel_fn(selector="bsa")}
   unknown = [p for p in probes if p not in PROBES]
   if unknown:
@@ -280,24 +299,24 @@ def main():
 
   def check_list(n):
     """(name, selector, beam, dtype, seed, kernel) of the checks at size n."""
-    out = [(f"pisa_q4.f32.N{n}", "pisa", TOP_K, jnp.float32, 1, kernel_fn(q_tile=4))]
+    out = [(f"pisa_q8.f32.N{n}", "pisa", TOP_K, jnp.float32, 1, kernel_fn(q_tile=8))]
     if n <= 32768:
       out.append((f"pisa_fused.f32.N{n}", "pisa", TOP_K, jnp.float32, 1,
                   kernel_fn(variant="fused")))
       # The probes' new kernels (rank top-k, multi-query walk) before their timings count.
-      for name in ("pisa_q4_rank", "pisa_q4_rank_wq4", "pisa_fused_rank"):
+      for name in ("pisa_q4_rank", "pisa_q8_w256", "pisa_fused_rank"):
         out.append((f"{name}.f32.N{n}", "pisa", TOP_K, jnp.float32, 1, kernel_fn(**PROBES[name])))
       out.append((f"bsa_pallas.f32.N{n}", "bsa", TOP_K, jnp.float32, 1,
                   kernel_fn(selector="bsa")))
     if n == 4096:
       for s in ("pisa1", "pisa2"):
-        out.append((f"{s}_q4.f32.N{n}", s, TOP_K, jnp.float32, 1, kernel_fn(selector=s)))
+        out.append((f"{s}_q8.f32.N{n}", s, TOP_K, jnp.float32, 1, kernel_fn(selector=s)))
       out.append((f"pisa_q2_beam16.f32.N{n}", "pisa", 16, jnp.float32, 1,
                   kernel_fn(q_tile=2, beam=16)))
       out.append((f"pisa2_q4_rank_wq2_beam16.f32.N{n}", "pisa2", 16, jnp.float32, 1,
                   kernel_fn(selector="pisa2", beam=16, **PROBES["pisa_q4_rank_wq2"])))
     if n == 131072:
-      out.append((f"pisa_q4.bf16.N{n}", "pisa", TOP_K, jnp.bfloat16, 2, kernel_fn(q_tile=4)))
+      out.append((f"pisa_q8.bf16.N{n}", "pisa", TOP_K, jnp.bfloat16, 2, kernel_fn(q_tile=8)))
     return out
 
   # Compile everything up front, in parallel (Triton compiles are CPU-bound and independent).
@@ -393,17 +412,17 @@ def main():
   RESULTS["doubling_ratio"] = growth
   brk = {}
   for n in sizes:
-    s = {name: lat.get(name, {}).get(str(n)) for name in list(stages) + ["pisa_q4"]}
+    s = {name: lat.get(name, {}).get(str(n)) for name in list(stages) + ["pisa_q8"]}
     if all(x is not None for x in s.values()):
       brk[str(n)] = dict(pyramid=s["pyramid"], walk=round(s["pyramid+walk"] - s["pyramid"], 4),
                          leaf_scoring_incl_sort=round(s["pyramid+walk+leaf"] - s["pyramid+walk"], 4),
-                         final_topk=round(s["pisa_q4"] - s["pyramid+walk+leaf"], 4),
+                         final_topk=round(s["pisa_q8"] - s["pyramid+walk+leaf"], 4),
                          walk_rank=round(s["pyramid+walk_rank"] - s["pyramid"], 4))
-  RESULTS["stage_breakdown_ms_pisa_q4"] = brk
-  # Probes against the default (pisa_q4) at the same N: > 1 means the probe is faster.
-  RESULTS["probe_speedup_over_pisa_q4"] = {
-      p: {n: round(lat["pisa_q4"][n] / ms, 3) for n, ms in lat.get(p, {}).items()
-          if n in lat.get("pisa_q4", {})}
+  RESULTS["stage_breakdown_ms_pisa_q8"] = brk
+  # Probes against the default (pisa_q8) at the same N: > 1 means the probe is faster.
+  RESULTS["probe_speedup_over_pisa_q8"] = {
+      p: {n: round(lat["pisa_q8"][n] / ms, 3) for n, ms in lat.get(p, {}).items()
+          if n in lat.get("pisa_q8", {})}
       for p in probes}
   dump()
   plot(args.out)

@@ -3,7 +3,9 @@
 # slow stage cannot starve the others (see WORKSPACE.md, "Running on the H200"):
 #   1. issue 3: selection kernels vs fla (benchmarks/bench_selection.py)      SELECTION_S
 #   2. issue 7: quality vs beam on a dense model trained here, time vs beam  RECALL_S
-#   3. issue 5: the small preset, dense vs PISA at 4K and 16K                TRAIN_S
+#   -  per-kernel device time from a profiler trace (profile_kernels.py)  PROFILE_S (0: skip)
+#   3. issue 4: attention kernels vs fla, cuDNN dense, XLA; whole layer      ATTENTION_S (0: skip)
+#   4. issue 5: the small preset, dense vs PISA at 4K and 16K                TRAIN_S
 # The device returns at most 8 files, so the figures are copied to $OUT's top level and every log
 # is packed into $OUT/logs.tgz.
 #   carry: [".whl", "data/corpus"]   (data/corpus from `pisa-prepare-data`, never committed)
@@ -20,6 +22,18 @@ if [ "${SELECTION_S:-210}" != 0 ]; then
     ${SELECTION_ARGS:-} > "$work/selection.log" 2>&1
   echo "selection benchmark rc=$?"; tail -n 25 "$work/selection.log"
   cp "$work/selection/selection.json" "$work/selection/selection.png" "$final/" 2>/dev/null
+fi
+if [ "${PROFILE_S:-0}" != 0 ]; then
+  timeout -k 10 "$PROFILE_S" python3 benchmarks/profile_kernels.py --out "$final" ${PROFILE_ARGS:-} \
+    > "$work/profile.log" 2>&1
+  echo "profile rc=$?"; grep -E "^==|Stream" "$work/profile.log" | cut -c1-700 | head -n 40
+fi
+if [ "${ATTENTION_S:-0}" != 0 ]; then
+  mkdir -p "$work/attention"
+  OUT="$work/attention" timeout -k 10 "$ATTENTION_S" python3 benchmarks/bench_attention.py \
+    --mode bench ${ATTENTION_ARGS:-} > "$work/attention.log" 2>&1
+  echo "attention benchmark rc=$?"; grep -E "\||error|skipped" "$work/attention.log" | tail -n 30
+  cp "$work/attention/attention.json" "$work/attention/attention.png" "$final/" 2>/dev/null
 fi
 if [ "${RECALL_S:-170}" != 0 ]; then
   timeout -k 10 "${RECALL_S:-170}" python3 benchmarks/selection_recall.py --data data/corpus \

@@ -63,11 +63,14 @@ class SelectionConfig:
   Attributes:
     variant: "two_stage" (walk kernel, leaf-tile kernel, final top-k) or "fused" (per query, all
       levels in one kernel). Ignored by "bsa".
-    q_tile: queries per leaf-tile program of the two-stage variant (1, 2, 4 or 8; the paper's
-      Q1/Q2/Q4): one leaf's keys are loaded once for up to q_tile queries x the group's heads.
+    q_tile: queries per leaf-tile program of the two-stage variant (a power of two; 1, 2, 4 are
+      the paper's Q1/Q2/Q4): one leaf's keys are loaded once for up to q_tile queries x the
+      group's heads.
     leaf_window: 0, or queries per window of the leaf-tile grouping: pairs are grouped by
-      (window, leaf) instead of leaf, so the programs of one window run together and its query
-      rows are re-read from L2 rather than HBM (at the price of shorter tiles).
+      (window, leaf) instead of leaf, each window's pairs sorted on their own (a batched sort of
+      leaf_window * NC keys per row instead of one argsort of all pairs), and the programs of one
+      window run together, so its query rows are re-read from L2 rather than HBM (at the price of
+      shorter tiles).
     topk_rows: (query, KV head) rows per program of the final top-k kernel. With
       topk_impl="rank" it holds `[topk_rows, NC, NC]` compares: keep topk_rows * NC^2 <= 2048 on
       2 warps (ptxas, sm_90a: 8 rows at NC = 16 take 96 registers; 32 rows, or 8 at NC = 32, spill).
@@ -121,18 +124,31 @@ class SelectionConfig:
       raise ValueError(f"bsa_block_tile={self.bsa_block_tile} must be >= {_MIN_DOT} (dot size)")
 
   @classmethod
-  def default(cls, *, seq_len: int, group: int) -> "SelectionConfig":
-    """Heuristic default: the two-stage variant with Q4 key-tile reuse (fewest leaf-key loads per
-    query), and BSA tiles of about 64 query rows (bsa_q_tile * padded group) per program.
+  def default(cls, *, seq_len: int, group: int, candidates: int = _MIN_DOT) -> "SelectionConfig":
+    """Heuristic default: the two-stage variant with Q8 key-tile reuse, BSA tiles of about 64
+    query rows (bsa_q_tile * padded group) per program, and the in-kernel top-k by the number of
+    candidate slots per level, `candidates` = NC = next power of two >= max(beam * g, 16).
 
-    One warp for the walk and the final top-k: on the H200 (2026-11-29, Table 4 setting) the walk
-    with 1 warp took the whole Q4 selection from 5.80 to 3.99 ms at 32K and from 26.1 to 17.1 ms
-    at 128K (4 warps: 9.3 and 43.1 ms): its values are tiny and the top-k is reduction-bound.
+    Measured on the H200 (2026-11-29, Table 4 setting unless named; ms):
+    - Leaf tiles, whole selection at 32K / 128K: Q4 3.96 / 16.9, Q8 3.39 / 14.8, Q16 3.64 / 15.7
+      (its 256-row tiles cost registers).
+    - Walk warps: one warp took Q4 from 5.80 to 3.99 ms at 32K and from 26.1 to 17.1 ms at 128K
+      (4 warps: 9.3 and 43.1 ms): at NC = 16 the values are tiny and the top-k reduction-bound.
+    - Top-k, walk kernel alone: NC = 16 (K = 8): passes 7.8 ms, rank 9.5 (128K); NC = 32 (K = 8,
+      beam 16, 128K): passes 26.4, rank 19.0; NC = 64 (K = 32, d = 128, 64K): passes 48.7 (2
+      warps 50.5), rank on 1 warp 109 (its [64, 64] compares spill), rank on 4 warps 40.8.
+      The rank final top-k then takes one row per program (topk_rows=1) on 2 warps.
+    Wider candidate sets (NC >= 128) keep the passes: the rank compares would not fit.
     """
     del seq_len
     gp = next_pow2(group)
-    return cls(variant="two_stage", q_tile=4, bsa_q_tile=max(1, min(16, 64 // gp)),
-               walk_warps=1, topk_warps=1)
+    base = dict(variant="two_stage", q_tile=8, bsa_q_tile=max(1, min(16, 64 // gp)),
+                walk_warps=1, topk_warps=1)
+    if candidates == 32:
+      base.update(topk_impl="rank", topk_rows=1, topk_warps=2)
+    elif candidates == 64:
+      base.update(topk_impl="rank", topk_rows=1, topk_warps=2, walk_warps=4)
+    return cls(**base)
 
 
 def _pow2_at_least(n: int, floor: int) -> int:
@@ -239,19 +255,30 @@ def _sorted_kept(cand, taken, width: int):
   return lax.fori_loop(0, width, next_smallest, (out, prev))[0]
 
 
-def _expand(cand, taken, branching: int, width: int):
-  """Eq. 18: the children of the kept nodes, `[N]` -> `[width]` candidate ids (-1 empty)."""
+def _keep_and_expand(cand, valid, forced, score, keep: int, branching: int, width: int):
+  """Select_K of Eq. 17 (as `_top_mask`) fused with the Eq. 18 expansion: `[N]` -> `[width]`.
+
+  The node picked by pass p fills slots p * g .. p * g + g - 1 with its children as it is picked,
+  so no separate compaction loop runs (one max and one min reduction per kept node). The slot
+  order (by rank) does not matter: the next level's Select_K is order-free and the leaves are
+  sorted at the end.
+  """
+  keep_all = jnp.sum(valid.astype(jnp.int32), axis=-1, keepdims=True) <= keep
+  key = jnp.where(forced | keep_all, jnp.inf, score)
   slot = jnp.arange(width)
   o_parent, o_child = slot // branching, slot % branching
 
-  def next_parent(r, carry):
-    out, prev = carry
-    nxt = jnp.min(jnp.where(taken & (cand > prev), cand, _BIG), axis=-1, keepdims=True)
-    out = jnp.where((o_parent == r) & (nxt < _BIG), nxt * branching + o_child, out)
-    return out, jnp.where(nxt < _BIG, nxt, prev)
+  def pick_one(p, carry):
+    taken, out = carry
+    avail = valid & ~taken
+    k_avail = jnp.where(avail, key, -jnp.inf)
+    best = jnp.max(k_avail, axis=-1, keepdims=True)
+    pick = jnp.min(jnp.where(avail & (k_avail == best), cand, _BIG), axis=-1, keepdims=True)
+    out = jnp.where((o_parent == p) & (pick < _BIG), pick * branching + o_child, out)
+    return taken | (avail & (cand == pick)), out
 
-  init = (jnp.full((width,), -1, jnp.int32), jnp.full((1,), -1, jnp.int32))
-  return lax.fori_loop(0, width // branching, next_parent, init)[0]
+  init = (jnp.zeros(cand.shape, jnp.bool_), jnp.full((width,), -1, jnp.int32))
+  return lax.fori_loop(0, min(keep, width // branching), pick_one, init)[1]
 
 
 def _rank_keep(cand, valid, forced, score, keep: int):
@@ -296,8 +323,7 @@ def _select_and_expand(cand, valid, forced, score, geo: "_Geometry", topk_impl: 
   if topk_impl == "rank":
     taken, rank = _rank_keep(cand, valid, forced, score, geo.beam)
     return _expand_rank(cand, taken, rank, geo.branching, geo.nc)
-  taken = _top_mask(cand, valid, forced, score, geo.beam)
-  return _expand(cand, taken, geo.branching, geo.nc)
+  return _keep_and_expand(cand, valid, forced, score, geo.beam, geo.branching, geo.nc)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -519,12 +545,14 @@ def _fused_kernel(q_ref, k_ref, s_ref, tab_ref, out_ref, *, geo: _Geometry, topk
 
 
 def _leaf_tile_kernel(q_ref, k_ref, start_ref, bucket_ref, pair_ref, score_ref, *, geo: _Geometry,
-                      q_tile: int, num_pairs: int, num_buckets: int, num_windows: int):
+                      q_tile: int, num_pairs: int, num_buckets: int, num_windows: int,
+                      trash: int):
   """Stage 2 (Algorithm 1, lines 16-22): one leaf's keys against up to q_tile queries.
 
   start_ref `[NG]`: first sorted position of each tile (num_pairs when the tile is unused);
-  bucket_ref `[P]`: sorted (batch, KV head, leaf) buckets; pair_ref `[P]`: the pair id
-  (row * NC + slot) at each sorted position. Writes score_ref[pair] (trash slot P when masked).
+  bucket_ref `[num_pairs]`: sorted (batch, KV head, window, leaf) buckets; pair_ref `[num_pairs]`:
+  the pair id (row * NC + slot) at each sorted position. Writes score_ref[pair] (score_ref[trash]
+  when masked).
   """
   gp = max(next_pow2(geo.group), _MIN_DOT // q_tile)
   rows_n = q_tile * gp
@@ -532,42 +560,45 @@ def _leaf_tile_kernel(q_ref, k_ref, start_ref, bucket_ref, pair_ref, score_ref, 
   o_r = jnp.arange(rows_n)
   o_e = jnp.arange(q_tile)
   start = jnp.max(plt.load(start_ref.at[jnp.full((q_tile,), i_g, jnp.int32)]))
-  # Entry e of the tile is sorted position start + e; it belongs to the tile if it exists and has
-  # the tile's bucket (a bucket's last tile may be short).
-  pos_e = start + o_e
-  bucket0 = jnp.max(plt.load(bucket_ref.at[jnp.full((q_tile,), jnp.minimum(start, num_pairs - 1))]))
-  bucket_e = plt.load(bucket_ref.at[jnp.minimum(pos_e, num_pairs - 1)])
-  m_e = (pos_e < num_pairs) & (bucket_e == bucket0)
-  pair_e = plt.load(pair_ref.at[jnp.minimum(pos_e, num_pairs - 1)])
-  # An unused tile (start == P) reads the last pair's bucket; clamp so its addresses stay valid.
-  bucket = jnp.minimum(bucket0, num_buckets - 1)
-  m_blocks = geo.num_blocks
-  leaf = bucket % m_blocks
-  i_bh = bucket // m_blocks // num_windows
-  i_b, i_h = i_bh // geo.hkv, i_bh % geo.hkv
-  # [Q*Gp] query rows: entry r // gp, head r % gp.
-  e_r = o_r // gp
-  j_r = o_r % gp
-  pos_r = start + e_r
-  m_r = (pos_r < num_pairs) & (j_r < geo.group)
-  pair_r = plt.load(pair_ref.at[jnp.minimum(pos_r, num_pairs - 1)])
-  bucket_r = plt.load(bucket_ref.at[jnp.minimum(pos_r, num_pairs - 1)])
-  m_r = m_r & (bucket_r == bucket0)
-  qk_row = pair_r // geo.nc  # (b * T + t) * HKV + h
-  q_rows = (qk_row // geo.hkv) * geo.hq + i_h * geo.group + jnp.minimum(j_r, geo.group - 1)
-  b_q = _load_rows(q_ref, q_rows, m_r, geo)
-  o_key = jnp.arange(geo.cp)
-  key_pos = leaf * geo.block_size + o_key
-  m_key = (o_key < geo.block_size) & (key_pos < geo.seq_len)
-  k_rows = (i_b * geo.seq_len + jnp.minimum(key_pos, geo.seq_len - 1)) * geo.hkv + i_h
-  b_k = _load_rows(k_ref, k_rows, m_key, geo)
-  # [Q*Gp, Cp]: every (query, head) of the tile against the leaf's raw keys, one dot.
-  z = geo.scale * _qk(b_q, b_k, geo.key_mode)
-  per_row = jnp.where(m_r, _reduce_keys(z, m_key, geo.selector), 0.0)
-  # Eq. 22: sum each entry's heads, [Q].
-  score_e = jnp.sum(jnp.where(e_r[None, :] == o_e[:, None], per_row[None, :], 0.0), axis=1)
-  trash = num_pairs
-  plt.store(score_ref.at[jnp.where(m_e, pair_e, trash)], score_e)
+  # Tiles are numbered densely from 0, so the unused ones (start == num_pairs) are the grid's
+  # tail: the grid's static size bounds the tiles of every possible grouping. They exit here.
+  @pl.when(start < num_pairs)
+  def _():
+    # Entry e of the tile is sorted position start + e; it belongs to the tile if it exists and has
+    # the tile's bucket (a bucket's last tile may be short).
+    pos_e = start + o_e
+    bucket0 = jnp.max(plt.load(bucket_ref.at[jnp.full((q_tile,), jnp.minimum(start, num_pairs - 1))]))
+    bucket_e = plt.load(bucket_ref.at[jnp.minimum(pos_e, num_pairs - 1)])
+    m_e = (pos_e < num_pairs) & (bucket_e == bucket0)
+    pair_e = plt.load(pair_ref.at[jnp.minimum(pos_e, num_pairs - 1)])
+    # An unused tile (start == P) reads the last pair's bucket; clamp so its addresses stay valid.
+    bucket = jnp.minimum(bucket0, num_buckets - 1)
+    m_blocks = geo.num_blocks
+    leaf = bucket % m_blocks
+    i_bh = bucket // m_blocks // num_windows
+    i_b, i_h = i_bh // geo.hkv, i_bh % geo.hkv
+    # [Q*Gp] query rows: entry r // gp, head r % gp.
+    e_r = o_r // gp
+    j_r = o_r % gp
+    pos_r = start + e_r
+    m_r = (pos_r < num_pairs) & (j_r < geo.group)
+    pair_r = plt.load(pair_ref.at[jnp.minimum(pos_r, num_pairs - 1)])
+    bucket_r = plt.load(bucket_ref.at[jnp.minimum(pos_r, num_pairs - 1)])
+    m_r = m_r & (bucket_r == bucket0)
+    qk_row = pair_r // geo.nc  # (b * T + t) * HKV + h
+    q_rows = (qk_row // geo.hkv) * geo.hq + i_h * geo.group + jnp.minimum(j_r, geo.group - 1)
+    b_q = _load_rows(q_ref, q_rows, m_r, geo)
+    o_key = jnp.arange(geo.cp)
+    key_pos = leaf * geo.block_size + o_key
+    m_key = (o_key < geo.block_size) & (key_pos < geo.seq_len)
+    k_rows = (i_b * geo.seq_len + jnp.minimum(key_pos, geo.seq_len - 1)) * geo.hkv + i_h
+    b_k = _load_rows(k_ref, k_rows, m_key, geo)
+    # [Q*Gp, Cp]: every (query, head) of the tile against the leaf's raw keys, one dot.
+    z = geo.scale * _qk(b_q, b_k, geo.key_mode)
+    per_row = jnp.where(m_r, _reduce_keys(z, m_key, geo.selector), 0.0)
+    # Eq. 22: sum each entry's heads, [Q].
+    score_e = jnp.sum(jnp.where(e_r[None, :] == o_e[:, None], per_row[None, :], 0.0), axis=1)
+    plt.store(score_ref.at[jnp.where(m_e, pair_e, trash)], score_e)
 
 
 def _final_topk_kernel(cand_ref, score_ref, out_ref, *, geo: _Geometry, rows: int, num_rows: int,
@@ -758,24 +789,55 @@ def leaf_scores_pallas(q, k, cand, geo: _Geometry, *, interpret: bool, config: S
   num_pairs = rows * geo.nc
   t_row = ((jnp.arange(rows) // geo.hkv) % t)[:, None]
   need, _, _ = _leaf_needs_score(cand, t_row, geo)
-  bh = (jnp.arange(rows) // (t * geo.hkv)) * geo.hkv + jnp.arange(rows) % geo.hkv
-  # Buckets are (batch, KV head, query window, leaf): with a window, the tiles of one window of
-  # queries run together, so its queries' rows stay in L2 across their ~NC leaves.
+  # Buckets are (batch, KV head, query window, leaf). Without a window (leaf_window=0) one window
+  # holds all T queries and one global stable argsort groups the pairs; with windows each window's
+  # pairs are sorted on their own (a batched sort of W*NC keys per row instead of one sort of all
+  # P pairs), and the programs of one window run together, so its query rows stay in L2.
   window = config.leaf_window or t
   num_windows = -(-t // window)
   num_buckets = b * geo.hkv * num_windows * geo.num_blocks
-  bucket = jnp.where(
-      need, (bh[:, None] * num_windows + t_row // window) * geo.num_blocks + jnp.maximum(cand, 0),
-      num_buckets)
-  bucket = bucket.reshape(-1)
-  # Group the pairs by leaf, stably (by query inside a leaf), and cut each leaf into tiles. The
-  # per-bucket counts and offsets are small ([B*HKV*M]), so no scan runs over the P pairs.
-  order = jnp.argsort(bucket, stable=True).astype(jnp.int32)
-  sorted_bucket = bucket[order]
-  pos = jnp.arange(num_pairs, dtype=jnp.int32)
   q_tile = config.q_tile
-  counts = jnp.zeros((num_buckets + 1,), jnp.int32).at[bucket].add(1)[:num_buckets]
-  first = jnp.cumsum(counts) - counts  # first sorted position of each bucket
+  if config.leaf_window:
+    # [B, HKV, T_pad, NC] -> one row of W*NC pairs per (batch, KV head, window); pad queries
+    # (t >= T) get the trash bucket, which sorts last inside its row.
+    t_pad = num_windows * window
+    cand4 = cand.reshape(b, t, geo.hkv, geo.nc).transpose(0, 2, 1, 3)
+    need4 = need.reshape(b, t, geo.hkv, geo.nc).transpose(0, 2, 1, 3)
+    pad = ((0, 0), (0, 0), (0, t_pad - t), (0, 0))
+    cand4, need4 = jnp.pad(cand4, pad), jnp.pad(need4, pad)
+    t4 = jnp.arange(t_pad, dtype=jnp.int32)[None, None, :, None]
+    bh4 = (jnp.arange(b, dtype=jnp.int32)[:, None] * geo.hkv
+           + jnp.arange(geo.hkv, dtype=jnp.int32)[None, :])[:, :, None, None]
+    bucket4 = jnp.where(need4, (bh4 * num_windows + t4 // window) * geo.num_blocks
+                        + jnp.maximum(cand4, 0), num_buckets)
+    pair4 = ((jnp.arange(b, dtype=jnp.int32)[:, None, None, None] * t
+              + jnp.minimum(t4, t - 1)) * geo.hkv
+             + jnp.arange(geo.hkv, dtype=jnp.int32)[None, :, None, None]) * geo.nc + jnp.arange(
+                 geo.nc, dtype=jnp.int32)
+    seg = window * geo.nc
+    num_segments = b * geo.hkv * num_windows
+    sorted_bucket, order = lax.sort(
+        (bucket4.reshape(num_segments, seg), pair4.reshape(num_segments, seg)), dimension=1,
+        num_keys=1, is_stable=True)
+    sorted_bucket, order = sorted_bucket.reshape(-1), order.reshape(-1)
+    num_sorted = num_segments * seg
+    counts = jnp.zeros((num_buckets + 1,), jnp.int32).at[bucket4.reshape(-1)].add(1)[:num_buckets]
+    # A bucket's first position: its window's row start + the counts of the lower leaves there.
+    per_window = counts.reshape(num_segments, geo.num_blocks)
+    first = ((jnp.cumsum(per_window, axis=1) - per_window)
+             + (jnp.arange(num_segments, dtype=jnp.int32) * seg)[:, None]).reshape(-1)
+  else:
+    bh = (jnp.arange(rows) // (t * geo.hkv)) * geo.hkv + jnp.arange(rows) % geo.hkv
+    bucket = jnp.where(need, bh[:, None] * geo.num_blocks + jnp.maximum(cand, 0), num_buckets)
+    bucket = bucket.reshape(-1)
+    # Group the pairs by leaf, stably (by query inside a leaf). The per-bucket counts and offsets
+    # are small ([B*HKV*M]), so no scan runs over the P pairs.
+    order = jnp.argsort(bucket, stable=True).astype(jnp.int32)
+    sorted_bucket = bucket[order]
+    num_sorted = num_pairs
+    counts = jnp.zeros((num_buckets + 1,), jnp.int32).at[bucket].add(1)[:num_buckets]
+    first = jnp.cumsum(counts) - counts  # first sorted position of each bucket
+  pos = jnp.arange(num_sorted, dtype=jnp.int32)
   tiles = -(-counts // q_tile)
   first_tile = jnp.cumsum(tiles) - tiles  # tiles before each bucket
   live = sorted_bucket < num_buckets
@@ -785,11 +847,11 @@ def leaf_scores_pallas(q, k, cand, geo: _Geometry, *, interpret: bool, config: S
   tile_id = first_tile[safe_bucket] + rank // q_tile
   # Static bound on the number of tiles: each bucket adds at most one partial tile.
   num_tiles = -(-num_pairs // q_tile) + min(num_pairs, num_buckets)
-  starts = jnp.full((num_tiles,), num_pairs, jnp.int32).at[
+  starts = jnp.full((num_tiles,), num_sorted, jnp.int32).at[
       jnp.where(tile_head, tile_id, num_tiles)].set(pos, mode="drop")
   scores = _call(
-      functools.partial(_leaf_tile_kernel, geo=geo, q_tile=q_tile, num_pairs=num_pairs,
-                        num_buckets=num_buckets, num_windows=num_windows),
+      functools.partial(_leaf_tile_kernel, geo=geo, q_tile=q_tile, num_pairs=num_sorted,
+                        num_buckets=num_buckets, num_windows=num_windows, trash=num_pairs),
       jax.ShapeDtypeStruct((num_pairs + 1,), jnp.float32), num_tiles, config, config.leaf_warps,
       interpret,
       f"pisa_select_leaf_q{q_tile}", q.reshape(-1, d), k.reshape(-1, d), starts, sorted_bucket,
@@ -870,9 +932,9 @@ def select_blocks_pallas(
     raise ValueError(f"{beam=} must be >= {top_k=}")
   b, t, hq, d = q.shape
   hkv = k.shape[2]
-  config = config or SelectionConfig.default(seq_len=t, group=hq // hkv)
   geo = _geometry(q, k, block_size=block_size, top_k=top_k, branching=branching,
                   selector=selector, scale=scale, beam=beam if selector != "bsa" else top_k)
+  config = config or SelectionConfig.default(seq_len=t, group=hq // hkv, candidates=geo.nc)
   if selector == "bsa":
     out = _select_bsa(q, k, geo, interpret=interpret, config=config)
   else:

@@ -252,6 +252,18 @@ RANK_CI_CASES = [
 ]
 
 
+@pytest.mark.parametrize("top_k,beam,impl", [(8, 8, "passes"), (8, 16, "rank"), (32, 32, "rank"),
+                                             (8, 64, "passes")])
+def test_default_config_picks_topk_by_candidates(top_k, beam, impl):
+  # The default switches to the rank top-k at 32 and 64 candidate slots (measured faster there on
+  # the H200) and runs that default, whatever it picks, against the reference.
+  nc = max(16, 1 << (2 * beam - 1).bit_length())
+  cfg = SelectionConfig.default(seq_len=200, group=4, candidates=nc)
+  assert cfg.topk_impl == impl
+  if nc <= 64:
+    _check(200, 4, 1, 64, top_k, "pisa", block_size=4, branching=2, beam=beam, config=None)
+
+
 def _rank_case_id(c):
   t, hq, hkv, d, top_k, sel, bs, g, beam, cfg = c
   return (f"T{t}-HQ{hq}-HKV{hkv}-D{d}-C{bs}-g{g}-K{top_k}-beam{beam}-{sel}-{cfg.variant}"
@@ -313,18 +325,19 @@ def test_rank_helpers_equal_the_passes_on_ties(keep):
     np.testing.assert_array_equal(np.sort(r[row][v[row]]), np.arange(v[row].sum()))
   np.testing.assert_array_equal(np.asarray(sel_kernels._sorted_kept_rank(cand, got, 8)),
                                 np.asarray(sel_kernels._sorted_kept(cand, want, 8)))
-  # Expansion: the same child set per row (the rank layout orders parents by rank, not id), and
-  # parent p's children in slots p * g .. p * g + g - 1.
+  # Expansion: both place the kept node of rank p (forced first, then score descending, ties to
+  # the lower id) in slots p * g .. p * g + g - 1, so the layouts are equal, not only the sets.
   g = 2
   expand_rank = jax.jit(sel_kernels._expand_rank, static_argnums=(3, 4))
-  expand = jax.jit(sel_kernels._expand, static_argnums=(2, 3))
+  keep_expand = jax.jit(sel_kernels._keep_and_expand, static_argnums=(4, 5, 6))
   for row in range(40):
     a = np.asarray(expand_rank(cand[row], got[row], rank[row], g, 2 * n))
-    b = np.asarray(expand(cand[row], want[row], g, 2 * n))
-    np.testing.assert_array_equal(np.sort(a), np.sort(b))
+    b = np.asarray(keep_expand(cand[row], valid[row], forced[row], score[row], keep, g, 2 * n))
+    np.testing.assert_array_equal(a, b)
     kept_by_rank = np.asarray(cand[row])[np.argsort(np.where(np.asarray(got[row]), r[row], 99))]
     for p in range(int(np.asarray(got[row]).sum())):
       np.testing.assert_array_equal(a[p * g:(p + 1) * g], kept_by_rank[p] * g + np.arange(g))
+    assert np.all(a[int(np.asarray(got[row]).sum()) * g:] == -1)
 
 
 def test_rank_and_passes_bit_identical():
