@@ -95,12 +95,21 @@ PROBES = {
     "pisa_q16_w1024": dict(q_tile=16, leaf_window=1024),
     "pisa_q8_s1": dict(q_tile=8, num_stages=1),
     "pisa_q8_lw2": dict(q_tile=8, leaf_warps=2),
+    # The dense walk of the upper levels (levels of at most N nodes scored for a tile of queries).
+    "pisa_q8_dense64": dict(walk_dense_nodes=64),
+    "pisa_q8_dense128": dict(walk_dense_nodes=128),
+    "pisa_q8_dense256": dict(walk_dense_nodes=256),
+    "pisa_q8_dense64_t8": dict(walk_dense_nodes=64, walk_dense_q_tile=8),
+    "pisa_q8_dense128_t2": dict(walk_dense_nodes=128, walk_dense_q_tile=2, walk_dense_warps=2),
 }
 # Timed on the H200 on 2026-11-29 (session 2, 32K / 128K, ms; default pisa_q4 3.96 / 16.94):
 # rank 4.12 / 18.06, rank + 2-warp walk 5.07 / 22.5, rank + wq2 4.29 / 18.7, rank + wq4 6.21 /
 # 28.4, passes + wq2 4.17 / 18.3, fused rank 5.72 / 25.5, q8 3.39 / 14.83, q16 3.64 / 15.75,
 # q16 8-warp 3.86 / 16.6, q8 + global-sort window 4096 3.41 / 15.95, q16 rank 3.84 / 16.9.
-DEFAULT_PROBES = ("pisa_q8_w256", "pisa_q8_w1024", "pisa_q8_s1", "pisa_q8_lw2")
+# Session 2 (after the above, Q8 default 2.96 / 12.94): Q8 + window 1024 2.95 / 14.31, one
+# pipelining stage 2.91 / 12.89. The dense upper walk is new and untimed.
+DEFAULT_PROBES = ("pisa_q8_dense64", "pisa_q8_dense128", "pisa_q8_dense256", "pisa_q8_dense64_t8",
+                  "pisa_q8_dense128_t2")
 
 
 def kernel_fn(selector="pisa", variant="two_stage", q_tile=8, beam=TOP_K, interpret=INTERPRET,
@@ -304,7 +313,8 @@ def main():
       out.append((f"pisa_fused.f32.N{n}", "pisa", TOP_K, jnp.float32, 1,
                   kernel_fn(variant="fused")))
       # The probes' new kernels (rank top-k, multi-query walk) before their timings count.
-      for name in ("pisa_q4_rank", "pisa_q8_w256", "pisa_fused_rank"):
+      for name in ("pisa_q4_rank", "pisa_q8_w256", "pisa_fused_rank", "pisa_q8_dense64",
+                   "pisa_q8_dense256"):
         out.append((f"{name}.f32.N{n}", "pisa", TOP_K, jnp.float32, 1, kernel_fn(**PROBES[name])))
       out.append((f"bsa_pallas.f32.N{n}", "bsa", TOP_K, jnp.float32, 1,
                   kernel_fn(selector="bsa")))

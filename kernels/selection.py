@@ -91,6 +91,13 @@ class SelectionConfig:
     walk_q_tile: queries of one KV head per walk program (two-stage variant): their walks run in
       one loop over the levels as independent instruction streams, which the scheduler can
       interleave, and the program overhead is shared. 1 is one query per program.
+    walk_dense_nodes: 0, or a power of two >= 16: the upper levels with at most this many nodes
+      are walked densely (two-stage variant) by `_walk_top_kernel`: one program per tile of
+      `walk_dense_q_tile` queries scores every node of such a level with one shared load of the
+      level's summaries and dots of walk_dense_q_tile * Gp rows, and masks the scores to each
+      query's candidates; the per-query gathered walk then continues below. Same result.
+    walk_dense_q_tile: queries per dense-walk program (a power of two).
+    walk_dense_warps: Triton warps of the dense-walk kernel.
   """
 
   variant: str = "two_stage"
@@ -105,6 +112,9 @@ class SelectionConfig:
   num_stages: int = 2
   topk_impl: str = "passes"
   walk_q_tile: int = 1
+  walk_dense_nodes: int = 0
+  walk_dense_q_tile: int = 4
+  walk_dense_warps: int = 4
 
   def __post_init__(self):
     if self.variant not in VARIANTS:
@@ -114,7 +124,16 @@ class SelectionConfig:
     if self.walk_q_tile != 1 and self.variant != "two_stage":
       raise ValueError(f"walk_q_tile={self.walk_q_tile} must be 1 unless variant='two_stage' "
                        f"(the fused kernel walks one query per program), got {self.variant=}")
-    for name in ("q_tile", "topk_rows", "bsa_q_tile", "bsa_block_tile", "walk_q_tile"):
+    if self.walk_dense_nodes and (self.walk_dense_nodes < _MIN_DOT
+                                  or self.walk_dense_nodes & (self.walk_dense_nodes - 1)):
+      raise ValueError(f"walk_dense_nodes={self.walk_dense_nodes} must be 0 (off) or a power of "
+                       f"two >= {_MIN_DOT}")
+    if self.walk_dense_nodes and self.variant != "two_stage":
+      raise ValueError(f"walk_dense_nodes={self.walk_dense_nodes} must be 0 unless "
+                       f"variant='two_stage' (the fused kernel walks from the root), got "
+                       f"{self.variant=}")
+    for name in ("q_tile", "topk_rows", "bsa_q_tile", "bsa_block_tile", "walk_q_tile",
+                 "walk_dense_q_tile"):
       value = getattr(self, name)
       if value < 1 or value & (value - 1):
         raise ValueError(f"{name}={value} must be a power of two")
@@ -416,13 +435,16 @@ def _pick(vec, idx):
   return jnp.sum(jnp.where(jnp.arange(vec.shape[0]) == idx, vec, 0))
 
 
-def _walk_to_leaves(qgs, m_head, i_b, ts, i_h, s_ref, tab_ref, geo: _Geometry, topk_impl: str):
+def _walk_to_leaves(qgs, m_head, i_b, ts, i_h, s_ref, tab_ref, geo: _Geometry, topk_impl: str,
+                    init=None, first_level: int | None = None):
   """Stage 1 (Algorithm 1, lines 5-14): root -> level 2 for queries of one KV head.
 
   qgs: the queries' group heads, each `[Gp, Dp]`; ts: their positions (scalars). The levels are a
   loop (sizes and offsets read from `tab_ref`), so the kernel's code does not grow with the number
-  of levels; the queries' walks share that loop as independent instruction streams. Returns the
-  level-1 candidates of each query, `[NC]` (leaf ids, -1 where empty or not eligible).
+  of levels; the queries' walks share that loop as independent instruction streams. With `init`
+  (each query's candidates `[NC]` at level `first_level`, from `_walk_top_kernel`) the walk starts
+  there instead of at the root's children. Returns the level-1 candidates of each query, `[NC]`
+  (leaf ids, -1 where empty or not eligible).
   """
   sizes, g, nc = geo.sizes, geo.branching, geo.nc
   num_levels = len(sizes)
@@ -457,11 +479,116 @@ def _walk_to_leaves(qgs, m_head, i_b, ts, i_h, s_ref, tab_ref, geo: _Geometry, t
     return tuple(one_query_level(qg, t, cand, m_level, leaves_per_node, n_child, off_child)
                  for qg, t, cand in zip(qgs, ts, cands))
 
-  # The root is always kept (one candidate <= beam): A^(L-1) = its children (Eq. 18).
-  root_children = jnp.where(slot < min(g, sizes[-2]), slot, -1)
-  cands = lax.fori_loop(0, num_levels - 2, one_level, tuple(root_children for _ in ts))
+  if init is None:
+    # The root is always kept (one candidate <= beam): A^(L-1) = its children (Eq. 18).
+    root_children = jnp.where(slot < min(g, sizes[-2]), slot, -1)
+    start, init = 0, tuple(root_children for _ in ts)
+  else:
+    start = num_levels - 1 - first_level
+  cands = lax.fori_loop(start, num_levels - 2, one_level, tuple(init))
   return tuple(jnp.where((cand >= 0) & (cand < sizes[0]) & (cand * geo.block_size <= t), cand, -1)
                for t, cand in zip(ts, cands))
+
+
+def _dense_stop_level(geo: _Geometry, dense_nodes: int) -> int:
+  """The lowest level >= 2 such that it and every level above it below the root has at most
+  `dense_nodes` nodes; L (the root's level: nothing dense) when level L-1 already has more."""
+  num_levels = len(geo.sizes)
+  stop = num_levels
+  for level in range(num_levels - 1, 1, -1):
+    if geo.sizes[level - 1] > dense_nodes:
+      break
+    stop = level
+  return stop
+
+
+def _level_offsets(geo: _Geometry) -> list[int]:
+  """First row of each level in the stacked summaries (as `_level_table`), as Python ints."""
+  offsets, acc = [], 0
+  for m in geo.sizes:
+    offsets.append(acc)
+    acc += geo.batch * m * geo.hkv
+  return offsets
+
+
+def _walk_top_kernel(q_ref, s_ref, cand_ref, *, geo: _Geometry, q_tile: int, stop_level: int):
+  """Stage 1, upper levels densely: levels L-1 .. stop_level for q_tile queries of one KV head.
+
+  At a level of n <= walk_dense_nodes nodes every node is scored (Eq. 21/33/34 from its children's
+  summaries, loaded once for the tile) against all q_tile * Gp query rows with one dot per child,
+  summed per query over the group (Eq. 22), then masked to the query's candidates (the children of
+  its kept nodes one level up, Eq. 18) and reduced by the same Select_K as the gathered walk
+  (Eq. 17, forced nodes and eligibility included). Levels are unrolled: their sizes are static and
+  there are at most log2(walk_dense_nodes) + 1 of them. Writes each query's candidates at level
+  stop_level - 1, `[NC]` (leaf ids with the leaves' eligibility applied when stop_level == 2).
+  """
+  g, gp, nc = geo.branching, geo.gp, geo.nc
+  n_tiles = pl.cdiv(geo.seq_len, q_tile)
+  i_p = pl.program_id(0)
+  i_bh, i_tile = i_p // n_tiles, i_p % n_tiles
+  i_b, i_h = i_bh // geo.hkv, i_bh % geo.hkv
+  rows_n = q_tile * gp
+  o_r = jnp.arange(rows_n)
+  e_r, j_r = o_r // gp, o_r % gp
+  o_e = jnp.arange(q_tile)
+  t_e = i_tile * q_tile + o_e
+  t_ec = jnp.minimum(t_e, geo.seq_len - 1)  # queries past T walk as T - 1 and are not stored
+  t_r = jnp.minimum(i_tile * q_tile + e_r, geo.seq_len - 1)
+  m_head_r = j_r < geo.group
+  q_rows = ((i_b * geo.seq_len + t_r) * geo.hq + i_h * geo.group
+            + jnp.minimum(j_r, geo.group - 1))
+  b_q = _load_rows(q_ref, q_rows, m_head_r, geo)  # [R, Dp]
+  cur_e = (t_ec // geo.block_size)[:, None]  # [QT, 1]
+  offsets = _level_offsets(geo)
+  num_levels = len(geo.sizes)
+  kept, kept_ids = None, None
+  for level in range(num_levels - 1, stop_level - 1, -1):
+    n, n_child = geo.sizes[level - 1], geo.sizes[level - 2]
+    npad = _pow2_at_least(n, _MIN_DOT)
+    leaves_per_node = g ** (level - 1)
+    ids = jnp.arange(npad)
+    zs, masks = [], []
+    for j in range(g):
+      child = ids * g + j
+      m_child = (ids < n) & (child < n_child)
+      rows = offsets[level - 2] + (i_b * n_child + jnp.minimum(child, n_child - 1)) * geo.hkv + i_h
+      # [R, npad]: every query row of the tile against child j of every node of the level.
+      zs.append(geo.scale * _qk(b_q, _load_rows(s_ref, rows, m_child, geo), geo.score_mode))
+      masks.append(m_child)
+    per_head = jnp.where(m_head_r[:, None], _reduce_children(zs, masks, geo.selector), 0.0)
+    # Eq. 22 per query: [QT, npad] (one masked row-sum per query of the tile).
+    score = jnp.zeros((q_tile, npad), jnp.float32)
+    for e in range(q_tile):
+      row = jnp.sum(jnp.where((e_r == e)[:, None], per_head, 0.0), axis=0)
+      score = jnp.where((o_e == e)[:, None], row[None, :], score)
+    if kept is None:
+      # The root's children: every node of level L-1 is a candidate.
+      cand_m = jnp.broadcast_to((ids < n)[None, :], (q_tile, npad))
+    else:
+      # Node i is a candidate iff its parent i // g was kept one level up.
+      parent_hit = (ids[None, :, None] // g == kept_ids[None, None, :]) & kept[:, None, :]
+      cand_m = jnp.max(parent_hit.astype(jnp.int32), axis=2) > 0
+    valid = cand_m & (ids < n)[None, :] & (ids[None, :] * (leaves_per_node * geo.block_size)
+                                           <= t_ec[:, None])
+    cand_ids = jnp.broadcast_to(ids[None, :], (q_tile, npad))
+    forced = valid & _forced(cand_ids, cur_e, leaves_per_node)
+    kept, kept_ids = _top_mask(cand_ids, valid, forced, score, geo.beam), ids
+  # Children of the kept nodes at stop_level, as each query's candidate list: the kept ids in
+  # ascending order (at most beam <= NC / g of them), kept node p filling slots p*g .. p*g+g-1.
+  width = nc // g
+  kept_sorted = _sorted_kept(jnp.broadcast_to(kept_ids[None, :], kept.shape), kept, width)
+  slot = jnp.arange(nc)
+  o_w = jnp.arange(width)
+  parent = jnp.max(jnp.where(slot[None, :, None] // g == o_w[None, None, :],
+                             kept_sorted[:, None, :], -1), axis=2)  # [QT, NC]
+  cand = jnp.where(parent >= 0, parent * g + slot[None, :] % g, -1)
+  if stop_level == 2:
+    cand = jnp.where((cand < geo.sizes[0]) & (cand * geo.block_size <= t_ec[:, None]), cand, -1)
+  else:
+    cand = jnp.where(cand < geo.sizes[stop_level - 2], cand, -1)
+  out_rows = jnp.where(t_e < geo.seq_len, (i_b * geo.seq_len + t_ec) * geo.hkv + i_h,
+                       geo.batch * geo.seq_len * geo.hkv)
+  plt.store(cand_ref.at[out_rows[:, None], slot[None, :]], cand)
 
 
 def _leaf_needs_score(cand, t, geo: _Geometry):
@@ -474,10 +601,12 @@ def _leaf_needs_score(cand, t, geo: _Geometry):
   return valid & ~forced & many, valid, forced
 
 
-def _walk_kernel(q_ref, s_ref, tab_ref, cand_ref, *, geo: _Geometry, topk_impl: str,
-                 q_tile: int):
+def _walk_kernel(q_ref, s_ref, tab_ref, *refs, geo: _Geometry, topk_impl: str, q_tile: int,
+                 first_level: int | None = None):
   """Stage 1: one program per (tile of q_tile consecutive queries, KV head); writes each query's
-  leaf candidates `[NC]`."""
+  leaf candidates `[NC]`. refs: (cand_ref,), or (init_ref, cand_ref) to start from the
+  candidates `[B*T*HKV, NC]` at level `first_level` that `_walk_top_kernel` wrote."""
+  init_ref, cand_ref = refs if first_level is not None else (None, refs[0])
   n_tiles = pl.cdiv(geo.seq_len, q_tile)
   i_p = pl.program_id(0)
   i_bh, i_tile = i_p // n_tiles, i_p % n_tiles
@@ -487,7 +616,13 @@ def _walk_kernel(q_ref, s_ref, tab_ref, cand_ref, *, geo: _Geometry, topk_impl: 
   t_raw = [i_tile * q_tile + e for e in range(q_tile)]
   ts = [jnp.minimum(t, geo.seq_len - 1) for t in t_raw]
   qgs = [_load_group_queries(q_ref, geo, i_b, t, i_h, geo.gp) for t in ts]
-  cands = _walk_to_leaves(qgs, m_head, i_b, ts, i_h, s_ref, tab_ref, geo, topk_impl)
+  init = None
+  if init_ref is not None:
+    slot = jnp.arange(geo.nc)
+    init = [plt.load(init_ref.at[jnp.full((geo.nc,), (i_b * geo.seq_len + t) * geo.hkv + i_h,
+                                          jnp.int32), slot]) for t in ts]
+  cands = _walk_to_leaves(qgs, m_head, i_b, ts, i_h, s_ref, tab_ref, geo, topk_impl, init=init,
+                          first_level=first_level)
   for t, t_clamped, cand in zip(t_raw, ts, cands):
     row = (i_b * geo.seq_len + t_clamped) * geo.hkv + i_h
     if q_tile == 1:
@@ -769,16 +904,34 @@ def _stacked(summaries):
 
 def leaf_candidates_pallas(q, k, summaries, geo: _Geometry, *, interpret: bool,
                            config: SelectionConfig) -> Int[Array, "R NC"]:
-  """Stage 1 alone: level-1 candidates `[B*T*HKV, NC]` (exposed for the benchmark's breakdown)."""
+  """Stage 1 alone: level-1 candidates `[B*T*HKV, NC]` (exposed for the benchmark's breakdown).
+
+  With `config.walk_dense_nodes`, `_walk_top_kernel` walks the upper levels densely and the
+  gathered walk continues from its candidates (or is skipped when the dense part reached level 2).
+  """
   b, t, hq, d = q.shape
   rows = b * t * geo.hkv
+  stacked, table = _stacked(summaries), _level_table(geo)
+  stop = _dense_stop_level(geo, config.walk_dense_nodes) if config.walk_dense_nodes else 0
+  init, first_level = (), None
+  if 2 <= stop < len(geo.sizes):
+    qt = config.walk_dense_q_tile
+    top = _call(
+        functools.partial(_walk_top_kernel, geo=geo, q_tile=qt, stop_level=stop),
+        jax.ShapeDtypeStruct((rows + 1, geo.nc), jnp.int32), b * geo.hkv * -(-t // qt), config,
+        config.walk_dense_warps, interpret, f"pisa_select_walk_dense_q{qt}", q.reshape(-1, d),
+        stacked)[:rows]
+    if stop == 2:
+      return top
+    init, first_level = (top,), stop - 1
   q_tile = config.walk_q_tile
   grid = b * geo.hkv * -(-t // q_tile)
   name = "pisa_select_walk" + ("_rank" if config.topk_impl == "rank" else "") + (
-      f"_q{q_tile}" if q_tile > 1 else "")
-  return _call(functools.partial(_walk_kernel, geo=geo, topk_impl=config.topk_impl, q_tile=q_tile),
+      f"_q{q_tile}" if q_tile > 1 else "") + (f"_from{first_level}" if first_level else "")
+  return _call(functools.partial(_walk_kernel, geo=geo, topk_impl=config.topk_impl, q_tile=q_tile,
+                                 first_level=first_level),
                jax.ShapeDtypeStruct((rows, geo.nc), jnp.int32), grid, config, config.walk_warps,
-               interpret, name, q.reshape(-1, d), _stacked(summaries), _level_table(geo))
+               interpret, name, q.reshape(-1, d), stacked, table, *init)
 
 
 def leaf_scores_pallas(q, k, cand, geo: _Geometry, *, interpret: bool, config: SelectionConfig):
