@@ -564,8 +564,17 @@ def _walk_top_kernel(q_ref, s_ref, cand_ref, *, geo: _Geometry, q_tile: int, sto
     if kept is None:
       # The root's children: every node of level L-1 is a candidate.
       cand_m = jnp.broadcast_to((ids < n)[None, :], (q_tile, npad))
+    elif g & (g - 1) == 0:
+      # Node i is a candidate iff its parent i // g was kept one level up: repeat each parent's
+      # flag g times (a broadcast and a reshape), then keep the first npad columns (npad <=
+      # g * parent width, both powers of two), with no [QT, npad, parent width] compare.
+      width = kept.shape[1]
+      rep = jnp.broadcast_to(kept.astype(jnp.int32)[:, :, None], (q_tile, width, g))
+      rep = rep.reshape(q_tile, width * g)
+      while rep.shape[1] > npad:
+        rep = jnp.split(rep, 2, axis=1)[0]
+      cand_m = rep > 0
     else:
-      # Node i is a candidate iff its parent i // g was kept one level up.
       parent_hit = (ids[None, :, None] // g == kept_ids[None, None, :]) & kept[:, None, :]
       cand_m = jnp.max(parent_hit.astype(jnp.int32), axis=2) > 0
     valid = cand_m & (ids < n)[None, :] & (ids[None, :] * (leaves_per_node * geo.block_size)

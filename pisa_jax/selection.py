@@ -221,6 +221,39 @@ def select_blocks_reference(q, k, *, block_size: int, top_k: int, branching: int
   return _chunking.map_query_chunks(fn, chunk, (q,), (k, pyramid.summaries))
 
 
+def select_blocks_reference_at(q, k, positions, *, block_size: int, top_k: int, branching: int,
+                               selector: str, scale: float, beam: int, chunk: int = 256):
+  """The hierarchical reference for some query positions only (long-sequence spot checks).
+
+  Selection for query t depends only on q_t and the pyramid of all keys (eligibility and the
+  forced rule read t), so these rows equal `select_blocks_reference`'s rows at `positions`.
+
+  Args:
+    q: the queries at `positions`, `[B, P, HQ, D]`; k: all keys `[B, T, HKV, D]`.
+    positions: int32 `[P]`, each in [0, T).
+    chunk: queries per `lax.map` step.
+
+  Returns:
+    int32 `[B, P, HKV, top_k]`.
+  """
+  if selector not in ("pisa", "pisa1", "pisa2"):
+    raise ValueError(f"{selector=} must be 'pisa', 'pisa1' or 'pisa2' (the hierarchical walk)")
+  pyramid = build_pyramid_reference(k, block_size=block_size, branching=branching)
+  sizes = tuple(s.shape[1] for s in pyramid.summaries)
+  fn = functools.partial(
+      _hierarchical_chunk, block_size=block_size, top_k=top_k, beam=beam, branching=branching,
+      selector=selector, scale=scale, level_sizes=sizes)
+  n = positions.shape[0]
+  steps = -(-n // chunk)
+  pad = steps * chunk - n
+  pos = jnp.pad(positions.astype(jnp.int32), (0, pad)).reshape(steps, chunk)
+  qs = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+  qs = jnp.moveaxis(qs.reshape(q.shape[0], steps, chunk, *q.shape[2:]), 1, 0)
+  out = jax.lax.map(lambda xs: fn(xs[0], xs[1], k, pyramid.summaries), (pos, qs))
+  out = jnp.moveaxis(out, 0, 1).reshape(q.shape[0], steps * chunk, *out.shape[3:])
+  return out[:, :n]
+
+
 def select_blocks(
     q: Float[Array, "B T HQ D"],
     k: Float[Array, "B T HKV D"],

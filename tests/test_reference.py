@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import pisa_jax
+from pisa_jax import selection
 import oracles
 import tolerances
 
@@ -428,3 +429,18 @@ def test_bad_input_is_rejected_with_a_named_argument(call, error, match):
   q, k, v = make_qkv(20, 4, 2, 8)
   with pytest.raises(error, match=match):
     call(q, k, v)
+
+
+@pytest.mark.parametrize("selector,beam", [("pisa", 6), ("pisa2", 4)])
+def test_reference_at_positions_equals_full_rows(selector, beam):
+  # The spot-check reference (used by the 1M-token kernel check) returns exactly the full
+  # reference's rows at the requested positions, in their order, chunk padding included.
+  q = jax.random.normal(jax.random.key(0), (2, 700, 6, 32))
+  k = jax.random.normal(jax.random.key(1), (2, 700, 3, 32))
+  kw = dict(block_size=16, top_k=4, branching=2, selector=selector, scale=0.2, beam=beam)
+  full = np.asarray(selection.select_blocks_reference(q, k, **kw))
+  pos = jnp.asarray([699, 0, 5, 350, 17, 640, 333, 64, 63])
+  sub = selection.select_blocks_reference_at(q[:, pos], k, pos, chunk=4, **kw)
+  np.testing.assert_array_equal(np.asarray(sub), full[:, np.asarray(pos)])
+  with pytest.raises(ValueError, match="selector"):
+    selection.select_blocks_reference_at(q[:, pos], k, pos, **dict(kw, selector="bsa"))

@@ -348,26 +348,28 @@ def test_rank_and_passes_bit_identical():
     np.testing.assert_array_equal(np.asarray(_kernel(q, k, config=cfg, **kw)), want)
 
 
-# The dense walk of the upper levels (walk_dense_nodes): (T, HQ, HKV, C, top_k, beam, selector,
+# The dense walk of the upper levels (walk_dense_nodes): (T, HQ, HKV, C, g, top_k, beam, selector,
 # walk_dense_nodes, walk_dense_q_tile, lowest dense level expected). Stop level 2 means the dense
-# kernel alone walks to the leaves; above 2 the gathered walk continues from its candidates.
+# kernel alone walks to the leaves; above 2 the gathered walk continues from its candidates. A
+# power-of-two g expands kept parents by a reshape, g = 3 by a compare.
 DENSE_CI_CASES = [
-    (700, 8, 2, 16, 4, 4, "pisa", 16, 4, 3),
-    (1000, 16, 1, 16, 8, 8, "pisa1", 32, 2, 2),
-    (333, 6, 3, 8, 3, 5, "pisa2", 16, 4, 3),
-    (65, 4, 2, 4, 4, 4, "pisa", 16, 8, 2),  # 65 % 8 != 0: the last tile has queries past T
+    (700, 8, 2, 16, 2, 4, 4, "pisa", 16, 4, 3),
+    (1000, 16, 1, 16, 2, 8, 8, "pisa1", 32, 2, 2),
+    (333, 6, 3, 8, 2, 3, 5, "pisa2", 16, 4, 3),
+    (65, 4, 2, 4, 2, 4, 4, "pisa", 16, 8, 2),  # 65 % 8 != 0: the last tile has queries past T
+    (500, 4, 1, 4, 3, 4, 6, "pisa", 16, 4, 3),
 ]
 
 
 @pytest.mark.parametrize("case", DENSE_CI_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_dense_upper_walk_matches_reference(case):
-  t, hq, hkv, bs, top_k, beam, selector, nodes, qt, stop = case
+  t, hq, hkv, bs, g, top_k, beam, selector, nodes, qt, stop = case
   cfg = SelectionConfig(q_tile=4, walk_dense_nodes=nodes, walk_dense_q_tile=qt)
   q, k = _inputs(0, t, hq, hkv, 64, jnp.float32, 1)
-  geo = sel_kernels._geometry(q, k, block_size=bs, top_k=top_k, branching=2, selector=selector,
+  geo = sel_kernels._geometry(q, k, block_size=bs, top_k=top_k, branching=g, selector=selector,
                               scale=0.125, beam=beam)
   assert sel_kernels._dense_stop_level(geo, nodes) == stop
-  _check(t, hq, hkv, 64, top_k, selector, block_size=bs, beam=beam, config=cfg)
+  _check(t, hq, hkv, 64, top_k, selector, block_size=bs, branching=g, beam=beam, config=cfg)
 
 
 @pytest.mark.parametrize("kwargs,match", [
