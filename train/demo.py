@@ -3,9 +3,9 @@
 Trains the `tiny` preset twice on the CPU, on multi-query associative recall (MQAR, generated on the
 fly, nothing to download): once with PISA block-sparse attention and once with dense attention, on
 identical batches. Each query must retrieve the value stored next to its key up to 120 tokens
-earlier; PISA attends to only top_k * block_size = 32 of the 128 keys, so it has to select the
-right block. It ends with the loss curve's start and end and the recall accuracy of both beside
-chance.
+earlier; PISA attends to top_k * block_size = 64 of the 128 keys, of which 24 are forced (the
+first, previous and current blocks), so it has to select the block holding the key itself. It
+ends with the loss curve's start and end and the recall accuracy of both beside chance.
 """
 
 from __future__ import annotations
