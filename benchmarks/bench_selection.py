@@ -101,6 +101,8 @@ PROBES = {
     "pisa_q8_dense256": dict(walk_dense_nodes=256),
     "pisa_q8_dense64_t8": dict(walk_dense_nodes=64, walk_dense_q_tile=8),
     "pisa_q8_dense128_t2": dict(walk_dense_nodes=128, walk_dense_q_tile=2, walk_dense_warps=2),
+    "pisa_q8_olse": dict(walk_online_lse=True),  # fewer walk registers (122 -> 106)
+    "pisa_q8_dense64_olse": dict(walk_dense_nodes=64, walk_online_lse=True),
 }
 # Timed on the H200 on 2026-11-29 (session 2, 32K / 128K, ms; default pisa_q4 3.96 / 16.94):
 # rank 4.12 / 18.06, rank + 2-warp walk 5.07 / 22.5, rank + wq2 4.29 / 18.7, rank + wq4 6.21 /
@@ -109,7 +111,7 @@ PROBES = {
 # Session 2 (after the above, Q8 default 2.96 / 12.94): Q8 + window 1024 2.95 / 14.31, one
 # pipelining stage 2.91 / 12.89. The dense upper walk is new and untimed.
 DEFAULT_PROBES = ("pisa_q8_dense64", "pisa_q8_dense128", "pisa_q8_dense256", "pisa_q8_dense64_t8",
-                  "pisa_q8_dense128_t2")
+                  "pisa_q8_dense128_t2", "pisa_q8_olse", "pisa_q8_dense64_olse")
 
 
 def kernel_fn(selector="pisa", variant="two_stage", q_tile=8, beam=TOP_K, interpret=INTERPRET,
@@ -331,7 +333,7 @@ def main():
                   kernel_fn(variant="fused")))
       # The probes' new kernels (rank top-k, multi-query walk) before their timings count.
       for name in ("pisa_q4_rank", "pisa_q8_w256", "pisa_fused_rank", "pisa_q8_dense64",
-                   "pisa_q8_dense256"):
+                   "pisa_q8_dense256", "pisa_q8_dense64_olse"):
         out.append((f"{name}.f32.N{n}", "pisa", TOP_K, jnp.float32, 1, kernel_fn(**PROBES[name])))
       out.append((f"bsa_pallas.f32.N{n}", "bsa", TOP_K, jnp.float32, 1,
                   kernel_fn(selector="bsa")))

@@ -145,7 +145,10 @@ def _parse_sets(items):
   out = {}
   for item in items:
     key, value = item.split("=", 1)
-    out[key] = int(value) if value.lstrip("-").isdigit() else value
+    if value.lower() in ("true", "false"):
+      out[key] = value.lower() == "true"
+    else:
+      out[key] = int(value) if value.lstrip("-").isdigit() else value
   return out
 
 

@@ -361,6 +361,12 @@ DENSE_CI_CASES = [
 ]
 
 
+@pytest.mark.parametrize("g,beam,topk_impl", [(2, 4, "passes"), (3, 6, "rank"), (2, 9, "rank")])
+def test_online_lse_walk_matches_reference(g, beam, topk_impl):
+  cfg = SelectionConfig(q_tile=4, walk_online_lse=True, topk_impl=topk_impl, topk_rows=8)
+  _check(500, 8, 2, 64, 4, "pisa", block_size=8, branching=g, beam=beam, config=cfg)
+
+
 @pytest.mark.parametrize("case", DENSE_CI_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_dense_upper_walk_matches_reference(case):
   t, hq, hkv, bs, g, top_k, beam, selector, nodes, qt, stop = case
