@@ -43,12 +43,58 @@ def _sparse_attention_chunk(positions, q, block_indices, k, v, *, block_size, sc
   return out.reshape(b, tc, hq, d).astype(q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "scale"))
-def sparse_attention_reference(q, k, v, block_indices, *, block_size: int, scale: float):
-  """jnp reference of `sparse_attention`; arguments are already validated."""
+def _sparse_attention_masked(q, k, v, block_indices, *, block_size, scale):
+  """Eq. 6 as dense attention under the selection's mask: `[B, T, HQ, D]`.
+
+  The same softmax over the same visible keys as `_sparse_attention_chunk`, written with a
+  `[B, HKV, G, T, T]` mask instead of gathered blocks: cheaper when the selected keys are a large
+  share of T (short sequences: the README's main job), whose gathers and their scatter-add
+  gradients dominate on a CPU.
+  """
+  b, seq_len, hq, d = q.shape
+  hkv = k.shape[2]
+  num_blocks = -(-seq_len // block_size)
+  # [B, T, HKV, M]: which leaf blocks each (query, KV head) selected; -1 matches none.
+  chosen = jnp.any(block_indices[..., None] == jnp.arange(num_blocks), axis=-2)
+  key_block = jnp.arange(seq_len) // block_size
+  pos = jnp.arange(seq_len)
+  # [B, HKV, T, T]: key j visible to query t.
+  visible = (jnp.take(chosen, key_block, axis=-1) & (pos[None, :] <= pos[:, None])[None, :, None])
+  visible = jnp.moveaxis(visible, 2, 1)[:, :, None]
+  qg = q.astype(jnp.float32).reshape(b, seq_len, hkv, hq // hkv, d)
+  logits = scale * jnp.einsum("bthgd,bshd->bhgts", qg, k.astype(jnp.float32), precision=_HIGHEST)
+  row_max = jnp.max(jnp.where(visible, logits, -jnp.inf), axis=-1, keepdims=True)
+  row_max = lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+  p = jnp.where(visible, jnp.exp(logits - row_max), 0.0)
+  denom = p.sum(axis=-1)
+  out = jnp.einsum("bhgts,bshd->bthgd", p, v.astype(jnp.float32), precision=_HIGHEST)
+  denom = jnp.moveaxis(denom, 3, 1)  # [B, T, HKV, G]
+  # A query with no visible key gets zeros, never NaN.
+  out = jnp.where(denom[..., None] > 0, out / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
+  return out.reshape(b, seq_len, hq, d).astype(q.dtype)
+
+
+def uses_masked_formulation(seq_len: int, top_k: int, block_size: int) -> bool:
+  """Whether the reference takes the masked form: when T <= 2 * K * C its `[T, T]` logits are at
+  most twice the `[T, K * C]` of the gathered form, and it avoids the gathers."""
+  return seq_len <= 2 * top_k * block_size
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "scale", "masked"))
+def sparse_attention_reference(q, k, v, block_indices, *, block_size: int, scale: float,
+                               masked: bool | None = None):
+  """jnp reference of `sparse_attention`; arguments are already validated.
+
+  masked: None picks by `uses_masked_formulation`; True / False force the masked or the gathered
+  form (both are Eq. 6; the tests pin them equal).
+  """
   b, seq_len, hq, d = q.shape
   hkv, top = k.shape[2], block_indices.shape[-1]
   block_indices = lax.stop_gradient(block_indices.astype(jnp.int32))
+  if masked is None:
+    masked = uses_masked_formulation(seq_len, top, block_size)
+  if masked:
+    return _sparse_attention_masked(q, k, v, block_indices, block_size=block_size, scale=scale)
   chunk = _chunking.query_chunk_size(seq_len, b * hkv * top * block_size * (2 * d + 2 * hq // hkv))
   fn = functools.partial(_sparse_attention_chunk, block_size=block_size, scale=scale)
   return _chunking.map_query_chunks(fn, chunk, (q, block_indices), (k, v))

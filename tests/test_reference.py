@@ -270,9 +270,20 @@ def test_beam_equal_top_k_changes_nothing_and_wide_beam_is_exact():
   check_invariants(wide, 500, 8, 4)
 
 
-# Rule 8: sparse attention.
+# Rule 8: sparse attention. The reference has two forms of Eq. 6 (gathered blocks; a dense [T, T]
+# mask for short sequences): the rule tests below run each of them.
+@pytest.fixture(params=["gathered", "masked"])
+def formulation(request, monkeypatch):
+  from pisa_jax import attention
+  monkeypatch.setattr(attention, "uses_masked_formulation",
+                      lambda *args: request.param == "masked")
+  jax.clear_caches()  # the jitted reference chose its form when it was traced
+  yield request.param
+  jax.clear_caches()
+
+
 @pytest.mark.parametrize("seq_len,hq,hkv,d,block_size", [(100, 4, 2, 16, 8), (64, 3, 1, 32, 16), (1, 2, 2, 8, 4)])
-def test_all_blocks_selected_equals_dense_causal(seq_len, hq, hkv, d, block_size):
+def test_all_blocks_selected_equals_dense_causal(seq_len, hq, hkv, d, block_size, formulation):
   q, k, v = make_qkv(seq_len, hq, hkv, d, batch=2)
   m = -(-seq_len // block_size)
   idx = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (2, seq_len, hkv, m))
@@ -281,7 +292,7 @@ def test_all_blocks_selected_equals_dense_causal(seq_len, hq, hkv, d, block_size
   np.testing.assert_allclose(out, dense, atol=tolerances.DENSE_MATCH_ATOL)
 
 
-def test_sparse_attention_ignores_padding_and_future_keys():
+def test_sparse_attention_ignores_padding_and_future_keys(formulation):
   q, k, v = make_qkv(40, 2, 1, 8)
   idx = jnp.full((1, 40, 1, 3), -1, jnp.int32).at[..., 0].set(jnp.arange(40)[None, :, None] // 8)
   with_pad = pisa_jax.sparse_attention(q, k, v, idx, block_size=8, implementation="xla")
@@ -291,7 +302,7 @@ def test_sparse_attention_ignores_padding_and_future_keys():
   np.testing.assert_allclose(with_pad, local, atol=1e-5)
 
 
-def test_query_with_no_visible_key_gets_zeros():
+def test_query_with_no_visible_key_gets_zeros(formulation):
   q, k, v = make_qkv(24, 2, 1, 8)
   idx = jnp.full((1, 24, 1, 2), -1, jnp.int32).at[0, 3, 0, 0].set(2)  # a future block only
   out = np.asarray(pisa_jax.sparse_attention(q, k, v, idx, block_size=8, implementation="xla"))
@@ -316,7 +327,7 @@ def masked_dense(q, k, v, idx, block_size):
 
 
 @pytest.mark.parametrize("selector", ["pisa", "bsa"])
-def test_pisa_attention_gradients_equal_masked_dense(selector):
+def test_pisa_attention_gradients_equal_masked_dense(selector, formulation):
   q, k, v = make_qkv(150, 6, 2, 16, seed=13)
   w = jax.random.normal(jax.random.key(1), q.shape)
   idx = pisa_jax.select_blocks(q, k, block_size=8, top_k=4, selector=selector, implementation="xla")
@@ -444,3 +455,27 @@ def test_reference_at_positions_equals_full_rows(selector, beam):
   np.testing.assert_array_equal(np.asarray(sub), full[:, np.asarray(pos)])
   with pytest.raises(ValueError, match="selector"):
     selection.select_blocks_reference_at(q[:, pos], k, pos, **dict(kw, selector="bsa"))
+
+
+@pytest.mark.parametrize("seq_len,hq,hkv,d,block_size,top_k", [
+    (100, 6, 2, 16, 8, 5), (130, 3, 1, 32, 8, 16), (64, 4, 4, 8, 16, 3)])
+def test_masked_and_gathered_reference_agree(seq_len, hq, hkv, d, block_size, top_k):
+  from pisa_jax.attention import sparse_attention_reference
+  q, k, v = make_qkv(seq_len, hq, hkv, d, batch=2, seed=seq_len)
+  idx = pisa_jax.select_blocks(q, k, block_size=block_size, top_k=top_k, implementation="xla")
+  idx = idx.at[:, 5:9, :, 0].set(-1)  # padding entries, and rows left with no visible key
+  idx = idx.at[:, 2].set(-1)
+
+  def run(masked):
+    return sparse_attention_reference(q, k, v, idx, block_size=block_size, scale=0.3,
+                                      masked=masked)
+
+  np.testing.assert_allclose(run(True), run(False), atol=1e-5)
+  assert np.all(np.asarray(run(True))[:, 2] == 0.0)
+
+  def grads(masked):
+    return jax.grad(lambda q, k, v: jnp.sum(jnp.sin(sparse_attention_reference(
+        q, k, v, idx, block_size=block_size, scale=0.3, masked=masked))), argnums=(0, 1, 2))(q, k, v)
+
+  for a, b in zip(grads(True), grads(False)):
+    np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
