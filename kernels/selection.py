@@ -398,6 +398,15 @@ class _Geometry:
     return self.sizes[0]
 
 
+def _query_tile_program(geo: _Geometry, q_tile: int):
+  """(batch, KV head, tile index) of this program in a grid over (batch, KV head, tile of q_tile
+  consecutive queries), the layout of the walk, dense-walk and BSA kernels."""
+  n_tiles = pl.cdiv(geo.seq_len, q_tile)
+  i_p = pl.program_id(0)
+  i_bh, i_tile = i_p // n_tiles, i_p % n_tiles
+  return i_bh // geo.hkv, i_bh % geo.hkv, i_tile
+
+
 def _load_group_queries(q_ref, geo: _Geometry, i_b, t, i_h, rows: int):
   """The group's query heads of query t: `[rows, Dp]` (padded heads and columns read as zero)."""
   o_head = jnp.arange(rows)
@@ -544,10 +553,7 @@ def _walk_top_kernel(q_ref, s_ref, cand_ref, *, geo: _Geometry, q_tile: int, sto
   stop_level - 1, `[NC]` (leaf ids with the leaves' eligibility applied when stop_level == 2).
   """
   g, gp, nc = geo.branching, geo.gp, geo.nc
-  n_tiles = pl.cdiv(geo.seq_len, q_tile)
-  i_p = pl.program_id(0)
-  i_bh, i_tile = i_p // n_tiles, i_p % n_tiles
-  i_b, i_h = i_bh // geo.hkv, i_bh % geo.hkv
+  i_b, i_h, i_tile = _query_tile_program(geo, q_tile)
   rows_n = q_tile * gp
   o_r = jnp.arange(rows_n)
   e_r, j_r = o_r // gp, o_r % gp
@@ -637,10 +643,7 @@ def _walk_kernel(q_ref, s_ref, tab_ref, *refs, geo: _Geometry, topk_impl: str, q
   leaf candidates `[NC]`. refs: (cand_ref,), or (init_ref, cand_ref) to start from the
   candidates `[B*T*HKV, NC]` at level `first_level` that `_walk_top_kernel` wrote."""
   init_ref, cand_ref = refs if first_level is not None else (None, refs[0])
-  n_tiles = pl.cdiv(geo.seq_len, q_tile)
-  i_p = pl.program_id(0)
-  i_bh, i_tile = i_p // n_tiles, i_p % n_tiles
-  i_b, i_h = i_bh // geo.hkv, i_bh % geo.hkv
+  i_b, i_h, i_tile = _query_tile_program(geo, q_tile)
   m_head = jnp.arange(geo.gp) < geo.group
   # The last tile's queries past T walk as T - 1 (valid addresses) and are not stored.
   t_raw = [i_tile * q_tile + e for e in range(q_tile)]
@@ -792,10 +795,7 @@ def _bsa_kernel(q_ref, s_ref, out_ref, *, geo: _Geometry, q_tile: int, block_til
   """
   gp = max(next_pow2(geo.group), _MIN_DOT // q_tile)
   rows_n = q_tile * gp
-  n_tiles = pl.cdiv(geo.seq_len, q_tile)
-  i_p = pl.program_id(0)
-  i_bh, i_tile = i_p // n_tiles, i_p % n_tiles
-  i_b, i_h = i_bh // geo.hkv, i_bh % geo.hkv
+  i_b, i_h, i_tile = _query_tile_program(geo, q_tile)
   t0 = i_tile * q_tile
   o_r = jnp.arange(rows_n)
   e_r, j_r = o_r // gp, o_r % gp
