@@ -67,9 +67,12 @@ def inputs(n, dtype, seed=0):
   return q, k
 
 
-def config(**changes) -> sel.SelectionConfig:
-  """`SelectionConfig.default` for the Table 4 setting, with `changes` applied."""
-  return dataclasses.replace(sel.SelectionConfig.default(seq_len=0, group=HQ // HKV), **changes)
+def config(beam=TOP_K, **changes) -> sel.SelectionConfig:
+  """`SelectionConfig.default` for the Table 4 setting at this beam (what `select_blocks_pallas`
+  would pick: its NC = next power of two >= max(beam * g, 16)), with `changes` applied."""
+  nc = max(16, sel.next_pow2(beam * G))
+  return dataclasses.replace(
+      sel.SelectionConfig.default(seq_len=0, group=HQ // HKV, candidates=nc), **changes)
 
 
 # The rank top-k's final kernel compares [topk_rows, NC, NC]: 8 rows on 2 warps is the largest
@@ -116,7 +119,7 @@ DEFAULT_PROBES = ("pisa_q8_dense64", "pisa_q8_dense128", "pisa_q8_dense256", "pi
 
 def kernel_fn(selector="pisa", variant="two_stage", q_tile=8, beam=TOP_K, interpret=INTERPRET,
               **tiles):
-  cfg = config(variant=variant, q_tile=q_tile, **tiles)
+  cfg = config(beam=beam, variant=variant, q_tile=q_tile, **tiles)
   return jax.jit(functools.partial(
       sel.select_blocks_pallas, block_size=C, top_k=TOP_K, branching=G, selector=selector,
       scale=SCALE, beam=beam, interpret=interpret, config=cfg))
@@ -193,7 +196,8 @@ def check(name, fn, q, k, selector, beam=TOP_K, max_proofs=30, sample=None):
     ref = np.asarray(select_blocks_reference_at(q32[:, pos], k32, jnp.asarray(pos, jnp.int32), **kw))
     out = out[:, pos]
   bad = np.argwhere(np.any(out != ref, axis=-1))
-  qn, kn = np.asarray(q32), np.asarray(k32)
+  # Host copies (8.6 GB of queries at 1M) only when a mismatch needs a proof.
+  qn, kn = (np.asarray(q32), np.asarray(k32)) if len(bad) else (None, None)
   margins, cache = [], {}
   for b, i, h in bad[:max_proofs]:
     margins.append(decision_margin(qn, kn, int(b), int(pos[i]), int(h), cache=cache, **kw))

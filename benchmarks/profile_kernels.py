@@ -7,7 +7,8 @@ beside each Pallas kernel.
 
   python3 benchmarks/profile_kernels.py --out $OUT [--cases sel.K8.d64.N131072,...]
 
-Writes profile_kernels.json: {case: {"wall_ms": ..., "lines": {line: [[name, ms, count], ...]}}}.
+Writes profile_kernels.json: {case: {"wall_ms": ..., "lines": {line: [[name, ms per call,
+launches per call], ...]}}}.
 """
 
 from __future__ import annotations
@@ -64,7 +65,6 @@ def _layer_case(n, top_k, d):
 RANK1 = dict(topk_impl="rank", topk_rows=1, topk_warps=2)
 CASES = {
     "sel.K8.d64.N131072": lambda: _selection_case(131072, 8, 64),
-    "sel.K8.d64.N131072.q8": lambda: _selection_case(131072, 8, 64, q_tile=8),
     "sel.K8.d64.N131072.q8.w1024": lambda: _selection_case(131072, 8, 64, q_tile=8,
                                                            leaf_window=1024),
     "sel.K8.d64.N131072.beam16": lambda: _selection_case(131072, 8, 64, beam=16, q_tile=8),
@@ -100,7 +100,9 @@ def _aggregate(trace_dir, calls):
           acc[ev.name][0] += ev.duration_ns / 1e6 / calls
           acc[ev.name][1] += 1
         top = sorted(acc.items(), key=lambda kv: -kv[1][0])[:25]
-        lines[f"{plane.name}|{line.name}"] = [[name, round(ms, 4), c] for name, (ms, c) in top]
+        # [name, ms per call, launches per call]
+        lines[f"{plane.name}|{line.name}"] = [[name, round(ms, 4), round(c / calls, 2)]
+                                               for name, (ms, c) in top]
   return lines
 
 
@@ -119,15 +121,15 @@ def main():
       t0 = time.perf_counter()
       jax.block_until_ready(fn(*inputs))
       wall = (time.perf_counter() - t0) * 1e3
-      trace_dir = tempfile.mkdtemp()
-      with jax.profiler.trace(trace_dir):
-        for _ in range(args.calls):
-          jax.block_until_ready(fn(*inputs))
-      results[name] = {"wall_ms": round(wall, 3), "lines": _aggregate(trace_dir, args.calls)}
+      with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+          for _ in range(args.calls):
+            jax.block_until_ready(fn(*inputs))
+        results[name] = {"wall_ms": round(wall, 3), "lines": _aggregate(trace_dir, args.calls)}
       print(f"== {name}: wall {wall:.3f} ms", flush=True)
       for line, rows in results[name]["lines"].items():
         if rows:
-          print(f"  {line}: " + "; ".join(f"{n[:60]} {ms:.3f} ms x{c}" for n, ms, c in rows[:12]),
+          print(f"  {line}: " + "; ".join(f"{n[:60]} {ms:.3f} ms x{c:g}" for n, ms, c in rows[:12]),
                 flush=True)
     except Exception as e:  # recorded, the other cases still run
       results[name] = {"error": repr(e)[:800]}

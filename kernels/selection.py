@@ -424,15 +424,21 @@ def _load_rows(ref, rows, m_row, geo: _Geometry):
                   mask=m_row[:, None] & (o_col < geo.d)[None, :], other=0.0)
 
 
+def _level_offsets(geo: _Geometry, sizes=None) -> list[int]:
+  """First row of each level (`sizes`, default the pyramid's) in the stacked summaries."""
+  offsets, acc = [], 0
+  for m in (geo.sizes if sizes is None else sizes):
+    offsets.append(acc)
+    acc += geo.batch * m * geo.hkv
+  return offsets
+
+
 def _level_table(geo: _Geometry):
   """int32 `[3, LP]`: per level l (index l - 1) its node count, its first row in the stacked
   summaries `[sum_l B*M_l*HKV, D]` of levels 1..L-1, and its leaves per node g^(l-1)."""
   lp = next_pow2(len(geo.sizes) + 1)
   sizes = list(geo.sizes) + [1] * (lp - len(geo.sizes))
-  offsets, acc = [], 0
-  for m in sizes:
-    offsets.append(acc)
-    acc += geo.batch * m * geo.hkv
+  offsets = _level_offsets(geo, sizes)
   pows = [geo.branching ** i for i in range(lp)]
   return jnp.asarray([sizes, offsets, pows], jnp.int32)
 
@@ -532,15 +538,6 @@ def _dense_stop_level(geo: _Geometry, dense_nodes: int) -> int:
   return stop
 
 
-def _level_offsets(geo: _Geometry) -> list[int]:
-  """First row of each level in the stacked summaries (as `_level_table`), as Python ints."""
-  offsets, acc = [], 0
-  for m in geo.sizes:
-    offsets.append(acc)
-    acc += geo.batch * m * geo.hkv
-  return offsets
-
-
 def _walk_top_kernel(q_ref, s_ref, cand_ref, *, geo: _Geometry, q_tile: int, stop_level: int):
   """Stage 1, upper levels densely: levels L-1 .. stop_level for q_tile queries of one KV head.
 
@@ -611,7 +608,7 @@ def _walk_top_kernel(q_ref, s_ref, cand_ref, *, geo: _Geometry, q_tile: int, sto
     kept, kept_ids = _top_mask(cand_ids, valid, forced, score, geo.beam), ids
   # Children of the kept nodes at stop_level, as each query's candidate list: the kept ids in
   # ascending order (at most beam <= NC / g of them), kept node p filling slots p*g .. p*g+g-1.
-  width = nc // g
+  width = next_pow2(nc // g)  # >= beam; a power of two for Triton even when g is not
   kept_sorted = _sorted_kept(jnp.broadcast_to(kept_ids[None, :], kept.shape), kept, width)
   slot = jnp.arange(nc)
   o_w = jnp.arange(width)
@@ -735,12 +732,11 @@ def _leaf_tile_kernel(q_ref, k_ref, start_ref, bucket_ref, pair_ref, score_ref, 
     # Entry e of the tile is sorted position start + e; it belongs to the tile if it exists and has
     # the tile's bucket (a bucket's last tile may be short).
     pos_e = start + o_e
-    bucket0 = jnp.max(plt.load(bucket_ref.at[jnp.full((q_tile,), jnp.minimum(start, num_pairs - 1))]))
+    bucket0 = jnp.max(plt.load(bucket_ref.at[jnp.full((q_tile,), start)]))
     bucket_e = plt.load(bucket_ref.at[jnp.minimum(pos_e, num_pairs - 1)])
     m_e = (pos_e < num_pairs) & (bucket_e == bucket0)
     pair_e = plt.load(pair_ref.at[jnp.minimum(pos_e, num_pairs - 1)])
-    # An unused tile (start == P) reads the last pair's bucket; clamp so its addresses stay valid.
-    bucket = jnp.minimum(bucket0, num_buckets - 1)
+    bucket = bucket0  # a used tile's first entry is a live pair: bucket0 < num_buckets
     m_blocks = geo.num_blocks
     leaf = bucket % m_blocks
     i_bh = bucket // m_blocks // num_windows

@@ -9,12 +9,12 @@ import jax.numpy as jnp
 
 # Elements of float32 temporaries one chunk may hold (about 256 MB): at T = 32768 on a 24 GB
 # CPU machine the reference then needs a few hundred MB, whatever the sequence length.
-_CHUNK_ELEMENTS = 1 << 26
+CHUNK_ELEMENTS = 1 << 26
 
 
 def query_chunk_size(seq_len: int, elements_per_query: int) -> int:
-  """Queries per chunk so that one chunk's temporaries stay near `_CHUNK_ELEMENTS`."""
-  chunk = max(1, _CHUNK_ELEMENTS // max(1, elements_per_query))
+  """Queries per chunk so that one chunk's temporaries stay near `CHUNK_ELEMENTS`."""
+  chunk = max(1, CHUNK_ELEMENTS // max(1, elements_per_query))
   if chunk >= seq_len:
     return seq_len
   return 1 << (chunk.bit_length() - 1)

@@ -35,7 +35,9 @@ def _sparse_attention_chunk(positions, q, block_indices, k, v, *, block_size, sc
   visible = visible[:, :, :, None]
   row_max = jnp.max(jnp.where(visible, logits, -jnp.inf), axis=(-2, -1), keepdims=True)
   row_max = lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-  p = jnp.where(visible, jnp.exp(logits - row_max), 0.0)
+  # exp of the masked logits, not a masked exp: a hidden logit far above the visible ones would
+  # overflow to inf, and the backward pass would multiply it by the mask's zero (NaN).
+  p = jnp.exp(jnp.where(visible, logits, -jnp.inf) - row_max)
   denom = p.sum(axis=(-2, -1))
   out = jnp.einsum("bthgkc,bthkcd->bthgd", p, v_sel, precision=_HIGHEST)
   # A query with no visible key gets zeros, never NaN.
@@ -65,7 +67,7 @@ def _sparse_attention_masked(q, k, v, block_indices, *, block_size, scale):
   logits = scale * jnp.einsum("bthgd,bshd->bhgts", qg, k.astype(jnp.float32), precision=_HIGHEST)
   row_max = jnp.max(jnp.where(visible, logits, -jnp.inf), axis=-1, keepdims=True)
   row_max = lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-  p = jnp.where(visible, jnp.exp(logits - row_max), 0.0)
+  p = jnp.exp(jnp.where(visible, logits, -jnp.inf) - row_max)  # as in the gathered form
   denom = p.sum(axis=-1)
   out = jnp.einsum("bhgts,bshd->bthgd", p, v.astype(jnp.float32), precision=_HIGHEST)
   denom = jnp.moveaxis(denom, 3, 1)  # [B, T, HKV, G]
@@ -74,10 +76,13 @@ def _sparse_attention_masked(q, k, v, block_indices, *, block_size, scale):
   return out.reshape(b, seq_len, hq, d).astype(q.dtype)
 
 
-def uses_masked_formulation(seq_len: int, top_k: int, block_size: int) -> bool:
+def uses_masked_formulation(batch: int, seq_len: int, num_heads: int, top_k: int,
+                            block_size: int) -> bool:
   """Whether the reference takes the masked form: when T <= 2 * K * C its `[T, T]` logits are at
-  most twice the `[T, K * C]` of the gathered form, and it avoids the gathers."""
-  return seq_len <= 2 * top_k * block_size
+  most twice the `[T, K * C]` of the gathered form, and it avoids the gathers; and only while its
+  unchunked `[B, HQ, T, T]` temporaries stay within the gathered form's per-chunk bound."""
+  return (seq_len <= 2 * top_k * block_size
+          and batch * num_heads * seq_len * seq_len <= _chunking.CHUNK_ELEMENTS)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "scale", "masked"))
@@ -92,7 +97,7 @@ def sparse_attention_reference(q, k, v, block_indices, *, block_size: int, scale
   hkv, top = k.shape[2], block_indices.shape[-1]
   block_indices = lax.stop_gradient(block_indices.astype(jnp.int32))
   if masked is None:
-    masked = uses_masked_formulation(seq_len, top, block_size)
+    masked = uses_masked_formulation(b, seq_len, hq, top, block_size)
   if masked:
     return _sparse_attention_masked(q, k, v, block_indices, block_size=block_size, scale=scale)
   chunk = _chunking.query_chunk_size(seq_len, b * hkv * top * block_size * (2 * d + 2 * hq // hkv))

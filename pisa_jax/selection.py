@@ -238,6 +238,14 @@ def select_blocks_reference_at(q, k, positions, *, block_size: int, top_k: int, 
   """
   if selector not in ("pisa", "pisa1", "pisa2"):
     raise ValueError(f"{selector=} must be 'pisa', 'pisa1' or 'pisa2' (the hierarchical walk)")
+  if not isinstance(positions, jax.core.Tracer):
+    bad = (positions < 0) | (positions >= k.shape[1])
+    if bool(jnp.any(bad)):
+      raise ValueError(f"positions must lie in [0, {k.shape[1]}) (T = k.shape[1]), got "
+                       f"{positions[bad][:4].tolist()}")
+  if q.shape[1] != positions.shape[0]:
+    raise ValueError(f"q.shape[1]={q.shape[1]} must equal positions.shape[0]="
+                     f"{positions.shape[0]}: q holds the queries at those positions")
   pyramid = build_pyramid_reference(k, block_size=block_size, branching=branching)
   sizes = tuple(s.shape[1] for s in pyramid.summaries)
   fn = functools.partial(

@@ -311,6 +311,19 @@ def test_query_with_no_visible_key_gets_zeros(formulation):
   assert np.all(np.isfinite(np.asarray(grads)))
 
 
+def test_hidden_huge_logits_leave_gradients_finite(formulation):
+  # A future key (hidden from queries before it) whose logit dwarfs every visible one: the softmax
+  # must exponentiate masked logits, or exp overflows and the backward pass multiplies inf by 0.
+  q, k, v = make_qkv(32, 2, 1, 8, seed=3)
+  q = q.at[0, :16].set(10.0)
+  k = k.at[0, 20].set(30.0)  # logit 10 * 30 * 8 / sqrt(8) ~ 850 for queries 0..15, hidden
+  idx = jnp.broadcast_to(jnp.arange(4, dtype=jnp.int32), (1, 32, 1, 4))
+  grads = jax.grad(lambda q, k, v: jnp.sum(pisa_jax.sparse_attention(
+      q, k, v, idx, block_size=8, implementation="xla")), argnums=(0, 1, 2))(q, k, v)
+  for g in grads:
+    assert np.all(np.isfinite(np.asarray(g)))
+
+
 def masked_dense(q, k, v, idx, block_size):
   """Dense attention with the mask of a fixed selection, float32 at HIGHEST."""
   b, seq_len, hq, d = q.shape
@@ -455,6 +468,10 @@ def test_reference_at_positions_equals_full_rows(selector, beam):
   np.testing.assert_array_equal(np.asarray(sub), full[:, np.asarray(pos)])
   with pytest.raises(ValueError, match="selector"):
     selection.select_blocks_reference_at(q[:, pos], k, pos, **dict(kw, selector="bsa"))
+  with pytest.raises(ValueError, match="positions must lie"):
+    selection.select_blocks_reference_at(q[:, :2], k, jnp.asarray([3, 700]), **kw)
+  with pytest.raises(ValueError, match="positions.shape"):
+    selection.select_blocks_reference_at(q[:, :3], k, jnp.asarray([3, 7]), **kw)
 
 
 @pytest.mark.parametrize("seq_len,hq,hkv,d,block_size,top_k", [

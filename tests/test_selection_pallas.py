@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import json
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -172,6 +173,12 @@ def _kernel(q, k, *, block_size, top_k, branching, selector, scale, beam, config
                               config=config)
 
 
+def _kernel_names(q, k, config, **kw):
+  """The Pallas kernels a selection call launches (their names in its jaxpr)."""
+  fn = lambda q, k: _kernel(q, k, config=config, **kw)
+  return set(re.findall(r"pisa_select_[a-z_0-9]+", str(jax.make_jaxpr(fn)(q, k))))
+
+
 def _check(t, hq, hkv, d, top_k, selector, *, block_size=64, branching=2, beam=None,
            config=None, dtype=jnp.float32, seed=0, b=1):
   q, k = _inputs(seed, t, hq, hkv, d, dtype, b)
@@ -256,11 +263,14 @@ RANK_CI_CASES = [
                                              (8, 64, "passes")])
 def test_default_config_picks_topk_by_candidates(top_k, beam, impl):
   # The default switches to the rank top-k at 32 and 64 candidate slots (measured faster there on
-  # the H200) and runs that default, whatever it picks, against the reference.
-  nc = max(16, 1 << (2 * beam - 1).bit_length())
-  cfg = SelectionConfig.default(seq_len=200, group=4, candidates=nc)
-  assert cfg.topk_impl == impl
-  if nc <= 64:
+  # the H200); select_blocks_pallas must pass its NC so that the kernels it launches follow.
+  q, k = _inputs(0, 200, 4, 1, 64, jnp.float32, 1)
+  kw = dict(block_size=4, top_k=top_k, branching=2, selector="pisa", scale=0.125, beam=beam)
+  geo = sel_kernels._geometry(q, k, **kw)
+  assert SelectionConfig.default(seq_len=200, group=4, candidates=geo.nc).topk_impl == impl
+  walk = {n for n in _kernel_names(q, k, None, **kw) if n.startswith("pisa_select_walk")}
+  assert walk == {"pisa_select_walk_rank" if impl == "rank" else "pisa_select_walk"}
+  if geo.nc <= 64:
     _check(200, 4, 1, 64, top_k, "pisa", block_size=4, branching=2, beam=beam, config=None)
 
 
@@ -364,6 +374,10 @@ DENSE_CI_CASES = [
 @pytest.mark.parametrize("g,beam,topk_impl", [(2, 4, "passes"), (3, 6, "rank"), (2, 9, "rank")])
 def test_online_lse_walk_matches_reference(g, beam, topk_impl):
   cfg = SelectionConfig(q_tile=4, walk_online_lse=True, topk_impl=topk_impl, topk_rows=8)
+  q, k = _inputs(0, 500, 8, 2, 64, jnp.float32, 1)
+  names = _kernel_names(q, k, cfg, block_size=8, top_k=4, branching=g, selector="pisa",
+                        scale=0.125, beam=beam)
+  assert any(n.startswith("pisa_select_walk") and n.endswith("_olse") for n in names)
   _check(500, 8, 2, 64, 4, "pisa", block_size=8, branching=g, beam=beam, config=cfg)
 
 
@@ -375,7 +389,14 @@ def test_dense_upper_walk_matches_reference(case):
   geo = sel_kernels._geometry(q, k, block_size=bs, top_k=top_k, branching=g, selector=selector,
                               scale=0.125, beam=beam)
   assert sel_kernels._dense_stop_level(geo, nodes) == stop
-  _check(t, hq, hkv, 64, top_k, selector, block_size=bs, branching=g, beam=beam, config=cfg)
+  # The dense kernel runs (a wrong guard would fall back to the gathered walk, same answer), and
+  # the gathered walk only continues when the dense part stopped above level 2.
+  names = _kernel_names(q, k, cfg, block_size=bs, top_k=top_k, branching=g, selector=selector,
+                        scale=0.125, beam=beam)
+  assert f"pisa_select_walk_dense_q{qt}" in names
+  assert (f"pisa_select_walk_from{stop - 1}" in names) == (stop > 2)
+  _check(t, hq, hkv, 64, top_k, selector, block_size=bs, branching=g, beam=beam, config=cfg,
+         b=2 if t == 333 else 1)
 
 
 @pytest.mark.parametrize("kwargs,match", [
