@@ -549,7 +549,9 @@ def _walk_top_kernel(q_ref, s_ref, cand_ref, *, geo: _Geometry, q_tile: int, sto
   there are at most log2(walk_dense_nodes) + 1 of them. Writes each query's candidates at level
   stop_level - 1, `[NC]` (leaf ids with the leaves' eligibility applied when stop_level == 2).
   """
-  g, gp, nc = geo.branching, geo.gp, geo.nc
+  g, nc = geo.branching, geo.nc
+  # Head rows per query: the group padded to a power of two, and rows_n >= 16 for the dots.
+  gp = max(next_pow2(geo.group), _MIN_DOT // q_tile)
   i_b, i_h, i_tile = _query_tile_program(geo, q_tile)
   rows_n = q_tile * gp
   o_r = jnp.arange(rows_n)
