@@ -70,7 +70,7 @@ def inputs(n, dtype, seed=0):
 def config(beam=TOP_K, **changes) -> sel.SelectionConfig:
   """`SelectionConfig.default` for the Table 4 setting at this beam (what `select_blocks_pallas`
   would pick: its NC = next power of two >= max(beam * g, 16)), with `changes` applied."""
-  nc = max(16, sel.next_pow2(beam * G))
+  nc = sel.candidate_slots(beam, G)
   return dataclasses.replace(
       sel.SelectionConfig.default(seq_len=0, group=HQ // HKV, candidates=nc), **changes)
 

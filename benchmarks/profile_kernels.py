@@ -42,7 +42,7 @@ def _inputs(n, hq, hkv, d, seed=0):
 
 def _selection_case(n, top_k, d, beam=None, **changes):
   q, k, _, _ = _inputs(n, 32, 2, d)
-  nc = max(16, sel.next_pow2(2 * (beam or top_k)))
+  nc = sel.candidate_slots(beam or top_k, 2)
   cfg = dataclasses.replace(sel.SelectionConfig.default(seq_len=n, group=16, candidates=nc),
                             **changes)
   fn = jax.jit(functools.partial(

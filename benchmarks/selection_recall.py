@@ -178,7 +178,7 @@ def main() -> None:
                          "date": time.strftime("%Y-%m-%d"),
                          "config": repr(pisa_jax.kernels.selection.SelectionConfig.default(
                              seq_len=seq_len, group=16,
-                             candidates=max(16, pisa_jax.kernels.selection.next_pow2(2 * beam))))}
+                             candidates=pisa_jax.kernels.selection.candidate_slots(beam, 2)))}
           print(f"N={seq_len} K={top_k} beam={beam}: {ms:.3f} ms", flush=True)
           dump()
   dump()

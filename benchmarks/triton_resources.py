@@ -105,7 +105,7 @@ def _resources(ttir: str, warps: int, stages: int) -> dict:
 
 def _selection_case(n, top_k, d, beam=None, **changes):
   beam = beam or top_k
-  nc = max(16, sel.next_pow2(2 * beam))
+  nc = sel.candidate_slots(beam, 2)
   cfg = dataclasses.replace(sel.SelectionConfig.default(seq_len=n, group=16, candidates=nc),
                             **changes)
   fn = functools.partial(sel.select_blocks_pallas, block_size=64, top_k=top_k, branching=2,

@@ -178,6 +178,12 @@ def _pow2_at_least(n: int, floor: int) -> int:
   return max(floor, next_pow2(n))
 
 
+def candidate_slots(beam: int, branching: int) -> int:
+  """NC, the candidate slots per level below the root: up to beam * branching children, padded
+  to a power of two >= 16 (the value `SelectionConfig.default` takes as `candidates`)."""
+  return _pow2_at_least(beam * branching, _MIN_DOT)
+
+
 def _qk(a, b, mode: str):
   """a @ b.T in float32: a `[R, Dp]`, b `[N, Dp]` -> `[R, N]`.
 
@@ -387,7 +393,7 @@ class _Geometry:
   @property
   def nc(self) -> int:
     """Candidate slots per level below the root: up to beam * branching children."""
-    return _pow2_at_least(self.beam * self.branching, _MIN_DOT)
+    return candidate_slots(self.beam, self.branching)
 
   @property
   def kp(self) -> int:
@@ -475,33 +481,29 @@ def _walk_to_leaves(qgs, m_head, i_b, ts, i_h, s_ref, tab_ref, geo: _Geometry, t
   def one_query_level(qg, t, cand, m_level, leaves_per_node, n_child, off_child):
     valid = (cand >= 0) & (cand < m_level) & (cand * (leaves_per_node * geo.block_size) <= t)
     forced = valid & _forced(cand, t // geo.block_size, leaves_per_node)
+    def child_logits(j):
+      """[Gp, NC] logits of every head against child j of every candidate, and its mask."""
+      child = jnp.where(valid, cand, 0) * g + j
+      m_child = valid & (child < n_child)
+      rows = off_child + (i_b * n_child + jnp.minimum(child, n_child - 1)) * geo.hkv + i_h
+      return geo.scale * _qk(qg, _load_rows(s_ref, rows, m_child, geo), geo.score_mode), m_child
+
     if online_lse and geo.selector == "pisa":
       # Eq. 21 as an online log-sum-exp over the children: one child's logits live at a time
       # (fewer registers: 122 -> 106 at K = 8 on 1 warp, 218 -> 176 for the rank walk at NC = 32).
       m = jnp.full((geo.gp, nc), -jnp.inf, jnp.float32)
       acc = jnp.zeros((geo.gp, nc), jnp.float32)
       for j in range(g):
-        child = jnp.where(valid, cand, 0) * g + j
-        m_child = valid & (child < n_child)
-        rows = off_child + (i_b * n_child + jnp.minimum(child, n_child - 1)) * geo.hkv + i_h
-        z = jnp.where(m_child[None, :], geo.scale * _LOG2E * _qk(
-            qg, _load_rows(s_ref, rows, m_child, geo), geo.score_mode), -jnp.inf)
+        z, m_child = child_logits(j)
+        z = jnp.where(m_child[None, :], z * _LOG2E, -jnp.inf)
         m_new = jnp.maximum(m, z)
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         acc = acc * jnp.exp2(m - m_safe) + jnp.exp2(z - m_safe)
         m = m_new
       per_head = (jnp.where(m == -jnp.inf, 0.0, m) + jnp.log2(acc)) * _LN2
     else:
-      zs, masks = [], []
-      for j in range(g):
-        child = jnp.where(valid, cand, 0) * g + j
-        m_child = valid & (child < n_child)
-        rows = off_child + (i_b * n_child + jnp.minimum(child, n_child - 1)) * geo.hkv + i_h
-        b_s = _load_rows(s_ref, rows, m_child, geo)
-        # [Gp, NC] logits of every head against child j of every candidate.
-        zs.append(geo.scale * _qk(qg, b_s, geo.score_mode))
-        masks.append(m_child)
-      per_head = _reduce_children(zs, masks, geo.selector)
+      zs, masks = zip(*(child_logits(j) for j in range(g)))
+      per_head = _reduce_children(list(zs), list(masks), geo.selector)
     # Eq. 22: the group's heads share one selection, scored by their sum.
     score = jnp.sum(jnp.where(m_head[:, None], per_head, 0.0), axis=0)
     return _select_and_expand(cand, valid, forced, score, geo, topk_impl)

@@ -20,7 +20,8 @@ def query_chunk_size(seq_len: int, elements_per_query: int) -> int:
   return 1 << (chunk.bit_length() - 1)
 
 
-def map_query_chunks(fn: Callable, chunk: int, per_query: tuple, shared: tuple = ()):
+def map_query_chunks(fn: Callable, chunk: int, per_query: tuple, shared: tuple = (),
+                     positions=None):
   """Applies `fn(positions, *per_query_chunks, *shared)` to chunks of queries with `lax.map`.
 
   Args:
@@ -28,6 +29,7 @@ def map_query_chunks(fn: Callable, chunk: int, per_query: tuple, shared: tuple =
     chunk: Tc, queries per chunk.
     per_query: arrays `[B, T, ...]` split along T.
     shared: arguments passed whole to every call.
+    positions: int32 `[T]`, the sequence position of each per_query row; None: 0..T-1.
 
   Returns:
     `fn`'s outputs for all T queries, `[B, T, ...]`.
@@ -35,13 +37,18 @@ def map_query_chunks(fn: Callable, chunk: int, per_query: tuple, shared: tuple =
   seq_len = per_query[0].shape[1]
   num_chunks = -(-seq_len // chunk)
   padded = num_chunks * chunk
+  if positions is None:
+    positions = jnp.arange(padded, dtype=jnp.int32)
+  else:
+    # Padding rows take position 0 (a valid position); their outputs are dropped.
+    positions = jnp.pad(positions.astype(jnp.int32), (0, padded - seq_len))
+  positions = positions.reshape(num_chunks, chunk)
 
   def split(x):
     x = jnp.pad(x, [(0, 0), (0, padded - seq_len)] + [(0, 0)] * (x.ndim - 2))
     x = x.reshape(x.shape[0], num_chunks, chunk, *x.shape[2:])
     return jnp.moveaxis(x, 1, 0)
 
-  positions = jnp.arange(padded, dtype=jnp.int32).reshape(num_chunks, chunk)
   if num_chunks == 1:
     out = fn(positions[0], *[split(x)[0] for x in per_query], *shared)
     return jax.tree.map(lambda y: y[:, :seq_len], out)

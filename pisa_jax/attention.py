@@ -32,17 +32,26 @@ def _sparse_attention_chunk(positions, q, block_indices, k, v, *, block_size, sc
   k_sel = k[b_idx, gather_pos, h_idx].astype(jnp.float32)
   v_sel = v[b_idx, gather_pos, h_idx].astype(jnp.float32)
   logits = scale * jnp.einsum("bthgd,bthkcd->bthgkc", qg, k_sel, precision=_HIGHEST)
-  visible = visible[:, :, :, None]
-  row_max = jnp.max(jnp.where(visible, logits, -jnp.inf), axis=(-2, -1), keepdims=True)
-  row_max = lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-  # exp of the masked logits, not a masked exp: a hidden logit far above the visible ones would
-  # overflow to inf, and the backward pass would multiply it by the mask's zero (NaN).
-  p = jnp.exp(jnp.where(visible, logits, -jnp.inf) - row_max)
-  denom = p.sum(axis=(-2, -1))
+  p, denom = _masked_exp(logits, visible[:, :, :, None], axes=(-2, -1))
   out = jnp.einsum("bthgkc,bthkcd->bthgd", p, v_sel, precision=_HIGHEST)
-  # A query with no visible key gets zeros, never NaN.
-  out = jnp.where(denom[..., None] > 0, out / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
-  return out.reshape(b, tc, hq, d).astype(q.dtype)
+  return _normalise(out, denom).reshape(b, tc, hq, d).astype(q.dtype)
+
+
+def _masked_exp(logits, visible, axes):
+  """Unnormalised softmax weights over the visible keys (reduced over `axes`) and their sum.
+
+  exp of the masked logits, not a masked exp: a hidden logit far above the visible ones would
+  overflow to inf, and the backward pass would multiply it by the mask's zero (NaN).
+  """
+  row_max = jnp.max(jnp.where(visible, logits, -jnp.inf), axis=axes, keepdims=True)
+  row_max = lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+  p = jnp.exp(jnp.where(visible, logits, -jnp.inf) - row_max)
+  return p, p.sum(axis=axes)
+
+
+def _normalise(out, denom):
+  """out / denom per row; a query with no visible key gets zeros, never NaN."""
+  return jnp.where(denom[..., None] > 0, out / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
 
 
 def _sparse_attention_masked(q, k, v, block_indices, *, block_size, scale):
@@ -65,15 +74,10 @@ def _sparse_attention_masked(q, k, v, block_indices, *, block_size, scale):
   visible = jnp.moveaxis(visible, 2, 1)[:, :, None]
   qg = q.astype(jnp.float32).reshape(b, seq_len, hkv, hq // hkv, d)
   logits = scale * jnp.einsum("bthgd,bshd->bhgts", qg, k.astype(jnp.float32), precision=_HIGHEST)
-  row_max = jnp.max(jnp.where(visible, logits, -jnp.inf), axis=-1, keepdims=True)
-  row_max = lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-  p = jnp.exp(jnp.where(visible, logits, -jnp.inf) - row_max)  # as in the gathered form
-  denom = p.sum(axis=-1)
+  p, denom = _masked_exp(logits, visible, axes=-1)
   out = jnp.einsum("bhgts,bshd->bthgd", p, v.astype(jnp.float32), precision=_HIGHEST)
   denom = jnp.moveaxis(denom, 3, 1)  # [B, T, HKV, G]
-  # A query with no visible key gets zeros, never NaN.
-  out = jnp.where(denom[..., None] > 0, out / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
-  return out.reshape(b, seq_len, hq, d).astype(q.dtype)
+  return _normalise(out, denom).reshape(b, seq_len, hq, d).astype(q.dtype)
 
 
 def uses_masked_formulation(batch: int, seq_len: int, num_heads: int, top_k: int,

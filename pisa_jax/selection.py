@@ -198,8 +198,7 @@ def _exact_chunk(positions, q, k, *, block_size, top_k, scale):
 def select_blocks_reference(q, k, *, block_size: int, top_k: int, branching: int, selector: str,
                             scale: float, beam: int):
   """jnp reference of `select_blocks`; arguments are already validated and resolved."""
-  b, seq_len, hq, d = q.shape
-  hkv = k.shape[2]
+  b, seq_len, hq, _ = q.shape
   num_blocks = -(-seq_len // block_size)
   if selector == "bsa":
     leaves = build_pyramid_reference(k, block_size=block_size, branching=branching).summaries[0]
@@ -210,19 +209,29 @@ def select_blocks_reference(q, k, *, block_size: int, top_k: int, branching: int
     chunk = _chunking.query_chunk_size(seq_len, 3 * b * hq * num_blocks * block_size)
     fn = functools.partial(_exact_chunk, block_size=block_size, top_k=top_k, scale=scale)
     return _chunking.map_query_chunks(fn, chunk, (q,), (k,))
+  fn, chunk, summaries = _hierarchical_setup(
+      q, k, block_size=block_size, top_k=top_k, beam=beam, branching=branching, selector=selector,
+      scale=scale)
+  return _chunking.map_query_chunks(fn, chunk, (q,), (k, summaries))
+
+
+def _hierarchical_setup(q, k, *, block_size, top_k, beam, branching, selector, scale):
+  """The hierarchical walk's per-chunk function, its query chunk size and the pyramid summaries."""
+  b, _, hq, d = q.shape
+  hkv = k.shape[2]
   pyramid = build_pyramid_reference(k, block_size=block_size, branching=branching)
   sizes = tuple(s.shape[1] for s in pyramid.summaries)
   width = max(top_k, beam) * branching
   chunk = _chunking.query_chunk_size(
-      seq_len, b * hkv * width * max(block_size, branching) * (d + hq // hkv))
+      q.shape[1], b * hkv * width * max(block_size, branching) * (d + hq // hkv))
   fn = functools.partial(
       _hierarchical_chunk, block_size=block_size, top_k=top_k, beam=beam, branching=branching,
       selector=selector, scale=scale, level_sizes=sizes)
-  return _chunking.map_query_chunks(fn, chunk, (q,), (k, pyramid.summaries))
+  return fn, chunk, pyramid.summaries
 
 
 def select_blocks_reference_at(q, k, positions, *, block_size: int, top_k: int, branching: int,
-                               selector: str, scale: float, beam: int, chunk: int = 256):
+                               selector: str, scale: float, beam: int, chunk: int | None = None):
   """The hierarchical reference for some query positions only (long-sequence spot checks).
 
   Selection for query t depends only on q_t and the pyramid of all keys (eligibility and the
@@ -231,7 +240,7 @@ def select_blocks_reference_at(q, k, positions, *, block_size: int, top_k: int, 
   Args:
     q: the queries at `positions`, `[B, P, HQ, D]`; k: all keys `[B, T, HKV, D]`.
     positions: int32 `[P]`, each in [0, T).
-    chunk: queries per `lax.map` step.
+    chunk: queries per `lax.map` step; None sizes it as the full reference does.
 
   Returns:
     int32 `[B, P, HKV, top_k]`.
@@ -246,20 +255,11 @@ def select_blocks_reference_at(q, k, positions, *, block_size: int, top_k: int, 
   if q.shape[1] != positions.shape[0]:
     raise ValueError(f"q.shape[1]={q.shape[1]} must equal positions.shape[0]="
                      f"{positions.shape[0]}: q holds the queries at those positions")
-  pyramid = build_pyramid_reference(k, block_size=block_size, branching=branching)
-  sizes = tuple(s.shape[1] for s in pyramid.summaries)
-  fn = functools.partial(
-      _hierarchical_chunk, block_size=block_size, top_k=top_k, beam=beam, branching=branching,
-      selector=selector, scale=scale, level_sizes=sizes)
-  n = positions.shape[0]
-  steps = -(-n // chunk)
-  pad = steps * chunk - n
-  pos = jnp.pad(positions.astype(jnp.int32), (0, pad)).reshape(steps, chunk)
-  qs = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
-  qs = jnp.moveaxis(qs.reshape(q.shape[0], steps, chunk, *q.shape[2:]), 1, 0)
-  out = jax.lax.map(lambda xs: fn(xs[0], xs[1], k, pyramid.summaries), (pos, qs))
-  out = jnp.moveaxis(out, 0, 1).reshape(q.shape[0], steps * chunk, *out.shape[3:])
-  return out[:, :n]
+  fn, auto_chunk, summaries = _hierarchical_setup(
+      q, k, block_size=block_size, top_k=top_k, beam=beam, branching=branching, selector=selector,
+      scale=scale)
+  return _chunking.map_query_chunks(fn, chunk or auto_chunk, (q,), (k, summaries),
+                                    positions=positions)
 
 
 def select_blocks(
