@@ -247,6 +247,9 @@ def select_blocks_reference_at(q, k, positions, *, block_size: int, top_k: int, 
   """
   if selector not in ("pisa", "pisa1", "pisa2"):
     raise ValueError(f"{selector=} must be 'pisa', 'pisa1' or 'pisa2' (the hierarchical walk)")
+  if not jnp.issubdtype(positions.dtype, jnp.integer) or positions.ndim != 1:
+    raise TypeError(f"positions must be a 1-D integer array [P], got {positions.dtype} "
+                    f"{positions.shape}")
   if not isinstance(positions, jax.core.Tracer):
     bad = (positions < 0) | (positions >= k.shape[1])
     if bool(jnp.any(bad)):

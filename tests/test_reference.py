@@ -472,6 +472,8 @@ def test_reference_at_positions_equals_full_rows(selector, beam):
     selection.select_blocks_reference_at(q[:, :2], k, jnp.asarray([3, 700]), **kw)
   with pytest.raises(ValueError, match="positions.shape"):
     selection.select_blocks_reference_at(q[:, :3], k, jnp.asarray([3, 7]), **kw)
+  with pytest.raises(TypeError, match="positions must be a 1-D integer"):
+    selection.select_blocks_reference_at(q[:, :2], k, jnp.asarray([3.0, 7.0]), **kw)
 
 
 @pytest.mark.parametrize("seq_len,hq,hkv,d,block_size,top_k", [
