@@ -13,6 +13,7 @@
 #
 # On the device:  source benchmarks/device_setup.sh || exit 1; bash benchmarks/train_h200.sh
 # Plot again anywhere:  bash benchmarks/train_h200.sh plot DIR
+# Merge calls:          bash benchmarks/train_h200.sh merge DIR A/summary.json B/summary.json
 # Knobs: TRAIN_SECONDS (training wall time per run, default 35), RUNS (default
 # "dense:4096 pisa:4096 dense:16384 pisa:16384"), TOKENS_PER_STEP (default 32768), PRESET
 # (default small), EXTRA_SETS (more `--set` arguments, e.g. "model.attention_implementation=xla").
@@ -21,11 +22,15 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
 summarise() {
-  "$PY" - "$1" <<'EOF'
+  "$PY" - "$@" <<'EOF'
 import json, sys
 from pathlib import Path
+# Either one run directory (summarise its runs), or a destination directory and summary.json files
+# from separate device calls to merge (later files win on a name clash).
 root = Path(sys.argv[1])
 runs = {}
+for summary in sys.argv[2:]:
+  runs.update(json.loads(Path(summary).read_text()))
 for d in sorted(p for p in root.iterdir() if (p / "metrics.jsonl").exists()):
   rows = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines() if l.strip()]
   train = [r for r in rows if "loss" in r]
@@ -79,6 +84,11 @@ EOF
 
 if [ "${1:-}" = "plot" ]; then
   summarise "$2"
+  exit $?
+fi
+if [ "${1:-}" = "merge" ]; then
+  shift; mkdir -p "$1"
+  summarise "$@"
   exit $?
 fi
 
