@@ -4,6 +4,7 @@
 #   1. issue 3: selection kernels vs fla (benchmarks/bench_selection.py)      SELECTION_S
 #   2. issue 7: quality vs beam on a dense model trained here, time vs beam  RECALL_S
 #   -  per-kernel device time from a profiler trace (profile_kernels.py)  PROFILE_S (0: skip)
+#   -  Nsight Compute counters of chosen kernels (NCU_CASES, NCU_KERNELS)  NCU_S (0: skip)
 #   3. issue 4: attention kernels vs fla, cuDNN dense, XLA; whole layer      ATTENTION_S (0: skip)
 #   4. issue 5: the small preset, dense vs PISA at 4K and 16K                TRAIN_S
 # The device returns at most 8 files, so the figures are copied to $OUT's top level and every log
@@ -27,6 +28,21 @@ if [ "${PROFILE_S:-0}" != 0 ]; then
   timeout -k 10 "$PROFILE_S" python3 benchmarks/profile_kernels.py --out "$final" ${PROFILE_ARGS:-} \
     > "$work/profile.log" 2>&1
   echo "profile rc=$?"; grep -E "^==|Stream" "$work/profile.log" | cut -c1-700 | head -n 40
+fi
+if [ "${NCU_S:-0}" != 0 ]; then
+  # Nsight Compute's counters (the Firecracker H200 reads them) for the first launch of each
+  # kernel whose name matches NCU_KERNELS, in the profile_kernels.py cases NCU_CASES; clocks left
+  # alone (METHOD.md).
+  ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+  timeout -k 10 "$NCU_S" "$ncu_bin" --clock-control none --target-processes all \
+    -k "regex:${NCU_KERNELS:-pisa_select}" --launch-count "${NCU_LAUNCHES:-3}" \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+    python3 benchmarks/profile_kernels.py --no-trace --calls 0 \
+    --cases "${NCU_CASES:-sel.K8.d64.N131072}" > "$work/ncu.log" 2>&1
+  echo "ncu rc=$?"
+  grep -E "pisa_|bsa_|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Warp Cycles Per Issued|Issued Ipc|Memory Throughput|DRAM Throughput|L2 Hit|Compute \(SM\)|Stall|==ERR|==WARN" \
+    "$work/ncu.log" | cut -c1-200 | head -n 120
 fi
 if [ "${ATTENTION_S:-0}" != 0 ]; then
   mkdir -p "$work/attention"

@@ -6,6 +6,8 @@ the stage breakdown of bench_selection.py cannot show: the XLA glue (argsort, sc
 beside each Pallas kernel.
 
   python3 benchmarks/profile_kernels.py --out $OUT [--cases sel.K8.d64.N131072,...]
+  ncu ... python3 benchmarks/profile_kernels.py --no-trace --calls 0 --cases ...  (h200_session.sh's
+  NCU_S stage: hardware counters of each kernel's first launch)
 
 Writes profile_kernels.json: {case: {"wall_ms": ..., "lines": {line: [[name, ms per call,
 launches per call], ...]}}}.
@@ -111,6 +113,8 @@ def main():
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
   ap.add_argument("--cases", default=",".join(CASES))
   ap.add_argument("--calls", type=int, default=3)
+  ap.add_argument("--no-trace", action="store_true",
+                  help="only run each case 1 + --calls times (under ncu, which owns the profiler)")
   args = ap.parse_args()
   results = {"device": str(jax.devices()[0]), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
   out_path = os.path.join(args.out, "profile_kernels.json")
@@ -118,6 +122,11 @@ def main():
     try:
       fn, inputs = CASES[name]()
       jax.block_until_ready(fn(*inputs))
+      if args.no_trace:
+        for _ in range(args.calls):
+          jax.block_until_ready(fn(*inputs))
+        print(f"== {name}: ran {1 + args.calls} calls", flush=True)
+        continue
       t0 = time.perf_counter()
       jax.block_until_ready(fn(*inputs))
       wall = (time.perf_counter() - t0) * 1e3
