@@ -106,6 +106,7 @@ PROBES = {
     "pisa_q8_dense128_t2": dict(walk_dense_nodes=128, walk_dense_q_tile=2, walk_dense_warps=2),
     "pisa_q8_olse": dict(walk_online_lse=True),  # fewer walk registers (122 -> 106)
     "pisa_q8_dense64_olse": dict(walk_dense_nodes=64, walk_online_lse=True),
+    "pisa_q8_narrow": dict(leaf_wide_loads=False),  # leaf tiles loaded element by element
 }
 # Timed on the H200 on 2026-11-29 (session 2, 32K / 128K, ms; default pisa_q4 3.96 / 16.94):
 # rank 4.12 / 18.06, rank + 2-warp walk 5.07 / 22.5, rank + wq2 4.29 / 18.7, rank + wq4 6.21 /
@@ -133,7 +134,7 @@ def stage_fns():
 
   def geo(q, k):
     return sel._geometry(q, k, block_size=C, top_k=TOP_K, branching=G, selector="pisa",
-                         scale=SCALE, beam=TOP_K)
+                         scale=SCALE, beam=TOP_K, interpret=INTERPRET)
 
   def pyr(q, k):
     return build_pyramid_pallas(k, block_size=C, branching=G, interpret=INTERPRET).summaries
@@ -349,7 +350,14 @@ def main():
       out.append((f"pisa2_q4_rank_wq2_beam16.f32.N{n}", "pisa2", 16, jnp.float32, 1,
                   kernel_fn(selector="pisa2", beam=16, **PROBES["pisa_q4_rank_wq2"])))
     if n == 131072:
+      # 16-bit inputs: the split summaries (high + low 16-bit rows), every variant that reads them.
       out.append((f"pisa_q8.bf16.N{n}", "pisa", TOP_K, jnp.bfloat16, 2, kernel_fn(q_tile=8)))
+      out.append((f"pisa_fused.f32.N{n}", "pisa", TOP_K, jnp.float32, 1,
+                  kernel_fn(variant="fused")))
+      out.append((f"pisa_fused.bf16.N{n}", "pisa", TOP_K, jnp.bfloat16, 2,
+                  kernel_fn(variant="fused")))
+      out.append((f"bsa_pallas.bf16.N{n}", "bsa", TOP_K, jnp.bfloat16, 2,
+                  kernel_fn(selector="bsa")))
     return out
 
   # Compile everything up front, in parallel (Triton compiles are CPU-bound and independent).

@@ -76,7 +76,7 @@ def _launch_of(name: str, cfg) -> tuple[int, int]:
   return 4, 2
 
 
-def _resources(ttir: str, warps: int, stages: int) -> dict:
+def _resources(ttir: str, warps: int, stages: int, sass_path: str | None = None) -> dict:
   import triton
   from triton.backends.compiler import GPUTarget
   with tempfile.TemporaryDirectory() as tmp:
@@ -91,6 +91,15 @@ def _resources(ttir: str, warps: int, stages: int) -> dict:
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     info = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.devnull],
                           capture_output=True, text=True, check=True).stderr
+    if sass_path:
+      # The SASS, to count instructions by opcode (ncu's counters need device time; this not).
+      cubin = os.path.join(tmp, "kernel.cubin")
+      with open(cubin, "wb") as f:
+        f.write(kernel.asm["cubin"])
+      cuobjdump = os.path.join(os.path.dirname(ptxas), "cuobjdump")
+      with open(sass_path, "w") as f:
+        f.write(subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True,
+                               check=True).stdout)
   regs = int(re.search(r"Used (\d+) registers", info).group(1))
   spill = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", info))
   shared = int(kernel.metadata.shared)
@@ -159,7 +168,10 @@ def main():
                   help="default: every case")
   ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                   help="config field changes for the cases (SelectionConfig or SparseAttentionConfig)")
+  ap.add_argument("--sass", metavar="DIR", help="also write each kernel's SASS to DIR/CASE.NAME.sass")
   args = ap.parse_args()
+  if args.sass:
+    os.makedirs(args.sass, exist_ok=True)
   captured = _capture_kernels()
   for case in args.case or list(CASES):
     fn, spec, cfg = CASES[case](**_parse_sets(args.set))
@@ -169,7 +181,8 @@ def main():
     for ttir in captured:
       name = re.search(r"module @([A-Za-z0-9_]+)", ttir).group(1)
       try:
-        r = _resources(ttir, *_launch_of(name, cfg))
+        sass = os.path.join(args.sass, f"{case}.{name}.sass") if args.sass else None
+        r = _resources(ttir, *_launch_of(name, cfg), sass_path=sass)
         print(f"  {name:<36} warps {r['warps']}  regs {r['registers']:>3}  spill "
               f"{r['spill_bytes']:>4} B  shared {r['shared_bytes']:>6} B  programs/SM "
               f"{r['programs_per_sm']:>2} ({r['warps_per_sm']} warps)", flush=True)

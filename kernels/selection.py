@@ -26,8 +26,8 @@ Layout: q `[B, T, HQ, D]` and k `[B, T, HKV, D]` are viewed as rows `[B*T*HQ, D]
 kernel has power-of-two shapes: the group's heads are padded to `Gp`, the candidates to `NC`, the
 head dim to `Dp` and the block to `Cp`, with masks. Scores are float32 whatever the input dtype:
 16-bit inputs are exact in a 16-bit tensor-core dot with float32 accumulation, and the float32
-summaries are split into a 16-bit high and low part (two dots, ~2^-17 relative error); float32
-inputs use an IEEE float32 dot.
+summaries are split once, outside the kernels, into a 16-bit high and low part (two dots, ~2^-17
+relative error; `_summary_rows`); float32 inputs use an IEEE float32 dot.
 """
 
 from __future__ import annotations
@@ -101,6 +101,9 @@ class SelectionConfig:
     walk_online_lse: the gathered walk ("pisa") folds each child's logits into a running
       log-sum-exp instead of keeping all g children's logits (same scores up to rounding, fewer
       registers, so more programs per SM for this latency-bound kernel; untimed, hence off).
+    leaf_wide_loads: the leaf-tile kernel loads its query and key rows as whole contiguous rows
+      (128-bit loads; D a power of two) instead of element by element with a column clamp: 15%
+      fewer instructions, 18 more registers (95 -> 113 at d = 64, one program per SM less).
   """
 
   variant: str = "two_stage"
@@ -119,6 +122,7 @@ class SelectionConfig:
   walk_dense_q_tile: int = 4
   walk_dense_warps: int = 4
   walk_online_lse: bool = False
+  leaf_wide_loads: bool = True
 
   def __post_init__(self):
     if self.variant not in VARIANTS:
@@ -148,29 +152,44 @@ class SelectionConfig:
 
   @classmethod
   def default(cls, *, seq_len: int, group: int, candidates: int = _MIN_DOT) -> "SelectionConfig":
-    """Heuristic default: the two-stage variant with Q8 key-tile reuse, BSA tiles of about 64
-    query rows (bsa_q_tile * padded group) per program, and the in-kernel top-k by the number of
+    """Heuristic default: at NC = 16 candidate slots (beam * g <= 16, the paper's K = 8) the
+    per-query fused variant, else the two-stage variant with Q8 key-tile reuse; BSA tiles of about
+    64 query rows (bsa_q_tile * padded group) per program; the in-kernel top-k by the number of
     candidate slots per level, `candidates` = NC = next power of two >= max(beam * g, 16).
 
     Measured on the H200 (2026-11-29, Table 4 setting unless named; ms):
+    - Session 3, after the leaner walk levels and the rank top-k at NC = 16, whole selection at
+      16K / 128K / 1M: fused 0.753 / 6.84 / 64.4, two-stage Q4 0.869 / 7.37 / 64.8, Q8 0.916 /
+      7.70 / 67.4 (the fused kernel scores its 16 candidate leaves right after its walk, with the
+      queries in registers: no pair sort, no scatter, no second pass over the queries). Wider
+      candidate sets (K = 32, beams) keep the two-stage variant: the fused kernel would score
+      NC leaves one after another per query, and that is not measured.
     - Leaf tiles, whole selection at 32K / 128K: Q4 3.96 / 16.9, Q8 3.39 / 14.8, Q16 3.64 / 15.7
       (its 256-row tiles cost registers).
     - Walk warps: one warp took Q4 from 5.80 to 3.99 ms at 32K and from 26.1 to 17.1 ms at 128K
       (4 warps: 9.3 and 43.1 ms): at NC = 16 the values are tiny and the top-k reduction-bound.
-    - Top-k, walk kernel alone: NC = 16 (K = 8): passes 7.8 ms, rank 9.5 (128K); NC = 32 (K = 8,
-      beam 16, 128K): passes 26.4, rank 19.0; NC = 64 (K = 32, d = 128, 64K): passes 48.7 (2
-      warps 50.5), rank on 1 warp 109 (its [64, 64] compares spill), rank on 4 warps 40.8.
-      The rank final top-k then takes one row per program (topk_rows=1) on 2 warps.
+    - Top-k, walk kernel alone: NC = 16 (K = 8): passes 7.8 ms, rank 9.5 (128K, session 2);
+      after session 3's leaner levels (pre-split summaries, one MUFU log2, no scoring above the
+      first level with more than beam nodes) pyramid + walk is 4.38 ms with the passes and 2.94
+      with the rank: the passes' 2 * keep dependent reductions per level became the critical
+      path. NC = 32 (K = 8, beam 16, 128K): passes 26.4, rank 19.0; NC = 64 (K = 32, d = 128,
+      64K): passes 48.7 (2 warps 50.5), rank on 1 warp 109 (its [64, 64] compares spill), rank
+      on 4 warps 40.8. The rank final top-k takes 8 rows per program at NC = 16 (96 registers on
+      2 warps, no spills) and one row at NC = 32 / 64.
     Wider candidate sets (NC >= 128) keep the passes: the rank compares would not fit.
     """
     del seq_len
     gp = next_pow2(group)
     base = dict(variant="two_stage", q_tile=8, bsa_q_tile=max(1, min(16, 64 // gp)),
-                walk_warps=1, topk_warps=1)
-    if candidates == 32:
-      base.update(topk_impl="rank", topk_rows=1, topk_warps=2)
+                walk_warps=1, topk_impl="rank", topk_rows=8, topk_warps=2)
+    if candidates == 16:
+      base.update(variant="fused")
+    elif candidates == 32:
+      base.update(topk_rows=1)
     elif candidates == 64:
-      base.update(topk_impl="rank", topk_rows=1, topk_warps=2, walk_warps=4)
+      base.update(topk_rows=1, walk_warps=4)
+    elif candidates >= 128:
+      base.update(topk_impl="passes", topk_rows=32, topk_warps=1)
     return cls(**base)
 
 
@@ -188,23 +207,51 @@ def _qk(a, b, mode: str):
   """a @ b.T in float32: a `[R, Dp]`, b `[N, Dp]` -> `[R, N]`.
 
   mode "f32": float32 operands at IEEE precision; "native": both in the same 16-bit dtype (the
-  products are exact, the accumulation float32); "split": a 16-bit, b float32 split into a 16-bit
-  high part and the 16-bit rounding of the remainder (two dots, relative error ~2^-17).
+  products are exact, the accumulation float32). (Float32 summaries against 16-bit queries:
+  `_summary_logits`.)
   """
   dims = (((1,), (1,)), ((), ()))
   if mode == "f32":
     return lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dims,
                            precision=(lax.Precision.HIGHEST, lax.Precision.HIGHEST),
                            preferred_element_type=jnp.float32)
-  if mode == "native":
-    return lax.dot_general(a, b.astype(a.dtype), dims, preferred_element_type=jnp.float32)
-  hi = b.astype(a.dtype)
-  lo = (b - hi.astype(jnp.float32)).astype(a.dtype)
-  return (lax.dot_general(a, hi, dims, preferred_element_type=jnp.float32)
-          + lax.dot_general(a, lo, dims, preferred_element_type=jnp.float32))
+  if mode != "native":
+    raise ValueError(f"{mode=} must be 'f32' or 'native'")
+  return lax.dot_general(a, b.astype(a.dtype), dims, preferred_element_type=jnp.float32)
 
 
-def _reduce_children(zs, masks, selector: str):
+def _summary_logits(a, s_ref, rows, m_row, geo: "_Geometry"):
+  """a @ summaries[rows].T in float32, `[R, N]`: a `[R, Dp]`, rows / m_row `[N]`.
+
+  With 16-bit queries (score_mode "split") the summaries ref holds every float32 summary row r as
+  two 16-bit rows, its high part at 2r and the rounding of the remainder at 2r + 1, split once
+  outside the kernel by `_summary_rows` (what `_qk`'s "split" mode does per load; the walk loads
+  each summary several times). Otherwise it holds the float32 rows.
+  """
+  if geo.score_mode == "split":
+    # Relative error ~2^-17: the products are exact, the accumulation float32.
+    return (_qk(a, _load_rows(s_ref, 2 * rows, m_row, geo), "native")
+            + _qk(a, _load_rows(s_ref, 2 * rows + 1, m_row, geo), "native"))
+  return _qk(a, _load_rows(s_ref, rows, m_row, geo), geo.score_mode)
+
+
+def _log2(x, approx: bool):
+  """log2 of non-negative float32 values (0 -> -inf).
+
+  approx: the MUFU's `lg2.approx` (one instruction, absolute error ~2^-22 on the sums of
+  exponentials >= 1 that it gets here) instead of libdevice's `log2f`, a 25-instruction
+  polynomial that was a sixth of the walk kernel's instructions (SASS of the K = 8 walk). GPU only:
+  the interpreter has no inline assembly, so interpret mode (CI) takes `jnp.log2`.
+  """
+  if not approx:
+    return jnp.log2(x)
+  [y] = plt.elementwise_inline_asm("lg2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f",
+                                   pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape,
+                                                                                     x.dtype)])
+  return y
+
+
+def _reduce_children(zs, masks, selector: str, approx_log: bool = False):
   """Per-head score of each candidate from its children's logits (natural units).
 
   zs: list over children of `[Gp, N]` logits; masks: list of `[N]` child-exists masks.
@@ -215,7 +262,7 @@ def _reduce_children(zs, masks, selector: str):
     m = functools.reduce(jnp.maximum, [jnp.where(v[None, :], z, -jnp.inf) for z, v in zip(zs, masks)])
     m_safe = jnp.where(m == -jnp.inf, 0.0, m)
     total = sum(jnp.where(v[None, :], jnp.exp2((z - m_safe) * _LOG2E), 0.0) for z, v in zip(zs, masks))
-    return m_safe + jnp.log2(total) * _LN2
+    return m_safe + _log2(total, approx_log) * _LN2
   count = jnp.maximum(sum(v.astype(jnp.float32) for v in masks), 1.0)[None, :]
   mean = sum(jnp.where(v[None, :], z, 0.0) for z, v in zip(zs, masks)) / count
   if selector == "pisa1":
@@ -224,7 +271,7 @@ def _reduce_children(zs, masks, selector: str):
   return mean + 0.5 * var
 
 
-def _reduce_keys(z, m_key, selector: str):
+def _reduce_keys(z, m_key, selector: str, approx_log: bool = False):
   """Per-row score over one leaf's raw keys: z `[R, Cp]` logits, m_key `[Cp]` -> `[R]`."""
   if selector == "pisa":
     # Eq. 21 at the leaves: the exact raw-key LSE, with exp2 on log2(e)-scaled logits.
@@ -232,7 +279,7 @@ def _reduce_keys(z, m_key, selector: str):
     m = jnp.max(z2, axis=1)
     m_safe = jnp.where(m == -jnp.inf, 0.0, m)
     total = jnp.sum(jnp.exp2(z2 - m_safe[:, None]), axis=1)
-    return (m_safe + jnp.log2(total)) * _LN2
+    return (m_safe + _log2(total, approx_log)) * _LN2
   count = jnp.maximum(jnp.sum(m_key.astype(jnp.float32)), 1.0)
   mean = jnp.sum(jnp.where(m_key[None, :], z, 0.0), axis=1) / count
   if selector == "pisa1":
@@ -373,6 +420,7 @@ class _Geometry:
   sizes: tuple[int, ...]
   score_mode: str  # dot mode for summaries: "f32" or "split"
   key_mode: str  # dot mode for raw keys: "f32" or "native"
+  approx_log: bool = False  # `_log2` by the MUFU (compiled for the GPU; not in the interpreter)
 
   @property
   def group(self) -> int:
@@ -416,16 +464,21 @@ def _query_tile_program(geo: _Geometry, q_tile: int):
 def _load_group_queries(q_ref, geo: _Geometry, i_b, t, i_h, rows: int):
   """The group's query heads of query t: `[rows, Dp]` (padded heads and columns read as zero)."""
   o_head = jnp.arange(rows)
-  o_col = jnp.arange(geo.dp)
-  m = (o_head < geo.group)[:, None] & (o_col < geo.d)[None, :]
   q_rows = (i_b * geo.seq_len + t) * geo.hq + i_h * geo.group + jnp.minimum(o_head, geo.group - 1)
-  return plt.load(q_ref.at[q_rows[:, None], jnp.minimum(o_col, geo.d - 1)[None, :]], mask=m,
-                  other=0.0)
+  return _load_rows(q_ref, q_rows, o_head < geo.group, geo)
 
 
-def _load_rows(ref, rows, m_row, geo: _Geometry):
-  """Rows `[N]` of a `[*, D]` ref as `[N, Dp]`, masked rows and padded columns zero."""
+def _load_rows(ref, rows, m_row, geo: _Geometry, wide: bool = True):
+  """Rows `[N]` of a `[*, D]` ref as `[N, Dp]`, masked rows and padded columns zero.
+
+  wide: when D is already a power of two, load rows without a column clamp or mask (vector loads;
+  more registers for the leaf tiles: `SelectionConfig.leaf_wide_loads`)."""
   o_col = jnp.arange(geo.dp)
+  if wide and geo.d == geo.dp:
+    # No column clamp or column mask: Triton then sees each row as dp contiguous, aligned
+    # elements and issues 128-bit loads (with the clamp it issued one scalar load, address and
+    # predicate per element: a third of the walk's instructions).
+    return plt.load(ref.at[rows[:, None], o_col[None, :]], mask=m_row[:, None], other=0.0)
   return plt.load(ref.at[rows[:, None], jnp.minimum(o_col, geo.d - 1)[None, :]],
                   mask=m_row[:, None] & (o_col < geo.d)[None, :], other=0.0)
 
@@ -501,7 +554,7 @@ def _walk_to_leaves(qgs, m_head, i_b, ts, i_h, s_ref, tab_ref, geo: _Geometry, t
       child = jnp.where(valid, cand, 0) * g + j
       m_child = valid & (child < n_child)
       rows = off_child + (i_b * n_child + jnp.minimum(child, n_child - 1)) * geo.hkv + i_h
-      return geo.scale * _qk(qg, _load_rows(s_ref, rows, m_child, geo), geo.score_mode), m_child
+      return geo.scale * _summary_logits(qg, s_ref, rows, m_child, geo), m_child
 
     if online_lse and geo.selector == "pisa":
       # Eq. 21 as an online log-sum-exp over the children: one child's logits live at a time
@@ -515,10 +568,10 @@ def _walk_to_leaves(qgs, m_head, i_b, ts, i_h, s_ref, tab_ref, geo: _Geometry, t
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         acc = acc * jnp.exp2(m - m_safe) + jnp.exp2(z - m_safe)
         m = m_new
-      per_head = (jnp.where(m == -jnp.inf, 0.0, m) + jnp.log2(acc)) * _LN2
+      per_head = (jnp.where(m == -jnp.inf, 0.0, m) + _log2(acc, geo.approx_log)) * _LN2
     else:
       zs, masks = zip(*(child_logits(j) for j in range(g)))
-      per_head = _reduce_children(list(zs), list(masks), geo.selector)
+      per_head = _reduce_children(list(zs), list(masks), geo.selector, geo.approx_log)
     # Eq. 22: the group's heads share one selection, scored by their sum.
     score = jnp.sum(jnp.where(m_head[:, None], per_head, 0.0), axis=0)
     return _select_and_expand(cand, valid, forced, score, geo, topk_impl)
@@ -599,9 +652,10 @@ def _walk_top_kernel(q_ref, s_ref, cand_ref, *, geo: _Geometry, q_tile: int, sto
       m_child = (ids < n) & (child < n_child)
       rows = offsets[level - 2] + (i_b * n_child + jnp.minimum(child, n_child - 1)) * geo.hkv + i_h
       # [R, npad]: every query row of the tile against child j of every node of the level.
-      zs.append(geo.scale * _qk(b_q, _load_rows(s_ref, rows, m_child, geo), geo.score_mode))
+      zs.append(geo.scale * _summary_logits(b_q, s_ref, rows, m_child, geo))
       masks.append(m_child)
-    per_head = jnp.where(m_head_r[:, None], _reduce_children(zs, masks, geo.selector), 0.0)
+    per_head = jnp.where(m_head_r[:, None], _reduce_children(zs, masks, geo.selector, geo.approx_log),
+                         0.0)
     # Eq. 22 per query: [QT, npad] (one masked row-sum per query of the tile).
     score = jnp.zeros((q_tile, npad), jnp.float32)
     for e in range(q_tile):
@@ -693,7 +747,7 @@ def _leaf_scores_one(qg, m_head, leaf, valid, i_b, i_h, k_ref, geo: _Geometry):
   rows = (i_b * geo.seq_len + jnp.minimum(pos, geo.seq_len - 1)) * geo.hkv + i_h
   b_k = _load_rows(k_ref, rows, m_key & valid, geo)
   z = geo.scale * _qk(qg, b_k, geo.key_mode)
-  per_head = _reduce_keys(z, m_key, geo.selector)
+  per_head = _reduce_keys(z, m_key, geo.selector, geo.approx_log)
   return jnp.sum(jnp.where(m_head, per_head, 0.0))
 
 
@@ -733,7 +787,7 @@ def _fused_kernel(q_ref, k_ref, s_ref, tab_ref, out_ref, *, geo: _Geometry, topk
 
 def _leaf_tile_kernel(q_ref, k_ref, start_ref, bucket_ref, pair_ref, score_ref, *, geo: _Geometry,
                       q_tile: int, num_pairs: int, num_buckets: int, num_windows: int,
-                      trash: int):
+                      trash: int, wide_loads: bool):
   """Stage 2 (Algorithm 1, lines 16-22): one leaf's keys against up to q_tile queries.
 
   start_ref `[NG]`: first sorted position of each tile (num_pairs when the tile is unused);
@@ -773,15 +827,15 @@ def _leaf_tile_kernel(q_ref, k_ref, start_ref, bucket_ref, pair_ref, score_ref, 
     m_r = m_r & (bucket_r == bucket0)
     qk_row = pair_r // geo.nc  # (b * T + t) * HKV + h
     q_rows = (qk_row // geo.hkv) * geo.hq + i_h * geo.group + jnp.minimum(j_r, geo.group - 1)
-    b_q = _load_rows(q_ref, q_rows, m_r, geo)
+    b_q = _load_rows(q_ref, q_rows, m_r, geo, wide_loads)
     o_key = jnp.arange(geo.cp)
     key_pos = leaf * geo.block_size + o_key
     m_key = (o_key < geo.block_size) & (key_pos < geo.seq_len)
     k_rows = (i_b * geo.seq_len + jnp.minimum(key_pos, geo.seq_len - 1)) * geo.hkv + i_h
-    b_k = _load_rows(k_ref, k_rows, m_key, geo)
+    b_k = _load_rows(k_ref, k_rows, m_key, geo, wide_loads)
     # [Q*Gp, Cp]: every (query, head) of the tile against the leaf's raw keys, one dot.
     z = geo.scale * _qk(b_q, b_k, geo.key_mode)
-    per_row = jnp.where(m_r, _reduce_keys(z, m_key, geo.selector), 0.0)
+    per_row = jnp.where(m_r, _reduce_keys(z, m_key, geo.selector, geo.approx_log), 0.0)
     # Eq. 22: sum each entry's heads, [Q].
     score_e = jnp.sum(jnp.where(e_r[None, :] == o_e[:, None], per_row[None, :], 0.0), axis=1)
     plt.store(score_ref.at[jnp.where(m_e, pair_e, trash)], score_e)
@@ -835,9 +889,8 @@ def _bsa_kernel(q_ref, s_ref, out_ref, *, geo: _Geometry, q_tile: int, block_til
   def logits(i):
     blk = i * block_tile + o_blk
     rows = (i_b * num_blocks + jnp.minimum(blk, num_blocks - 1)) * geo.hkv + i_h
-    b_s = _load_rows(s_ref, rows, blk < num_blocks, geo)
     # [Q*Gp, BT] base-2 logits; Eq. 4 over complete past blocks only.
-    z2 = scale2 * _qk(b_q, b_s, geo.score_mode)
+    z2 = scale2 * _summary_logits(b_q, s_ref, rows, blk < num_blocks, geo)
     past = blk[None, :] < cur_r
     return blk, jnp.where(past, z2, -jnp.inf)
 
@@ -930,7 +983,8 @@ def _call(kernel, out_shape, grid: int, config: SelectionConfig, warps: int, int
         interpret=interpret, name=name)(*args)
 
 
-def _geometry(q, k, *, block_size, top_k, branching, selector, scale, beam) -> _Geometry:
+def _geometry(q, k, *, block_size, top_k, branching, selector, scale, beam,
+              interpret: bool = True) -> _Geometry:
   b, t, hq, d = q.shape
   hkv = k.shape[2]
   # 16-bit inputs of one dtype score on tensor cores (exact products, float32 accumulation);
@@ -940,14 +994,31 @@ def _geometry(q, k, *, block_size, top_k, branching, selector, scale, beam) -> _
       batch=b, seq_len=t, hq=hq, hkv=hkv, d=d, block_size=block_size, top_k=top_k, beam=beam,
       branching=branching, selector=selector, scale=float(scale),
       sizes=level_sizes(t, block_size, branching),
-      score_mode="split" if wide else "f32", key_mode="native" if wide else "f32")
+      score_mode="split" if wide else "f32", key_mode="native" if wide else "f32",
+      approx_log=not interpret)
 
 
-def _stacked(summaries):
-  """Levels 1..L-1 as one row array `[sum_l B*M_l*HKV, D]` (the root is never read)."""
+def _summary_rows(rows: Float[Array, "R D"], geo: _Geometry, dtype) -> Array:
+  """The summaries ref of `_summary_logits`: float32 rows as they are, or, for 16-bit queries
+  (score_mode "split"), each row r as its 16-bit high part (row 2r) and the 16-bit rounding of the
+  remainder (row 2r + 1), `[2R, D]` in `dtype`."""
+  if geo.score_mode != "split":
+    return rows
+  # The high part by reduce_precision, not a round trip through the 16-bit dtype: XLA on the GPU
+  # (xla_allow_excess_precision, on by default) may fold convert(convert(x, bf16), f32) into x,
+  # which made every low part zero (the H200's bf16 check at 128K caught it: 4,792 rows off).
+  finfo = jnp.finfo(dtype)
+  hi = lax.reduce_precision(rows, exponent_bits=finfo.nexp, mantissa_bits=finfo.nmant)
+  lo = (rows - hi).astype(dtype)
+  return jnp.stack([hi.astype(dtype), lo], axis=1).reshape(-1, rows.shape[-1])
+
+
+def _stacked(summaries, geo: _Geometry, dtype):
+  """Levels 1..L-1 as one row array `[sum_l B*M_l*HKV, D]` (the root is never read), in the
+  layout of `_summary_rows`."""
   d = summaries[0].shape[-1]
   used = summaries[:-1] or summaries[:1]
-  return jnp.concatenate([s.reshape(-1, d) for s in used], axis=0)
+  return _summary_rows(jnp.concatenate([s.reshape(-1, d) for s in used], axis=0), geo, dtype)
 
 
 def leaf_candidates_pallas(q, k, summaries, geo: _Geometry, *, interpret: bool,
@@ -959,7 +1030,7 @@ def leaf_candidates_pallas(q, k, summaries, geo: _Geometry, *, interpret: bool,
   """
   b, t, hq, d = q.shape
   rows = b * t * geo.hkv
-  stacked, table = _stacked(summaries), _level_table(geo)
+  stacked, table = _stacked(summaries, geo, q.dtype), _level_table(geo)
   stop = _dense_stop_level(geo, config.walk_dense_nodes) if config.walk_dense_nodes else 0
   init, first_level = (), None
   # Dense levels run only where some level at or below the first scored one is dense.
@@ -1054,7 +1125,8 @@ def leaf_scores_pallas(q, k, cand, geo: _Geometry, *, interpret: bool, config: S
       jnp.where(tile_head, tile_id, num_tiles)].set(pos, mode="drop")
   scores = _call(
       functools.partial(_leaf_tile_kernel, geo=geo, q_tile=q_tile, num_pairs=num_sorted,
-                        num_buckets=num_buckets, num_windows=num_windows, trash=num_pairs),
+                        num_buckets=num_buckets, num_windows=num_windows, trash=num_pairs,
+                        wide_loads=config.leaf_wide_loads),
       jax.ShapeDtypeStruct((num_pairs + 1,), jnp.float32), num_tiles, config, config.leaf_warps,
       interpret,
       f"pisa_select_leaf_q{q_tile}", q.reshape(-1, d), k.reshape(-1, d), starts, sorted_bucket,
@@ -1083,7 +1155,7 @@ def _select_pisa(q, k, geo: _Geometry, *, interpret: bool, config: SelectionConf
                 jax.ShapeDtypeStruct((rows, geo.kp), jnp.int32), rows, config, config.walk_warps,
                 interpret, "pisa_select_fused" + ("_rank" if config.topk_impl == "rank" else ""),
                 q.reshape(-1, d), k.reshape(-1, d),
-                _stacked(pyramid.summaries), _level_table(geo))
+                _stacked(pyramid.summaries, geo, q.dtype), _level_table(geo))
   else:
     cand = leaf_candidates_pallas(q, k, pyramid.summaries, geo, interpret=interpret, config=config)
     scores = leaf_scores_pallas(q, k, cand, geo, interpret=interpret, config=config)
@@ -1100,7 +1172,8 @@ def _select_bsa(q, k, geo: _Geometry, *, interpret: bool, config: SelectionConfi
   out = _call(functools.partial(_bsa_kernel, geo=geo, q_tile=q_tile,
                                 block_tile=config.bsa_block_tile),
               jax.ShapeDtypeStruct((rows + 1, geo.kp), jnp.int32), b * geo.hkv * n_tiles, config,
-              config.leaf_warps, interpret, "bsa_select", q.reshape(-1, d), leaves.reshape(-1, d))
+              config.leaf_warps, interpret, "bsa_select", q.reshape(-1, d),
+              _summary_rows(leaves.reshape(-1, d), geo, q.dtype))
   return out[:rows]
 
 
@@ -1136,7 +1209,8 @@ def select_blocks_pallas(
   b, t, hq, d = q.shape
   hkv = k.shape[2]
   geo = _geometry(q, k, block_size=block_size, top_k=top_k, branching=branching,
-                  selector=selector, scale=scale, beam=beam if selector != "bsa" else top_k)
+                  selector=selector, scale=scale, beam=beam if selector != "bsa" else top_k,
+                  interpret=interpret)
   config = config or SelectionConfig.default(seq_len=t, group=hq // hkv, candidates=geo.nc)
   if selector == "bsa":
     out = _select_bsa(q, k, geo, interpret=interpret, config=config)

@@ -259,17 +259,23 @@ RANK_CI_CASES = [
 ]
 
 
-@pytest.mark.parametrize("top_k,beam,impl", [(8, 8, "passes"), (8, 16, "rank"), (32, 32, "rank"),
+@pytest.mark.parametrize("top_k,beam,impl", [(8, 8, "rank"), (8, 16, "rank"), (32, 32, "rank"),
                                              (8, 64, "passes")])
 def test_default_config_picks_topk_by_candidates(top_k, beam, impl):
-  # The default switches to the rank top-k at 32 and 64 candidate slots (measured faster there on
-  # the H200); select_blocks_pallas must pass its NC so that the kernels it launches follow.
+  # The default takes the rank top-k up to 64 candidate slots (measured faster there on the H200)
+  # and the passes above (the rank's [NC, NC] compares would not fit); select_blocks_pallas must
+  # pass its NC so that the kernels it launches follow.
   q, k = _inputs(0, 200, 4, 1, 64, jnp.float32, 1)
   kw = dict(block_size=4, top_k=top_k, branching=2, selector="pisa", scale=0.125, beam=beam)
   geo = sel_kernels._geometry(q, k, **kw)
-  assert SelectionConfig.default(seq_len=200, group=4, candidates=geo.nc).topk_impl == impl
-  walk = {n for n in _kernel_names(q, k, None, **kw) if n.startswith("pisa_select_walk")}
-  assert walk == {"pisa_select_walk_rank" if impl == "rank" else "pisa_select_walk"}
+  default = SelectionConfig.default(seq_len=200, group=4, candidates=geo.nc)
+  assert default.topk_impl == impl
+  # NC = 16 (K = 8, beam 8) takes the fused per-query kernel, wider sets the two-stage walk.
+  assert default.variant == ("fused" if geo.nc == 16 else "two_stage")
+  names = _kernel_names(q, k, None, **kw)
+  walk = {n for n in names if n.startswith(("pisa_select_walk", "pisa_select_fused"))}
+  kind = "fused" if geo.nc == 16 else "walk"
+  assert walk == {f"pisa_select_{kind}_rank" if impl == "rank" else f"pisa_select_{kind}"}
   if geo.nc <= 64:
     _check(200, 4, 1, 64, top_k, "pisa", block_size=4, branching=2, beam=beam, config=None)
 
@@ -413,11 +419,31 @@ def test_config_rejects_bad_values(kwargs, match):
     SelectionConfig(**kwargs)
 
 
-def test_bf16_scores_in_f32():
-  # 16-bit inputs take the tensor-core path (exact products, split summaries); the reference gets
-  # the same bf16 values upcast to float32.
+@pytest.mark.parametrize("wide", [True, False])
+def test_bf16_scores_in_f32(wide):
+  # 16-bit inputs take the tensor-core path (exact products, summaries split once into 16-bit
+  # high / low rows); the reference gets the same bf16 values upcast to float32. Both leaf-tile
+  # load paths (whole rows, or element by element).
   _check(300, 8, 2, 64, 8, "pisa", block_size=16, dtype=jnp.bfloat16, b=2,
-         config=SelectionConfig(q_tile=2))
+         config=SelectionConfig(q_tile=2, leaf_wide_loads=wide))
+
+
+def test_split_summary_rows_reconstruct_float32():
+  # The "split" layout: row 2r + row 2r + 1 (16-bit high part + rounding of the remainder) is the
+  # float32 summary to ~2^-17 relative, and float32 queries keep the float32 rows.
+  rows = jax.random.normal(jax.random.PRNGKey(0), (37, 64), jnp.float32) * 3.0
+  q16, k16 = _inputs(0, 8, 2, 1, 64, jnp.bfloat16, 1)
+  geo = sel_kernels._geometry(q16, k16, block_size=4, top_k=3, branching=2, selector="pisa",
+                              scale=0.125, beam=3)
+  split = sel_kernels._summary_rows(rows, geo, jnp.bfloat16)
+  assert split.shape == (74, 64) and split.dtype == jnp.bfloat16
+  back = split[0::2].astype(jnp.float32) + split[1::2].astype(jnp.float32)
+  np.testing.assert_allclose(np.asarray(back), np.asarray(rows), rtol=2.0 ** -16, atol=0)
+  assert not np.array_equal(np.asarray(split[1::2]), np.zeros((37, 64)))  # a real low part
+  q32, k32 = _inputs(0, 8, 2, 1, 64, jnp.float32, 1)
+  geo32 = sel_kernels._geometry(q32, k32, block_size=4, top_k=3, branching=2, selector="pisa",
+                                scale=0.125, beam=3)
+  assert sel_kernels._summary_rows(rows, geo32, jnp.float32) is rows
 
 
 def test_beam_none_equals_beam_top_k_and_wider_beam_matches_reference():
