@@ -638,7 +638,6 @@ def _walk_top_kernel(q_ref, s_ref, cand_ref, *, geo: _Geometry, q_tile: int, sto
   b_q = _load_rows(q_ref, q_rows, m_head_r, geo)  # [R, Dp]
   cur_e = (t_ec // geo.block_size)[:, None]  # [QT, 1]
   offsets = _level_offsets(geo)
-  num_levels = len(geo.sizes)
   kept, kept_ids = None, None
   # The levels above the first scored one keep all their eligible nodes: start below them.
   for level in range(_first_scored_level(geo), stop_level - 1, -1):
