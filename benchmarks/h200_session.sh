@@ -7,6 +7,7 @@
 #   -  Nsight Compute counters of chosen kernels (NCU_CASES, NCU_KERNELS)  NCU_S (0: skip)
 #   3. issue 4: attention kernels vs fla, cuDNN dense, XLA; whole layer      ATTENTION_S (0: skip)
 #   4. issue 5: the small preset, dense vs PISA at 4K and 16K                TRAIN_S
+#   5. issue 6: multi-GPU scaling, equivalence, checkpoint portability        MULTI_S (0: skip)
 # The device returns at most 8 files, so the figures are copied to $OUT's top level and every log
 # is packed into $OUT/logs.tgz.
 #   carry: [".whl", "data/corpus"]   (data/corpus from `pisa-prepare-data`, never committed)
@@ -65,6 +66,16 @@ if [ "${TRAIN_S:-170}" != 0 ]; then
   [ -f "$work/train_h200/summary.json" ] || bash benchmarks/train_h200.sh plot "$work/train_h200" >/dev/null 2>&1
   cp "$work/train_h200/summary.json" "$final/train_h200.json" 2>/dev/null
   cp "$work/train_h200/loss_curves.png" "$final/train_h200.png" 2>/dev/null
+fi
+if [ "${MULTI_S:-0}" != 0 ]; then
+  # Issue 6 on a multi-GPU kind (dry run on 1 GPU: only the 1x1 layout runs): scaling, memory,
+  # compute / communication per step, equivalence with 1 device, checkpoint portability.
+  data_sets=()
+  [ -f data/corpus/meta.json ] && data_sets=(--set data.source=tokens --set data.path=data/corpus)
+  timeout -k 10 "$MULTI_S" python3 benchmarks/multi_gpu.py --out "$work/multi_gpu" \
+    --workdir "$work/multi_gpu_runs" "${data_sets[@]}" ${MULTI_ARGS:-} > "$work/multi_gpu.log" 2>&1
+  echo "multi_gpu rc=$?"; tail -n 40 "$work/multi_gpu.log"
+  cp "$work/multi_gpu/multi_gpu.json" "$work/multi_gpu/multi_gpu.png" "$final/" 2>/dev/null
 fi
 find "$work" -name checkpoints -type d -prune -exec rm -rf {} +
 tar czf "$final/logs.tgz" -C "$work" .

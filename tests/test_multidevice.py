@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 
@@ -78,3 +79,31 @@ def test_loss_curves_match_across_layouts_and_checkpoints_move_between_them():
   for name in list(layouts)[1:] + ["moved"]:
     got = np.array([out[name][str(s)] for s in range(6)])
     np.testing.assert_allclose(got, losses, rtol=2e-5, err_msg=name)
+
+
+def test_multi_gpu_script_dry_run_on_fake_devices(tmp_path):
+  # Issue 6's run script (benchmarks/multi_gpu.py), dry-run on 2 fake CPU devices: every layout
+  # trains on the same global batch and data order, the curves agree with 1 device, and the
+  # checkpoint moves between 2 devices and 1 in both directions with the same resumed losses.
+  script = Path(__file__).resolve().parents[1] / "benchmarks" / "multi_gpu.py"
+  env = {**os.environ, "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  proc = subprocess.run(
+      [sys.executable, str(script), "--preset", "tiny", "--seq-len", "128", "--steps", "3",
+       "--profile-steps", "1", "--global-batch", "4", "--layouts", "1x1,2x1,1x2,4x1",
+       "--out", str(tmp_path / "out"), "--workdir", str(tmp_path / "runs")],
+      env=env, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  res = json.loads((tmp_path / "out" / "multi_gpu.json").read_text())
+  assert res["devices"] == 2 and res["skipped_layouts"] == ["4x1"]
+  assert set(res["layouts"]) == {"1x1", "2x1", "1x2"}
+  for name, r in res["layouts"].items():
+    assert len(r["losses"]) == 3 and r["tokens_per_s"] > 0, name
+    assert len(r["peak_memory_gib_per_device"]) == r["devices"]
+    assert r["max_loss_diff_vs_1x1"] < 1e-4, (name, r["max_loss_diff_vs_1x1"])
+  port = res["checkpoint_portability"]
+  assert set(port) == {"2x1->1x1", "1x1->2x1"}
+  assert all(p["ok"] and p["start_step"] == 4 for p in port.values()), port
+  a, b = (port[k]["losses"] for k in ("2x1->1x1", "1x1->2x1"))
+  assert a.keys() == b.keys() and all(abs(a[s] - b[s]) < 1e-4 for s in a)
+  assert (tmp_path / "out" / "multi_gpu.png").exists()

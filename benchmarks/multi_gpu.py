@@ -1,0 +1,236 @@
+"""Issue 6: the `small` preset with PISA attention over the local GPUs of one host, through the
+project's own sharding (jit + NamedSharding over a (data, fsdp) mesh; no home-made communication).
+
+One process, one mesh per layout over the first data * fsdp devices, the same global batch and
+the same data order on every layout (the loader is deterministic in (seed, step)). For each layout:
+  - tokens/s, tokens/s per GPU and scaling efficiency against the 1-device layout;
+  - peak memory of every device of the mesh;
+  - the step-time breakdown between compute and communication: the device kernels of a few
+    profiled steps summed by name (NCCL / collective kernels against everything else);
+  - the loss curve; each layout's largest difference from the 1-device curve at equal steps
+    (the equivalence check: bf16 noise, not a different computation).
+Then checkpoint portability: a checkpoint written on the widest layout resumes on 1 device (and
+the other way round), Orbax resharding on restore, and the resumed losses continue the curve.
+
+  # the H200 host (carry .whl and data/corpus; NCCL's NVLink multicast stays off, see below):
+  source benchmarks/device_setup.sh || exit 1; python3 benchmarks/multi_gpu.py --out $OUT
+  # a dry run anywhere, on fake CPU devices:
+  XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \\
+    python benchmarks/multi_gpu.py --preset tiny --steps 6 --profile-steps 2 --out /tmp/mg
+
+Writes multi_gpu.json and multi_gpu.png to --out.
+"""
+
+from __future__ import annotations
+
+import os
+
+# NVLink multicast (NVLS) can take a shared host's GPUs out of service: keep it off in NCCL,
+# PyTorch and NVSHMEM whatever the caller's environment (the device README's variables).
+for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                      ("NVSHMEM_DISABLE_NVLS", "1")):
+  os.environ[_name] = _value
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import glob  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+
+from pisa_jax.configs import apply_overrides, get_config  # noqa: E402
+from pisa_jax.models.sharding import MESH_AXES  # noqa: E402
+from pisa_jax.train.trainer import train  # noqa: E402
+
+# Kernel names of collectives (NCCL on the GPU; XLA's own names elsewhere).
+_COMM = ("nccl", "all-reduce", "all_reduce", "allreduce", "all-gather", "all_gather", "allgather",
+         "reduce-scatter", "reduce_scatter", "reducescatter", "collective-permute", "all-to-all",
+         "sendrecv", "send_recv")
+
+
+def parse_layout(text: str) -> tuple[int, int]:
+  """"DxF" -> (data, fsdp) mesh shape."""
+  try:
+    data, fsdp = (int(x) for x in text.lower().split("x"))
+  except ValueError:
+    raise SystemExit(f"--layouts entry {text!r} must be DATAxFSDP, e.g. 2x1 or 1x4") from None
+  if data < 1 or fsdp < 1:
+    raise SystemExit(f"--layouts entry {text!r}: both axes must be >= 1")
+  return data, fsdp
+
+
+def make_mesh(data: int, fsdp: int):
+  return jax.make_mesh((data, fsdp), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                       devices=jax.devices()[:data * fsdp])
+
+
+def device_time_by_kind(trace_dir: str, steps: int) -> dict:
+  """Device-side kernel time per step (ms) from a jax.profiler trace: collectives, copies (the
+  checkpoint's device-to-host transfers), and the rest. Only GPU planes count (on a CPU dry run
+  the trace has none and this returns zeros)."""
+  from jax._src.profiler import ProfileData
+  total = collections.Counter()
+  for path in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
+    for plane in ProfileData.from_file(path).planes:
+      if "/device:GPU" not in plane.name:
+        continue
+      for line in plane.lines:
+        # The stream lines hold the kernels; XLA's op and module lines would count them twice.
+        if "Stream" not in line.name:
+          continue
+        for ev in line.events:
+          name = ev.name.lower()
+          kind = ("communication" if any(c in name for c in _COMM)
+                  else "memcpy" if "memcpy" in name or "memset" in name else "compute")
+          total[kind] += ev.duration_ns / 1e6
+  return {k: round(total[k] / steps, 3) for k in ("compute", "communication", "memcpy")}
+
+
+def peak_memory_per_device(devices) -> list[float | None]:
+  out = []
+  for d in devices:
+    stats = d.memory_stats() or {}
+    out.append(round(stats["peak_bytes_in_use"] / 2**30, 3) if "peak_bytes_in_use" in stats
+               else None)
+  return out
+
+
+def read_metrics(workdir: Path) -> list[dict]:
+  path = workdir / "metrics.jsonl"
+  return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/multi_gpu"))
+  ap.add_argument("--preset", default="small")
+  ap.add_argument("--attention", default="pisa")
+  ap.add_argument("--layouts", default="1x1,2x1,1x2,4x1,1x4,2x2",
+                  help="DATAxFSDP meshes; those needing more devices than present are skipped")
+  ap.add_argument("--global-batch", type=int, default=8, help="sequences per step, every layout")
+  ap.add_argument("--seq-len", type=int, default=4096)
+  ap.add_argument("--steps", type=int, default=60, help="steps per layout (same data order)")
+  ap.add_argument("--profile-steps", type=int, default=3)
+  ap.add_argument("--set", dest="overrides", action="append", default=[],
+                  help="more config overrides, e.g. data.source=tokens data.path=data/corpus")
+  ap.add_argument("--workdir", default=None, help="run directories (default: a temporary one)")
+  args = ap.parse_args()
+
+  n_dev = jax.device_count()
+  layouts = [parse_layout(x) for x in args.layouts.split(",") if x]
+  skipped = [f"{d}x{f}" for d, f in layouts if d * f > n_dev]
+  layouts = [(d, f) for d, f in layouts if d * f <= n_dev]
+  if (1, 1) not in layouts:
+    layouts.insert(0, (1, 1))
+  for d, f in layouts:
+    if args.global_batch % (d * f):
+      raise SystemExit(f"--global-batch={args.global_batch} must be divisible by every layout's "
+                       f"device count, not by {d * f} ({d}x{f})")
+  out_dir = Path(args.out)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  root = Path(args.workdir or tempfile.mkdtemp(prefix="multi_gpu_"))
+  base = apply_overrides(get_config(args.preset), [
+      f"model.attention={args.attention}", f"train.seq_len={args.seq_len}", "train.grad_accum=1",
+      "train.eval_every=1000000", f"train.checkpoint_every={args.steps}"] + args.overrides)
+  results = {"device": jax.devices()[0].device_kind, "devices": n_dev,
+             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+             "preset": args.preset, "attention": args.attention, "global_batch": args.global_batch,
+             "seq_len": args.seq_len, "steps": args.steps, "skipped_layouts": skipped,
+             "layouts": {}}
+
+  def config_for(data, fsdp):
+    return apply_overrides(base, [f"train.per_device_batch={args.global_batch // (data * fsdp)}",
+                                  f"train.fsdp={fsdp}"])
+
+  def save():
+    (out_dir / "multi_gpu.json").write_text(json.dumps(results, indent=1) + "\n")
+
+  for data, fsdp in layouts:
+    name = f"{data}x{fsdp}"
+    mesh = make_mesh(data, fsdp)
+    workdir = root / name
+    print(f"== {name}: {data * fsdp} device(s), per-device batch "
+          f"{args.global_batch // (data * fsdp)}", flush=True)
+    t0 = time.perf_counter()
+    result = train(config_for(data, fsdp), workdir, mesh=mesh, run_steps=args.steps,
+                   progress=False, quiet=True, print_config=False)
+    wall = time.perf_counter() - t0
+    # A few more steps under the profiler (this resumes from the checkpoint just written).
+    with tempfile.TemporaryDirectory() as trace_dir:
+      with jax.profiler.trace(trace_dir):
+        train(config_for(data, fsdp), workdir, mesh=mesh, run_steps=args.profile_steps,
+              progress=False, quiet=True, print_config=False)
+      breakdown = device_time_by_kind(trace_dir, args.profile_steps)
+    rows = [r for r in read_metrics(workdir) if "tokens_per_s" in r]
+    steady = rows[1:] or rows  # the first interval holds the warm-up
+    tok_s = sum(r["tokens_per_s"] for r in steady) / len(steady) if steady else None
+    results["layouts"][name] = {
+        "data": data, "fsdp": fsdp, "devices": data * fsdp, "wall_s": round(wall, 1),
+        "tokens_per_s": tok_s, "tokens_per_s_per_device": tok_s and tok_s / (data * fsdp),
+        "peak_memory_gib_per_device": peak_memory_per_device(mesh.devices.flat),
+        "device_ms_per_step": breakdown,
+        "losses": {str(k): v for k, v in sorted(result.losses.items())},
+    }
+    save()
+    print(f"   {tok_s or 0:,.0f} tok/s, device ms/step {breakdown}", flush=True)
+
+  one = results["layouts"]["1x1"]
+  for name, r in results["layouts"].items():
+    if one["tokens_per_s"] and r["tokens_per_s"]:
+      r["scaling_efficiency"] = round(r["tokens_per_s_per_device"] / one["tokens_per_s"], 3)
+    common = set(r["losses"]) & set(one["losses"])
+    r["max_loss_diff_vs_1x1"] = max((abs(r["losses"][s] - one["losses"][s]) for s in common),
+                                    default=None)
+
+  # Portability: the widest layout's checkpoint resumes on 1 device, and 1 device's on the widest.
+  widest = max(layouts, key=lambda x: x[0] * x[1])
+  port = {}
+  for (src, dst) in ((widest, (1, 1)), ((1, 1), widest)):
+    key = f"{src[0]}x{src[1]}->{dst[0]}x{dst[1]}"
+    moved = root / f"moved_{key.replace('->', '_to_')}"
+    shutil.copytree(root / f"{src[0]}x{src[1]}", moved, dirs_exist_ok=True)
+    try:
+      resumed = train(config_for(*dst), moved, mesh=make_mesh(*dst), run_steps=2, progress=False,
+                      quiet=True, print_config=False)
+      port[key] = {"ok": True, "start_step": resumed.start_step,
+                   "losses": {str(k): v for k, v in sorted(resumed.losses.items())}}
+    except Exception as e:  # recorded: the finding is whether it restores
+      port[key] = {"ok": False, "error": repr(e)[:800]}
+    print(f"== restore {key}: {port[key]}", flush=True)
+  results["checkpoint_portability"] = port
+  save()
+  plot(results, out_dir / "multi_gpu.png")
+  print(json.dumps({n: {k: r.get(k) for k in ("tokens_per_s_per_device", "scaling_efficiency",
+                                              "max_loss_diff_vs_1x1", "device_ms_per_step")}
+                    for n, r in results["layouts"].items()}, indent=1))
+
+
+def plot(results: dict, path: Path):
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print("matplotlib missing: no plot")
+    return
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+  for name, r in results["layouts"].items():
+    steps = sorted(int(s) for s in r["losses"])
+    axes[0].plot(steps, [r["losses"][str(s)] for s in steps], label=name, lw=1)
+  axes[0].set_xlabel("step"); axes[0].set_ylabel("train loss"); axes[0].legend(fontsize=8)
+  axes[0].set_title(f"{results['preset']} / {results['attention']}, global batch "
+                    f"{results['global_batch']} x {results['seq_len']}")
+  names = list(results["layouts"])
+  axes[1].bar(names, [results["layouts"][n]["tokens_per_s_per_device"] or 0 for n in names])
+  axes[1].set_ylabel("tokens / s per device")
+  axes[1].set_title(f"{results['device']}: scaling (DATAxFSDP)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+  main()
