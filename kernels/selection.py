@@ -251,18 +251,24 @@ def _log2(x, approx: bool):
   return y
 
 
-def _reduce_children(zs, masks, selector: str, approx_log: bool = False):
+def _reduce_children(zs, masks, selector: str, scale: float, approx_log: bool = False):
   """Per-head score of each candidate from its children's logits (natural units).
 
-  zs: list over children of `[Gp, N]` logits; masks: list of `[N]` child-exists masks.
-  Eq. 21 ("pisa"): log-sum-exp; Eq. 33 ("pisa1"): mean; Eq. 34 ("pisa2"): mean + population
-  variance / 2.
+  zs: list over children of `[Gp, N]` unscaled dot products q . s (the logits are scale * zs);
+  masks: list of `[N]` child-exists masks. Eq. 21 ("pisa"): log-sum-exp; Eq. 33 ("pisa1"): mean;
+  Eq. 34 ("pisa2"): mean + population variance / 2.
   """
   if selector == "pisa":
+    # LSE(scale * z) = scale * m + ln 2 * log2(sum 2^(c * z - c * m)) with c = scale * log2(e)
+    # (scale > 0, so the max commutes with it): one fused multiply-add per exponential instead of
+    # a multiply by scale, a subtraction and a multiply by log2(e).
+    c = scale * _LOG2E
     m = functools.reduce(jnp.maximum, [jnp.where(v[None, :], z, -jnp.inf) for z, v in zip(zs, masks)])
     m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-    total = sum(jnp.where(v[None, :], jnp.exp2((z - m_safe) * _LOG2E), 0.0) for z, v in zip(zs, masks))
-    return m_safe + _log2(total, approx_log) * _LN2
+    mc = m_safe * c
+    total = sum(jnp.where(v[None, :], jnp.exp2(z * c - mc), 0.0) for z, v in zip(zs, masks))
+    return m_safe * scale + _log2(total, approx_log) * _LN2
+  zs = [z * scale for z in zs]
   count = jnp.maximum(sum(v.astype(jnp.float32) for v in masks), 1.0)[None, :]
   mean = sum(jnp.where(v[None, :], z, 0.0) for z, v in zip(zs, masks)) / count
   if selector == "pisa1":
@@ -271,15 +277,23 @@ def _reduce_children(zs, masks, selector: str, approx_log: bool = False):
   return mean + 0.5 * var
 
 
-def _reduce_keys(z, m_key, selector: str, approx_log: bool = False):
-  """Per-row score over one leaf's raw keys: z `[R, Cp]` logits, m_key `[Cp]` -> `[R]`."""
+def _reduce_keys(z, m_key, selector: str, scale: float, approx_log: bool = False):
+  """Per-row score over one leaf's raw keys: z `[R, Cp]` unscaled dot products q . k, m_key
+  `[Cp]` valid keys or None (every column is a key: the block is a power of two >= 16 and only
+  complete past leaves are scored) -> `[R]`."""
   if selector == "pisa":
-    # Eq. 21 at the leaves: the exact raw-key LSE, with exp2 on log2(e)-scaled logits.
-    z2 = jnp.where(m_key[None, :], z * _LOG2E, -jnp.inf)
-    m = jnp.max(z2, axis=1)
-    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-    total = jnp.sum(jnp.exp2(z2 - m_safe[:, None]), axis=1)
-    return (m_safe + _log2(total, approx_log)) * _LN2
+    # Eq. 21 at the leaves: the exact raw-key LSE, as in `_reduce_children` (one fused
+    # multiply-add per exponential; no per-element mask when every column is a key).
+    c = scale * _LOG2E
+    if m_key is not None:
+      z = jnp.where(m_key[None, :], z, -jnp.inf)
+    m = jnp.max(z, axis=1)
+    m_safe = m if m_key is None else jnp.where(m == -jnp.inf, 0.0, m)
+    total = jnp.sum(jnp.exp2(z * c - (m_safe * c)[:, None]), axis=1)
+    return m_safe * scale + _log2(total, approx_log) * _LN2
+  z = z * scale
+  if m_key is None:
+    m_key = jnp.full((z.shape[1],), True)
   count = jnp.maximum(jnp.sum(m_key.astype(jnp.float32)), 1.0)
   mean = jnp.sum(jnp.where(m_key[None, :], z, 0.0), axis=1) / count
   if selector == "pisa1":
@@ -554,7 +568,7 @@ def _walk_to_leaves(qgs, m_head, i_b, ts, i_h, s_ref, tab_ref, geo: _Geometry, t
       child = jnp.where(valid, cand, 0) * g + j
       m_child = valid & (child < n_child)
       rows = off_child + (i_b * n_child + jnp.minimum(child, n_child - 1)) * geo.hkv + i_h
-      return geo.scale * _summary_logits(qg, s_ref, rows, m_child, geo), m_child
+      return _summary_logits(qg, s_ref, rows, m_child, geo), m_child
 
     if online_lse and geo.selector == "pisa":
       # Eq. 21 as an online log-sum-exp over the children: one child's logits live at a time
@@ -563,7 +577,7 @@ def _walk_to_leaves(qgs, m_head, i_b, ts, i_h, s_ref, tab_ref, geo: _Geometry, t
       acc = jnp.zeros((geo.gp, nc), jnp.float32)
       for j in range(g):
         z, m_child = child_logits(j)
-        z = jnp.where(m_child[None, :], z * _LOG2E, -jnp.inf)
+        z = jnp.where(m_child[None, :], z * (geo.scale * _LOG2E), -jnp.inf)
         m_new = jnp.maximum(m, z)
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         acc = acc * jnp.exp2(m - m_safe) + jnp.exp2(z - m_safe)
@@ -571,7 +585,7 @@ def _walk_to_leaves(qgs, m_head, i_b, ts, i_h, s_ref, tab_ref, geo: _Geometry, t
       per_head = (jnp.where(m == -jnp.inf, 0.0, m) + _log2(acc, geo.approx_log)) * _LN2
     else:
       zs, masks = zip(*(child_logits(j) for j in range(g)))
-      per_head = _reduce_children(list(zs), list(masks), geo.selector, geo.approx_log)
+      per_head = _reduce_children(list(zs), list(masks), geo.selector, geo.scale, geo.approx_log)
     # Eq. 22: the group's heads share one selection, scored by their sum.
     score = jnp.sum(jnp.where(m_head[:, None], per_head, 0.0), axis=0)
     return _select_and_expand(cand, valid, forced, score, geo, topk_impl)
@@ -651,9 +665,10 @@ def _walk_top_kernel(q_ref, s_ref, cand_ref, *, geo: _Geometry, q_tile: int, sto
       m_child = (ids < n) & (child < n_child)
       rows = offsets[level - 2] + (i_b * n_child + jnp.minimum(child, n_child - 1)) * geo.hkv + i_h
       # [R, npad]: every query row of the tile against child j of every node of the level.
-      zs.append(geo.scale * _summary_logits(b_q, s_ref, rows, m_child, geo))
+      zs.append(_summary_logits(b_q, s_ref, rows, m_child, geo))
       masks.append(m_child)
-    per_head = jnp.where(m_head_r[:, None], _reduce_children(zs, masks, geo.selector, geo.approx_log),
+    per_head = jnp.where(m_head_r[:, None], _reduce_children(zs, masks, geo.selector, geo.scale,
+                                                                  geo.approx_log),
                          0.0)
     # Eq. 22 per query: [QT, npad] (one masked row-sum per query of the tile).
     score = jnp.zeros((q_tile, npad), jnp.float32)
@@ -738,6 +753,13 @@ def _walk_kernel(q_ref, s_ref, tab_ref, *refs, geo: _Geometry, topk_impl: str, q
         cand_ref[row, :] = cand
 
 
+def _key_mask(m_key, geo: _Geometry):
+  """The key mask `_reduce_keys` needs: None when the block is a whole power-of-two tile. Only
+  complete past leaves are scored (`_leaf_needs_score`: eligible, not the current or previous
+  block), so every key of a scored leaf exists; other rows' scores are discarded."""
+  return None if geo.cp == geo.block_size else m_key
+
+
 def _leaf_scores_one(qg, m_head, leaf, valid, i_b, i_h, k_ref, geo: _Geometry):
   """Group-summed raw-key score of one leaf for one query: qg `[Gp, Dp]` -> scalar."""
   o_key = jnp.arange(geo.cp)
@@ -745,8 +767,8 @@ def _leaf_scores_one(qg, m_head, leaf, valid, i_b, i_h, k_ref, geo: _Geometry):
   m_key = (o_key < geo.block_size) & (pos < geo.seq_len)
   rows = (i_b * geo.seq_len + jnp.minimum(pos, geo.seq_len - 1)) * geo.hkv + i_h
   b_k = _load_rows(k_ref, rows, m_key & valid, geo)
-  z = geo.scale * _qk(qg, b_k, geo.key_mode)
-  per_head = _reduce_keys(z, m_key, geo.selector, geo.approx_log)
+  per_head = _reduce_keys(_qk(qg, b_k, geo.key_mode), _key_mask(m_key, geo), geo.selector,
+                          geo.scale, geo.approx_log)
   return jnp.sum(jnp.where(m_head, per_head, 0.0))
 
 
@@ -833,8 +855,8 @@ def _leaf_tile_kernel(q_ref, k_ref, start_ref, bucket_ref, pair_ref, score_ref, 
     k_rows = (i_b * geo.seq_len + jnp.minimum(key_pos, geo.seq_len - 1)) * geo.hkv + i_h
     b_k = _load_rows(k_ref, k_rows, m_key, geo, wide_loads)
     # [Q*Gp, Cp]: every (query, head) of the tile against the leaf's raw keys, one dot.
-    z = geo.scale * _qk(b_q, b_k, geo.key_mode)
-    per_row = jnp.where(m_r, _reduce_keys(z, m_key, geo.selector, geo.approx_log), 0.0)
+    per_row = jnp.where(m_r, _reduce_keys(_qk(b_q, b_k, geo.key_mode), _key_mask(m_key, geo),
+                                          geo.selector, geo.scale, geo.approx_log), 0.0)
     # Eq. 22: sum each entry's heads, [Q].
     score_e = jnp.sum(jnp.where(e_r[None, :] == o_e[:, None], per_row[None, :], 0.0), axis=1)
     plt.store(score_ref.at[jnp.where(m_e, pair_e, trash)], score_e)
