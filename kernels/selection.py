@@ -16,7 +16,11 @@ Variants (chosen by `SelectionConfig.variant`):
      dot (Eq. 21 with l = 1: the exact raw-key LSE).
   3. `_final_topk_kernel`: forced blocks first, then the top_k best scores, ascending, -1 padded.
 - "fused" (the paper's per-query variant, and the shape of a decode kernel): `_fused_kernel` walks
-  all levels, the leaves included, in one program per (query, KV head).
+  all levels, the leaves included, in one program per (query, KV head). The default at 16
+  candidate slots (K = 8): on the H200 it beat the two-stage variant at every N once the walk
+  was lean (`SelectionConfig.default`).
+Both walks start at the first level with more than `beam` nodes (`_first_scored_level`): the
+levels above keep all their eligible nodes. On the GPU, log2 is the MUFU's `lg2.approx` (`_log2`).
 BSA (`_bsa_kernel`) is flat: one program per (tile of queries, KV head) makes two passes over the
 leaf summaries, the first for each head's online softmax normaliser, the second for the
 group-summed probabilities merged into a running top-k, so no `[T, M]` array ever reaches HBM.
@@ -62,7 +66,7 @@ class SelectionConfig:
 
   Attributes:
     variant: "two_stage" (walk kernel, leaf-tile kernel, final top-k) or "fused" (per query, all
-      levels in one kernel). Ignored by "bsa".
+      levels in one kernel; the default at 16 candidate slots). Ignored by "bsa".
     q_tile: queries per leaf-tile program of the two-stage variant (a power of two; 1, 2, 4 are
       the paper's Q1/Q2/Q4): one leaf's keys are loaded once for up to q_tile queries x the
       group's heads.
