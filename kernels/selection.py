@@ -764,12 +764,25 @@ def _key_mask(m_key, geo: _Geometry):
   return None if geo.cp == geo.block_size else m_key
 
 
-def _leaf_scores_one(qg, m_head, leaf, valid, i_b, i_h, k_ref, geo: _Geometry):
-  """Group-summed raw-key score of one leaf for one query: qg `[Gp, Dp]` -> scalar."""
+def _leaf_key_rows(leaf, i_b, i_h, geo: _Geometry):
+  """Rows of leaf `leaf`'s raw keys in the `[B*T*HKV, D]` view, `[Cp]`, and which exist.
+
+  For whole power-of-two tiles the rows are left unclamped and every key counts as existing
+  (`_key_mask`: only complete past leaves are scored, and the other slots' loads are masked off
+  by their callers), so the rows stay affine in the key index and the mask constant along it:
+  Triton computes one base address instead of a clamp, an address and a predicate per element.
+  """
   o_key = jnp.arange(geo.cp)
   pos = leaf * geo.block_size + o_key
+  if geo.cp == geo.block_size:
+    return (i_b * geo.seq_len + pos) * geo.hkv + i_h, jnp.full((geo.cp,), True)
   m_key = (o_key < geo.block_size) & (pos < geo.seq_len)
-  rows = (i_b * geo.seq_len + jnp.minimum(pos, geo.seq_len - 1)) * geo.hkv + i_h
+  return (i_b * geo.seq_len + jnp.minimum(pos, geo.seq_len - 1)) * geo.hkv + i_h, m_key
+
+
+def _leaf_scores_one(qg, m_head, leaf, valid, i_b, i_h, k_ref, geo: _Geometry):
+  """Group-summed raw-key score of one leaf for one query: qg `[Gp, Dp]` -> scalar."""
+  rows, m_key = _leaf_key_rows(leaf, i_b, i_h, geo)
   b_k = _load_rows(k_ref, rows, m_key & valid, geo)
   per_head = _reduce_keys(_qk(qg, b_k, geo.key_mode), _key_mask(m_key, geo), geo.selector,
                           geo.scale, geo.approx_log)
@@ -854,9 +867,7 @@ def _leaf_tile_kernel(q_ref, k_ref, start_ref, bucket_ref, pair_ref, score_ref, 
     q_rows = (qk_row // geo.hkv) * geo.hq + i_h * geo.group + jnp.minimum(j_r, geo.group - 1)
     b_q = _load_rows(q_ref, q_rows, m_r, geo, wide_loads)
     o_key = jnp.arange(geo.cp)
-    key_pos = leaf * geo.block_size + o_key
-    m_key = (o_key < geo.block_size) & (key_pos < geo.seq_len)
-    k_rows = (i_b * geo.seq_len + jnp.minimum(key_pos, geo.seq_len - 1)) * geo.hkv + i_h
+    k_rows, m_key = _leaf_key_rows(leaf, i_b, i_h, geo)
     b_k = _load_rows(k_ref, k_rows, m_key, geo, wide_loads)
     # [Q*Gp, Cp]: every (query, head) of the tile against the leaf's raw keys, one dot.
     per_row = jnp.where(m_r, _reduce_keys(_qk(b_q, b_k, geo.key_mode), _key_mask(m_key, geo),
