@@ -866,7 +866,6 @@ def _leaf_tile_kernel(q_ref, k_ref, start_ref, bucket_ref, pair_ref, score_ref, 
     qk_row = pair_r // geo.nc  # (b * T + t) * HKV + h
     q_rows = (qk_row // geo.hkv) * geo.hq + i_h * geo.group + jnp.minimum(j_r, geo.group - 1)
     b_q = _load_rows(q_ref, q_rows, m_r, geo, wide_loads)
-    o_key = jnp.arange(geo.cp)
     k_rows, m_key = _leaf_key_rows(leaf, i_b, i_h, geo)
     b_k = _load_rows(k_ref, k_rows, m_key, geo, wide_loads)
     # [Q*Gp, Cp]: every (query, head) of the tile against the leaf's raw keys, one dot.
