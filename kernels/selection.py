@@ -167,7 +167,9 @@ class SelectionConfig:
       7.70 / 67.4 (the fused kernel scores its 16 candidate leaves right after its walk, with the
       queries in registers: no pair sort, no scatter, no second pass over the queries). Wider
       candidate sets (K = 32, beams) keep the two-stage variant: the fused kernel would score
-      NC leaves one after another per query, and that is not measured.
+      NC leaves one after another per query, and that is not measured. Measured at GQA group 16
+      only: a small group pads its heads to 16 rows in the fused kernel's leaf dots, where the
+      two-stage leaf tiles pack several queries' heads into one dot (unmeasured trade-off).
     - Leaf tiles, whole selection at 32K / 128K: Q4 3.96 / 16.9, Q8 3.39 / 14.8, Q16 3.64 / 15.7
       (its 256-row tiles cost registers).
     - Walk warps: one warp took Q4 from 5.80 to 3.99 ms at 32K and from 26.1 to 17.1 ms at 128K
