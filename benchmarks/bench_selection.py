@@ -253,18 +253,75 @@ def time_fla(n):
   return float(ms), int(peak)
 
 
+# H200 ceilings for the floor: 132 SMs at the 1,980 MHz maximum SM clock (nvidia-smi), 16 MUFU
+# exp2/log2 per SM per clock, HBM3e 4.8 TB/s; the dense bf16 matmul rate measured in
+# bench_attention.py's runs (~700 TFLOP/s; the selection's M = 16 dots cannot reach it, so this
+# side of the floor is generous).
+H200_SMS, H200_CLOCK_HZ, MUFU_PER_SM_CLOCK, HBM_BYTES_S, MATMUL_FLOPS_S = (
+    132, 1.98e9, 16, 4.8e12, 7.0e14)
+
+
+def selection_floor(n: int) -> dict:
+  """Lower bound on the time of PISA selection as the kernels do it (Table 4 setting, beam = K):
+  the work every (query, KV head) must do, against the H200's ceilings, each resource alone.
+
+  Per (query t, KV head): at every scored level (`_first_scored_level` down to 2) the group's
+  16 heads score NC = 16 candidates from their g = 2 children's float32 summaries (2 * 16 * 32 *
+  D FLOPs, twice for the high / low 16-bit split, and 16 * 32 exponentials); at the leaves the
+  eligible non-forced candidates (at most NC - 3, and none while at most K leaves are eligible)
+  each cost a [16, D] x [D, C] dot and 16 * C exponentials. Bytes: each query row once, each key
+  once, the indices once. The floor is the slowest resource alone (they overlap in the best
+  case).
+  """
+  from pisa_jax.pyramid import level_sizes
+  geo = sel._Geometry(batch=1, seq_len=n, hq=HQ, hkv=HKV, d=D, block_size=C, top_k=TOP_K,
+                      beam=TOP_K, branching=G, selector="pisa", scale=SCALE,
+                      sizes=level_sizes(n, C, G), score_mode="split", key_mode="native")
+  first = sel._first_scored_level(geo)
+  levels = max(0, first - 1)  # levels first .. 2
+  nc, group = geo.nc, HQ // HKV
+  t = np.arange(n)
+  eligible = np.minimum(t // C + 1, nc)
+  scored_leaves = np.where(eligible > TOP_K, np.maximum(eligible - 3, 0), 0).sum()
+  rows = n * HKV
+  flops = HKV * (rows // HKV * levels * 2 * 2 * group * nc * G * D
+                 + scored_leaves * 2 * group * D * C)
+  exps = HKV * (rows // HKV * levels * group * nc * G + scored_leaves * group * C)
+  nbytes = n * HQ * D * 2 + n * HKV * D * 2 + rows * TOP_K * 4
+  times = {"flops": flops / MATMUL_FLOPS_S, "exponentials": exps / (
+      H200_SMS * MUFU_PER_SM_CLOCK * H200_CLOCK_HZ), "bytes": nbytes / HBM_BYTES_S}
+  bound = max(times, key=times.get)
+  return dict(flops=float(flops), exponentials=float(exps), bytes=float(nbytes),
+              ms=round(times[bound] * 1e3, 4), bound=bound,
+              ms_by_resource={k: round(v * 1e3, 4) for k, v in times.items()})
+
+
+def add_floors():
+  """RESULTS["floor"] per timed N, and how far the best PISA variant is from it."""
+  floors = {}
+  for n, row in RESULTS.get("best_pisa", {}).items():
+    f = selection_floor(int(n))
+    f["best_pisa_over_floor"] = round(row["ms"] / f["ms"], 2)
+    floors[n] = f
+  RESULTS["floor"] = floors
+
+
 def plot(out_dir):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   lat = RESULTS["latency_ms"]
   fig, ax = plt.subplots(figsize=(7, 5))
-  for name, style in (("fla_bsa", "k--o"), ("bsa_pallas", "c-s"), ("pisa_fused", "m-^"),
+  for name, style in (("fla_bsa", "k--o"), ("bsa_pallas", "r-s"), ("pisa_fused", "m-^"),
                       ("pisa_q1", "y-v"), ("pisa_q2", "g-v"), ("pisa_q4", "c-D"),
                       ("pisa_q8", "b-D")):
     pts = sorted((int(n), v) for n, v in lat.get(name, {}).items())
     if pts:
       ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=name, ms=4)
+  floor = sorted((int(n), f["ms"]) for n, f in RESULTS.get("floor", {}).items())
+  if floor:
+    ax.plot([p[0] for p in floor], [p[1] for p in floor], color="0.5", ls=":",
+            label="floor (MUFU exp2 bound)")
   best = RESULTS.get("best_pisa", {})
   for n, row in best.items():
     fla = lat.get("fla_bsa", {}).get(n)
@@ -298,7 +355,20 @@ def main():
                   help="sizes with the stage breakdown of pisa_q8 (4 extra compiles each)")
   ap.add_argument("--compile-threads", type=int, default=16)
   ap.add_argument("--skip-fla", action="store_true")
+  ap.add_argument("--replot", metavar="JSON",
+                  help="no GPU: recompute the floors of a saved selection.json, write it and the "
+                       "plot to --out, and stop")
   args = ap.parse_args()
+  if args.replot:
+    with open(args.replot) as f:
+      RESULTS.update(json.load(f))
+    add_floors()
+    with open(os.path.join(args.out, "selection.json"), "w") as f:
+      json.dump(RESULTS, f, indent=1)
+    plot(args.out)
+    log(json.dumps({n: (f["ms"], f["bound"], f["best_pisa_over_floor"])
+                    for n, f in RESULTS["floor"].items()}))
+    return
   sizes = [int(x) for x in args.sizes.split(",") if x]
   checks = [int(x) for x in args.checks.split(",") if x]
   variants = [x for x in args.variants.split(",") if x]
@@ -446,6 +516,7 @@ def main():
       fla = lat.get("fla_bsa", {}).get(str(n))
       best[str(n)] = dict(ms=ms, variant=v, fla_over_pisa=round(fla / ms, 2) if fla else None)
   RESULTS["best_pisa"] = best
+  add_floors()
   growth = {}
   for v in pisa_names + ["bsa_pallas", "fla_bsa"]:
     pts = lat.get(v, {})
