@@ -261,6 +261,22 @@ H200_SMS, H200_CLOCK_HZ, MUFU_PER_SM_CLOCK, HBM_BYTES_S, MATMUL_FLOPS_S = (
     132, 1.98e9, 16, 4.8e12, 7.0e14)
 
 
+def scored_leaves_per_kv_head(n: int, block_size: int = C, top_k: int = TOP_K, beam: int = TOP_K,
+                             branching: int = G) -> int:
+  """How many (query, leaf) scores the leaf stage computes for one KV head (beam >= top_k).
+
+  Query t (current leaf cur = t // C): while at most `beam` level-2 nodes are eligible, all are
+  kept and every leaf 0..cur is a candidate; after that, `beam` level-2 nodes are kept and their
+  beam * g children are the candidates, less the current node's children after cur (not yet
+  eligible). Ranking by score happens only with more than top_k eligible candidates, and the
+  forced leaves 0, cur - 1 and cur are not scored.
+  """
+  cur = np.arange(n) // block_size
+  wide = cur // branching + 1 > beam
+  eligible = np.where(wide, beam * branching - (branching - 1 - cur % branching), cur + 1)
+  return int(np.where(eligible > top_k, eligible - 3, 0).sum())
+
+
 def selection_floor(n: int) -> dict:
   """Lower bound on the time of PISA selection as the kernels do it (Table 4 setting, beam = K):
   the work every (query, KV head) must do, against the H200's ceilings, each resource alone.
@@ -269,20 +285,18 @@ def selection_floor(n: int) -> dict:
   16 heads score NC = 16 candidates from their g = 2 children's float32 summaries (2 * 16 * 32 *
   D FLOPs, twice for the high / low 16-bit split, and 16 * 32 exponentials); at the leaves the
   eligible non-forced candidates (at most NC - 3, and none while at most K leaves are eligible)
-  each cost a [16, D] x [D, C] dot and 16 * C exponentials. Bytes: each query row once, each key
+  each cost a [16, D] x [D, C] dot and 16 * C exponentials (`scored_leaves_per_kv_head`). Bytes: each query row once, each key
   once, the indices once. The floor is the slowest resource alone (they overlap in the best
   case).
   """
   from pisa_jax.pyramid import level_sizes
+  scored_leaves = scored_leaves_per_kv_head(n)
   geo = sel._Geometry(batch=1, seq_len=n, hq=HQ, hkv=HKV, d=D, block_size=C, top_k=TOP_K,
                       beam=TOP_K, branching=G, selector="pisa", scale=SCALE,
                       sizes=level_sizes(n, C, G), score_mode="split", key_mode="native")
   first = sel._first_scored_level(geo)
   levels = max(0, first - 1)  # levels first .. 2
   nc, group = geo.nc, HQ // HKV
-  t = np.arange(n)
-  eligible = np.minimum(t // C + 1, nc)
-  scored_leaves = np.where(eligible > TOP_K, np.maximum(eligible - 3, 0), 0).sum()
   rows = n * HKV
   flops = HKV * (rows // HKV * levels * 2 * 2 * group * nc * G * D
                  + scored_leaves * 2 * group * D * C)

@@ -4,9 +4,12 @@ project's own sharding (jit + NamedSharding over a (data, fsdp) mesh; no home-ma
 One process, one mesh per layout over the first data * fsdp devices, the same global batch and
 the same data order on every layout (the loader is deterministic in (seed, step)). For each layout:
   - tokens/s, tokens/s per GPU and scaling efficiency against the 1-device layout;
-  - peak memory of every device of the mesh;
-  - the step-time breakdown between compute and communication: the device kernels of a few
-    profiled steps summed by name (NCCL / collective kernels against everything else);
+  - memory per device of the compiled train step (XLA's memory analysis: arguments, outputs,
+    temporaries), and the allocator's peak on each device (since the process started, so it
+    never drops below an earlier layout's: read it with that in mind);
+  - the busy time per step of the device kernels of a few profiled steps (no evaluation runs
+    there), by name: NCCL / collective kernels, copies, and the rest. Kernels that overlap are
+    each counted in full, so compute + communication can exceed the step time;
   - the loss curve; each layout's largest difference from the 1-device curve at equal steps
     (the equivalence check: bf16 noise, not a different computation).
 Then checkpoint portability: a checkpoint written on the widest layout resumes on 1 device (and
@@ -44,7 +47,7 @@ import jax  # noqa: E402
 
 from pisa_jax.configs import apply_overrides, get_config  # noqa: E402
 from pisa_jax.models.sharding import MESH_AXES  # noqa: E402
-from pisa_jax.train.trainer import train  # noqa: E402
+from pisa_jax.train.trainer import build_trainer, train  # noqa: E402
 
 # Kernel names of collectives (NCCL on the GPU; XLA's own names elsewhere).
 _COMM = ("nccl", "all-reduce", "all_reduce", "allreduce", "all-gather", "all_gather", "allgather",
@@ -109,7 +112,7 @@ def main():
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/multi_gpu"))
   ap.add_argument("--preset", default="small")
   ap.add_argument("--attention", default="pisa")
-  ap.add_argument("--layouts", default="1x1,2x1,1x2,4x1,1x4,2x2",
+  ap.add_argument("--layouts", default="1x1,2x1,1x2,4x1,1x4,2x2,8x1,1x8,2x4",
                   help="DATAxFSDP meshes; those needing more devices than present are skipped")
   ap.add_argument("--global-batch", type=int, default=8, help="sequences per step, every layout")
   ap.add_argument("--seq-len", type=int, default=4096)
@@ -142,9 +145,9 @@ def main():
              "seq_len": args.seq_len, "steps": args.steps, "skipped_layouts": skipped,
              "layouts": {}}
 
-  def config_for(data, fsdp):
+  def config_for(data, fsdp, *extra):
     return apply_overrides(base, [f"train.per_device_batch={args.global_batch // (data * fsdp)}",
-                                  f"train.fsdp={fsdp}"])
+                                  f"train.fsdp={fsdp}", *extra])
 
   def save():
     (out_dir / "multi_gpu.json").write_text(json.dumps(results, indent=1) + "\n")
@@ -156,23 +159,30 @@ def main():
     print(f"== {name}: {data * fsdp} device(s), per-device batch "
           f"{args.global_batch // (data * fsdp)}", flush=True)
     t0 = time.perf_counter()
+    trainer = build_trainer(config_for(data, fsdp), mesh)
     result = train(config_for(data, fsdp), workdir, mesh=mesh, run_steps=args.steps,
-                   progress=False, quiet=True, print_config=False)
+                   progress=False, quiet=True, print_config=False, trainer=trainer)
     wall = time.perf_counter() - t0
-    # A few more steps under the profiler (this resumes from the checkpoint just written).
-    with tempfile.TemporaryDirectory() as trace_dir:
-      with jax.profiler.trace(trace_dir):
-        train(config_for(data, fsdp), workdir, mesh=mesh, run_steps=args.profile_steps,
-              progress=False, quiet=True, print_config=False)
-      breakdown = device_time_by_kind(trace_dir, args.profile_steps)
-    rows = [r for r in read_metrics(workdir) if "tokens_per_s" in r]
+    # Throughput from this run's intervals only (the profiled run below appends its own).
+    rows = [r for r in read_metrics(workdir) if "tokens_per_s" in r and r["step"] <= args.steps]
     steady = rows[1:] or rows  # the first interval holds the warm-up
     tok_s = sum(r["tokens_per_s"] for r in steady) / len(steady) if steady else None
+    # A few more steps under the profiler (resuming from the checkpoint just written), with the
+    # evaluation that ends a run switched off so that only train steps, the restore's and the
+    # checkpoint's copies are on the device.
+    with tempfile.TemporaryDirectory() as trace_dir:
+      with jax.profiler.trace(trace_dir):
+        train(config_for(data, fsdp, "train.eval_batches=0"), workdir, mesh=mesh,
+              run_steps=args.profile_steps, progress=False, quiet=True, print_config=False)
+      breakdown = device_time_by_kind(trace_dir, args.profile_steps)
     results["layouts"][name] = {
         "data": data, "fsdp": fsdp, "devices": data * fsdp, "wall_s": round(wall, 1),
         "tokens_per_s": tok_s, "tokens_per_s_per_device": tok_s and tok_s / (data * fsdp),
-        "peak_memory_gib_per_device": peak_memory_per_device(mesh.devices.flat),
-        "device_ms_per_step": breakdown,
+        "compiled_step_memory_gib_per_device": {
+            k.removesuffix("_size_in_bytes"): round(v / 2**30, 3)
+            for k, v in (trainer.memory or {}).items()},
+        "allocator_peak_gib_per_device_since_start": peak_memory_per_device(mesh.devices.flat),
+        "device_busy_ms_per_step": breakdown,
         "losses": {str(k): v for k, v in sorted(result.losses.items())},
     }
     save()
@@ -187,7 +197,9 @@ def main():
                                     default=None)
 
   # Portability: the widest layout's checkpoint resumes on 1 device, and 1 device's on the widest.
-  widest = max(layouts, key=lambda x: x[0] * x[1])
+  # Among the widest, the one with the largest fsdp axis: its parameters are sharded, so the
+  # restore really reshards them.
+  widest = max(layouts, key=lambda x: (x[0] * x[1], x[1]))
   port = {}
   for (src, dst) in ((widest, (1, 1)), ((1, 1), widest)):
     key = f"{src[0]}x{src[1]}->{dst[0]}x{dst[1]}"
@@ -205,7 +217,7 @@ def main():
   save()
   plot(results, out_dir / "multi_gpu.png")
   print(json.dumps({n: {k: r.get(k) for k in ("tokens_per_s_per_device", "scaling_efficiency",
-                                              "max_loss_diff_vs_1x1", "device_ms_per_step")}
+                                              "max_loss_diff_vs_1x1", "device_busy_ms_per_step")}
                     for n, r in results["layouts"].items()}, indent=1))
 
 

@@ -419,13 +419,16 @@ def test_config_rejects_bad_values(kwargs, match):
     SelectionConfig(**kwargs)
 
 
-@pytest.mark.parametrize("wide", [True, False])
-def test_bf16_scores_in_f32(wide):
+@pytest.mark.parametrize("dtype,wide,variant", [(jnp.bfloat16, True, "two_stage"),
+                                                (jnp.bfloat16, False, "two_stage"),
+                                                (jnp.float16, True, "two_stage"),
+                                                (jnp.float16, True, "fused")])
+def test_16bit_scores_in_f32(dtype, wide, variant):
   # 16-bit inputs take the tensor-core path (exact products, summaries split once into 16-bit
-  # high / low rows); the reference gets the same bf16 values upcast to float32. Both leaf-tile
-  # load paths (whole rows, or element by element).
-  _check(300, 8, 2, 64, 8, "pisa", block_size=16, dtype=jnp.bfloat16, b=2,
-         config=SelectionConfig(q_tile=2, leaf_wide_loads=wide))
+  # high / low rows: float16's narrower exponent included); the reference gets the same values
+  # upcast to float32. Both leaf-tile load paths (whole rows, or element by element).
+  _check(300, 8, 2, 64, 8, "pisa", block_size=16, dtype=dtype, b=2,
+         config=SelectionConfig(variant=variant, q_tile=2, leaf_wide_loads=wide))
 
 
 def test_split_summary_rows_reconstruct_float32():
