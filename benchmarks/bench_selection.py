@@ -289,11 +289,10 @@ def selection_floor(n: int) -> dict:
   once, the indices once. The floor is the slowest resource alone (they overlap in the best
   case).
   """
-  from pisa_jax.pyramid import level_sizes
   scored_leaves = scored_leaves_per_kv_head(n)
-  geo = sel._Geometry(batch=1, seq_len=n, hq=HQ, hkv=HKV, d=D, block_size=C, top_k=TOP_K,
-                      beam=TOP_K, branching=G, selector="pisa", scale=SCALE,
-                      sizes=level_sizes(n, C, G), score_mode="split", key_mode="native")
+  geo = sel._geometry(jax.ShapeDtypeStruct((1, n, HQ, D), jnp.bfloat16),
+                      jax.ShapeDtypeStruct((1, n, HKV, D), jnp.bfloat16), block_size=C,
+                      top_k=TOP_K, branching=G, selector="pisa", scale=SCALE, beam=TOP_K)
   first = sel._first_scored_level(geo)
   levels = max(0, first - 1)  # levels first .. 2
   nc, group = geo.nc, HQ // HKV

@@ -231,8 +231,8 @@ def _summary_logits(a, s_ref, rows, m_row, geo: "_Geometry"):
 
   With 16-bit queries (score_mode "split") the summaries ref holds every float32 summary row r as
   two 16-bit rows, its high part at 2r and the rounding of the remainder at 2r + 1, split once
-  outside the kernel by `_summary_rows` (what `_qk`'s "split" mode does per load; the walk loads
-  each summary several times). Otherwise it holds the float32 rows.
+  outside the kernel by `_summary_rows` (the walk loads each summary several times, so splitting
+  after every load cost instructions). Otherwise it holds the float32 rows.
   """
   if geo.score_mode == "split":
     # Relative error ~2^-17: the products are exact, the accumulation float32.
@@ -759,35 +759,30 @@ def _walk_kernel(q_ref, s_ref, tab_ref, *refs, geo: _Geometry, topk_impl: str, q
         cand_ref[row, :] = cand
 
 
-def _key_mask(m_key, geo: _Geometry):
-  """The key mask `_reduce_keys` needs: None when the block is a whole power-of-two tile. Only
-  complete past leaves are scored (`_leaf_needs_score`: eligible, not the current or previous
-  block), so every key of a scored leaf exists; other rows' scores are discarded."""
-  return None if geo.cp == geo.block_size else m_key
-
-
 def _leaf_key_rows(leaf, i_b, i_h, geo: _Geometry):
-  """Rows of leaf `leaf`'s raw keys in the `[B*T*HKV, D]` view, `[Cp]`, and which exist.
+  """Leaf `leaf`'s raw keys in the `[B*T*HKV, D]` view: (rows `[Cp]`, load mask `[Cp]`, the key
+  mask `_reduce_keys` needs or None).
 
-  For whole power-of-two tiles the rows are left unclamped and every key counts as existing
-  (`_key_mask`: only complete past leaves are scored, and the other slots' loads are masked off
-  by their callers), so the rows stay affine in the key index and the mask constant along it:
-  Triton computes one base address instead of a clamp, an address and a predicate per element.
+  Only complete past leaves are scored (`_leaf_needs_score`: eligible, not the current or previous
+  block), and the callers mask off the other slots' loads and drop their scores. So for whole
+  power-of-two tiles every key of a scored leaf exists: the rows are left unclamped (affine in the
+  key index), the load mask is constant along it and the scores need no key mask, and Triton
+  computes one base address instead of a clamp, an address and a predicate per element.
   """
   o_key = jnp.arange(geo.cp)
   pos = leaf * geo.block_size + o_key
   if geo.cp == geo.block_size:
-    return (i_b * geo.seq_len + pos) * geo.hkv + i_h, jnp.full((geo.cp,), True)
+    return (i_b * geo.seq_len + pos) * geo.hkv + i_h, jnp.full((geo.cp,), True), None
   m_key = (o_key < geo.block_size) & (pos < geo.seq_len)
-  return (i_b * geo.seq_len + jnp.minimum(pos, geo.seq_len - 1)) * geo.hkv + i_h, m_key
+  return (i_b * geo.seq_len + jnp.minimum(pos, geo.seq_len - 1)) * geo.hkv + i_h, m_key, m_key
 
 
 def _leaf_scores_one(qg, m_head, leaf, valid, i_b, i_h, k_ref, geo: _Geometry):
   """Group-summed raw-key score of one leaf for one query: qg `[Gp, Dp]` -> scalar."""
-  rows, m_key = _leaf_key_rows(leaf, i_b, i_h, geo)
-  b_k = _load_rows(k_ref, rows, m_key & valid, geo)
-  per_head = _reduce_keys(_qk(qg, b_k, geo.key_mode), _key_mask(m_key, geo), geo.selector,
-                          geo.scale, geo.approx_log)
+  rows, m_load, m_key = _leaf_key_rows(leaf, i_b, i_h, geo)
+  b_k = _load_rows(k_ref, rows, m_load & valid, geo)
+  per_head = _reduce_keys(_qk(qg, b_k, geo.key_mode), m_key, geo.selector, geo.scale,
+                          geo.approx_log)
   return jnp.sum(jnp.where(m_head, per_head, 0.0))
 
 
@@ -868,11 +863,11 @@ def _leaf_tile_kernel(q_ref, k_ref, start_ref, bucket_ref, pair_ref, score_ref, 
     qk_row = pair_r // geo.nc  # (b * T + t) * HKV + h
     q_rows = (qk_row // geo.hkv) * geo.hq + i_h * geo.group + jnp.minimum(j_r, geo.group - 1)
     b_q = _load_rows(q_ref, q_rows, m_r, geo, wide_loads)
-    k_rows, m_key = _leaf_key_rows(leaf, i_b, i_h, geo)
-    b_k = _load_rows(k_ref, k_rows, m_key, geo, wide_loads)
+    k_rows, m_load, m_key = _leaf_key_rows(leaf, i_b, i_h, geo)
+    b_k = _load_rows(k_ref, k_rows, m_load, geo, wide_loads)
     # [Q*Gp, Cp]: every (query, head) of the tile against the leaf's raw keys, one dot.
-    per_row = jnp.where(m_r, _reduce_keys(_qk(b_q, b_k, geo.key_mode), _key_mask(m_key, geo),
-                                          geo.selector, geo.scale, geo.approx_log), 0.0)
+    per_row = jnp.where(m_r, _reduce_keys(_qk(b_q, b_k, geo.key_mode), m_key, geo.selector,
+                                          geo.scale, geo.approx_log), 0.0)
     # Eq. 22: sum each entry's heads, [Q].
     score_e = jnp.sum(jnp.where(e_r[None, :] == o_e[:, None], per_row[None, :], 0.0), axis=1)
     plt.store(score_ref.at[jnp.where(m_e, pair_e, trash)], score_e)
