@@ -82,6 +82,7 @@ def per_batch_shard(fn):
 
   The Pallas kernels are custom calls that XLA's SPMD partitioner cannot split: under a plain
   sharded `jit` it would gather the whole batch onto every device and run the kernel replicated.
+  cuDNN's attention has a partitioner, but one that fails unless q, k and v share one sharding.
   Attention is independent per example, so a `shard_map` over the batch axes is exact. Without a
   mesh (or on one device) `fn` runs as it is.
   """
@@ -116,9 +117,14 @@ class Attention(nnx.Module):
     if cfg.attention == "dense":
       # cuDNN's fused kernel takes bf16/fp16 only; the XLA path keeps float32 softmax statistics.
       use_cudnn = jax.default_backend() == "gpu" and cdt in (jnp.bfloat16, jnp.float16)
-      out = jax.nn.dot_product_attention(
-          q, k, v, is_causal=True, implementation="cudnn" if use_cudnn else "xla"
+      attend = functools.partial(
+          jax.nn.dot_product_attention, is_causal=True,
+          implementation="cudnn" if use_cudnn else "xla",
       )
+      # Per device too: cuDNN's SPMD partitioner rejects q, k, v whose propagated shardings differ
+      # ("Query, key and value should have same sharding"), which they do under an fsdp mesh
+      # (seen on 2 H200s, 2026-11-29).
+      out = per_batch_shard(attend)(q, k, v)
     elif cfg.attention in SPARSE_ATTENTION_KINDS:
       attend = functools.partial(
           pisa_jax.pisa_attention, block_size=cfg.block_size, top_k=cfg.top_k,

@@ -39,21 +39,21 @@ SCRIPT = textwrap.dedent("""
       return jax.make_mesh((data, fsdp), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2,
                            devices=jax.devices()[:data * fsdp])
 
-    def run(workdir, data, fsdp, steps):
+    def run(workdir, data, fsdp, steps, attention="pisa"):
       cfg = apply_overrides(get_config("tiny"), MICRO + [
-          f"train.per_device_batch={GLOBAL_BATCH // (data * fsdp)}"])
+          f"train.per_device_batch={GLOBAL_BATCH // (data * fsdp)}", f"model.attention={attention}"])
       result = train(cfg, workdir, mesh=mesh(data, fsdp), run_steps=steps, progress=False, quiet=True,
                      print_config=False)
       return {str(k): v for k, v in result.losses.items()}
 
     tmp = Path(tempfile.mkdtemp())
     out = {"devices": jax.device_count()}
-    for name, (data, fsdp) in LAYOUTS.items():
-      out[name] = run(tmp / name, data, fsdp, 6)
+    for name, layout in LAYOUTS.items():
+      out[name] = run(tmp / name, *layout[:2], 6, *layout[2:])
     # Written on the first layout after 3 steps, resumed on the second for 3 more.
     (a, b) = PORTABILITY
-    first = run(tmp / "moved", *LAYOUTS[a], 3)
-    out["moved"] = {**first, **run(tmp / "moved", *LAYOUTS[b], 3)}
+    first = run(tmp / "moved", *LAYOUTS[a][:2], 3)
+    out["moved"] = {**first, **run(tmp / "moved", *LAYOUTS[b][:2], 3)}
     print(json.dumps(out))
 """)
 
@@ -68,17 +68,23 @@ def _run(layouts: dict, portability: tuple[str, str], devices: int) -> dict:
 
 
 def test_loss_curves_match_across_layouts_and_checkpoints_move_between_them():
-  layouts = {"one": (1, 1), "data2": (2, 1), "fsdp2": (1, 2), "fsdp4": (1, 4), "data2_fsdp2": (2, 2)}
+  # Dense attention too: it runs per device under the mesh like the Pallas kernels (cuDNN's own
+  # partitioner rejects the q, k, v shardings an fsdp mesh produces).
+  layouts = {"one": (1, 1), "data2": (2, 1), "fsdp2": (1, 2), "fsdp4": (1, 4), "data2_fsdp2": (2, 2),
+             "dense_one": (1, 1, "dense"), "dense_data2_fsdp2": (2, 2, "dense")}
   out = _run(layouts, ("fsdp4", "data2"), devices=4)
   assert out["devices"] == 4
   reference = out["one"]
   assert sorted(reference, key=int) == [str(s) for s in range(6)]
   losses = np.array([reference[str(s)] for s in range(6)])
   assert losses[-1] < losses[0], "the reference run did not learn"
+  dense = np.array([out["dense_one"][str(s)] for s in range(6)])
+  assert not np.allclose(dense, losses), "the dense runs trained the sparse model"
   # Float32 on CPU: the layouts differ only in reduction order.
-  for name in list(layouts)[1:] + ["moved"]:
+  for name in [n for n in layouts if n != "one"] + ["moved"]:
+    want = dense if name.startswith("dense") else losses
     got = np.array([out[name][str(s)] for s in range(6)])
-    np.testing.assert_allclose(got, losses, rtol=2e-5, err_msg=name)
+    np.testing.assert_allclose(got, want, rtol=2e-5, err_msg=name)
 
 
 def test_multi_gpu_script_dry_run_on_fake_devices(tmp_path):
