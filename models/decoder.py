@@ -23,7 +23,7 @@ from jaxtyping import Array, Float, Int
 
 import pisa_jax
 from pisa_jax.configs.base import SPARSE_ATTENTION_KINDS, ModelConfig
-from pisa_jax.models.sharding import LOGICAL_AXIS_RULES
+from pisa_jax.models.sharding import LOGICAL_AXIS_RULES, constrain_batch
 
 # Logit given to the padding rows of the output embedding: they never win and carry no mass.
 _PAD_LOGIT = -1e9
@@ -110,9 +110,9 @@ class Attention(nnx.Module):
 
   def __call__(self, x: Float[Array, "B T E"], cos: Array, sin: Array) -> Float[Array, "B T E"]:
     cfg, cdt = self.cfg, x.dtype
-    q = jnp.einsum("bte,ehd->bthd", x, self.wq[...].astype(cdt))
-    k = jnp.einsum("bte,ehd->bthd", x, self.wk[...].astype(cdt))
-    v = jnp.einsum("bte,ehd->bthd", x, self.wv[...].astype(cdt))
+    q = constrain_batch(jnp.einsum("bte,ehd->bthd", x, self.wq[...].astype(cdt)))
+    k = constrain_batch(jnp.einsum("bte,ehd->bthd", x, self.wk[...].astype(cdt)))
+    v = constrain_batch(jnp.einsum("bte,ehd->bthd", x, self.wv[...].astype(cdt)))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if cfg.attention == "dense":
       # cuDNN's fused kernel takes bf16/fp16 only; the XLA path keeps float32 softmax statistics.
@@ -134,7 +134,7 @@ class Attention(nnx.Module):
       out = per_batch_shard(attend)(q, k, v)
     else:
       raise ValueError(f"model.attention={cfg.attention!r} is unknown")
-    return jnp.einsum("bthd,hde->bte", out.astype(cdt), self.wo[...].astype(cdt))
+    return constrain_batch(jnp.einsum("bthd,hde->bte", out.astype(cdt), self.wo[...].astype(cdt)))
 
 
 class GatedMLP(nnx.Module):
@@ -149,9 +149,9 @@ class GatedMLP(nnx.Module):
 
   def __call__(self, x: Float[Array, "B T E"]) -> Float[Array, "B T E"]:
     cdt = x.dtype
-    gate = x @ self.w_gate[...].astype(cdt)
-    up = x @ self.w_up[...].astype(cdt)
-    return (jax.nn.silu(gate) * up) @ self.w_down[...].astype(cdt)
+    gate = constrain_batch(x @ self.w_gate[...].astype(cdt))
+    up = constrain_batch(x @ self.w_up[...].astype(cdt))
+    return constrain_batch((jax.nn.silu(gate) * up) @ self.w_down[...].astype(cdt))
 
 
 class Block(nnx.Module):
@@ -184,14 +184,15 @@ class Decoder(nnx.Module):
   def __call__(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T Vp"]:
     cfg = self.cfg
     cdt = compute_dtype(cfg)
-    x = jnp.take(self.embed[...], tokens, axis=0).astype(cdt)
+    # Activations stay batch-sharded under an fsdp mesh (see `constrain_batch`).
+    x = constrain_batch(jnp.take(self.embed[...], tokens, axis=0).astype(cdt))
     cos, sin = rope_angles(tokens.shape[1], cfg.head_dim, cfg.rope_base)
     for block in self.blocks:
-      x = block(x, cos, sin)
+      x = constrain_batch(block(x, cos, sin))
     x = self.final_norm(x)
-    logits = jnp.einsum(
+    logits = constrain_batch(jnp.einsum(
         "bte,ev->btv", x, self.lm_head[...].astype(cdt), preferred_element_type=jnp.float32
-    )
+    ))
     # Padding rows are not tokens: keep the softmax exactly over the real vocabulary.
     real = jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size
     return jnp.where(real, logits, _PAD_LOGIT)

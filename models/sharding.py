@@ -81,6 +81,21 @@ def _nest(flat: dict[tuple, Any]) -> dict:
   return out
 
 
+def constrain_batch(x: jax.Array) -> jax.Array:
+  """Pins an activation `[B, ...]` to "batch over (data, fsdp), the rest whole" under the ambient mesh.
+
+  Parameters are sharded over "fsdp" along their model dimension. Left to itself, XLA's sharding
+  propagation follows them into the activations: it shards `[B, T, E]` along E and gathers the
+  batch, moving activation-sized tensors every layer instead of parameter-sized ones (on 2 fake
+  devices, all-gathers of the global `[B, T, E]`). Pinning the activations makes it gather the
+  parameters, which is what fsdp means. A no-op without a mesh or on one device.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return x
+  return jax.lax.with_sharding_constraint(x, P(LOGICAL_AXIS_RULES["batch"], *([None] * (x.ndim - 1))))
+
+
 def batch_sharding(mesh: Mesh, rank: int, batch_dim: int) -> NamedSharding:
   """Shards dimension `batch_dim` of a rank-`rank` array over the "batch" rule's mesh axes."""
   spec = [None] * rank

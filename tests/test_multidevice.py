@@ -116,3 +116,47 @@ def test_multi_gpu_script_dry_run_on_fake_devices(tmp_path):
   a, b = (port[k]["losses"] for k in ("1x2->1x1", "1x1->1x2"))
   assert a.keys() == b.keys() and all(abs(a[s] - b[s]) < 1e-4 for s in a)
   assert (tmp_path / "out" / "multi_gpu.png").exists()
+
+
+COLLECTIVES_SCRIPT = textwrap.dedent("""
+    import json, math, re
+    import jax
+    from pisa_jax.configs import apply_overrides, get_config
+    from pisa_jax.models.sharding import MESH_AXES
+    from pisa_jax.train.trainer import build_trainer
+
+    out = {}
+    for attention in ("pisa", "dense"):
+      mesh = jax.make_mesh((1, 2), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
+      cfg = apply_overrides(get_config("tiny"), MICRO + [
+          "train.per_device_batch=2", "train.grad_accum=1", f"model.attention={attention}"])
+      trainer = build_trainer(cfg, mesh)
+      largest_param = max(math.prod(a.shape) for a in jax.tree.leaves(trainer.abstract_state["params"]))
+      sizes = []
+      for line in trainer.train_step.as_text().splitlines():
+        op = re.search(r"\\b(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(-start)?\\(", line)
+        if op and " = " in line:
+          result = line.split(" = ", 1)[1].split(" " + op.group(1))[0]
+          for dims in re.findall(r"\\[([0-9,]*)\\]", result):
+            sizes.append((math.prod(int(d) for d in dims.split(",") if d), op.group(1), result[:120]))
+      out[attention] = {"largest_param": largest_param, "collectives": sizes}
+    print(json.dumps(out))
+""")
+
+
+def test_fsdp_moves_parameters_not_activations():
+  # Under an fsdp mesh, XLA's sharding propagation left alone shards the activations along the
+  # model dimension (following the parameters) and gathers the whole batch every layer; on the
+  # `small` preset at 1x2 that was all-gathers of the global logits and MLP activations. With the
+  # activations pinned batch-sharded, every collective of the train step moves at most one
+  # parameter's worth of elements (the micro model's activations are 4x to 8x larger than its
+  # largest parameter, so a gathered activation would fail this).
+  code = f"MICRO = {MICRO!r}\n" + COLLECTIVES_SCRIPT
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  for attention, r in out.items():
+    assert any(op == "all-gather" for _, op, _ in r["collectives"]), (attention, "no parameter gathers")
+    too_big = [c for c in r["collectives"] if c[0] > r["largest_param"]]
+    assert not too_big, (attention, r["largest_param"], too_big[:5])
