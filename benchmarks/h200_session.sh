@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # One H200 call for the figures of several issues, each stage under its own time limit so that a
-# slow stage cannot starve the others (see WORKSPACE.md, "Running on the H200"):
+# slow stage cannot starve the others (see WORKSPACE.md, "Running on the H200"). Every stage is
+# opt-in: it runs only when its limit in seconds is set and not 0 (a forgotten default once spent
+# ten minutes of a session's thirty on stages nobody asked for).
 #   1. issue 3: selection kernels vs fla (benchmarks/bench_selection.py)      SELECTION_S
 #   2. issue 7: quality vs beam on a dense model trained here, time vs beam  RECALL_S
-#   -  per-kernel device time from a profiler trace (profile_kernels.py)  PROFILE_S (0: skip)
-#   -  Nsight Compute counters of chosen kernels (NCU_CASES, NCU_KERNELS)  NCU_S (0: skip)
-#   3. issue 4: attention kernels vs fla, cuDNN dense, XLA; whole layer      ATTENTION_S (0: skip)
+#   -  per-kernel device time from a profiler trace (profile_kernels.py)  PROFILE_S
+#   -  Nsight Compute counters of chosen kernels (NCU_CASES, NCU_KERNELS)  NCU_S
+#   3. issue 4: attention kernels vs fla, cuDNN dense, XLA; whole layer      ATTENTION_S
 #   4. issue 5: the small preset, dense vs PISA at 4K and 16K                TRAIN_S
-#   5. issue 6: multi-GPU scaling, equivalence, checkpoint portability        MULTI_S (0: skip)
+#   5. issue 6: multi-GPU scaling, equivalence, checkpoint portability        MULTI_S
 # The device returns at most 8 files, so the figures are copied to $OUT's top level and every log
 # is packed into $OUT/logs.tgz.
 #   carry: [".whl", "data/corpus"]   (data/corpus from `pisa-prepare-data`, never committed)
@@ -19,8 +21,8 @@ work=/tmp/h200_session
 rm -rf "$work"; mkdir -p "$work/selection"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$work/gpu.txt" 2>&1
 export PYTHONWARNINGS="ignore::DeprecationWarning"
-if [ "${SELECTION_S:-210}" != 0 ]; then
-  timeout -k 10 "${SELECTION_S:-210}" python3 benchmarks/bench_selection.py --out "$work/selection" \
+if [ "${SELECTION_S:-0}" != 0 ]; then
+  timeout -k 10 "$SELECTION_S" python3 benchmarks/bench_selection.py --out "$work/selection" \
     ${SELECTION_ARGS:-} > "$work/selection.log" 2>&1
   echo "selection benchmark rc=$?"; tail -n 25 "$work/selection.log"
   cp "$work/selection/selection.json" "$work/selection/selection.png" "$final/" 2>/dev/null
@@ -52,15 +54,15 @@ if [ "${ATTENTION_S:-0}" != 0 ]; then
   echo "attention benchmark rc=$?"; grep -E "\||error|skipped" "$work/attention.log" | tail -n 30
   cp "$work/attention/attention.json" "$work/attention/attention.png" "$final/" 2>/dev/null
 fi
-if [ "${RECALL_S:-170}" != 0 ]; then
-  timeout -k 10 "${RECALL_S:-170}" python3 benchmarks/selection_recall.py --data data/corpus \
+if [ "${RECALL_S:-0}" != 0 ]; then
+  timeout -k 10 "$RECALL_S" python3 benchmarks/selection_recall.py --data data/corpus \
     --workdir "$work/recall_run" --out "$work/recall" --train-seconds "${RECALL_TRAIN_S:-50}" \
     > "$work/recall.log" 2>&1
   echo "recall rc=$?"; grep -vE "^\s|^\{|^\}" "$work/recall.log" | tail -n 45
   cp "$work/recall/selection_recall.json" "$work/recall/selection_recall.png" "$final/" 2>/dev/null
 fi
-if [ "${TRAIN_S:-170}" != 0 ]; then
-  OUT=$work TRAIN_SECONDS=${TRAIN_SECONDS:-15} timeout -k 10 "${TRAIN_S:-170}" \
+if [ "${TRAIN_S:-0}" != 0 ]; then
+  OUT=$work TRAIN_SECONDS=${TRAIN_SECONDS:-15} timeout -k 10 "$TRAIN_S" \
     bash benchmarks/train_h200.sh > "$work/train_h200.log" 2>&1
   echo "train rc=$?"; tail -n 30 "$work/train_h200.log"
   [ -f "$work/train_h200/summary.json" ] || bash benchmarks/train_h200.sh plot "$work/train_h200" >/dev/null 2>&1

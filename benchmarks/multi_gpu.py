@@ -7,9 +7,9 @@ the same data order on every layout (the loader is deterministic in (seed, step)
   - memory per device of the compiled train step (XLA's memory analysis: arguments, outputs,
     temporaries), and the allocator's peak on each device (since the process started, so it
     never drops below an earlier layout's: read it with that in mind);
-  - the busy time per step of the device kernels of a few profiled steps (no evaluation runs
-    there), by name: NCCL / collective kernels, copies, and the rest. Kernels that overlap are
-    each counted in full, so compute + communication can exceed the step time;
+  - the busy time per step and per GPU of the device kernels of a few profiled steps, by name:
+    NCCL / collective kernels, copies, and the rest. Kernels that overlap are each counted in
+    full, so compute + communication can exceed the step time;
   - the loss curve; each layout's largest difference from the 1-device curve at equal steps
     (the equivalence check: bf16 noise, not a different computation).
 Then checkpoint portability: a checkpoint written on the widest layout resumes on 1 device (and
@@ -72,15 +72,17 @@ def make_mesh(data: int, fsdp: int):
 
 
 def device_time_by_kind(trace_dir: str, steps: int) -> dict:
-  """Device-side kernel time per step (ms) from a jax.profiler trace: collectives, copies (the
-  checkpoint's device-to-host transfers), and the rest. Only GPU planes count (on a CPU dry run
-  the trace has none and this returns zeros)."""
+  """Device-side kernel time per step and per GPU (ms, the mean over the GPUs) from a
+  jax.profiler trace: collectives, copies (the checkpoint's device-to-host transfers), and the
+  rest. Only GPU planes count (on a CPU dry run the trace has none and this returns zeros)."""
   from jax._src.profiler import ProfileData
   total = collections.Counter()
+  gpus = set()
   for path in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
     for plane in ProfileData.from_file(path).planes:
       if "/device:GPU" not in plane.name:
         continue
+      gpus.add(plane.name)
       for line in plane.lines:
         # The stream lines hold the kernels; XLA's op and module lines would count them twice.
         if "Stream" not in line.name:
@@ -90,7 +92,8 @@ def device_time_by_kind(trace_dir: str, steps: int) -> dict:
           kind = ("communication" if any(c in name for c in _COMM)
                   else "memcpy" if "memcpy" in name or "memset" in name else "compute")
           total[kind] += ev.duration_ns / 1e6
-  return {k: round(total[k] / steps, 3) for k in ("compute", "communication", "memcpy")}
+  per = steps * max(len(gpus), 1)
+  return {k: round(total[k] / per, 3) for k in ("compute", "communication", "memcpy")}
 
 
 def peak_memory_per_device(devices) -> list[float | None]:
@@ -138,7 +141,10 @@ def main():
   root = Path(args.workdir or tempfile.mkdtemp(prefix="multi_gpu_"))
   base = apply_overrides(get_config(args.preset), [
       f"model.attention={args.attention}", f"train.seq_len={args.seq_len}", "train.grad_accum=1",
-      "train.eval_every=1000000", f"train.checkpoint_every={args.steps}"] + args.overrides)
+      # No evaluation: the findings are train losses, throughput and restores, and each eval batch
+      # would be device time (the H200 session's budget is 30 minutes).
+      "train.eval_every=1000000", "train.eval_batches=0",
+      f"train.checkpoint_every={args.steps}"] + args.overrides)
   results = {"device": jax.devices()[0].device_kind, "devices": n_dev,
              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
              "preset": args.preset, "attention": args.attention, "global_batch": args.global_batch,
@@ -152,6 +158,10 @@ def main():
   def save():
     (out_dir / "multi_gpu.json").write_text(json.dumps(results, indent=1) + "\n")
 
+  # One compiled trainer per layout, reused by its profiled steps and by the restores onto it:
+  # compiling the `small` preset's step takes about a minute on the H200, the training itself
+  # seconds.
+  trainers = {}
   for data, fsdp in layouts:
     name = f"{data}x{fsdp}"
     mesh = make_mesh(data, fsdp)
@@ -159,7 +169,11 @@ def main():
     print(f"== {name}: {data * fsdp} device(s), per-device batch "
           f"{args.global_batch // (data * fsdp)}", flush=True)
     t0 = time.perf_counter()
-    trainer = build_trainer(config_for(data, fsdp), mesh)
+    trainer = trainers[(data, fsdp)] = build_trainer(config_for(data, fsdp), mesh)
+    compile_s = time.perf_counter() - t0
+    print(f"   compiled in {compile_s:.0f} s; memory per device "
+          f"{ {k: round(v / 2**30, 2) for k, v in (trainer.memory or {}).items()} } GiB", flush=True)
+    t0 = time.perf_counter()
     result = train(config_for(data, fsdp), workdir, mesh=mesh, run_steps=args.steps,
                    progress=False, quiet=True, print_config=False, trainer=trainer)
     wall = time.perf_counter() - t0
@@ -172,11 +186,12 @@ def main():
     # checkpoint's copies are on the device.
     with tempfile.TemporaryDirectory() as trace_dir:
       with jax.profiler.trace(trace_dir):
-        train(config_for(data, fsdp, "train.eval_batches=0"), workdir, mesh=mesh,
-              run_steps=args.profile_steps, progress=False, quiet=True, print_config=False)
+        train(config_for(data, fsdp), workdir, mesh=mesh, run_steps=args.profile_steps,
+              progress=False, quiet=True, print_config=False, trainer=trainer)
       breakdown = device_time_by_kind(trace_dir, args.profile_steps)
     results["layouts"][name] = {
-        "data": data, "fsdp": fsdp, "devices": data * fsdp, "wall_s": round(wall, 1),
+        "data": data, "fsdp": fsdp, "devices": data * fsdp, "compile_s": round(compile_s, 1),
+        "train_wall_s": round(wall, 1),
         "tokens_per_s": tok_s, "tokens_per_s_per_device": tok_s and tok_s / (data * fsdp),
         "compiled_step_memory_gib_per_device": {
             k.removesuffix("_size_in_bytes"): round(v / 2**30, 3)
@@ -207,7 +222,7 @@ def main():
     shutil.copytree(root / f"{src[0]}x{src[1]}", moved, dirs_exist_ok=True)
     try:
       resumed = train(config_for(*dst), moved, mesh=make_mesh(*dst), run_steps=2, progress=False,
-                      quiet=True, print_config=False)
+                      quiet=True, print_config=False, trainer=trainers[dst])
       port[key] = {"ok": True, "start_step": resumed.start_step,
                    "losses": {str(k): v for k, v in sorted(resumed.losses.items())}}
     except Exception as e:  # recorded: the finding is whether it restores
