@@ -107,6 +107,10 @@ PROBES = {
     "pisa_q8_olse": dict(walk_online_lse=True),  # fewer walk registers (122 -> 106)
     "pisa_q8_dense64_olse": dict(walk_dense_nodes=64, walk_online_lse=True),
     "pisa_q8_narrow": dict(leaf_wide_loads=False),  # leaf tiles loaded element by element
+    # The fused default (K = 8) against its leaf loop over all 16 slots (session 4's compacted
+    # loop is untimed), and with a third pipelining stage for the leaf keys.
+    "pisa_fused_allslots": dict(variant="fused", fused_compact_leaves=False),
+    "pisa_fused_s3": dict(variant="fused", num_stages=3),
 }
 # Timed on the H200 on 2026-11-29 (session 2, 32K / 128K, ms; default pisa_q4 3.96 / 16.94):
 # rank 4.12 / 18.06, rank + 2-warp walk 5.07 / 22.5, rank + wq2 4.29 / 18.7, rank + wq4 6.21 /

@@ -207,13 +207,16 @@ CI_CASES = [
     (63, 3, 1, 128, 16, "pisa", 8, 2, TWO),
     (64, 1, 1, 64, 3, "pisa2", 16, 2, SelectionConfig(variant="fused")),
     (1, 2, 2, 64, 8, "pisa", 64, 2, TWO),
+    # The fused kernel's leaf loop over every slot (loads of unneeded slots masked off), the
+    # layout before the compacted loop.
+    (300, 6, 2, 64, 3, "pisa", 16, 2, SelectionConfig(variant="fused", fused_compact_leaves=False)),
 ]
 
 
 def _case_id(c):
   t, hq, hkv, d, top_k, sel, bs, g, cfg = c
   return (f"T{t}-HQ{hq}-HKV{hkv}-D{d}-C{bs}-g{g}-K{top_k}-{sel}-{cfg.variant}-q{cfg.q_tile}"
-          f"-w{cfg.leaf_window}")
+          f"-w{cfg.leaf_window}" + ("" if cfg.fused_compact_leaves else "-allslots"))
 
 
 @pytest.mark.parametrize("case", CI_CASES, ids=_case_id)
