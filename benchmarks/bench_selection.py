@@ -111,6 +111,9 @@ PROBES = {
     # loop is untimed), and with a third pipelining stage for the leaf keys.
     "pisa_fused_allslots": dict(variant="fused", fused_compact_leaves=False),
     "pisa_fused_s3": dict(variant="fused", num_stages=3),
+    # Two leaves per iteration of the compacted loop (136 registers and 18 KB of shared memory
+    # offline: 12 programs per SM instead of 15, two independent chains each).
+    "pisa_fused_u2": dict(variant="fused", fused_leaf_unroll=2),
 }
 # Timed on the H200 on 2026-11-29 (session 2, 32K / 128K, ms; default pisa_q4 3.96 / 16.94):
 # rank 4.12 / 18.06, rank + 2-warp walk 5.07 / 22.5, rank + wq2 4.29 / 18.7, rank + wq4 6.21 /

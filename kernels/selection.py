@@ -111,6 +111,9 @@ class SelectionConfig:
     fused_compact_leaves: the fused kernel's leaf loop runs only over the candidates that need a
       score (not forced, eligible), numbered in slot order, instead of over all NC slots with the
       others' loads masked off: about 12.5 of 16 iterations at K = 8 away from the start.
+    fused_leaf_unroll: 1 or 2 (needs fused_compact_leaves): leaves scored per iteration of that
+      loop, as independent instruction chains (more work in flight per warp for this
+      latency-bound loop, at the price of registers).
   """
 
   variant: str = "two_stage"
@@ -131,6 +134,7 @@ class SelectionConfig:
   walk_online_lse: bool = False
   leaf_wide_loads: bool = True
   fused_compact_leaves: bool = True
+  fused_leaf_unroll: int = 1
 
   def __post_init__(self):
     if self.variant not in VARIANTS:
@@ -153,6 +157,11 @@ class SelectionConfig:
       value = getattr(self, name)
       if value < 1 or value & (value - 1):
         raise ValueError(f"{name}={value} must be a power of two")
+    if self.fused_leaf_unroll not in (1, 2):
+      raise ValueError(f"fused_leaf_unroll={self.fused_leaf_unroll} must be 1 or 2")
+    if self.fused_leaf_unroll != 1 and not self.fused_compact_leaves:
+      raise ValueError(f"fused_leaf_unroll={self.fused_leaf_unroll} needs fused_compact_leaves=True "
+                       "(it unrolls the compacted leaf loop)")
     if self.leaf_window < 0:
       raise ValueError(f"leaf_window={self.leaf_window} must be >= 0 (0: no windows)")
     if self.bsa_block_tile < _MIN_DOT:
@@ -802,13 +811,16 @@ def _final_select(cand, score, t, geo: _Geometry, topk_impl: str):
 
 
 def _fused_kernel(q_ref, k_ref, s_ref, tab_ref, out_ref, *, geo: _Geometry, topk_impl: str,
-                  compact_leaves: bool):
+                  compact_leaves: bool, leaf_unroll: int = 1):
   """Per-query variant: all levels, the leaves included, for one (query, KV head).
 
   compact_leaves: the leaf loop runs once per candidate that needs a score (iteration c scores
   the c-th such slot), not once per slot: forced leaves (first, previous, current) and the
   current block's later sibling are never scored, about 3.5 of the 16 slots at K = 8 away from
   the sequence start, and each iteration is a `[16, 64] x [64, 64]` dot and 1,024 exponentials.
+  leaf_unroll (with compact_leaves): leaves scored per iteration, as independent chains the
+  scheduler can interleave (the loop is latency-bound at one warp per program); the last
+  iteration's surplus leaves are masked.
   """
   i_p = pl.program_id(0)
   i_bh, t = i_p // geo.seq_len, i_p % geo.seq_len
@@ -826,13 +838,19 @@ def _fused_kernel(q_ref, k_ref, s_ref, tab_ref, out_ref, *, geo: _Geometry, topk
     n_need = jnp.sum(need.astype(jnp.int32))
 
     def score_leaf(c, scores):
-      hit = need & (order == c)
-      leaf = jnp.sum(jnp.where(hit, cand, 0))
-      # Every iteration's leaf is a complete past leaf: its key loads need no mask.
-      s = _leaf_scores_one(qg, m_head, leaf, True, i_b, i_h, k_ref, geo)
-      return jnp.where(hit, s, scores)
+      new = scores
+      for u in range(leaf_unroll):
+        hit = need & (order == c * leaf_unroll + u)
+        leaf = jnp.sum(jnp.where(hit, cand, 0))
+        # Every numbered leaf is a complete past leaf: its key loads need no mask, except the
+        # surplus of the last unrolled iteration.
+        live = True if leaf_unroll == 1 else c * leaf_unroll + u < n_need
+        s = _leaf_scores_one(qg, m_head, leaf, live, i_b, i_h, k_ref, geo)
+        new = jnp.where(hit, s, new)
+      return new
 
-    scores = lax.fori_loop(0, n_need, score_leaf, jnp.zeros((geo.nc,), jnp.float32))
+    trips = n_need if leaf_unroll == 1 else (n_need + leaf_unroll - 1) // leaf_unroll
+    scores = lax.fori_loop(0, trips, score_leaf, jnp.zeros((geo.nc,), jnp.float32))
   else:
     def score_leaf(c, scores):
       leaf = jnp.sum(jnp.where(slot == c, cand, 0))
@@ -1210,7 +1228,8 @@ def _select_pisa(q, k, geo: _Geometry, *, interpret: bool, config: SelectionConf
   rows = b * t * geo.hkv
   if config.variant == "fused":
     out = _call(functools.partial(_fused_kernel, geo=geo, topk_impl=config.topk_impl,
-                                  compact_leaves=config.fused_compact_leaves),
+                                  compact_leaves=config.fused_compact_leaves,
+                                  leaf_unroll=config.fused_leaf_unroll),
                 jax.ShapeDtypeStruct((rows, geo.kp), jnp.int32), rows, config, config.walk_warps,
                 interpret, "pisa_select_fused" + ("_rank" if config.topk_impl == "rank" else ""),
                 q.reshape(-1, d), k.reshape(-1, d),

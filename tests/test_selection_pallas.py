@@ -210,13 +210,16 @@ CI_CASES = [
     # The fused kernel's leaf loop over every slot (loads of unneeded slots masked off), the
     # layout before the compacted loop.
     (300, 6, 2, 64, 3, "pisa", 16, 2, SelectionConfig(variant="fused", fused_compact_leaves=False)),
+    # Two leaves per iteration of the compacted loop (odd and even counts of needed leaves).
+    (1000, 3, 1, 64, 8, "pisa", 64, 2, SelectionConfig(variant="fused", fused_leaf_unroll=2)),
 ]
 
 
 def _case_id(c):
   t, hq, hkv, d, top_k, sel, bs, g, cfg = c
   return (f"T{t}-HQ{hq}-HKV{hkv}-D{d}-C{bs}-g{g}-K{top_k}-{sel}-{cfg.variant}-q{cfg.q_tile}"
-          f"-w{cfg.leaf_window}" + ("" if cfg.fused_compact_leaves else "-allslots"))
+          f"-w{cfg.leaf_window}" + ("" if cfg.fused_compact_leaves else "-allslots")
+          + (f"-unroll{cfg.fused_leaf_unroll}" if cfg.fused_leaf_unroll > 1 else ""))
 
 
 @pytest.mark.parametrize("case", CI_CASES, ids=_case_id)
@@ -416,6 +419,8 @@ def test_dense_upper_walk_matches_reference(case):
     (dict(walk_dense_nodes=48), "walk_dense_nodes"),
     (dict(variant="fused", walk_dense_nodes=16), "walk_dense_nodes"),
     (dict(walk_dense_nodes=16, walk_dense_q_tile=3), "walk_dense_q_tile"),
+    (dict(variant="fused", fused_leaf_unroll=3), "fused_leaf_unroll"),
+    (dict(variant="fused", fused_leaf_unroll=2, fused_compact_leaves=False), "fused_leaf_unroll"),
 ])
 def test_config_rejects_bad_values(kwargs, match):
   with pytest.raises(ValueError, match=match):
