@@ -23,7 +23,7 @@ from jaxtyping import Array, Float, Int
 
 import pisa_jax
 from pisa_jax.configs.base import SPARSE_ATTENTION_KINDS, ModelConfig
-from pisa_jax.models.sharding import LOGICAL_AXIS_RULES, constrain_batch
+from pisa_jax.models.sharding import batch_axes_of, constrain_batch
 
 # Logit given to the padding rows of the output embedding: they never win and carry no mass.
 _PAD_LOGIT = -1e9
@@ -87,9 +87,10 @@ def per_batch_shard(fn):
   mesh (or on one device) `fn` runs as it is.
   """
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.size == 1:
+  axes = batch_axes_of(mesh)
+  if axes is None:
     return fn
-  spec = P(LOGICAL_AXIS_RULES["batch"])
+  spec = P(axes)
   # check_vma=False: the kernels' outputs carry no varying-manual-axes annotation.
   return jax.shard_map(fn, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)
 

@@ -81,6 +81,27 @@ def _nest(flat: dict[tuple, Any]) -> dict:
   return out
 
 
+def batch_axes_of(mesh) -> str | tuple[str, ...] | None:
+  """The mesh axes the batch is split over under `mesh` (a Mesh or AbstractMesh), or None when
+  there is nothing to split (no mesh, or one device).
+
+  Raises ValueError when a multi-device mesh lacks an axis of the "batch" rule: the decoder's
+  activations and the per-device attention are laid out over those axes by name, and a mesh with
+  other names (a user's own `("dp", "tp")`) must be mapped through LOGICAL_AXIS_RULES first.
+  """
+  if mesh.empty or mesh.size == 1:
+    return None
+  axes = LOGICAL_AXIS_RULES["batch"]
+  names = axes if isinstance(axes, tuple) else (axes,)
+  missing = [n for n in names if n not in mesh.axis_names]
+  if missing:
+    raise ValueError(
+        f"the ambient mesh has axes {tuple(mesh.axis_names)}, but the decoder splits the batch over "
+        f"{names} (LOGICAL_AXIS_RULES['batch']): missing {tuple(missing)}; use make_mesh() or "
+        f"change LOGICAL_AXIS_RULES")
+  return axes
+
+
 def constrain_batch(x: jax.Array) -> jax.Array:
   """Pins an activation `[B, ...]` to "batch over (data, fsdp), the rest whole" under the ambient mesh.
 
@@ -90,10 +111,10 @@ def constrain_batch(x: jax.Array) -> jax.Array:
   devices, all-gathers of the global `[B, T, E]`). Pinning the activations makes it gather the
   parameters, which is what fsdp means. A no-op without a mesh or on one device.
   """
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.size == 1:
+  axes = batch_axes_of(jax.sharding.get_abstract_mesh())
+  if axes is None:
     return x
-  return jax.lax.with_sharding_constraint(x, P(LOGICAL_AXIS_RULES["batch"], *([None] * (x.ndim - 1))))
+  return jax.lax.with_sharding_constraint(x, P(axes, *([None] * (x.ndim - 1))))
 
 
 def batch_sharding(mesh: Mesh, rank: int, batch_dim: int) -> NamedSharding:

@@ -58,6 +58,18 @@ def test_every_param_has_a_logical_axis_rule():
     assert all(a in LOGICAL_AXIS_RULES for a in axes), (path, axes)
 
 
+def test_batch_axes_of_names_the_missing_mesh_axes():
+  from jax.sharding import AbstractMesh
+
+  from pisa_jax.models.sharding import batch_axes_of
+  assert batch_axes_of(AbstractMesh((), ())) is None  # no mesh: nothing to split
+  assert batch_axes_of(AbstractMesh((1, 1), ("data", "fsdp"))) is None  # one device
+  assert batch_axes_of(AbstractMesh((2, 2), ("data", "fsdp"))) == LOGICAL_AXIS_RULES["batch"]
+  # A user's mesh with its own axis names fails loudly instead of an XLA error deep in the step.
+  with pytest.raises(ValueError, match=r"missing \('data', 'fsdp'\)"):
+    batch_axes_of(AbstractMesh((2, 2), ("dp", "tp")))
+
+
 def test_rope_rotates_only_the_high_frequency_half():
   cos, sin = rope_angles(8, 16, 10_000.0)
   assert cos.shape == (8, 4)
