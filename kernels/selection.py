@@ -526,19 +526,22 @@ def _level_offsets(geo: _Geometry, sizes=None) -> list[int]:
 
 
 def _level_table(geo: _Geometry):
-  """int32 `[3, LP]`: per level l (index l - 1) its node count, its first row in the stacked
-  summaries `[sum_l B*M_l*HKV, D]` of levels 1..L-1, and its leaves per node g^(l-1)."""
+  """int32 `[4, LP]`: per level l (index l - 1) its node count, its first row in the stacked
+  summaries `[sum_l B*M_l*HKV, D]` of levels 1..L-1, its leaves per node g^(l-1), and
+  log2(g^(l-1)) when g is a power of two (0 otherwise: unused)."""
   lp = next_pow2(len(geo.sizes) + 1)
   sizes = list(geo.sizes) + [1] * (lp - len(geo.sizes))
   offsets = _level_offsets(geo, sizes)
   pows = [geo.branching ** i for i in range(lp)]
-  return jnp.asarray([sizes, offsets, pows], jnp.int32)
+  g_pow2 = geo.branching & (geo.branching - 1) == 0
+  shifts = [i * (geo.branching.bit_length() - 1) if g_pow2 else 0 for i in range(lp)]
+  return jnp.asarray([sizes, offsets, pows, shifts], jnp.int32)
 
 
 def _load_table(tab_ref, geo: _Geometry):
   lp = tab_ref.shape[1]
   o = jnp.arange(lp)
-  return tuple(plt.load(tab_ref.at[jnp.full((lp,), r, jnp.int32), o]) for r in range(3))
+  return tuple(plt.load(tab_ref.at[jnp.full((lp,), r, jnp.int32), o]) for r in range(4))
 
 
 def _pick(vec, idx):
@@ -577,11 +580,22 @@ def _walk_to_leaves(qgs, m_head, i_b, ts, i_h, s_ref, tab_ref, geo: _Geometry, t
   slot = jnp.arange(nc)
   if num_levels == 1:
     return tuple(jnp.where(slot == 0, 0, -1) for _ in ts)
-  tab_size, tab_off, tab_pow = _load_table(tab_ref, geo)
+  tab_size, tab_off, tab_pow, tab_shift = _load_table(tab_ref, geo)
+  g_pow2 = g & (g - 1) == 0
 
-  def one_query_level(qg, t, cand, m_level, leaves_per_node, n_child, off_child):
-    valid = (cand >= 0) & (cand < m_level) & (cand * (leaves_per_node * geo.block_size) <= t)
-    forced = valid & _forced(cand, t // geo.block_size, leaves_per_node)
+  def one_query_level(qg, t, cand, leaves_per_node, shift, n_child, off_child):
+    # The level's ancestors of the current and previous leaves, scalars: a shift when g is a
+    # power of two (a signed division by a runtime value is ~20 instructions). A node is
+    # eligible (its first key at or before t) iff it is at or before the current leaf's ancestor,
+    # which also keeps it below the level's node count (ceil sizes).
+    cur = t // geo.block_size
+    if g_pow2:
+      anc_cur, anc_prev = cur >> shift, jnp.maximum(cur - 1, 0) >> shift
+    else:
+      anc_cur, anc_prev = cur // leaves_per_node, jnp.maximum(cur - 1, 0) // leaves_per_node
+    anc_prev = jnp.where(cur >= 1, anc_prev, -1)
+    valid = (cand >= 0) & (cand <= anc_cur)
+    forced = valid & ((cand == 0) | (cand == anc_prev) | (cand == anc_cur))
     def child_logits(j):
       """[Gp, NC] logits of every head against child j of every candidate, and its mask."""
       child = jnp.where(valid, cand, 0) * g + j
@@ -611,11 +625,11 @@ def _walk_to_leaves(qgs, m_head, i_b, ts, i_h, s_ref, tab_ref, geo: _Geometry, t
 
   def one_level(i, cands):
     level = num_levels - 1 - i  # L-1 down to 2
-    m_level = _pick(tab_size, level - 1)
     leaves_per_node = _pick(tab_pow, level - 1)
+    shift = _pick(tab_shift, level - 1)
     n_child = _pick(tab_size, level - 2)
     off_child = _pick(tab_off, level - 2)
-    return tuple(one_query_level(qg, t, cand, m_level, leaves_per_node, n_child, off_child)
+    return tuple(one_query_level(qg, t, cand, leaves_per_node, shift, n_child, off_child)
                  for qg, t, cand in zip(qgs, ts, cands))
 
   if init is None:
