@@ -72,9 +72,11 @@ def make_mesh(data: int, fsdp: int):
 
 
 def device_time_by_kind(trace_dir: str, steps: int) -> dict:
-  """Device-side kernel time per step and per GPU (ms, the mean over the GPUs) from a
-  jax.profiler trace: collectives, copies (the checkpoint's device-to-host transfers), and the
-  rest. Only GPU planes count (on a CPU dry run the trace has none and this returns zeros)."""
+  """Device-side kernel time per step and per GPU (ms, the mean over the GPUs that ran kernels)
+  from a jax.profiler trace: collectives, copies (the checkpoint's device-to-host transfers), and
+  the rest. Only GPU planes count (on a CPU dry run the trace has none and this returns zeros);
+  the profiler writes a plane for every visible GPU, so the idle ones of a layout smaller than
+  the host are left out of the mean."""
   from jax._src.profiler import ProfileData
   total = collections.Counter()
   gpus = set()
@@ -82,12 +84,12 @@ def device_time_by_kind(trace_dir: str, steps: int) -> dict:
     for plane in ProfileData.from_file(path).planes:
       if "/device:GPU" not in plane.name:
         continue
-      gpus.add(plane.name)
       for line in plane.lines:
         # The stream lines hold the kernels; XLA's op and module lines would count them twice.
         if "Stream" not in line.name:
           continue
         for ev in line.events:
+          gpus.add(plane.name)
           name = ev.name.lower()
           kind = ("communication" if any(c in name for c in _COMM)
                   else "memcpy" if "memcpy" in name or "memset" in name else "compute")

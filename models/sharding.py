@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp")
 
@@ -85,21 +85,49 @@ def batch_axes_of(mesh) -> str | tuple[str, ...] | None:
   """The mesh axes the batch is split over under `mesh` (a Mesh or AbstractMesh), or None when
   there is nothing to split (no mesh, or one device).
 
-  Raises ValueError when a multi-device mesh lacks an axis of the "batch" rule: the decoder's
+  Inside a `shard_map` the Manual axes are already split per device: only the batch axes that
+  are still Auto are returned, and None when they split nothing.
+
+  Raises ValueError when a multi-device mesh lacks an axis of the "batch" rule (the decoder's
   activations and the per-device attention are laid out over those axes by name, and a mesh with
-  other names (a user's own `("dp", "tp")`) must be mapped through LOGICAL_AXIS_RULES first.
+  other names, a user's own `("dp", "tp")`, must be mapped through LOGICAL_AXIS_RULES first), or
+  when a batch axis is Explicit (jax.make_mesh's default in jax 0.11: the trainer's meshes are
+  Auto, where XLA propagates shardings and these constraints steer it).
   """
   if mesh.empty or mesh.size == 1:
     return None
+  types = dict(zip(mesh.axis_names, mesh.axis_types))
+  if all(t == AxisType.Manual for t in types.values()):
+    return None  # wholly inside a shard_map: the code already runs per device
   axes = LOGICAL_AXIS_RULES["batch"]
   names = axes if isinstance(axes, tuple) else (axes,)
-  missing = [n for n in names if n not in mesh.axis_names]
+  missing = [n for n in names if n not in types]
   if missing:
     raise ValueError(
         f"the ambient mesh has axes {tuple(mesh.axis_names)}, but the decoder splits the batch over "
         f"{names} (LOGICAL_AXIS_RULES['batch']): missing {tuple(missing)}; use make_mesh() or "
         f"change LOGICAL_AXIS_RULES")
-  return axes
+  explicit = [n for n in names if types[n] == AxisType.Explicit]
+  if explicit:
+    raise ValueError(
+        f"mesh axes {tuple(explicit)} are Explicit; the decoder needs Auto batch axes: build the "
+        f"mesh with pisa_jax.models.sharding.make_mesh() or jax.make_mesh(..., "
+        f"axis_types=(AxisType.Auto,) * {len(mesh.axis_names)})")
+  # Axes of length 1 stay in: a shard_map spec that leaves a mesh axis out adds all-reduces over
+  # it (size-1 groups, but collectives in the program all the same).
+  auto = tuple(n for n in names if types[n] == AxisType.Auto)
+  if not auto or batch_axes_size(mesh, auto) == 1:
+    return None
+  return auto if len(auto) > 1 else auto[0]
+
+
+def batch_axes_size(mesh, axes) -> int:
+  """How many ways `axes` (from `batch_axes_of`) split the batch."""
+  names = axes if isinstance(axes, tuple) else (axes,)
+  size = 1
+  for n in names:
+    size *= mesh.shape[n]
+  return size
 
 
 def constrain_batch(x: jax.Array) -> jax.Array:
@@ -110,6 +138,9 @@ def constrain_batch(x: jax.Array) -> jax.Array:
   batch, moving activation-sized tensors every layer instead of parameter-sized ones (on 2 fake
   devices, all-gathers of the global `[B, T, E]`). Pinning the activations makes it gather the
   parameters, which is what fsdp means. A no-op without a mesh or on one device.
+
+  The mesh is the ambient one (`jax.set_mesh`, as the trainer does): under a plain `jit` with
+  `in_shardings` and no ambient mesh this does nothing, and XLA decides the layouts alone.
   """
   axes = batch_axes_of(jax.sharding.get_abstract_mesh())
   if axes is None:

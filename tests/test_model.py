@@ -59,15 +59,26 @@ def test_every_param_has_a_logical_axis_rule():
 
 
 def test_batch_axes_of_names_the_missing_mesh_axes():
-  from jax.sharding import AbstractMesh
+  from jax.sharding import AbstractMesh, AxisType
 
   from pisa_jax.models.sharding import batch_axes_of
+
+  def mesh(shape, names, *types):
+    return AbstractMesh(shape, names, axis_types=types or (AxisType.Auto,) * len(names))
+
   assert batch_axes_of(AbstractMesh((), ())) is None  # no mesh: nothing to split
-  assert batch_axes_of(AbstractMesh((1, 1), ("data", "fsdp"))) is None  # one device
-  assert batch_axes_of(AbstractMesh((2, 2), ("data", "fsdp"))) == LOGICAL_AXIS_RULES["batch"]
-  # A user's mesh with its own axis names fails loudly instead of an XLA error deep in the step.
+  assert batch_axes_of(mesh((1, 1), ("data", "fsdp"))) is None  # one device
+  assert batch_axes_of(mesh((2, 2), ("data", "fsdp"))) == LOGICAL_AXIS_RULES["batch"]
+  assert batch_axes_of(mesh((1, 4), ("data", "fsdp"))) == LOGICAL_AXIS_RULES["batch"]
+  # Inside a shard_map: only the axes still Auto split the batch.
+  assert batch_axes_of(mesh((2, 2), ("data", "fsdp"), AxisType.Manual, AxisType.Auto)) == "fsdp"
+  assert batch_axes_of(mesh((2, 2), ("dp", "tp"), AxisType.Manual, AxisType.Manual)) is None
+  # A user's mesh with its own axis names, or Explicit axes, fails loudly instead of an XLA error
+  # deep in the step.
   with pytest.raises(ValueError, match=r"missing \('data', 'fsdp'\)"):
-    batch_axes_of(AbstractMesh((2, 2), ("dp", "tp")))
+    batch_axes_of(mesh((2, 2), ("dp", "tp")))
+  with pytest.raises(ValueError, match=r"\('data', 'fsdp'\) are Explicit"):
+    batch_axes_of(AbstractMesh((2, 2), ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2))
 
 
 def test_rope_rotates_only_the_high_frequency_half():

@@ -160,3 +160,68 @@ def test_fsdp_moves_parameters_not_activations():
     assert any(op == "all-gather" for _, op, _ in r["collectives"]), (attention, "no parameter gathers")
     too_big = [c for c in r["collectives"] if c[0] > r["largest_param"]]
     assert not too_big, (attention, r["largest_param"], too_big[:5])
+
+
+USER_MESH_SCRIPT = textwrap.dedent("""
+    import dataclasses, json
+    import jax, jax.numpy as jnp
+    from jax.sharding import AxisType, PartitionSpec as P
+    from flax import nnx
+    from pisa_jax.configs import ModelConfig
+    from pisa_jax.models import Decoder
+    from pisa_jax.models.sharding import MESH_AXES
+
+    cfg = ModelConfig(vocab_size=97, vocab_pad_multiple=32, num_layers=1, d_model=32, mlp_dim=64,
+                      num_heads=4, num_kv_heads=2, head_dim=16, block_size=16, top_k=3,
+                      param_dtype="float32", compute_dtype="float32")
+    tokens = jax.random.randint(jax.random.key(1), (4, 48), 0, 97)
+    auto = jax.make_mesh((2, 2), MESH_AXES, axis_types=(AxisType.Auto,) * 2)
+    out = {}
+    for attention in ("pisa", "dense"):
+      model = Decoder(dataclasses.replace(cfg, attention=attention), rngs=nnx.Rngs(0))
+      graphdef, state = nnx.split(model)
+      run = lambda tok: nnx.merge(graphdef, state)(tok)
+      ref = model(tokens)
+      r = out[attention] = {}
+      with jax.set_mesh(auto):
+        layouts = {
+            "jit": jax.jit(run),
+            # The user's own shard_map over every axis, and over "data" only (fsdp stays Auto).
+            "shard_map_all": jax.jit(jax.shard_map(run, mesh=auto, in_specs=P(MESH_AXES),
+                                                   out_specs=P(MESH_AXES), check_vma=False)),
+            "shard_map_data": jax.jit(jax.shard_map(run, mesh=auto, in_specs=P("data"),
+                                                    out_specs=P("data"), axis_names={"data"},
+                                                    check_vma=False)),
+        }
+        for name, fn in layouts.items():
+          r[name] = float(jnp.abs(fn(tokens) - ref).max())
+        try:
+          jax.jit(run)(tokens[:3])
+          r["odd_batch"] = "no error"
+        except ValueError as e:
+          r["odd_batch"] = str(e)
+      try:
+        with jax.set_mesh(jax.make_mesh((2, 2), MESH_AXES)):
+          jax.jit(run)(tokens)
+        r["explicit"] = "no error"
+      except ValueError as e:
+        r["explicit"] = str(e)
+    print(json.dumps(out))
+""")
+
+
+def test_decoder_under_user_meshes():
+  # The decoder called from a user's own code: under a plain sharded jit, inside the user's
+  # shard_map over all mesh axes or only some (the attention then splits over the Auto ones that
+  # remain), the logits equal one device's; a batch the mesh cannot split and an Explicit mesh
+  # (jax.make_mesh's default) are ValueErrors that say what to change.
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+  proc = subprocess.run([sys.executable, "-c", USER_MESH_SCRIPT], env=env, capture_output=True,
+                        text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  for attention, r in out.items():
+    for name in ("jit", "shard_map_all", "shard_map_data"):
+      assert r[name] < 1e-5, (attention, name, r[name])
+    assert "batch size 3 must be divisible by the 4 devices" in r["odd_batch"], r
+    assert "are Explicit" in r["explicit"] and "AxisType.Auto" in r["explicit"], r

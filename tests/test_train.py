@@ -208,3 +208,9 @@ def test_ctrl_c_saves_a_checkpoint_and_the_run_resumes(tmp_path):
                          text=True, timeout=240)
   assert again.returncode == 0, again.stderr[-3000:]
   assert f"resumed from {workdir / 'checkpoints'}/{saved[0]}" in again.stdout + again.stderr
+
+
+def test_a_trainer_built_for_another_config_is_refused(tmp_path, micro_trainer):
+  _, trainer = micro_trainer
+  with pytest.raises(ValueError, match="trainer was built for a different config"):
+    train(micro_config("train.peak_lr=1e-3"), tmp_path, progress=False, quiet=True, trainer=trainer)

@@ -290,6 +290,9 @@ def train(config: Config, workdir: str | Path, *, run_steps: int | None = None,
     say("resolved config:\n" + cfg.to_json())
   (workdir / "config.json").write_text(cfg.to_json() + "\n")
 
+  if trainer is not None and trainer.config != cfg:
+    raise ValueError("trainer was built for a different config than config: build it with "
+                     "build_trainer(config) or pass trainer=None")
   trainer = build_trainer(cfg, mesh) if trainer is None else trainer
   n_dev = trainer.mesh.devices.size
   say(f"mesh {dict(trainer.mesh.shape)} on {n_dev} x {jax.devices()[0].device_kind}; "
