@@ -12,8 +12,10 @@ the same data order on every layout (the loader is deterministic in (seed, step)
     full, so compute + communication can exceed the step time;
   - the loss curve; each layout's largest difference from the 1-device curve at equal steps
     (the equivalence check: bf16 noise, not a different computation).
-Then checkpoint portability: a checkpoint written on the widest layout resumes on 1 device (and
-the other way round), Orbax resharding on restore, and the resumed losses continue the curve.
+Checkpoint portability: a checkpoint written on the widest layout resumes on 1 device (and the
+other way round), Orbax resharding on restore, and the resumed losses continue the curve. The
+order is 1x1, the widest layout, the restores, then the other layouts; the JSON is written after
+each, so a run cut short by its time limit keeps what it finished.
 
   # the H200 host (carry .whl and data/corpus; NCCL's NVLink multicast stays off, see below):
   source benchmarks/device_setup.sh || exit 1; python3 benchmarks/multi_gpu.py --out $OUT
@@ -158,7 +160,40 @@ def main():
                                   f"train.fsdp={fsdp}", *extra])
 
   def save():
+    """Writes what is known so far (a run cut short by its time limit keeps its layouts)."""
+    one = results["layouts"].get("1x1")
+    for r in results["layouts"].values():
+      if one and one["tokens_per_s"] and r["tokens_per_s"]:
+        r["scaling_efficiency"] = round(r["tokens_per_s_per_device"] / one["tokens_per_s"], 3)
+      common = set(r["losses"]) & set(one["losses"]) if one else set()
+      r["max_loss_diff_vs_1x1"] = max((abs(r["losses"][s] - one["losses"][s]) for s in common),
+                                      default=None)
     (out_dir / "multi_gpu.json").write_text(json.dumps(results, indent=1) + "\n")
+    plot(results, out_dir / "multi_gpu.png")
+
+  # Portability: the widest layout's checkpoint resumes on 1 device, and 1 device's on the widest.
+  # Among the widest, the one with the largest fsdp axis: its parameters are sharded, so the
+  # restore really reshards them. 1x1 and the widest layout train first and the restores follow
+  # at once, so that a run cut short still has them.
+  widest = max(layouts, key=lambda x: (x[0] * x[1], x[1]))
+  layouts = [(1, 1)] + ([widest] if widest != (1, 1) else []) + [
+      x for x in layouts if x not in ((1, 1), widest)]
+
+  def portability():
+    port = results["checkpoint_portability"] = {}
+    for (src, dst) in ((widest, (1, 1)), ((1, 1), widest)):
+      key = f"{src[0]}x{src[1]}->{dst[0]}x{dst[1]}"
+      moved = root / f"moved_{key.replace('->', '_to_')}"
+      shutil.copytree(root / f"{src[0]}x{src[1]}", moved, dirs_exist_ok=True)
+      try:
+        resumed = train(config_for(*dst), moved, mesh=make_mesh(*dst), run_steps=2, progress=False,
+                        quiet=True, print_config=False, trainer=trainers[dst])
+        port[key] = {"ok": True, "start_step": resumed.start_step,
+                     "losses": {str(k): v for k, v in sorted(resumed.losses.items())}}
+      except Exception as e:  # recorded: the finding is whether it restores
+        port[key] = {"ok": False, "error": repr(e)[:800]}
+      print(f"== restore {key}: {port[key]}", flush=True)
+      save()
 
   # One compiled trainer per layout, reused by its profiled steps and by the restores onto it:
   # compiling the `small` preset's step takes about a minute on the H200, the training itself
@@ -204,35 +239,9 @@ def main():
     }
     save()
     print(f"   {tok_s or 0:,.0f} tok/s, device ms/step {breakdown}", flush=True)
+    if (data, fsdp) == widest:
+      portability()
 
-  one = results["layouts"]["1x1"]
-  for name, r in results["layouts"].items():
-    if one["tokens_per_s"] and r["tokens_per_s"]:
-      r["scaling_efficiency"] = round(r["tokens_per_s_per_device"] / one["tokens_per_s"], 3)
-    common = set(r["losses"]) & set(one["losses"])
-    r["max_loss_diff_vs_1x1"] = max((abs(r["losses"][s] - one["losses"][s]) for s in common),
-                                    default=None)
-
-  # Portability: the widest layout's checkpoint resumes on 1 device, and 1 device's on the widest.
-  # Among the widest, the one with the largest fsdp axis: its parameters are sharded, so the
-  # restore really reshards them.
-  widest = max(layouts, key=lambda x: (x[0] * x[1], x[1]))
-  port = {}
-  for (src, dst) in ((widest, (1, 1)), ((1, 1), widest)):
-    key = f"{src[0]}x{src[1]}->{dst[0]}x{dst[1]}"
-    moved = root / f"moved_{key.replace('->', '_to_')}"
-    shutil.copytree(root / f"{src[0]}x{src[1]}", moved, dirs_exist_ok=True)
-    try:
-      resumed = train(config_for(*dst), moved, mesh=make_mesh(*dst), run_steps=2, progress=False,
-                      quiet=True, print_config=False, trainer=trainers[dst])
-      port[key] = {"ok": True, "start_step": resumed.start_step,
-                   "losses": {str(k): v for k, v in sorted(resumed.losses.items())}}
-    except Exception as e:  # recorded: the finding is whether it restores
-      port[key] = {"ok": False, "error": repr(e)[:800]}
-    print(f"== restore {key}: {port[key]}", flush=True)
-  results["checkpoint_portability"] = port
-  save()
-  plot(results, out_dir / "multi_gpu.png")
   print(json.dumps({n: {k: r.get(k) for k in ("tokens_per_s_per_device", "scaling_efficiency",
                                               "max_loss_diff_vs_1x1", "device_busy_ms_per_step")}
                     for n, r in results["layouts"].items()}, indent=1))
