@@ -526,22 +526,19 @@ def _level_offsets(geo: _Geometry, sizes=None) -> list[int]:
 
 
 def _level_table(geo: _Geometry):
-  """int32 `[4, LP]`: per level l (index l - 1) its node count, its first row in the stacked
-  summaries `[sum_l B*M_l*HKV, D]` of levels 1..L-1, its leaves per node g^(l-1), and
-  log2(g^(l-1)) when g is a power of two (0 otherwise: unused)."""
+  """int32 `[3, LP]`: per level l (index l - 1) its node count, its first row in the stacked
+  summaries `[sum_l B*M_l*HKV, D]` of levels 1..L-1, and its leaves per node g^(l-1)."""
   lp = next_pow2(len(geo.sizes) + 1)
   sizes = list(geo.sizes) + [1] * (lp - len(geo.sizes))
   offsets = _level_offsets(geo, sizes)
   pows = [geo.branching ** i for i in range(lp)]
-  g_pow2 = geo.branching & (geo.branching - 1) == 0
-  shifts = [i * (geo.branching.bit_length() - 1) if g_pow2 else 0 for i in range(lp)]
-  return jnp.asarray([sizes, offsets, pows, shifts], jnp.int32)
+  return jnp.asarray([sizes, offsets, pows], jnp.int32)
 
 
 def _load_table(tab_ref, geo: _Geometry):
   lp = tab_ref.shape[1]
   o = jnp.arange(lp)
-  return tuple(plt.load(tab_ref.at[jnp.full((lp,), r, jnp.int32), o]) for r in range(4))
+  return tuple(plt.load(tab_ref.at[jnp.full((lp,), r, jnp.int32), o]) for r in range(3))
 
 
 def _pick(vec, idx):
@@ -580,7 +577,7 @@ def _walk_to_leaves(qgs, m_head, i_b, ts, i_h, s_ref, tab_ref, geo: _Geometry, t
   slot = jnp.arange(nc)
   if num_levels == 1:
     return tuple(jnp.where(slot == 0, 0, -1) for _ in ts)
-  tab_size, tab_off, tab_pow, tab_shift = _load_table(tab_ref, geo)
+  tab_size, tab_off, tab_pow = _load_table(tab_ref, geo)
   g_pow2 = g & (g - 1) == 0
 
   def one_query_level(qg, t, cand, leaves_per_node, shift, n_child, off_child):
@@ -625,10 +622,17 @@ def _walk_to_leaves(qgs, m_head, i_b, ts, i_h, s_ref, tab_ref, geo: _Geometry, t
 
   def one_level(i, cands):
     level = num_levels - 1 - i  # L-1 down to 2
-    leaves_per_node = _pick(tab_pow, level - 1)
-    shift = _pick(tab_shift, level - 1)
-    n_child = _pick(tab_size, level - 2)
     off_child = _pick(tab_off, level - 2)
+    if g_pow2:
+      # Scalar arithmetic instead of table picks (each a masked reduction over the table):
+      # M_l = ceil(M_1 / g^(l-1)), nested ceilings being one ceiling.
+      log2g = g.bit_length() - 1
+      leaves_per_node, shift = None, (level - 1) * log2g
+      s_child = (level - 2) * log2g
+      n_child = (sizes[0] + (1 << s_child) - 1) >> s_child
+    else:
+      leaves_per_node, shift = _pick(tab_pow, level - 1), None
+      n_child = _pick(tab_size, level - 2)
     return tuple(one_query_level(qg, t, cand, leaves_per_node, shift, n_child, off_child)
                  for qg, t, cand in zip(qgs, ts, cands))
 
