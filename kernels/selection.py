@@ -321,11 +321,23 @@ def _reduce_keys(z, m_key, selector: str, scale: float, approx_log: bool = False
   return mean + 0.5 * var
 
 
-def _forced(cand, cur, leaves_per_node):
+def _ancestors(cur, leaves_per_node, shift=None):
+  """The ancestors (nodes of `leaves_per_node` leaves) of the current leaf and of the previous
+  one (-1 when cur = 0). With `shift` = log2(leaves_per_node) (g a power of two) a shift: a
+  division by a runtime value is ~20 SASS instructions."""
+  prev = jnp.maximum(cur - 1, 0)
+  if shift is not None:
+    anc_cur, anc_prev = cur >> shift, prev >> shift
+  else:
+    anc_cur, anc_prev = cur // leaves_per_node, prev // leaves_per_node
+  return anc_cur, jnp.where(cur >= 1, anc_prev, -1)
+
+
+def _forced(cand, cur, leaves_per_node, shift=None):
   """Ancestors (nodes of `leaves_per_node` leaves) of the first, previous and current leaves
   (Appendix B)."""
-  prev_anc = jnp.where(cur >= 1, (cur - 1) // leaves_per_node, -1)
-  return (cand == 0) | (cand == prev_anc) | (cand == cur // leaves_per_node)
+  anc_cur, anc_prev = _ancestors(cur, leaves_per_node, shift)
+  return (cand == 0) | (cand == anc_prev) | (cand == anc_cur)
 
 
 def _top_mask(cand, valid, forced, score, keep: int):
@@ -581,18 +593,12 @@ def _walk_to_leaves(qgs, m_head, i_b, ts, i_h, s_ref, tab_ref, geo: _Geometry, t
   g_pow2 = g & (g - 1) == 0
 
   def one_query_level(qg, t, cand, leaves_per_node, shift, n_child, off_child):
-    # The level's ancestors of the current and previous leaves, scalars: a shift when g is a
-    # power of two (a signed division by a runtime value is ~20 instructions). A node is
-    # eligible (its first key at or before t) iff it is at or before the current leaf's ancestor,
-    # which also keeps it below the level's node count (ceil sizes).
+    # A node is eligible (its first key at or before t) iff it is at or before the current leaf's
+    # ancestor, which also keeps it below the level's node count (ceil sizes).
     cur = t // geo.block_size
-    if g_pow2:
-      anc_cur, anc_prev = cur >> shift, jnp.maximum(cur - 1, 0) >> shift
-    else:
-      anc_cur, anc_prev = cur // leaves_per_node, jnp.maximum(cur - 1, 0) // leaves_per_node
-    anc_prev = jnp.where(cur >= 1, anc_prev, -1)
+    anc_cur, _ = _ancestors(cur, leaves_per_node, shift)
     valid = (cand >= 0) & (cand <= anc_cur)
-    forced = valid & ((cand == 0) | (cand == anc_prev) | (cand == anc_cur))
+    forced = valid & _forced(cand, cur, leaves_per_node, shift)
     def child_logits(j):
       """[Gp, NC] logits of every head against child j of every candidate, and its mask."""
       child = jnp.where(valid, cand, 0) * g + j

@@ -23,7 +23,7 @@ from jaxtyping import Array, Float, Int
 
 import pisa_jax
 from pisa_jax.configs.base import SPARSE_ATTENTION_KINDS, ModelConfig
-from pisa_jax.models.sharding import batch_axes_of, batch_axes_size, constrain_batch
+from pisa_jax.models.sharding import axes_size, batch_axes_of, constrain_batch
 
 # Logit given to the padding rows of the output embedding: they never win and carry no mass.
 _PAD_LOGIT = -1e9
@@ -91,16 +91,17 @@ def per_batch_shard(fn):
   if axes is None:
     return fn
   spec = P(axes)
-  ways = batch_axes_size(mesh, axes)
+  ways = axes_size(mesh, axes)
+  # check_vma=False: the kernels' outputs carry no varying-manual-axes annotation.
+  sharded = jax.shard_map(fn, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
+                          check_vma=False)
 
   def checked(q, k, v):
     if q.shape[0] % ways:
       raise ValueError(f"batch size {q.shape[0]} must be divisible by the {ways} devices of mesh "
                        f"axes {axes}: attention runs on each device's slice of the batch")
     return sharded(q, k, v)
-  # check_vma=False: the kernels' outputs carry no varying-manual-axes annotation.
-  sharded = jax.shard_map(fn, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
-                          check_vma=False)
+
   return checked
 
 

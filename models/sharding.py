@@ -39,7 +39,8 @@ def logical_to_spec(logical_axes: tuple[str | None, ...]) -> P:
   return P(*spec)
 
 
-def _axis_size(mesh: Mesh, entry) -> int:
+def axes_size(mesh, entry) -> int:
+  """How many ways mesh axis `entry` (a name, a tuple of names, or None) splits a dimension."""
   if entry is None:
     return 1
   names = entry if isinstance(entry, tuple) else (entry,)
@@ -62,10 +63,10 @@ def param_shardings(abstract_state: nnx.State, mesh: Mesh) -> Any:
       raise ValueError(f"parameter {name} {var.get_value().shape} lacks matching logical_axes={axes}")
     spec = logical_to_spec(axes)
     for dim, entry in zip(var.get_value().shape, spec):
-      if dim % _axis_size(mesh, entry):
+      if dim % axes_size(mesh, entry):
         raise ValueError(
             f"parameter {name} dimension {dim} ({axes}) is not divisible by mesh axis {entry} of "
-            f"size {_axis_size(mesh, entry)}: change the model width or train.fsdp"
+            f"size {axes_size(mesh, entry)}: change the model width or train.fsdp"
         )
     flat[path] = NamedSharding(mesh, spec)
   return _nest(flat)
@@ -116,18 +117,9 @@ def batch_axes_of(mesh) -> str | tuple[str, ...] | None:
   # Axes of length 1 stay in: a shard_map spec that leaves a mesh axis out adds all-reduces over
   # it (size-1 groups, but collectives in the program all the same).
   auto = tuple(n for n in names if types[n] == AxisType.Auto)
-  if not auto or batch_axes_size(mesh, auto) == 1:
+  if not auto or axes_size(mesh, auto) == 1:
     return None
   return auto if len(auto) > 1 else auto[0]
-
-
-def batch_axes_size(mesh, axes) -> int:
-  """How many ways `axes` (from `batch_axes_of`) split the batch."""
-  names = axes if isinstance(axes, tuple) else (axes,)
-  size = 1
-  for n in names:
-    size *= mesh.shape[n]
-  return size
 
 
 def constrain_batch(x: jax.Array) -> jax.Array:
