@@ -111,6 +111,10 @@ PROBES = {
     # loop is untimed), and with a third pipelining stage for the leaf keys.
     "pisa_fused_allslots": dict(variant="fused", fused_compact_leaves=False),
     "pisa_fused_s3": dict(variant="fused", num_stages=3),
+    # One stage: plain LDG loads (the 16-byte async copies of the pipelined loop bypass L1), so
+    # the walk's upper levels, shared by every query, can hit in L1 (ncu at 128K: L1 hit rate
+    # 0.04%, L2 70% busy).
+    "pisa_fused_s1": dict(variant="fused", num_stages=1),
     # Two leaves per iteration of the compacted loop (136 registers and 18 KB of shared memory
     # offline: 12 programs per SM instead of 15, two independent chains each).
     "pisa_fused_u2": dict(variant="fused", fused_leaf_unroll=2),
