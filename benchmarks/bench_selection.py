@@ -431,8 +431,8 @@ def main():
       out.append((f"pisa_fused.f32.N{n}", "pisa", TOP_K, jnp.float32, 1,
                   kernel_fn(variant="fused")))
       # The probes' new kernels (rank top-k, multi-query walk) before their timings count.
-      for name in ("pisa_q4_rank", "pisa_q8_w256", "pisa_fused_rank", "pisa_q8_dense64",
-                   "pisa_q8_dense256", "pisa_q8_dense64_olse"):
+      for name in ("pisa_q4_rank", "pisa_q8_w256", "pisa_fused_rank", "pisa_fused_s1",
+                   "pisa_q8_dense64", "pisa_q8_dense256", "pisa_q8_dense64_olse"):
         out.append((f"{name}.f32.N{n}", "pisa", TOP_K, jnp.float32, 1, kernel_fn(**PROBES[name])))
       out.append((f"bsa_pallas.f32.N{n}", "bsa", TOP_K, jnp.float32, 1,
                   kernel_fn(selector="bsa")))
@@ -498,7 +498,7 @@ def main():
           q, k = inputs(n, dtype, seed=seed)
           check(name, check_compiled.get(name, fn), q, k, selector, beam=beam,
                 sample=8192 if n >= 524288 else None)
-        except Exception as e:
+        except Exception:
           RESULTS.setdefault("errors", {})[f"check.{name}"] = traceback.format_exc()[-1500:]
           log(f"check failed {name}: {traceback.format_exc()[-1500:]}")
         dump()
