@@ -5,6 +5,9 @@ Every side gets the same random valid causal block indices (sorted, unique, curr
 
   python benchmarks/bench_attention.py --mode check   # GPU correctness at moderate T + tile sweep
   python benchmarks/bench_attention.py --mode bench   # the side-by-side table, JSON + PNG
+  python benchmarks/bench_attention.py --mode bench --fwd-probes q2,q4,b2,q2b2 --real-indices
+      # also forward variants (config probes) beside the default forward, and every forward again
+      # on indices with PISA's forced blocks (0, cur-1, cur), fla's forward included
 
 Results go to $OUT (or benchmarks/results/) as attention.json and attention.png (bench mode) or
 attention_check.json (check mode). Times are medians in milliseconds.
@@ -16,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -60,6 +64,30 @@ def random_causal_indices(seed: int, t: int, hkv: int, top_k: int, block_size: i
   idx = np.where(idx < 0, np.iinfo(np.int32).max, idx)
   idx = np.sort(idx, axis=-1)
   idx = np.where(idx == np.iinfo(np.int32).max, -1, idx)
+  return idx[None].astype(np.int32)
+
+
+def forced_causal_indices(seed: int, t: int, hkv: int, top_k: int, block_size: int = BLOCK):
+  """int32 [1, T, HKV, K] with the structure of PISA's selections: for query t (cur = t // C) the
+  forced blocks 0, cur-1 and cur plus K-3 random distinct blocks from [1, cur-2], ascending; a
+  query with at most K eligible blocks takes all of them, -1 padded. Neighbouring queries share
+  the forced blocks, which is what a multi-query forward program can reuse."""
+  if top_k < 3:
+    raise ValueError(f"{top_k=} must be >= 3: the first, previous and current blocks are forced")
+  rng = np.random.default_rng(seed)
+  cur = (np.arange(t) // block_size)[:, None, None]
+  m = top_k - 3
+  # m distinct sorted blocks from [1, cur - 1): sorted draws from [0, cur - 2 - m] plus 0..m-1.
+  span = np.maximum(cur - 2 - m + 1, 1)
+  draw = np.sort(np.floor(rng.random((t, hkv, m)) * span).astype(np.int64), axis=-1)
+  past = 1 + draw + np.arange(m)
+  forced = np.broadcast_to(np.concatenate([np.zeros_like(cur), cur - 1, cur], axis=-1),
+                           (t, hkv, 3))
+  idx = np.sort(np.concatenate([forced, past], axis=-1), axis=-1)
+  # Queries with cur + 1 <= K eligible blocks: 0..cur, then -1.
+  few = cur + 1 <= top_k
+  slots = np.arange(top_k)
+  idx = np.where(few, np.where(slots <= cur, slots, -1), idx)
   return idx[None].astype(np.int32)
 
 
@@ -219,8 +247,9 @@ def time_component(cfg, which, q, k, v, do, idx, d):
 # ----------------------------------------------------------------------------- peers
 
 
-def fla_times(q, k, v, do, idx, d, top_k, tag, ours_fwd=None):
-  """fla ParallelNSAFunction fwd and fwd+bwd on the same inputs and indices (torch, do_bench)."""
+def fla_times(q, k, v, do, idx, d, top_k, tag, ours_fwd=None, fwdbwd=True):
+  """fla ParallelNSAFunction fwd and (with `fwdbwd`) fwd+bwd on the same inputs and indices
+  (torch, do_bench)."""
   out = {}
   try:
     import torch
@@ -239,7 +268,8 @@ def fla_times(q, k, v, do, idx, d, top_k, tag, ours_fwd=None):
       o = ParallelNSAFunction.apply(q_t, k_t, v_t, bi, top_k, BLOCK, d ** -0.5, None)
       o.backward(do_t)
 
-    out[f"{tag}.fla.fwdbwd.ms"] = round(bench(fb), 4)
+    if fwdbwd:
+      out[f"{tag}.fla.fwdbwd.ms"] = round(bench(fb), 4)
     # Same function? Compare fla's output with ours on these inputs.
     if ours_fwd is not None:
       with torch.no_grad():
@@ -292,8 +322,50 @@ def layer_fwdbwd_fn(top_k: int):
 
 # ----------------------------------------------------------------------------- bench mode
 
+_PROBE_FIELDS = {"q": "fwd_queries", "b": "fwd_blocks_per_step", "s": "fwd_num_stages",
+                 "w": "fwd_num_warps"}
 
-def bench_mode(sizes, budget_s, out_path, smoke=False, only=frozenset()):
+
+def parse_probe(name: str) -> dict:
+  """`q2b2` -> {fwd_queries: 2, fwd_blocks_per_step: 2}: q = fwd_queries, b = fwd_blocks_per_step,
+  s = fwd_num_stages, w = fwd_num_warps, changed on the setting's default config."""
+  parts = re.findall(r"([a-z])(\d+)", name)
+  if not parts or "".join(f"{c}{n}" for c, n in parts) != name:
+    raise ValueError(f"fwd probe {name!r} must be letter-number pairs, e.g. q2, b2, q2b2, q4s1")
+  unknown = [c for c, _ in parts if c not in _PROBE_FIELDS]
+  if unknown:
+    raise ValueError(f"fwd probe {name!r}: letters must be among {sorted(_PROBE_FIELDS)}")
+  return {_PROBE_FIELDS[c]: int(n) for c, n in parts}
+
+
+def time_forwards(prefix, q, k, v, idx, d, base, probes, fl):
+  """Times our default forward, then each probe config's forward right after it; logs
+  `{prefix}.ours.fwd.ms` and `{prefix}.ours_probe.{name}.fwd.ms`, and each probe's largest
+  output difference from the default (a probe reorders float sums: bf16 rounding, not more)."""
+  fwd = None
+  try:
+    fwd, _ = ours_fns(d, base)
+    ms = time_jax(fwd, q, k, v, idx)
+    log(f"{prefix}.ours.fwd.ms", ms)
+    log(f"{prefix}.ours.fwd.tflops", round(fl / (ms * 1e-3) / 1e12, 1))
+  except Exception:
+    log(f"{prefix}.ours.error", traceback.format_exc()[-800:])
+    return None
+  o_default = fwd(q, k, v, idx).astype(jnp.float32) if probes else None
+  for name, changes in probes.items():
+    key = f"{prefix}.ours_probe.{name}"
+    try:
+      probe_fwd, _ = ours_fns(d, dataclasses.replace(base, **changes))
+      log(f"{key}.fwd.ms", time_jax(probe_fwd, q, k, v, idx))
+      diff = jnp.max(jnp.abs(probe_fwd(q, k, v, idx).astype(jnp.float32) - o_default))
+      log(f"{key}.max_abs_vs_default", float(diff))
+    except Exception:
+      log(f"{key}.error", traceback.format_exc()[-800:])
+  return fwd
+
+
+def bench_mode(sizes, budget_s, out_path, smoke=False, only=frozenset(), probes=None,
+               real_indices=False, fwd_only=False):
   start = time.perf_counter()
   log("date", time.strftime("%Y-%m-%d %H:%M:%S"))
   log("device", str(jax.devices()[0]))
@@ -318,19 +390,28 @@ def bench_mode(sizes, budget_s, out_path, smoke=False, only=frozenset()):
     q, k, v, do, idx_np = make_inputs(t, hq, hkv, d, top_k)
     idx = jnp.asarray(idx_np)
     fl = attention_flops(t, hq, d, top_k)
-    fwd = None
-    try:
-      fwd, fwdbwd = ours_fns(d)
-      ms = time_jax(fwd, q, k, v, idx)
-      log(f"{tag}.ours.fwd.ms", ms)
-      log(f"{tag}.ours.fwd.tflops", round(fl / (ms * 1e-3) / 1e12, 1))
-      ms = time_jax(fwdbwd, q, k, v, idx, do)
-      log(f"{tag}.ours.fwdbwd.ms", ms)
-      log(f"{tag}.ours.fwdbwd.tflops", round(3.5 * fl / (ms * 1e-3) / 1e12, 1))
-    except Exception:
-      log(f"{tag}.ours.error", traceback.format_exc()[-800:])
-    RESULTS.update(fla_times(q, k, v, do, idx_np, d, top_k, tag, ours_fwd=fwd))
-    if hkv == 2:
+    base = attn.SparseAttentionConfig.default(head_dim=d, group=hq // hkv, top_k=top_k,
+                                              block_size=BLOCK)
+    fwd = time_forwards(tag, q, k, v, idx, d, base, probes or {}, fl)
+    if not fwd_only:
+      try:
+        _, fwdbwd = ours_fns(d, base)
+        ms = time_jax(fwdbwd, q, k, v, idx, do)
+        log(f"{tag}.ours.fwdbwd.ms", ms)
+        log(f"{tag}.ours.fwdbwd.tflops", round(3.5 * fl / (ms * 1e-3) / 1e12, 1))
+      except Exception:
+        log(f"{tag}.ours.fwdbwd.error", traceback.format_exc()[-800:])
+    RESULTS.update(fla_times(q, k, v, do, idx_np, d, top_k, tag, ours_fwd=fwd,
+                             fwdbwd=not fwd_only))
+    if real_indices:
+      # The same forwards on indices with PISA's forced blocks (the case multi-query programs
+      # target); fla's forward on them too.
+      real_np = forced_causal_indices(1, t, hkv, top_k)
+      real_fwd = time_forwards(f"{tag}.real_idx", q, k, v, jnp.asarray(real_np), d, base,
+                               probes or {}, fl)
+      RESULTS.update(fla_times(q, k, v, do, real_np, d, top_k, f"{tag}.real_idx",
+                               ours_fwd=real_fwd, fwdbwd=False))
+    if hkv == 2 and not fwd_only:
       try:
         fwd, fwdbwd = dense_cudnn_fns()
         log(f"{tag}.cudnn_dense.fwd.ms", time_jax(fwd, q, k, v))
@@ -345,7 +426,7 @@ def bench_mode(sizes, budget_s, out_path, smoke=False, only=frozenset()):
           log(f"{tag}.pisa_layer.speedup_vs_cudnn.fwdbwd", round(dense / ms, 3))
       except Exception:
         log(f"{tag}.pisa_layer.error", traceback.format_exc()[-800:])
-    if t <= 16384 and hkv == 2:
+    if t <= 16384 and hkv == 2 and not fwd_only:
       try:
         fwd, fwdbwd = xla_fns(d)
         log(f"{tag}.xla_reference.fwd.ms", time_jax(fwd, q, k, v, idx, reps=3))
@@ -355,17 +436,25 @@ def bench_mode(sizes, budget_s, out_path, smoke=False, only=frozenset()):
     del q, k, v, do, idx
 
 
-def summary():
-  """Prints one line per setting: ours against fla (ratio > 1: ours faster) and cuDNN dense."""
+def summary(probes=()):
+  """Prints one line per setting (and per setting on real indices): ours against fla (ratio > 1:
+  ours faster), cuDNN dense, then each forward probe: ms (default / probe, fla / probe)."""
   tags = sorted({k.rsplit(".ours.", 1)[0] for k in RESULTS if ".ours.fwd.ms" in k})
-  print("setting | ours fwd | fla fwd | x | ours f+b | fla f+b | x | cudnn fwd | cudnn f+b")
+  print("setting | ours fwd | fla fwd | x | ours f+b | fla f+b | x | cudnn fwd | cudnn f+b"
+        + "".join(f" | {name} fwd (vs ours, vs fla)" for name in probes))
   for tag in tags:
     get = lambda key: RESULTS.get(f"{tag}.{key}.ms", float("nan"))
     of, ff, ob, fb = get("ours.fwd"), get("fla.fwd"), get("ours.fwdbwd"), get("fla.fwdbwd")
     RESULTS[f"{tag}.speedup_vs_fla.fwd"] = round(ff / of, 3)
-    RESULTS[f"{tag}.speedup_vs_fla.fwdbwd"] = round(fb / ob, 3)
-    print(f"{tag} | {of} | {ff} | {ff / of:.2f} | {ob} | {fb} | {fb / ob:.2f} | "
-          f"{get('cudnn_dense.fwd')} | {get('cudnn_dense.fwdbwd')}", flush=True)
+    if f"{tag}.ours.fwdbwd.ms" in RESULTS:
+      RESULTS[f"{tag}.speedup_vs_fla.fwdbwd"] = round(fb / ob, 3)
+    line = (f"{tag} | {of} | {ff} | {ff / of:.2f} | {ob} | {fb} | {fb / ob:.2f} | "
+            f"{get('cudnn_dense.fwd')} | {get('cudnn_dense.fwdbwd')}")
+    for name in probes:
+      pf = get(f"ours_probe.{name}.fwd")
+      RESULTS[f"{tag}.ours_probe.{name}.speedup_vs_fla.fwd"] = round(ff / pf, 3)
+      line += f" | {pf} ({of / pf:.2f}x, {ff / pf:.2f}x)"
+    print(line, flush=True)
 
 
 def plot(path):
@@ -375,7 +464,8 @@ def plot(path):
   import matplotlib.pyplot as plt
 
   fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-  tags = sorted({k.rsplit(".ours.", 1)[0] for k in RESULTS if ".ours.fwd.ms" in k})
+  tags = sorted({k.rsplit(".ours.", 1)[0] for k in RESULTS
+                 if ".ours.fwd.ms" in k and ".real_idx." not in k})
   sides = ("ours", "fla", "cudnn_dense", "xla_reference", "pisa_layer")
   for ax, phase in zip(axes, ("fwd", "fwdbwd")):
     width = 0.16
@@ -401,7 +491,19 @@ def main():
                       help="comma-separated setting tags (e.g. N131072.HQ32.HKV2.d64.K8): run only these")
   parser.add_argument("--budget-s", type=float, default=1e9,
                       help="start no new setting after this many seconds")
+  parser.add_argument("--fwd-probes", default="",
+                      help="comma-separated forward configs timed after the default forward, as "
+                           "changes of the default: q<n> fwd_queries, b<n> fwd_blocks_per_step, "
+                           "s<n> fwd_num_stages, w<n> fwd_num_warps (e.g. q2,q4,b2,q2b2,q2s1)")
+  parser.add_argument("--fwd-only", action="store_true",
+                      help="forwards only (ours, probes, fla): no fwd+bwd, cuDNN, layer or XLA")
+  parser.add_argument("--real-indices", action="store_true",
+                      help="also time the forwards (default, probes, fla) on indices with PISA's "
+                           "forced blocks 0, cur-1, cur")
   args = parser.parse_args()
+  probes = {name: parse_probe(name) for name in args.fwd_probes.split(",") if name}
+  for name, changes in probes.items():  # a bad probe fails here, before any device time
+    dataclasses.replace(attn.SparseAttentionConfig(), **changes)
   out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
   os.makedirs(out_dir, exist_ok=True)
   print("jax", jax.__version__, jax.devices(), flush=True)
@@ -411,8 +513,9 @@ def main():
     else:
       bench_mode([int(s) for s in args.sizes.split(",")], args.budget_s,
                  os.path.join(out_dir, "attention.json"), smoke=args.smoke,
-                 only={x for x in args.only.split(",") if x})
-      summary()
+                 only={x for x in args.only.split(",") if x}, probes=probes,
+                 real_indices=args.real_indices, fwd_only=args.fwd_only)
+      summary(tuple(probes))
   finally:
     name = "attention_check.json" if args.mode == "check" else "attention.json"
     with open(os.path.join(out_dir, name), "w") as f:

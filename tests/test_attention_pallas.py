@@ -193,6 +193,109 @@ def test_config_validation():
     attn.SparseAttentionConfig(dkv_rows=48)
   with pytest.raises(ValueError, match="items_entries"):
     attn.SparseAttentionConfig(items_entries=0)
+  with pytest.raises(ValueError, match="fwd_queries=3 must be one of 1, 2, 4, 8"):
+    attn.SparseAttentionConfig(fwd_queries=3)
+  with pytest.raises(ValueError, match="fwd_blocks_per_step=0 must be one of 1, 2, 4"):
+    attn.SparseAttentionConfig(fwd_blocks_per_step=0)
+
+
+def reference_lse(q, k, idx, block_size, scale):
+  """float32 `[B, T, HQ]` log-sum-exp over each query's visible keys (-inf when there is none),
+  the quantity the forward kernel hands to the backward."""
+  b, t, hq, d = q.shape
+  hkv = k.shape[2]
+  pos = jnp.arange(t)
+  cur = (pos // block_size)[None, :, None, None]
+  valid = (idx >= 0) & (idx <= cur)
+  # [B, T, HKV, T]: key j visible to query t through a valid selected block.
+  chosen = jnp.any((idx[..., None] == (pos // block_size)) & valid[..., None], axis=-2)
+  visible = chosen & (pos[None, None, None, :] <= pos[None, :, None, None])
+  visible = jnp.repeat(visible, hq // hkv, axis=2)
+  kk = jnp.repeat(k.astype(jnp.float32), hq // hkv, axis=2)
+  logits = scale * jnp.einsum("bthd,bjhd->bthj", q.astype(jnp.float32), kk,
+                              precision=jax.lax.Precision.HIGHEST)
+  return jax.nn.logsumexp(jnp.where(visible, logits, -jnp.inf), axis=-1)
+
+
+def with_future_blocks(idx, block_size, seed):
+  """Puts the block after the query's own block into the first -1 slot of some rows (where that
+  block exists): the kernels must ignore it."""
+  idx = np.array(idx)
+  rng = np.random.default_rng(seed)
+  t, top_k = idx.shape[1], idx.shape[-1]
+  nxt = np.broadcast_to((np.arange(t) // block_size + 1)[None, :, None], idx.shape[:3])
+  first_pad = np.argmax(idx == -1, axis=-1)
+  pick = (np.any(idx == -1, axis=-1) & (nxt < -(-t // block_size))
+          & (rng.random(idx.shape[:3]) < 0.3))
+  slot = np.arange(top_k) == first_pad[..., None]
+  return jnp.asarray(np.where(pick[..., None] & slot, nxt[..., None], idx).astype(np.int32))
+
+
+VARIANT_CASES = [
+    # T, HQ, HKV, D, C, K, dtype, fwd_queries, fwd_blocks_per_step
+    (1, 3, 1, 64, 16, 3, jnp.float32, 2, 1),
+    (63, 16, 1, 32, 16, 8, jnp.float32, 4, 1),
+    (65, 2, 2, 64, 16, 3, jnp.float32, 1, 2),
+    (300, 3, 1, 32, 16, 8, jnp.float16, 2, 2),
+    (65, 6, 2, 16, 8, 1, jnp.bfloat16, 4, 2),
+    (300, 16, 1, 16, 32, 3, jnp.float32, 8, 1),
+    (63, 3, 1, 32, 8, 3, jnp.float32, 8, 4),
+]
+
+
+def variant_id(case):
+  *shape, queries, per_step = case
+  return f"{case_id(tuple(shape))}-q{queries}-b{per_step}"
+
+
+@pytest.mark.parametrize("case", VARIANT_CASES, ids=[variant_id(c) for c in VARIANT_CASES])
+def test_forward_variants_match_reference(case):
+  """Multi-query programs (`fwd_queries`, T not a multiple of it: clamped tail) and multi-block
+  steps (`fwd_blocks_per_step`, K not a multiple of it: masked tail slots), on -1 padding, rows
+  without a visible key and future blocks: output and lse against the reference."""
+  t, hq, hkv, d, c, top_k, dtype, queries, per_step = case
+  q, k, v, _ = make_inputs(t + 1000, 1, t, hq, hkv, d, dtype)
+  idx = with_future_blocks(random_indices(t + 1000, 1, t, hkv, top_k, c), c, t)
+  scale = d ** -0.5
+  config = attn.SparseAttentionConfig(fwd_queries=queries, fwd_blocks_per_step=per_step)
+  tk = -(-t // c) * c
+  pad = ((0, 0), (0, tk - t), (0, 0), (0, 0))
+
+  def forward(q, k, v, idx):
+    return attn._forward(q.reshape(1, t, hkv, hq // hkv, d), jnp.pad(k, pad), jnp.pad(v, pad), idx,
+                         block_size=c, scale=scale, interpret=True, config=config)
+
+  o5, lse = jax.jit(forward)(q, k, v, idx)
+  out = o5.reshape(1, t, hq, d)
+  want = reference_value_and_grads(q, k, v, idx, q, c, scale)[0]
+  assert out.dtype == dtype
+  assert_matches([out], [want], dtype)
+  lse = np.asarray(lse).reshape(1, t, hq)
+  want_lse = np.asarray(reference_lse(q, k, idx, c, scale))
+  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+  assert not np.any(np.isnan(lse))
+  finite = np.isfinite(want_lse)
+  np.testing.assert_allclose(lse[finite], want_lse[finite], atol=tol.OUTPUT_ATOL[jnp.float32],
+                             rtol=tol.OUTPUT_RTOL[jnp.float32])
+
+
+def test_forward_variant_gradients_match_reference():
+  """The backward kernels run on the lse of a 4-query, 2-block-step forward."""
+  t, hq, hkv, d, c, top_k = 67, 6, 2, 32, 16, 3
+  q, k, v, do = make_inputs(21, 1, t, hq, hkv, d, jnp.float32)
+  idx = random_indices(21, 1, t, hkv, top_k, c)
+  config = attn.SparseAttentionConfig(fwd_queries=4, fwd_blocks_per_step=2)
+  got = jax.jit(lambda *a: value_and_grads(pallas_fn(c, 0.3, config), *a))(q, k, v, idx, do)
+  assert_matches(got, reference_value_and_grads(q, k, v, idx, do, c, 0.3), jnp.float32)
+
+
+def test_default_config_keeps_one_query_one_block_forward():
+  """The forward variants are opt-in: every default runs today's kernel."""
+  assert attn.SparseAttentionConfig().fwd_queries == 1
+  assert attn.SparseAttentionConfig().fwd_blocks_per_step == 1
+  for d, g, top_k in ((64, 16, 8), (128, 16, 32), (48, 3, 1)):
+    config = attn.SparseAttentionConfig.default(head_dim=d, group=g, top_k=top_k, block_size=64)
+    assert (config.fwd_queries, config.fwd_blocks_per_step) == (1, 1)
 
 
 _SHARDED_SCRIPT = textwrap.dedent("""
