@@ -175,6 +175,10 @@ class SelectionConfig:
     candidate slots per level, `candidates` = NC = next power of two >= max(beam * g, 16).
 
     Measured on the H200 (2026-11-29, Table 4 setting unless named; ms):
+    - Session 5, after the compacted leaf loop and the walk's shifts, 16K / 128K / 1M: fused
+      0.606 / 5.57 / 56.8, two-stage Q4 0.826 / 6.85 / 60.6, Q8 0.866 / 7.15 / 63.0; the fused
+      kernel with one pipelining stage 0.807 / 7.62 / 73.9, with three 0.758 / 7.29 (16K /
+      128K), with two leaves per iteration 0.692 / 6.29.
     - Session 3, after the leaner walk levels and the rank top-k at NC = 16, whole selection at
       16K / 128K / 1M: fused 0.753 / 6.84 / 64.4, two-stage Q4 0.869 / 7.37 / 64.8, Q8 0.916 /
       7.70 / 67.4 (the fused kernel scores its 16 candidate leaves right after its walk, with the
