@@ -5,9 +5,9 @@ Every side gets the same random valid causal block indices (sorted, unique, curr
 
   python benchmarks/bench_attention.py --mode check   # GPU correctness at moderate T + tile sweep
   python benchmarks/bench_attention.py --mode bench   # the side-by-side table, JSON + PNG
-  python benchmarks/bench_attention.py --mode bench --fwd-probes q2,q4,b2,q2b2 --real-indices
-      # also forward variants (config probes) beside the default forward, and every forward again
-      # on indices with PISA's forced blocks (0, cur-1, cur), fla's forward included
+  python benchmarks/bench_attention.py --mode bench --fwd-probes s1,w4 --real-indices --fwd-only
+      # also forward launch variants (config probes) beside the default forward, and every
+      # forward again on indices with PISA's forced blocks (0, cur-1, cur), fla's forward included
 
 Results go to $OUT (or benchmarks/results/) as attention.json and attention.png (bench mode) or
 attention_check.json (check mode). Times are medians in milliseconds.
@@ -175,7 +175,7 @@ def check_mode(smoke: bool):
       same = all(bool(jnp.array_equal(a, b)) for a, b in zip(g, g2))
       log(name, {"max_abs": errs, "rel_l2": rel, "bitwise_repeat": same,
                  "finite": all(bool(jnp.all(jnp.isfinite(x))) for x in (o,) + tuple(g))})
-    except Exception as e:  # keep going: one failing case must not hide the others
+    except Exception:  # keep going: one failing case must not hide the others
       log(name + ".error", traceback.format_exc()[-1500:])
 
   log("bf16_matmul_tflops", matmul_tflops())
@@ -194,7 +194,7 @@ def check_mode(smoke: bool):
         log(f"sweep.d{d}.fwd.w{w}s{s}.ms", ms)
       except Exception as e:
         log(f"sweep.d{d}.fwd.w{w}s{s}.error", str(e)[-500:])
-    for w, s in ((4, 2), (8, 2), (4, 1), (4, 3)):
+    for w, s in ((4, 2), (8, 2), (4, 1), (4, 3), (2, 2), (2, 3), (1, 2)):
       cfg = dataclasses.replace(base, dq_num_warps=w, dq_num_stages=s)
       try:
         ms = time_component(cfg, "dq", q, k, v, do, idx, d)
@@ -217,7 +217,7 @@ def check_mode(smoke: bool):
       ms = time_jax(fwdbwd, q, k, v, idx, do)
       log(f"sweep.d{d}.fwdbwd_default.ms", ms)
       log(f"sweep.d{d}.fwdbwd_default.tflops", round(3.5 * fl / (ms * 1e-3) / 1e12, 1))
-    except Exception as e:
+    except Exception:
       log(f"sweep.d{d}.fwdbwd.error", traceback.format_exc()[-1500:])
     RESULTS.update(fla_times(q, k, v, do, idx, d, top_k, tag=f"sweep.d{d}"))
 
@@ -322,16 +322,17 @@ def layer_fwdbwd_fn(top_k: int):
 
 # ----------------------------------------------------------------------------- bench mode
 
-_PROBE_FIELDS = {"q": "fwd_queries", "b": "fwd_blocks_per_step", "s": "fwd_num_stages",
-                 "w": "fwd_num_warps"}
+# Session 5 also timed multi-query programs and several blocks per online-softmax step here
+# (WORKSPACE.md, "Attention on the H200"): neither helped, so the kernel lost those options.
+_PROBE_FIELDS = {"s": "fwd_num_stages", "w": "fwd_num_warps"}
 
 
 def parse_probe(name: str) -> dict:
-  """`q2b2` -> {fwd_queries: 2, fwd_blocks_per_step: 2}: q = fwd_queries, b = fwd_blocks_per_step,
-  s = fwd_num_stages, w = fwd_num_warps, changed on the setting's default config."""
+  """`s1w4` -> {fwd_num_stages: 1, fwd_num_warps: 4}: s = fwd_num_stages, w = fwd_num_warps,
+  changed on the setting's default config."""
   parts = re.findall(r"([a-z])(\d+)", name)
   if not parts or "".join(f"{c}{n}" for c, n in parts) != name:
-    raise ValueError(f"fwd probe {name!r} must be letter-number pairs, e.g. q2, b2, q2b2, q4s1")
+    raise ValueError(f"fwd probe {name!r} must be letter-number pairs, e.g. s1, w4, s3w4")
   unknown = [c for c, _ in parts if c not in _PROBE_FIELDS]
   if unknown:
     raise ValueError(f"fwd probe {name!r}: letters must be among {sorted(_PROBE_FIELDS)}")
@@ -493,8 +494,8 @@ def main():
                       help="start no new setting after this many seconds")
   parser.add_argument("--fwd-probes", default="",
                       help="comma-separated forward configs timed after the default forward, as "
-                           "changes of the default: q<n> fwd_queries, b<n> fwd_blocks_per_step, "
-                           "s<n> fwd_num_stages, w<n> fwd_num_warps (e.g. q2,q4,b2,q2b2,q2s1)")
+                           "changes of the default: s<n> fwd_num_stages, w<n> fwd_num_warps "
+                           "(e.g. s1,w4,s3w4)")
   parser.add_argument("--fwd-only", action="store_true",
                       help="forwards only (ours, probes, fla): no fwd+bwd, cuDNN, layer or XLA")
   parser.add_argument("--real-indices", action="store_true",

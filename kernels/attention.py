@@ -5,10 +5,9 @@ the forward kernel, the dq kernel (which also writes delta = rowsum(o * do)), th
 the dk/dv kernel and its deterministic reduction, then the `custom_vjp` op.
 
 Layout inside the kernels: q and o are viewed as `[B, T, HKV, G, D]` (a free reshape), so one
-program owns one query position (or `fwd_queries` consecutive ones, in turn, in the forward) and
-one KV head and loads the G query heads of that KV head at once: the `[G, D] x [D, C]` score tile
-feeds the tensor cores with M = G rows (padded to a power of two >= `min_rows`, padding rows
-masked). Key/value blocks are loaded as contiguous rows
+program owns one query position and one KV head and loads the G query heads of that KV head at
+once: the `[G, D] x [D, C]` score tile feeds the tensor cores with M = G rows (padded to a power of
+two >= `min_rows`, padding rows masked). Key/value blocks are loaded as contiguous rows
 `k_ref[pl.ds(pl.multiple_of(b * C, C), C), :]` after clamping the index into `[0, t // C]`; the
 clamped slots and keys after the query are masked, so -1 padding and future blocks contribute
 nothing (the rule of Eq. 6 and contract rule 8).
@@ -61,15 +60,6 @@ class SparseAttentionConfig:
     items_entries: most queries one dk/dv program handles for one key block; a block selected by
       more queries is split into several programs whose partials are summed in a fixed order.
     reduce_num_warps: launch of the partial-sum kernel.
-    fwd_queries: consecutive query positions one forward program handles, one after another
-      (1, 2, 4 or 8). Neighbouring queries share blocks (always the current one; with PISA's
-      selections also the forced blocks 0 and cur-1), so the second query's loads of a shared
-      block can hit the SM's L1 instead of L2. Each query keeps its own online-softmax state.
-      With fwd_num_stages >= 2 Triton 3.6 pipelines the key/value loads as `cp.async.cg`, which
-      caches in L2 only (its sm_90a PTX); with 1 stage they are plain `ld.global` through L1.
-    fwd_blocks_per_step: selected blocks per iteration of the forward loop (1, 2 or 4): their
-      loads are issued together, their logits share one running-max update and one rescale of
-      the accumulator.
   """
 
   min_rows: int = 16
@@ -82,14 +72,8 @@ class SparseAttentionConfig:
   dkv_num_stages: int = 2
   items_entries: int = 512
   reduce_num_warps: int = 4
-  fwd_queries: int = 1
-  fwd_blocks_per_step: int = 1
 
   def __post_init__(self):
-    if self.fwd_queries not in (1, 2, 4, 8):
-      raise ValueError(f"fwd_queries={self.fwd_queries} must be one of 1, 2, 4, 8")
-    if self.fwd_blocks_per_step not in (1, 2, 4):
-      raise ValueError(f"fwd_blocks_per_step={self.fwd_blocks_per_step} must be one of 1, 2, 4")
     for name in ("min_rows", "dkv_rows"):
       value = getattr(self, name)
       if value < 1 or value & (value - 1):
@@ -103,14 +87,16 @@ class SparseAttentionConfig:
     """Heuristic defaults, from a sweep on the H200 at N=16K, HQ=32, HKV=2 (WORKSPACE.md).
 
     Forward: 2 warps beat 4 and 8 (0.54 vs 0.66 / 1.11 ms at d=64, K=8; 3.81 vs 4.11 / 6.29 ms at
-    d=128, K=32), 2 stages beat 1. dq: 4 warps, 2 stages. dk/dv: 64 rows (4 queries of a group of
-    16) and 4 warps beat 32 or 128 rows and 8 warps at both head dims.
+    d=128, K=32), 2 stages beat 1. dq: 4 warps beat 8 (0.66 vs 0.92 ms at d=64; 4.30 vs 5.66 at
+    d=128) and 2 stages beat 1; 2 warps, the forward's shape (same loads, 128 registers, no
+    spills), is session 5's choice (WORKSPACE.md has the timing). dk/dv: 64 rows (4 queries of a
+    group of 16) and 4 warps beat 32 or 128 rows and 8 warps at both head dims; 2 warps spill.
     """
     del head_dim
     return cls(
         fwd_num_warps=2,
         fwd_num_stages=2,
-        dq_num_warps=4,
+        dq_num_warps=2,
         dq_num_stages=2,
         dkv_rows=max(64, next_pow2(group)),
         dkv_num_warps=4,
@@ -154,21 +140,16 @@ def _dot_precision(dtype):
   return lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
-def _block_slot(idx_ref, t, i, block_size: int, top_k: int | None = None):
+def _block_slot(idx_ref, t, i, block_size: int):
   """Block start and visibility mask for slot i of query t.
 
   Returns the clamped start row (a valid, aligned block at or before the query's block) and the
   `[C]` mask of keys j <= t inside a real selected block: -1 padding and blocks after the query's
-  own block are invalid; the clamp keeps every load in bounds. Given `top_k`, slot i may run past
-  the last slot (the tail of a multi-block forward step): it reads the last slot and is invalid.
+  own block are invalid; the clamp keeps every load in bounds.
   """
   cur = t // block_size
-  if top_k is None:
-    blk = idx_ref[t, i]
-    valid = (blk >= 0) & (blk <= cur)
-  else:
-    blk = idx_ref[t, jnp.minimum(i, top_k - 1)]
-    valid = (i < top_k) & (blk >= 0) & (blk <= cur)
+  blk = idx_ref[t, i]
+  valid = (blk >= 0) & (blk <= cur)
   start = pl.multiple_of(jnp.clip(blk, 0, cur) * block_size, block_size)
   key_pos = start + jnp.arange(block_size)
   visible = valid & (key_pos <= t)
@@ -179,72 +160,43 @@ def _block_slot(idx_ref, t, i, block_size: int, top_k: int | None = None):
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, lse_ref, *, block_size: int, scale: float,
-                group: int, rows: int, top_k: int, queries: int, blocks_per_step: int):
-  """One program: `queries` consecutive query positions from t0 = program 0 * queries, KV head h.
-
-  q_ref `[T, G, D]`, k_ref/v_ref `[Tk, D]`. The queries run one after another, each with its own
-  online softmax; a position past the end is clamped to T - 1, whose rows it then computes and
-  writes again with the same values (the same program, in order), so no store leaves the array.
-  """
-  num_queries = q_ref.shape[0]
+                group: int, rows: int, top_k: int):
+  """One program: query position t, KV head h. q_ref `[T, G, D]`, k_ref/v_ref `[Tk, D]`."""
+  t = pl.program_id(0)
+  # [R, D]
+  b_q = _load_rows(q_ref, t, group, rows)
+  precision = _dot_precision(b_q.dtype)
   qk_scale = scale * _LOG2E
-  # Slots past top_k exist only when the last step of `blocks_per_step` blocks is partial.
-  slot_bound = top_k if top_k % blocks_per_step else None
+  d = b_q.shape[-1]
 
-  def one_query(t):
-    # [R, D]
-    b_q = _load_rows(q_ref, t, group, rows)
-    precision = _dot_precision(b_q.dtype)
-    d = b_q.shape[-1]
+  def body(i, carry):
+    b_m, b_l, b_acc = carry
+    start, visible = _block_slot(idx_ref, t, i, block_size)
+    # [C, D]
+    b_k = k_ref[pl.ds(start, block_size), :]
+    b_v = v_ref[pl.ds(start, block_size), :]
+    # [R, C]: base-2 logits, Eq. 6 masked to the visible keys.
+    b_s = jnp.dot(b_q, b_k.T, precision=precision, preferred_element_type=jnp.float32) * qk_scale
+    b_s = jnp.where(visible[None, :], b_s, -jnp.inf)
+    m_new = jnp.maximum(b_m, jnp.max(b_s, axis=1))
+    # Until a row has seen a visible key its max is -inf; shift by 0 so no inf - inf appears.
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(b_m - m_use)
+    b_p = jnp.exp2(b_s - m_use[:, None])
+    b_l = b_l * alpha + jnp.sum(b_p, axis=1)
+    b_acc = b_acc * alpha[:, None] + jnp.dot(
+        b_p.astype(b_v.dtype), b_v, precision=precision, preferred_element_type=jnp.float32)
+    return m_new, b_l, b_acc
 
-    def body(i, carry):
-      b_m, b_l, b_acc = carry
-      slot_ids = [i] if blocks_per_step == 1 else [i * blocks_per_step + j
-                                                   for j in range(blocks_per_step)]
-      slots = [_block_slot(idx_ref, t, slot, block_size, slot_bound) for slot in slot_ids]
-      # [C, D] each; every load of the step is issued before the first dot.
-      b_ks = [k_ref[pl.ds(start, block_size), :] for start, _ in slots]
-      b_vs = [v_ref[pl.ds(start, block_size), :] for start, _ in slots]
-      # [R, C] each: base-2 logits, Eq. 6 masked to the visible keys.
-      b_ss = []
-      for (_, visible), b_k in zip(slots, b_ks):
-        b_s = jnp.dot(b_q, b_k.T, precision=precision,
-                      preferred_element_type=jnp.float32) * qk_scale
-        b_ss.append(jnp.where(visible[None, :], b_s, -jnp.inf))
-      # One running-max update and one rescale for all blocks of the step.
-      m_new = functools.reduce(jnp.maximum, [jnp.max(b_s, axis=1) for b_s in b_ss], b_m)
-      # Until a row has seen a visible key its max is -inf; shift by 0 so no inf - inf appears.
-      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      alpha = jnp.exp2(b_m - m_use)
-      b_ps = [jnp.exp2(b_s - m_use[:, None]) for b_s in b_ss]
-      b_l = b_l * alpha + functools.reduce(jnp.add, [jnp.sum(b_p, axis=1) for b_p in b_ps])
-      b_acc = b_acc * alpha[:, None]
-      for b_p, b_v in zip(b_ps, b_vs):
-        b_acc = b_acc + jnp.dot(b_p.astype(b_v.dtype), b_v, precision=precision,
-                                preferred_element_type=jnp.float32)
-      return m_new, b_l, b_acc
-
-    init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
-            jnp.zeros((rows, d), jnp.float32))
-    num_steps = -(-top_k // blocks_per_step)
-    b_m, b_l, b_acc = lax.fori_loop(0, num_steps, body, init)
-    # A row with no visible key has l = 0 and acc = 0: it gets zeros (contract rule 8), lse = -inf.
-    has_key = b_l > 0
-    b_o = b_acc / jnp.where(has_key, b_l, 1.0)[:, None]
-    b_lse = jnp.where(has_key, (b_m + jnp.log2(jnp.where(has_key, b_l, 1.0))) * _LN2, -jnp.inf)
-    _store_rows(o_ref, t, b_o.astype(o_ref.dtype), group, rows)
-    _store_rows(lse_ref, t, b_lse, group, rows)
-
-  if queries == 1:
-    one_query(pl.program_id(0))
-  else:
-    t0 = pl.program_id(0) * queries
-
-    def query_body(p, carry):
-      one_query(jnp.minimum(t0 + p, num_queries - 1))
-      return carry
-
-    lax.fori_loop(0, queries, query_body, 0)
+  init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
+          jnp.zeros((rows, d), jnp.float32))
+  b_m, b_l, b_acc = lax.fori_loop(0, top_k, body, init)
+  # A row with no visible key has l = 0 and acc = 0: it gets zeros (contract rule 8), lse = -inf.
+  has_key = b_l > 0
+  b_o = b_acc / jnp.where(has_key, b_l, 1.0)[:, None]
+  b_lse = jnp.where(has_key, (b_m + jnp.log2(jnp.where(has_key, b_l, 1.0))) * _LN2, -jnp.inf)
+  _store_rows(o_ref, t, b_o.astype(o_ref.dtype), group, rows)
+  _store_rows(lse_ref, t, b_lse, group, rows)
 
 
 def _query_grid_specs(t: int, tk: int, g: int, d: int, top_k: int):
@@ -265,12 +217,11 @@ def _forward(q5, k, v, block_indices, *, block_size, scale, interpret, config):
   top_k = block_indices.shape[-1]
   rows = max(config.min_rows, next_pow2(g))
   kernel = functools.partial(_fwd_kernel, block_size=block_size, scale=scale, group=g, rows=rows,
-                             top_k=top_k, queries=config.fwd_queries,
-                             blocks_per_step=config.fwd_blocks_per_step)
+                             top_k=top_k)
   q_spec, kv_spec, idx_spec, lse_spec = _query_grid_specs(t, tk, g, d, top_k)
   call = pl.pallas_call(
       kernel,
-      grid=(-(-t // config.fwd_queries), hkv, b),
+      grid=(t, hkv, b),
       in_specs=[q_spec, kv_spec, kv_spec, idx_spec],
       out_specs=[q_spec, lse_spec],
       out_shape=[jax.ShapeDtypeStruct(q5.shape, q5.dtype),
