@@ -89,7 +89,8 @@ class SparseAttentionConfig:
     Forward: 2 warps beat 4 and 8 (0.54 vs 0.66 / 1.11 ms at d=64, K=8; 3.81 vs 4.11 / 6.29 ms at
     d=128, K=32), 2 stages beat 1. dq: 4 warps beat 8 (0.66 vs 0.92 ms at d=64; 4.30 vs 5.66 at
     d=128) and 2 stages beat 1; 2 warps, the forward's shape (same loads, 128 registers, no
-    spills), is session 5's choice (WORKSPACE.md has the timing). dk/dv: 64 rows (4 queries of a
+    spills), beat 4 in session 5: 0.545 vs 0.649 ms at d=64, 3.93 vs 4.32 at d=128 (16K), which
+    took forward + backward to 1.51-1.54x fla at 64K-128K. dk/dv: 64 rows (4 queries of a
     group of 16) and 4 warps beat 32 or 128 rows and 8 warps at both head dims; 2 warps spill.
     """
     del head_dim
