@@ -13,7 +13,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || return 1
 fi
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site . || return 1
+# --upgrade: a warm machine keeps /tmp/site between calls, and pip would keep its older copy.
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir \
+  --upgrade --target /tmp/site . || return 1
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
