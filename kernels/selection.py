@@ -105,6 +105,12 @@ class SelectionConfig:
     walk_online_lse: the gathered walk ("pisa") folds each child's logits into a running
       log-sum-exp instead of keeping all g children's logits (same scores up to rounding, fewer
       registers, so more programs per SM for this latency-bound kernel; untimed, hence off).
+    walk_pair_lse: at g = 2 with the "pisa" selector, the walk scores a candidate from its two
+      children's logits as max + log(1 + exp(-|z0 - z1|)) (Eq. 21 for a pair: one exponential and
+      one logarithm per head instead of two and one, no running-max bookkeeping): 896 -> 820 SASS
+      instructions per level of the fused kernel, but 133 registers instead of 126 (15 programs
+      per SM instead of 16). Untimed, hence off. Other branchings and selectors use the general
+      reduction (`_reduce_children`); the scores agree up to float32 rounding.
     leaf_wide_loads: the leaf-tile kernel loads its query and key rows as whole contiguous rows
       (128-bit loads; D a power of two) instead of element by element with a column clamp: 15%
       fewer instructions, 18 more registers (95 -> 113 at d = 64, one program per SM less).
@@ -132,6 +138,7 @@ class SelectionConfig:
   walk_dense_q_tile: int = 4
   walk_dense_warps: int = 4
   walk_online_lse: bool = False
+  walk_pair_lse: bool = False
   leaf_wide_loads: bool = True
   fused_compact_leaves: bool = True
   fused_leaf_unroll: int = 1
@@ -162,6 +169,9 @@ class SelectionConfig:
     if self.fused_leaf_unroll != 1 and not self.fused_compact_leaves:
       raise ValueError(f"fused_leaf_unroll={self.fused_leaf_unroll} needs fused_compact_leaves=True "
                        "(it unrolls the compacted leaf loop)")
+    if self.walk_pair_lse and self.walk_online_lse:
+      raise ValueError("walk_pair_lse=True and walk_online_lse=True are two ways to reduce the "
+                       "children's logits: choose one")
     if self.leaf_window < 0:
       raise ValueError(f"leaf_window={self.leaf_window} must be >= 0 (0: no windows)")
     if self.bsa_block_tile < _MIN_DOT:
@@ -256,6 +266,22 @@ def _summary_logits(a, s_ref, rows, m_row, geo: "_Geometry"):
     return (_qk(a, _load_rows(s_ref, 2 * rows, m_row, geo), "native")
             + _qk(a, _load_rows(s_ref, 2 * rows + 1, m_row, geo), "native"))
   return _qk(a, _load_rows(s_ref, rows, m_row, geo), geo.score_mode)
+
+
+def _pair_lse(z0, z1, m1, scale: float, approx_log: bool = False):
+  """Eq. 21 for a candidate with two children, `[Gp, N]` -> `[Gp, N]` per-head scores.
+
+  z0, z1: unscaled dot products with the first and second child; m1 `[N]`: the second child
+  exists. LSE(s * z0, s * z1) = s * max + ln(1 + e^(s * (min - max))), in base 2 with
+  c = s * log2(e). The first child exists whenever the candidate is valid; for an invalid
+  candidate (its loads masked to zero) the score is finite and unused, since every consumer
+  masks candidates by validity.
+  """
+  c = scale * _LOG2E
+  z1 = jnp.where(m1[None, :], z1, -jnp.inf)
+  hi, lo = jnp.maximum(z0, z1), jnp.minimum(z0, z1)
+  # lo = -inf (no second child): exp2(-inf) = 0 and the score is s * z0.
+  return hi * scale + _log2(1.0 + jnp.exp2((lo - hi) * c), approx_log) * _LN2
 
 
 def _log2(x, approx: bool):
@@ -578,7 +604,8 @@ def _first_scored_level(geo: _Geometry) -> int:
 
 
 def _walk_to_leaves(qgs, m_head, i_b, ts, i_h, s_ref, tab_ref, geo: _Geometry, topk_impl: str,
-                    init=None, first_level: int | None = None, online_lse: bool = False):
+                    init=None, first_level: int | None = None, online_lse: bool = False,
+                    pair_lse: bool = False):
   """Stage 1 (Algorithm 1, lines 5-14): root -> level 2 for queries of one KV head.
 
   qgs: the queries' group heads, each `[Gp, Dp]`; ts: their positions (scalars). The levels are a
@@ -623,6 +650,9 @@ def _walk_to_leaves(qgs, m_head, i_b, ts, i_h, s_ref, tab_ref, geo: _Geometry, t
         acc = acc * jnp.exp2(m - m_safe) + jnp.exp2(z - m_safe)
         m = m_new
       per_head = (jnp.where(m == -jnp.inf, 0.0, m) + _log2(acc, geo.approx_log)) * _LN2
+    elif pair_lse and g == 2 and geo.selector == "pisa":
+      (z0, _), (z1, m1) = child_logits(0), child_logits(1)
+      per_head = _pair_lse(z0, z1, m1, geo.scale, geo.approx_log)
     else:
       zs, masks = zip(*(child_logits(j) for j in range(g)))
       per_head = _reduce_children(list(zs), list(masks), geo.selector, geo.scale, geo.approx_log)
@@ -772,7 +802,8 @@ def _leaf_needs_score(cand, t, geo: _Geometry):
 
 
 def _walk_kernel(q_ref, s_ref, tab_ref, *refs, geo: _Geometry, topk_impl: str, q_tile: int,
-                 first_level: int | None = None, online_lse: bool = False):
+                 first_level: int | None = None, online_lse: bool = False,
+                 pair_lse: bool = False):
   """Stage 1: one program per (tile of q_tile consecutive queries, KV head); writes each query's
   leaf candidates `[NC]`. refs: (cand_ref,), or (init_ref, cand_ref) to start from the
   candidates `[B*T*HKV, NC]` at level `first_level` that `_walk_top_kernel` wrote."""
@@ -789,7 +820,7 @@ def _walk_kernel(q_ref, s_ref, tab_ref, *refs, geo: _Geometry, topk_impl: str, q
     init = [plt.load(init_ref.at[jnp.full((geo.nc,), (i_b * geo.seq_len + t) * geo.hkv + i_h,
                                           jnp.int32), slot]) for t in ts]
   cands = _walk_to_leaves(qgs, m_head, i_b, ts, i_h, s_ref, tab_ref, geo, topk_impl, init=init,
-                          first_level=first_level, online_lse=online_lse)
+                          first_level=first_level, online_lse=online_lse, pair_lse=pair_lse)
   for t, t_clamped, cand in zip(t_raw, ts, cands):
     row = (i_b * geo.seq_len + t_clamped) * geo.hkv + i_h
     if q_tile == 1:
@@ -839,7 +870,7 @@ def _final_select(cand, score, t, geo: _Geometry, topk_impl: str):
 
 
 def _fused_kernel(q_ref, k_ref, s_ref, tab_ref, out_ref, *, geo: _Geometry, topk_impl: str,
-                  compact_leaves: bool, leaf_unroll: int = 1):
+                  compact_leaves: bool, leaf_unroll: int = 1, pair_lse: bool = False):
   """Per-query variant: all levels, the leaves included, for one (query, KV head).
 
   compact_leaves: the leaf loop runs once per candidate that needs a score (iteration c scores
@@ -855,7 +886,8 @@ def _fused_kernel(q_ref, k_ref, s_ref, tab_ref, out_ref, *, geo: _Geometry, topk
   i_b, i_h = i_bh // geo.hkv, i_bh % geo.hkv
   m_head = jnp.arange(geo.gp) < geo.group
   qg = _load_group_queries(q_ref, geo, i_b, t, i_h, geo.gp)
-  (cand,) = _walk_to_leaves([qg], m_head, i_b, [t], i_h, s_ref, tab_ref, geo, topk_impl)
+  (cand,) = _walk_to_leaves([qg], m_head, i_b, [t], i_h, s_ref, tab_ref, geo, topk_impl,
+                            pair_lse=pair_lse)
   need, _, _ = _leaf_needs_score(cand, t, geo)
   slot = jnp.arange(geo.nc)
 
@@ -1125,6 +1157,11 @@ def _stacked(summaries, geo: _Geometry, dtype):
   return _summary_rows(jnp.concatenate([s.reshape(-1, d) for s in used], axis=0), geo, dtype)
 
 
+def _uses_pair_lse(config: SelectionConfig, geo: _Geometry) -> bool:
+  """`walk_pair_lse` applies to Eq. 21 with two children; other walks reduce as usual."""
+  return config.walk_pair_lse and geo.branching == 2 and geo.selector == "pisa"
+
+
 def leaf_candidates_pallas(q, k, summaries, geo: _Geometry, *, interpret: bool,
                            config: SelectionConfig) -> Int[Array, "R NC"]:
   """Stage 1 alone: level-1 candidates `[B*T*HKV, NC]` (exposed for the benchmark's breakdown).
@@ -1134,6 +1171,7 @@ def leaf_candidates_pallas(q, k, summaries, geo: _Geometry, *, interpret: bool,
   """
   b, t, hq, d = q.shape
   rows = b * t * geo.hkv
+  pair_lse = _uses_pair_lse(config, geo)
   stacked, table = _stacked(summaries, geo, q.dtype), _level_table(geo)
   stop = _dense_stop_level(geo, config.walk_dense_nodes) if config.walk_dense_nodes else 0
   init, first_level = (), None
@@ -1152,9 +1190,10 @@ def leaf_candidates_pallas(q, k, summaries, geo: _Geometry, *, interpret: bool,
   grid = b * geo.hkv * -(-t // q_tile)
   name = "pisa_select_walk" + ("_rank" if config.topk_impl == "rank" else "") + (
       f"_q{q_tile}" if q_tile > 1 else "") + (f"_from{first_level}" if first_level else "") + (
-          "_olse" if config.walk_online_lse else "")
+          "_olse" if config.walk_online_lse else "") + ("_plse" if pair_lse else "")
   return _call(functools.partial(_walk_kernel, geo=geo, topk_impl=config.topk_impl, q_tile=q_tile,
-                                 first_level=first_level, online_lse=config.walk_online_lse),
+                                 first_level=first_level, online_lse=config.walk_online_lse,
+                                 pair_lse=pair_lse),
                jax.ShapeDtypeStruct((rows, geo.nc), jnp.int32), grid, config, config.walk_warps,
                interpret, name, q.reshape(-1, d), stacked, table, *init)
 
@@ -1255,11 +1294,13 @@ def _select_pisa(q, k, geo: _Geometry, *, interpret: bool, config: SelectionConf
                                  interpret=interpret)
   rows = b * t * geo.hkv
   if config.variant == "fused":
+    pair_lse = _uses_pair_lse(config, geo)
     out = _call(functools.partial(_fused_kernel, geo=geo, topk_impl=config.topk_impl,
                                   compact_leaves=config.fused_compact_leaves,
-                                  leaf_unroll=config.fused_leaf_unroll),
+                                  leaf_unroll=config.fused_leaf_unroll, pair_lse=pair_lse),
                 jax.ShapeDtypeStruct((rows, geo.kp), jnp.int32), rows, config, config.walk_warps,
-                interpret, "pisa_select_fused" + ("_rank" if config.topk_impl == "rank" else ""),
+                interpret, "pisa_select_fused" + ("_rank" if config.topk_impl == "rank" else "")
+                + ("_plse" if pair_lse else ""),
                 q.reshape(-1, d), k.reshape(-1, d),
                 _stacked(pyramid.summaries, geo, q.dtype), _level_table(geo))
   else:

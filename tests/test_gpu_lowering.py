@@ -64,6 +64,8 @@ TWO_STAGE = dataclasses.replace(sel.SelectionConfig.default(seq_len=0, group=16)
      {"pisa_select_walk_dense_q4", "pisa_select_leaf_q8"}),
     ("pisa", dataclasses.replace(TWO_STAGE, walk_online_lse=True, topk_impl="passes"),
      {"pisa_select_walk_olse", "pisa_select_topk"}),
+    ("pisa", dataclasses.replace(sel.SelectionConfig.default(seq_len=0, group=16),
+                                 walk_pair_lse=True), {"pisa_select_fused_rank_plse"}),
     ("pisa2", None, {"pisa_select_fused_rank"}),
     ("bsa", None, {"bsa_select"}),
 ])

@@ -411,8 +411,37 @@ def test_dense_upper_walk_matches_reference(case):
          b=2 if t == 333 else 1)
 
 
+@pytest.mark.parametrize("t,variant,dtype", [(1000, "fused", jnp.float32),
+                                             (300, "two_stage", jnp.float32),
+                                             (333, "fused", jnp.bfloat16)])
+def test_pair_lse_walk_matches_reference(t, variant, dtype):
+  # Eq. 21 for two children as max + log(1 + exp(-|d|)); T = 1000 and 333 at C = 8 leave the last
+  # node of several levels with one child (the second child's -inf branch).
+  cfg = SelectionConfig(variant=variant, q_tile=4, walk_pair_lse=True, topk_impl="rank")
+  q, k = _inputs(0, t, 8, 2, 64, dtype, 1)
+  kw = dict(block_size=8, top_k=4, branching=2, selector="pisa", scale=0.125, beam=4)
+  assert any(n.endswith("_plse") for n in _kernel_names(q, k, cfg, **kw))
+  # Inapplicable (g = 3, or another selector): the general reduction runs.
+  assert not any(n.endswith("_plse") for n in _kernel_names(q, k, cfg, **{**kw, "branching": 3}))
+  assert not any(n.endswith("_plse")
+                 for n in _kernel_names(q, k, cfg, **{**kw, "selector": "pisa2"}))
+  _check(t, 8, 2, 64, 4, "pisa", block_size=8, config=cfg, dtype=dtype)
+
+
+def test_pair_lse_formula():
+  from pisa_jax.kernels.selection import _pair_lse
+
+  z0 = jax.random.normal(jax.random.PRNGKey(1), (16, 16)) * 30.0
+  z1 = jax.random.normal(jax.random.PRNGKey(2), (16, 16)) * 30.0
+  m1 = jnp.arange(16) % 3 != 0
+  got = _pair_lse(z0, z1, m1, 0.125)
+  want = jnp.where(m1[None, :], jnp.logaddexp(0.125 * z0, 0.125 * z1), 0.125 * z0)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=2e-6)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(topk_impl="sort"), "topk_impl"),
+    (dict(walk_pair_lse=True, walk_online_lse=True), "walk_pair_lse"),
     (dict(walk_q_tile=3), "walk_q_tile"),
     (dict(variant="fused", walk_q_tile=2), "walk_q_tile"),
     (dict(walk_dense_nodes=8), "walk_dense_nodes"),
