@@ -336,6 +336,13 @@ def parse_probe(name: str) -> dict:
   unknown = [c for c, _ in parts if c not in _PROBE_FIELDS]
   if unknown:
     raise ValueError(f"fwd probe {name!r}: letters must be among {sorted(_PROBE_FIELDS)}")
+  letters = [c for c, _ in parts]
+  if len(set(letters)) != len(letters):
+    raise ValueError(f"fwd probe {name!r} names a letter twice")
+  for c, n in parts:
+    # Triton launches 1-8 warps (a power of two) and pipelines over 1 or more stages.
+    if (c == "w" and int(n) not in (1, 2, 4, 8)) or (c == "s" and int(n) < 1):
+      raise ValueError(f"fwd probe {name!r}: {c}{n} must be w1, w2, w4, w8 or s1 and up")
   return {_PROBE_FIELDS[c]: int(n) for c, n in parts}
 
 

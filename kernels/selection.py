@@ -109,8 +109,9 @@ class SelectionConfig:
       children's logits as max + log(1 + exp(-|z0 - z1|)) (Eq. 21 for a pair: one exponential and
       one logarithm per head instead of two and one, no running-max bookkeeping): 896 -> 820 SASS
       instructions per level of the fused kernel, but 133 registers instead of 126 (15 programs
-      per SM instead of 16). Untimed, hence off. Other branchings and selectors use the general
-      reduction (`_reduce_children`); the scores agree up to float32 rounding.
+      per SM instead of 16). Untimed, hence off. Other branchings and selectors, and the dense
+      upper levels of `walk_dense_nodes`, use the general reduction (`_reduce_children`); the
+      scores agree up to float32 rounding.
     leaf_wide_loads: the leaf-tile kernel loads its query and key rows as whole contiguous rows
       (128-bit loads; D a power of two) instead of element by element with a column clamp: 15%
       fewer instructions, 18 more registers (95 -> 113 at d = 64, one program per SM less).
