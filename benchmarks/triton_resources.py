@@ -124,9 +124,10 @@ def _selection_case(n, top_k, d, beam=None, **changes):
   return jax.jit(fn), spec, cfg
 
 
-def _attention_case(n, top_k, d, **changes):
+def _attention_case(n, top_k, d, hkv=2, **changes):
+  """32 query heads on `hkv` KV heads: group 16 at the default 2, group 32 at 1."""
   cfg = dataclasses.replace(
-      attn.SparseAttentionConfig.default(head_dim=d, group=16, top_k=top_k, block_size=64),
+      attn.SparseAttentionConfig.default(head_dim=d, group=32 // hkv, top_k=top_k, block_size=64),
       **changes)
 
   def loss(q, k, v, idx):
@@ -135,9 +136,9 @@ def _attention_case(n, top_k, d, **changes):
     return jnp.sum(out.astype(jnp.float32))
 
   spec = (jax.ShapeDtypeStruct((1, n, 32, d), jnp.bfloat16),
-          jax.ShapeDtypeStruct((1, n, 2, d), jnp.bfloat16),
-          jax.ShapeDtypeStruct((1, n, 2, d), jnp.bfloat16),
-          jax.ShapeDtypeStruct((1, n, 2, top_k), jnp.int32))
+          jax.ShapeDtypeStruct((1, n, hkv, d), jnp.bfloat16),
+          jax.ShapeDtypeStruct((1, n, hkv, d), jnp.bfloat16),
+          jax.ShapeDtypeStruct((1, n, hkv, top_k), jnp.int32))
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2))), spec, cfg
 
 
@@ -147,6 +148,8 @@ CASES = {
     "sel.K32.d128": lambda **ch: _selection_case(65536, 32, 128, **ch),
     "attn.K8.d64": lambda **ch: _attention_case(16384, 8, 64, **ch),
     "attn.K32.d128": lambda **ch: _attention_case(16384, 32, 128, **ch),
+    "attn.K32.d128.g32": lambda **ch: _attention_case(16384, 32, 128, hkv=1, **ch),
+    "attn.K8.d64.g32": lambda **ch: _attention_case(16384, 8, 64, hkv=1, **ch),
 }
 
 
