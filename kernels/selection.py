@@ -107,9 +107,10 @@ class SelectionConfig:
       registers, so more programs per SM for this latency-bound kernel; untimed, hence off).
     walk_pair_lse: at g = 2 with the "pisa" selector, the walk scores a candidate from its two
       children's logits as max + log(1 + exp(-|z0 - z1|)) (Eq. 21 for a pair: one exponential and
-      one logarithm per head instead of two and one, no running-max bookkeeping): 896 -> 820 SASS
-      instructions per level of the fused kernel, but 133 registers instead of 126 (15 programs
-      per SM instead of 16). Untimed, hence off. Other branchings and selectors, and the dense
+      one logarithm per head instead of two and one, no running-max bookkeeping): 669 -> 587 SASS
+      instructions per level of the fused kernel, 94 registers instead of 91 (both 20 programs
+      per SM, then bound by shared memory; offline, session 5). Untimed, hence off. Other
+      branchings and selectors, and the dense
       upper levels of `walk_dense_nodes`, use the general reduction (`_reduce_children`); the
       scores agree up to float32 rounding.
     leaf_wide_loads: the leaf-tile kernel loads its query and key rows as whole contiguous rows
@@ -433,29 +434,47 @@ def _keep_and_expand(cand, valid, forced, score, keep: int, branching: int, widt
   return lax.fori_loop(0, min(keep, width // branching), pick_one, init)[1]
 
 
-def _rank_keep(cand, valid, forced, score, keep: int):
+def _rank_keep(cand, valid, forced, score, keep: int, by_column: bool = False):
   """Select_K of Eq. 17 with the forced-node rule, by rank: `[..., N]` -> (kept, rank).
 
   The same set as `_top_mask`: the order is score descending (forced nodes, and every node when at
   most `keep` are valid, count as +inf) with ties to the lower node id, a strict total order on the
   valid candidates (their ids are distinct). rank_i = #{valid j before i in that order}, from one
-  broadcast compare `[..., N, N]` and one row-sum, so the valid ranks are 0..n_valid-1 and the kept
+  broadcast compare `[..., N, N]` and one sum, so the valid ranks are 0..n_valid-1 and the kept
   nodes are those ranked below `keep`.
+
+  by_column: candidate i is the compare's column and the sum runs down the rows (axis -2), so the
+  rank comes out in the layout of a row vector `[..., None, :]`, the one `_expand_rank` broadcasts
+  it in; summed along the rows instead, Triton converts it between the two layouts. Same ranks.
+  Offline (session 5, K = 8, d = 64): the fused kernel's walk level 896 -> 669 SASS
+  instructions, its registers 126 -> 91 (16 -> 20 programs per SM); the beam-16 walk 168 -> 134
+  registers, the K = 32 walk 152 -> 144.
   """
   keep_all = jnp.sum(valid.astype(jnp.int32), axis=-1, keepdims=True) <= keep
   key = jnp.where(forced | keep_all, jnp.inf, score)
-  k_i, k_j = key[..., :, None], key[..., None, :]
-  c_i, c_j = cand[..., :, None], cand[..., None, :]
-  before = valid[..., None, :] & ((k_j > k_i) | ((k_j == k_i) & (c_j < c_i)))
-  rank = jnp.sum(before.astype(jnp.int32), axis=-1)
+  if by_column:
+    k_i, k_j = key[..., None, :], key[..., :, None]
+    c_i, c_j = cand[..., None, :], cand[..., :, None]
+    before = valid[..., :, None] & ((k_j > k_i) | ((k_j == k_i) & (c_j < c_i)))
+    rank = jnp.sum(before.astype(jnp.int32), axis=-2)
+  else:
+    k_i, k_j = key[..., :, None], key[..., None, :]
+    c_i, c_j = cand[..., :, None], cand[..., None, :]
+    before = valid[..., None, :] & ((k_j > k_i) | ((k_j == k_i) & (c_j < c_i)))
+    rank = jnp.sum(before.astype(jnp.int32), axis=-1)
   return valid & (rank < keep), rank
 
 
-def _sorted_kept_rank(cand, taken, width: int):
+def _sorted_kept_rank(cand, taken, width: int, by_column: bool = False):
   """`_sorted_kept` in one pass: a kept node's output slot is its rank by node id among the kept
-  (ids are distinct), read back with a one-hot max. `[..., N]` -> `[..., width]`, -1 padded."""
-  before = taken[..., None, :] & (cand[..., None, :] < cand[..., :, None])
-  pos = jnp.sum(before.astype(jnp.int32), axis=-1)
+  (ids are distinct), read back with a one-hot max. `[..., N]` -> `[..., width]`, -1 padded.
+  by_column: as in `_rank_keep`, the position comes out in the layout it is read back in."""
+  if by_column:
+    before = taken[..., :, None] & (cand[..., :, None] < cand[..., None, :])
+    pos = jnp.sum(before.astype(jnp.int32), axis=-2)
+  else:
+    before = taken[..., None, :] & (cand[..., None, :] < cand[..., :, None])
+    pos = jnp.sum(before.astype(jnp.int32), axis=-1)
   slot = lax.broadcasted_iota(jnp.int32, cand.shape[:-1] + (width, 1), cand.ndim - 1)
   hit = taken[..., None, :] & (pos[..., None, :] == slot)
   return jnp.max(jnp.where(hit, cand[..., None, :], -1), axis=-1)
@@ -473,7 +492,7 @@ def _expand_rank(cand, taken, rank, branching: int, width: int):
 def _select_and_expand(cand, valid, forced, score, geo: "_Geometry", topk_impl: str):
   """One level's Select_K (keep = beam) and Eq. 18 expansion to `[NC]` child candidates."""
   if topk_impl == "rank":
-    taken, rank = _rank_keep(cand, valid, forced, score, geo.beam)
+    taken, rank = _rank_keep(cand, valid, forced, score, geo.beam, by_column=True)
     return _expand_rank(cand, taken, rank, geo.branching, geo.nc)
   return _keep_and_expand(cand, valid, forced, score, geo.beam, geo.branching, geo.nc)
 
@@ -859,13 +878,18 @@ def _leaf_scores_one(qg, m_head, leaf, valid, i_b, i_h, k_ref, geo: _Geometry):
   return jnp.sum(jnp.where(m_head, per_head, 0.0))
 
 
-def _final_select(cand, score, t, geo: _Geometry, topk_impl: str):
-  """Leaf Select_K (Eq. 17 at l = 1) and ascending order: `[..., NC]` -> `[..., KP]`."""
+def _final_select(cand, score, t, geo: _Geometry, topk_impl: str, by_column: bool = False):
+  """Leaf Select_K (Eq. 17 at l = 1) and ascending order: `[..., NC]` -> `[..., KP]`.
+
+  by_column (rank top-k): the layout choice of `_rank_keep`; the fused kernel's one-query select
+  is 88 SASS instructions shorter with it, the final top-k kernel's `[rows, NC]` select takes 4-6
+  more registers (offline, session 5), so each caller picks.
+  """
   need, valid, forced = _leaf_needs_score(cand, t, geo)
   score = jnp.where(need, score, 0.0)
   if topk_impl == "rank":
-    taken, _ = _rank_keep(cand, valid, forced, score, geo.top_k)
-    return _sorted_kept_rank(cand, taken, geo.kp)
+    taken, _ = _rank_keep(cand, valid, forced, score, geo.top_k, by_column=by_column)
+    return _sorted_kept_rank(cand, taken, geo.kp, by_column=by_column)
   taken = _top_mask(cand, valid, forced, score, geo.top_k)
   return _sorted_kept(cand, taken, geo.kp)
 
@@ -920,7 +944,7 @@ def _fused_kernel(q_ref, k_ref, s_ref, tab_ref, out_ref, *, geo: _Geometry, topk
       return jnp.where(slot == c, s, scores)
 
     scores = lax.fori_loop(0, geo.nc, score_leaf, jnp.zeros((geo.nc,), jnp.float32))
-  out = _final_select(cand[None, :], scores[None, :], t, geo, topk_impl)
+  out = _final_select(cand[None, :], scores[None, :], t, geo, topk_impl, by_column=True)
   row = (i_b * geo.seq_len + t) * geo.hkv + i_h
   out_ref[pl.ds(row, 1), :] = out
 

@@ -430,6 +430,27 @@ def test_pair_lse_walk_matches_reference(t, variant, dtype, topk_impl):
   _check(t, 8, 2, 64, 4, "pisa", block_size=8, config=cfg, dtype=dtype)
 
 
+@pytest.mark.parametrize("shape", [(16,), (3, 16), (2, 32)])
+def test_rank_by_column_equals_by_row(shape):
+  # The two layouts of the rank top-k compute the same ranks, kept sets and sorted outputs, ties
+  # (equal scores, several forced nodes, fewer valid nodes than keep) included.
+  from pisa_jax.kernels.selection import _rank_keep, _sorted_kept_rank
+
+  rng = np.random.default_rng(0)
+  for _ in range(20):
+    cand = jnp.asarray(rng.permutation(100)[:shape[-1]] * np.ones(shape, np.int64), jnp.int32)
+    valid = jnp.asarray(rng.random(shape) < 0.8)
+    forced = valid & jnp.asarray(rng.random(shape) < 0.15)
+    score = jnp.asarray(rng.integers(0, 4, shape).astype(np.float32))  # many exact ties
+    keep = int(rng.integers(1, shape[-1]))
+    taken_r, rank_r = _rank_keep(cand, valid, forced, score, keep)
+    taken_c, rank_c = _rank_keep(cand, valid, forced, score, keep, by_column=True)
+    np.testing.assert_array_equal(np.asarray(taken_r), np.asarray(taken_c))
+    np.testing.assert_array_equal(np.where(valid, rank_r, -1), np.where(valid, rank_c, -1))
+    np.testing.assert_array_equal(np.asarray(_sorted_kept_rank(cand, taken_r, 8)),
+                                  np.asarray(_sorted_kept_rank(cand, taken_c, 8, by_column=True)))
+
+
 def test_pair_lse_formula():
   from pisa_jax.kernels.selection import _pair_lse
 
