@@ -110,9 +110,8 @@ class SelectionConfig:
       one logarithm per head instead of two and one, no running-max bookkeeping): 669 -> 587 SASS
       instructions per level of the fused kernel, 94 registers instead of 91 (both 20 programs
       per SM, then bound by shared memory; offline, session 5). Untimed, hence off. Other
-      branchings and selectors, and the dense
-      upper levels of `walk_dense_nodes`, use the general reduction (`_reduce_children`); the
-      scores agree up to float32 rounding.
+      branchings and selectors, and the dense upper levels of `walk_dense_nodes`, use the
+      general reduction (`_reduce_children`); the scores agree up to float32 rounding.
     leaf_wide_loads: the leaf-tile kernel loads its query and key rows as whole contiguous rows
       (128-bit loads; D a power of two) instead of element by element with a column clamp: 15%
       fewer instructions, 18 more registers (95 -> 113 at d = 64, one program per SM less).
@@ -434,6 +433,14 @@ def _keep_and_expand(cand, valid, forced, score, keep: int, branching: int, widt
   return lax.fori_loop(0, min(keep, width // branching), pick_one, init)[1]
 
 
+def _pair_axes(by_column: bool):
+  """How an all-pairs compare over the last axis `[..., N]` lays out candidate i (whose count is
+  wanted) and candidate j (counted): (expand as i, expand as j, the axis to sum j over). By row,
+  i is the row of the `[..., N, N]` compare; by column, i is the column."""
+  rows, cols = (lambda x: x[..., :, None]), (lambda x: x[..., None, :])
+  return (cols, rows, -2) if by_column else (rows, cols, -1)
+
+
 def _rank_keep(cand, valid, forced, score, keep: int, by_column: bool = False):
   """Select_K of Eq. 17 with the forced-node rule, by rank: `[..., N]` -> (kept, rank).
 
@@ -452,16 +459,10 @@ def _rank_keep(cand, valid, forced, score, keep: int, by_column: bool = False):
   """
   keep_all = jnp.sum(valid.astype(jnp.int32), axis=-1, keepdims=True) <= keep
   key = jnp.where(forced | keep_all, jnp.inf, score)
-  if by_column:
-    k_i, k_j = key[..., None, :], key[..., :, None]
-    c_i, c_j = cand[..., None, :], cand[..., :, None]
-    before = valid[..., :, None] & ((k_j > k_i) | ((k_j == k_i) & (c_j < c_i)))
-    rank = jnp.sum(before.astype(jnp.int32), axis=-2)
-  else:
-    k_i, k_j = key[..., :, None], key[..., None, :]
-    c_i, c_j = cand[..., :, None], cand[..., None, :]
-    before = valid[..., None, :] & ((k_j > k_i) | ((k_j == k_i) & (c_j < c_i)))
-    rank = jnp.sum(before.astype(jnp.int32), axis=-1)
+  as_i, as_j, over_j = _pair_axes(by_column)
+  k_i, k_j, c_i, c_j = as_i(key), as_j(key), as_i(cand), as_j(cand)
+  before = as_j(valid) & ((k_j > k_i) | ((k_j == k_i) & (c_j < c_i)))
+  rank = jnp.sum(before.astype(jnp.int32), axis=over_j)
   return valid & (rank < keep), rank
 
 
@@ -469,12 +470,9 @@ def _sorted_kept_rank(cand, taken, width: int, by_column: bool = False):
   """`_sorted_kept` in one pass: a kept node's output slot is its rank by node id among the kept
   (ids are distinct), read back with a one-hot max. `[..., N]` -> `[..., width]`, -1 padded.
   by_column: as in `_rank_keep`, the position comes out in the layout it is read back in."""
-  if by_column:
-    before = taken[..., :, None] & (cand[..., :, None] < cand[..., None, :])
-    pos = jnp.sum(before.astype(jnp.int32), axis=-2)
-  else:
-    before = taken[..., None, :] & (cand[..., None, :] < cand[..., :, None])
-    pos = jnp.sum(before.astype(jnp.int32), axis=-1)
+  as_i, as_j, over_j = _pair_axes(by_column)
+  before = as_j(taken) & (as_j(cand) < as_i(cand))
+  pos = jnp.sum(before.astype(jnp.int32), axis=over_j)
   slot = lax.broadcasted_iota(jnp.int32, cand.shape[:-1] + (width, 1), cand.ndim - 1)
   hit = taken[..., None, :] & (pos[..., None, :] == slot)
   return jnp.max(jnp.where(hit, cand[..., None, :], -1), axis=-1)
@@ -670,7 +668,7 @@ def _walk_to_leaves(qgs, m_head, i_b, ts, i_h, s_ref, tab_ref, geo: _Geometry, t
         acc = acc * jnp.exp2(m - m_safe) + jnp.exp2(z - m_safe)
         m = m_new
       per_head = (jnp.where(m == -jnp.inf, 0.0, m) + _log2(acc, geo.approx_log)) * _LN2
-    elif pair_lse and g == 2 and geo.selector == "pisa":
+    elif pair_lse:  # callers pass it only where `_uses_pair_lse` (g = 2, "pisa")
       (z0, _), (z1, m1) = child_logits(0), child_logits(1)
       per_head = _pair_lse(z0, z1, m1, geo.scale, geo.approx_log)
     else:
