@@ -213,13 +213,19 @@ def check_mode(smoke: bool):
     try:
       ms = time_component(base, "index", q, k, v, do, idx, d)
       log(f"sweep.d{d}.inverted_index.ms", ms)
-      _, fwdbwd = ours_fns(d, base)
-      ms = time_jax(fwdbwd, q, k, v, idx, do)
-      log(f"sweep.d{d}.fwdbwd_default.ms", ms)
-      log(f"sweep.d{d}.fwdbwd_default.tflops", round(3.5 * fl / (ms * 1e-3) / 1e12, 1))
+      time_fwdbwd(f"sweep.d{d}.fwdbwd_default", d, base, q, k, v, idx, do, fl)
     except Exception:
       log(f"sweep.d{d}.fwdbwd.error", traceback.format_exc()[-1500:])
     RESULTS.update(fla_times(q, k, v, do, idx, d, top_k, tag=f"sweep.d{d}"))
+
+
+def time_fwdbwd(key, d, cfg, q, k, v, idx, do, fl):
+  """Times our forward + backward under `cfg`; logs `{key}.ms` and `{key}.tflops` (forward +
+  backward counted as 3.5 forwards' FLOPs)."""
+  _, fwdbwd = ours_fns(d, cfg)
+  ms = time_jax(fwdbwd, q, k, v, idx, do)
+  log(f"{key}.ms", ms)
+  log(f"{key}.tflops", round(3.5 * fl / (ms * 1e-3) / 1e12, 1))
 
 
 def time_component(cfg, which, q, k, v, do, idx, d):
@@ -403,10 +409,7 @@ def bench_mode(sizes, budget_s, out_path, smoke=False, only=frozenset(), probes=
     fwd = time_forwards(tag, q, k, v, idx, d, base, probes or {}, fl)
     if not fwd_only:
       try:
-        _, fwdbwd = ours_fns(d, base)
-        ms = time_jax(fwdbwd, q, k, v, idx, do)
-        log(f"{tag}.ours.fwdbwd.ms", ms)
-        log(f"{tag}.ours.fwdbwd.tflops", round(3.5 * fl / (ms * 1e-3) / 1e12, 1))
+        time_fwdbwd(f"{tag}.ours.fwdbwd", d, base, q, k, v, idx, do, fl)
       except Exception:
         log(f"{tag}.ours.fwdbwd.error", traceback.format_exc()[-800:])
     RESULTS.update(fla_times(q, k, v, do, idx_np, d, top_k, tag, ours_fwd=fwd,
@@ -509,9 +512,8 @@ def main():
                       help="also time the forwards (default, probes, fla) on indices with PISA's "
                            "forced blocks 0, cur-1, cur")
   args = parser.parse_args()
+  # A bad probe fails here, before any device time.
   probes = {name: parse_probe(name) for name in args.fwd_probes.split(",") if name}
-  for name, changes in probes.items():  # a bad probe fails here, before any device time
-    dataclasses.replace(attn.SparseAttentionConfig(), **changes)
   out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
   os.makedirs(out_dir, exist_ok=True)
   print("jax", jax.__version__, jax.devices(), flush=True)
