@@ -107,19 +107,19 @@ PROBES = {
     "pisa_q8_olse": dict(walk_online_lse=True),  # fewer walk registers (122 -> 106)
     "pisa_q8_dense64_olse": dict(walk_dense_nodes=64, walk_online_lse=True),
     "pisa_q8_narrow": dict(leaf_wide_loads=False),  # leaf tiles loaded element by element
-    # The fused default (K = 8) against its leaf loop over all 16 slots (session 4's compacted
-    # loop is untimed), and with a third pipelining stage for the leaf keys.
+    # The fused default (K = 8) against its leaf loop over all 16 slots, and with a third
+    # pipelining stage (session 5 at 128K: default 5.48, all slots 6.06, 3 stages 7.29 ms).
     "pisa_fused_allslots": dict(variant="fused", fused_compact_leaves=False),
     "pisa_fused_s3": dict(variant="fused", num_stages=3),
     # One stage: plain LDG loads (the 16-byte async copies of the pipelined loop bypass L1), so
     # the walk's upper levels, shared by every query, can hit in L1 (ncu at 128K: L1 hit rate
     # 0.04%, L2 70% busy).
     "pisa_fused_s1": dict(variant="fused", num_stages=1),
-    # Eq. 21 for two children as max + log(1 + exp(-|d|)): 820 instead of 896 SASS instructions
-    # per walk level, 133 registers instead of 126 (15 programs per SM instead of 16).
+    # Eq. 21 for two children as max + log(1 + exp(-|d|)): on the by-column rank walk 587
+    # instead of 669 SASS instructions per level, 94 registers instead of 91 (offline, untimed).
     "pisa_fused_pairlse": dict(variant="fused", walk_pair_lse=True),
-    # Two leaves per iteration of the compacted loop (136 registers and 18 KB of shared memory
-    # offline: 12 programs per SM instead of 15, two independent chains each).
+    # Two leaves per iteration of the compacted loop (two independent chains per program, at
+    # the price of registers; session 5 at 128K: 6.29 ms against the default's 5.48).
     "pisa_fused_u2": dict(variant="fused", fused_leaf_unroll=2),
 }
 # Timed on the H200 on 2026-11-29 (session 2, 32K / 128K, ms; default pisa_q4 3.96 / 16.94):
