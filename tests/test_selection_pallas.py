@@ -411,23 +411,25 @@ def test_dense_upper_walk_matches_reference(case):
          b=2 if t == 333 else 1)
 
 
-@pytest.mark.parametrize("t,variant,dtype,topk_impl", [(1000, "fused", jnp.float32, "rank"),
-                                                       (300, "two_stage", jnp.float32, "passes"),
-                                                       (333, "fused", jnp.bfloat16, "rank")])
-def test_pair_lse_walk_matches_reference(t, variant, dtype, topk_impl):
+@pytest.mark.parametrize("t,hq,hkv,variant,dtype,topk_impl", [
+    (1000, 8, 2, "fused", jnp.float32, "rank"),
+    (300, 3, 1, "two_stage", jnp.float32, "passes"),
+    (333, 16, 1, "fused", jnp.bfloat16, "rank"),
+])
+def test_pair_lse_walk_matches_reference(t, hq, hkv, variant, dtype, topk_impl):
   # Eq. 21 for two children as max + log(1 + exp(-|d|)). T = 1000 and 333 at C = 8 leave the last
   # node of several levels with one child, so the second child's -inf branch runs; such a node is
   # eligible only as the current leaf's ancestor, i.e. forced, so its score is never read here:
   # test_pair_lse_formula pins that branch.
   cfg = SelectionConfig(variant=variant, q_tile=4, walk_pair_lse=True, topk_impl=topk_impl)
-  q, k = _inputs(0, t, 8, 2, 64, dtype, 1)
+  q, k = _inputs(0, t, hq, hkv, 64, dtype, 1)
   kw = dict(block_size=8, top_k=4, branching=2, selector="pisa", scale=0.125, beam=4)
   assert any(n.endswith("_plse") for n in _kernel_names(q, k, cfg, **kw))
   # Inapplicable (g = 3, or another selector): the general reduction runs.
   assert not any(n.endswith("_plse") for n in _kernel_names(q, k, cfg, **{**kw, "branching": 3}))
   assert not any(n.endswith("_plse")
                  for n in _kernel_names(q, k, cfg, **{**kw, "selector": "pisa2"}))
-  _check(t, 8, 2, 64, 4, "pisa", block_size=8, config=cfg, dtype=dtype)
+  _check(t, hq, hkv, 64, 4, "pisa", block_size=8, config=cfg, dtype=dtype)
 
 
 @pytest.mark.parametrize("shape", [(16,), (3, 16), (2, 32)])
