@@ -31,8 +31,13 @@ import numpy as np
 warnings.filterwarnings("ignore", message=".*Triton.*deprecated.*")
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
+import functools  # noqa: E402
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.experimental import pallas as pl  # noqa: E402
+from jax.experimental.pallas import triton as plt  # noqa: E402
 
 from pisa_jax.kernels import attention as attn  # noqa: E402
 
@@ -149,7 +154,9 @@ def attention_flops(t, hq, d, top_k):
 # ----------------------------------------------------------------------------- check mode
 
 
-def check_mode(smoke: bool):
+def check_mode(smoke: bool, sweep: bool = True):
+  """GPU correctness against the float32 reference on several shapes (bitwise repeat included),
+  then (with `sweep`) a forward launch-config sweep at 16K."""
   from pisa_jax.attention import sparse_attention_reference
 
   cases = [(200, 4, 2, 48, 4, jnp.bfloat16)] if smoke else [(4096, 32, 2, 128, 32, jnp.bfloat16), (4096, 32, 2, 64, 8, jnp.float32),
@@ -178,6 +185,8 @@ def check_mode(smoke: bool):
     except Exception:  # keep going: one failing case must not hide the others
       log(name + ".error", traceback.format_exc()[-1500:])
 
+  if not sweep:
+    return
   log("bf16_matmul_tflops", matmul_tflops())
   for d, top_k in ((64, 8), (128, 32)):
     t, hq, hkv = (256, 32, 2) if smoke else (16384, 32, 2)
@@ -330,12 +339,12 @@ def layer_fwdbwd_fn(top_k: int):
 
 # Session 5 also timed multi-query programs and several blocks per online-softmax step here
 # (WORKSPACE.md, "Attention on the H200"): neither helped, so the kernel lost those options.
-_PROBE_FIELDS = {"s": "fwd_num_stages", "w": "fwd_num_warps"}
+_PROBE_FIELDS = {"s": "fwd_num_stages", "w": "fwd_num_warps", "k": "fwd_step_keys"}
 
 
 def parse_probe(name: str) -> dict:
   """`s1w4` -> {fwd_num_stages: 1, fwd_num_warps: 4}: s = fwd_num_stages, w = fwd_num_warps,
-  changed on the setting's default config."""
+  k = fwd_step_keys, changed on the setting's default config."""
   parts = re.findall(r"([a-z])(\d+)", name)
   if not parts or "".join(f"{c}{n}" for c, n in parts) != name:
     raise ValueError(f"fwd probe {name!r} must be letter-number pairs, e.g. s1, w4, s3w4")
@@ -349,7 +358,54 @@ def parse_probe(name: str) -> dict:
     # Triton launches 1-8 warps (a power of two) and pipelines over 1 or more stages.
     if (c == "w" and int(n) not in (1, 2, 4, 8)) or (c == "s" and int(n) < 1):
       raise ValueError(f"fwd probe {name!r}: {c}{n} must be w1, w2, w4, w8 or s1 and up")
+    if c == "k" and int(n) not in (16, 32):
+      raise ValueError(f"fwd probe {name!r}: {c}{n} must be k16 or k32 (keys per step, C = 64)")
   return {_PROBE_FIELDS[c]: int(n) for c, n in parts}
+
+
+def _load_floor_kernel(k_ref, v_ref, idx_ref, o_ref, *, top_k: int):
+  """The forward's memory stream alone: query t's selected key and value blocks, loaded through
+  the same pipelined loop and summed (so no load is dead), no attention math."""
+  t = pl.program_id(0)
+
+  def body(i, acc):
+    start, _ = attn._block_slot(idx_ref, t, i, BLOCK)
+    b_k = k_ref[pl.ds(start, BLOCK), :].astype(jnp.float32)
+    return acc + b_k + v_ref[pl.ds(start, BLOCK), :].astype(jnp.float32)
+
+  acc = lax.fori_loop(0, top_k, body, jnp.zeros((BLOCK, k_ref.shape[-1]), jnp.float32))
+  o_ref[t] = jnp.sum(acc, axis=0)
+
+
+def load_floor(prefix, k, v, idx):
+  """Times `_load_floor_kernel` under several launch configs and logs each and the fastest:
+  every kernel that reads each query's selected blocks once (ours, fla's) moves these bytes,
+  so fla's time over the floor bounds the speedup any such forward can have over fla."""
+  _, tk, hkv, d = k.shape
+  t, top_k = idx.shape[1], idx.shape[-1]
+  kv_spec = pl.BlockSpec((None, tk, None, d), lambda i, h, bb: (bb, 0, h, 0))
+  idx_spec = pl.BlockSpec((None, t, None, top_k), lambda i, h, bb: (bb, 0, h, 0))
+  o_spec = pl.BlockSpec((None, t, None, d), lambda i, h, bb: (bb, 0, h, 0))
+  best = None
+  for warps, stages in ((1, 2), (2, 2), (4, 2), (4, 3), (8, 2)):
+    call = pl.pallas_call(
+        functools.partial(_load_floor_kernel, top_k=top_k), grid=(t, hkv, 1),
+        in_specs=[kv_spec, kv_spec, idx_spec], out_specs=o_spec,
+        out_shape=jax.ShapeDtypeStruct((1, t, hkv, d), jnp.float32),
+        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
+        interpret=INTERPRET, name="load_floor")
+    try:
+      ms = time_jax(jax.jit(call), k, v, idx)
+    except Exception:
+      log(f"{prefix}.load_floor.w{warps}s{stages}.error", traceback.format_exc()[-400:])
+      continue
+    log(f"{prefix}.load_floor.w{warps}s{stages}.ms", ms)
+    best = ms if best is None else min(best, ms)
+  if best is not None:
+    log(f"{prefix}.load_floor.ms", best)
+    gb = 2 * t * hkv * top_k * BLOCK * d * k.dtype.itemsize / 1e9
+    log(f"{prefix}.load_floor.selected_kv_GB", round(gb, 2))
+    log(f"{prefix}.load_floor.TB_per_s", round(gb / best, 2))
 
 
 def time_forwards(prefix, q, k, v, idx, d, base, probes, fl):
@@ -379,7 +435,7 @@ def time_forwards(prefix, q, k, v, idx, d, base, probes, fl):
 
 
 def bench_mode(sizes, budget_s, out_path, smoke=False, only=frozenset(), probes=None,
-               real_indices=False, fwd_only=False):
+               real_indices=False, fwd_only=False, floor=False):
   start = time.perf_counter()
   log("date", time.strftime("%Y-%m-%d %H:%M:%S"))
   log("device", str(jax.devices()[0]))
@@ -407,6 +463,8 @@ def bench_mode(sizes, budget_s, out_path, smoke=False, only=frozenset(), probes=
     base = attn.SparseAttentionConfig.default(head_dim=d, group=hq // hkv, top_k=top_k,
                                               block_size=BLOCK)
     fwd = time_forwards(tag, q, k, v, idx, d, base, probes or {}, fl)
+    if floor:
+      load_floor(tag, k, v, idx)
     if not fwd_only:
       try:
         time_fwdbwd(f"{tag}.ours.fwdbwd", d, base, q, k, v, idx, do, fl)
@@ -461,6 +519,10 @@ def summary(probes=()):
       RESULTS[f"{tag}.speedup_vs_fla.fwdbwd"] = round(fb / ob, 3)
     line = (f"{tag} | {of} | {ff} | {ff / of:.2f} | {ob} | {fb} | {fb / ob:.2f} | "
             f"{get('cudnn_dense.fwd')} | {get('cudnn_dense.fwdbwd')}")
+    floor = get("load_floor")
+    if floor == floor:  # timed (--load-floor): fla / floor bounds a one-read kernel's speedup
+      RESULTS[f"{tag}.load_floor.fla_over_floor"] = round(ff / floor, 3)
+      line += f" | load floor {floor} (fla / floor {ff / floor:.2f}, ours / floor {of / floor:.2f})"
     for name in probes:
       pf = get(f"ours_probe.{name}.fwd")
       RESULTS[f"{tag}.ours_probe.{name}.speedup_vs_fla.fwd"] = round(ff / pf, 3)
@@ -504,10 +566,16 @@ def main():
                       help="start no new setting after this many seconds")
   parser.add_argument("--fwd-probes", default="",
                       help="comma-separated forward configs timed after the default forward, as "
-                           "changes of the default: s<n> fwd_num_stages, w<n> fwd_num_warps "
-                           "(e.g. s1,w4,s3w4)")
+                           "changes of the default: s<n> fwd_num_stages, w<n> fwd_num_warps, "
+                           "k<n> fwd_step_keys (e.g. s1,w4,s3w4,k32s3)")
   parser.add_argument("--fwd-only", action="store_true",
                       help="forwards only (ours, probes, fla): no fwd+bwd, cuDNN, layer or XLA")
+  parser.add_argument("--skip-sweep", action="store_true",
+                      help="check mode: the correctness cases only, no launch-config sweep")
+  parser.add_argument("--load-floor", action="store_true",
+                      help="also time the forward's K/V block loads alone (no math) under "
+                           "several launches: the floor of a kernel that reads each query's "
+                           "selected blocks once")
   parser.add_argument("--real-indices", action="store_true",
                       help="also time the forwards (default, probes, fla) on indices with PISA's "
                            "forced blocks 0, cur-1, cur")
@@ -519,12 +587,12 @@ def main():
   print("jax", jax.__version__, jax.devices(), flush=True)
   try:
     if args.mode == "check":
-      check_mode(args.smoke)
+      check_mode(args.smoke, sweep=not args.skip_sweep)
     else:
       bench_mode([int(s) for s in args.sizes.split(",")], args.budget_s,
                  os.path.join(out_dir, "attention.json"), smoke=args.smoke,
                  only={x for x in args.only.split(",") if x}, probes=probes,
-                 real_indices=args.real_indices, fwd_only=args.fwd_only)
+                 real_indices=args.real_indices, fwd_only=args.fwd_only, floor=args.load_floor)
       summary(tuple(probes))
   finally:
     name = "attention_check.json" if args.mode == "check" else "attention.json"

@@ -104,8 +104,8 @@ PROBES = {
     "pisa_q8_dense256": dict(walk_dense_nodes=256),
     "pisa_q8_dense64_t8": dict(walk_dense_nodes=64, walk_dense_q_tile=8),
     "pisa_q8_dense128_t2": dict(walk_dense_nodes=128, walk_dense_q_tile=2, walk_dense_warps=2),
-    "pisa_q8_olse": dict(walk_online_lse=True),  # fewer walk registers (122 -> 106)
-    "pisa_q8_dense64_olse": dict(walk_dense_nodes=64, walk_online_lse=True),
+    "pisa_q8_olse": dict(walk_online_lse=True, walk_pair_lse=False),  # 122 -> 106 walk registers
+    "pisa_q8_dense64_olse": dict(walk_dense_nodes=64, walk_online_lse=True, walk_pair_lse=False),
     "pisa_q8_narrow": dict(leaf_wide_loads=False),  # leaf tiles loaded element by element
     # The fused default (K = 8) against its leaf loop over all 16 slots, and with a third
     # pipelining stage (session 5 at 128K: default 5.48, all slots 6.06, 3 stages 7.29 ms).
@@ -115,9 +115,9 @@ PROBES = {
     # the walk's upper levels, shared by every query, can hit in L1 (ncu at 128K: L1 hit rate
     # 0.04%, L2 70% busy).
     "pisa_fused_s1": dict(variant="fused", num_stages=1),
-    # Eq. 21 for two children as max + log(1 + exp(-|d|)): on the by-column rank walk 587
-    # instead of 669 SASS instructions per level, 94 registers instead of 91 (offline, untimed).
-    "pisa_fused_pairlse": dict(variant="fused", walk_pair_lse=True),
+    # The walk's general Eq. 21 reduction instead of the pair form max + log(1 + exp(-|d|))
+    # (the default since session 6: 5.31 -> 5.07 ms at 128K, 11.47 -> 10.85 at 256K).
+    "pisa_fused_generic_lse": dict(variant="fused", walk_pair_lse=False),
     # Two leaves per iteration of the compacted loop (two independent chains per program, at
     # the price of registers; session 5 at 128K: 6.29 ms against the default's 5.48).
     "pisa_fused_u2": dict(variant="fused", fused_leaf_unroll=2),

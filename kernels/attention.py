@@ -53,6 +53,10 @@ class SparseAttentionConfig:
     min_rows: the smallest M of a tensor-core dot; the G query heads of a program are padded up to
       max(min_rows, next power of two of G).
     fwd_num_warps, fwd_num_stages: forward kernel launch.
+    fwd_step_keys: 0, or keys per step of the forward's online softmax, a power of two >= 16 that
+      divides the block size: a selected block is streamed in block_size // fwd_step_keys steps,
+      so each pipelining stage holds that many keys and values (less shared memory per program:
+      more programs per SM and more bytes in flight for this L2-bound loop). 0: whole blocks.
     dq_num_warps, dq_num_stages: dq kernel launch.
     dkv_rows: rows (query, head) pairs per inner step of the dk/dv kernel, a power of two >= G;
       each step covers dkv_rows // G queries.
@@ -65,6 +69,7 @@ class SparseAttentionConfig:
   min_rows: int = 16
   fwd_num_warps: int = 4
   fwd_num_stages: int = 2
+  fwd_step_keys: int = 0
   dq_num_warps: int = 4
   dq_num_stages: int = 2
   dkv_rows: int = 64
@@ -78,6 +83,10 @@ class SparseAttentionConfig:
       value = getattr(self, name)
       if value < 1 or value & (value - 1):
         raise ValueError(f"{name}={value} must be a power of two >= 1")
+    if self.fwd_step_keys and (self.fwd_step_keys < 16
+                               or self.fwd_step_keys & (self.fwd_step_keys - 1)):
+      raise ValueError(f"fwd_step_keys={self.fwd_step_keys} must be 0 (whole blocks) or a power "
+                       "of two >= 16 (the smallest tensor-core dot)")
     if self.items_entries < 1:
       raise ValueError(f"items_entries={self.items_entries} must be >= 1")
 
@@ -92,12 +101,21 @@ class SparseAttentionConfig:
     spills), beat 4 in session 5: 0.545 vs 0.649 ms at d=64, 3.93 vs 4.32 at d=128 (16K), which
     took forward + backward to 1.51-1.54x fla at 64K-128K. dk/dv: 64 rows (4 queries of a
     group of 16) and 4 warps beat 32 or 128 rows and 8 warps at both head dims; 2 warps spill.
+    Session 6: one warp at d <= 64, forward 0.509 -> 0.413 ms at 16K and 4.11 -> 3.55 at 128K
+    (dq 0.545 -> 0.501 at 16K, session 5): the `[16, C]` tile's row max and sums stay inside one
+    warp, no exchange through shared memory. At d = 128 one warp spills on whole blocks but not
+    in steps of 16 keys (128 registers, 12 KB of shared memory, 16 programs per SM): forward
+    3.50 -> 3.37 ms at 16K, 15.10 -> 14.74 at 64K; 32-key steps, 3 stages and 2-warp steps
+    measured 0.95-1.00x.
     """
-    del head_dim
+    dp = next_pow2(max(16, head_dim))
+    warps = 1 if dp <= 64 else 2
+    step_keys = 16 if dp == 128 and block_size % 16 == 0 and block_size > 16 else 0
     return cls(
-        fwd_num_warps=2,
+        fwd_num_warps=1 if step_keys else warps,
         fwd_num_stages=2,
-        dq_num_warps=2,
+        fwd_step_keys=step_keys,
+        dq_num_warps=warps,
         dq_num_stages=2,
         dkv_rows=max(64, next_pow2(group)),
         dkv_num_warps=4,
@@ -141,18 +159,20 @@ def _dot_precision(dtype):
   return lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
-def _block_slot(idx_ref, t, i, block_size: int):
-  """Block start and visibility mask for slot i of query t.
+def _block_slot(idx_ref, t, i, block_size: int, sub=0, step_keys: int | None = None):
+  """Block start and visibility mask for slot i of query t (keys `sub * step_keys` onwards of
+  the block, `step_keys` of them; the whole block by default).
 
-  Returns the clamped start row (a valid, aligned block at or before the query's block) and the
-  `[C]` mask of keys j <= t inside a real selected block: -1 padding and blocks after the query's
-  own block are invalid; the clamp keeps every load in bounds.
+  Returns the clamped start row (inside a valid, aligned block at or before the query's block)
+  and the `[step_keys]` mask of keys j <= t inside a real selected block: -1 padding and blocks
+  after the query's own block are invalid; the clamp keeps every load in bounds.
   """
+  step_keys = step_keys or block_size
   cur = t // block_size
   blk = idx_ref[t, i]
   valid = (blk >= 0) & (blk <= cur)
-  start = pl.multiple_of(jnp.clip(blk, 0, cur) * block_size, block_size)
-  key_pos = start + jnp.arange(block_size)
+  start = pl.multiple_of(jnp.clip(blk, 0, cur) * block_size + sub * step_keys, step_keys)
+  key_pos = start + jnp.arange(step_keys)
   visible = valid & (key_pos <= t)
   return start, visible
 
@@ -161,22 +181,35 @@ def _block_slot(idx_ref, t, i, block_size: int):
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, lse_ref, *, block_size: int, scale: float,
-                group: int, rows: int, top_k: int):
-  """One program: query position t, KV head h. q_ref `[T, G, D]`, k_ref/v_ref `[Tk, D]`."""
+                group: int, rows: int, top_k: int, step_keys: int):
+  """One program: query position t, KV head h. q_ref `[T, G, D]`, k_ref/v_ref `[Tk, D]`.
+
+  The loop streams the selected blocks in steps of `step_keys` keys (`block_size // step_keys`
+  steps per block) through one online softmax."""
   t = pl.program_id(0)
   # [R, D]
   b_q = _load_rows(q_ref, t, group, rows)
   precision = _dot_precision(b_q.dtype)
   qk_scale = scale * _LOG2E
   d = b_q.shape[-1]
+  steps_per_block = block_size // step_keys
 
-  def body(i, carry):
+  def body(s, carry):
     b_m, b_l, b_acc = carry
-    start, visible = _block_slot(idx_ref, t, i, block_size)
-    # [C, D]
-    b_k = k_ref[pl.ds(start, block_size), :]
-    b_v = v_ref[pl.ds(start, block_size), :]
-    # [R, C]: base-2 logits, Eq. 6 masked to the visible keys.
+    if steps_per_block == 1:
+      start, visible = _block_slot(idx_ref, t, s, block_size)
+    elif steps_per_block & (steps_per_block - 1) == 0:
+      # Slot and step within it by shift and mask (s >= 0): a signed // and % cost fix-ups.
+      shift = steps_per_block.bit_length() - 1
+      start, visible = _block_slot(idx_ref, t, lax.shift_right_logical(s, shift), block_size,
+                                   s & (steps_per_block - 1), step_keys)
+    else:
+      start, visible = _block_slot(idx_ref, t, s // steps_per_block, block_size,
+                                   s % steps_per_block, step_keys)
+    # [S, D]
+    b_k = k_ref[pl.ds(start, step_keys), :]
+    b_v = v_ref[pl.ds(start, step_keys), :]
+    # [R, S]: base-2 logits, Eq. 6 masked to the visible keys.
     b_s = jnp.dot(b_q, b_k.T, precision=precision, preferred_element_type=jnp.float32) * qk_scale
     b_s = jnp.where(visible[None, :], b_s, -jnp.inf)
     m_new = jnp.maximum(b_m, jnp.max(b_s, axis=1))
@@ -191,7 +224,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, lse_ref, *, block_size: int
 
   init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
           jnp.zeros((rows, d), jnp.float32))
-  b_m, b_l, b_acc = lax.fori_loop(0, top_k, body, init)
+  b_m, b_l, b_acc = lax.fori_loop(0, top_k * steps_per_block, body, init)
   # A row with no visible key has l = 0 and acc = 0: it gets zeros (contract rule 8), lse = -inf.
   has_key = b_l > 0
   b_o = b_acc / jnp.where(has_key, b_l, 1.0)[:, None]
@@ -217,8 +250,11 @@ def _forward(q5, k, v, block_indices, *, block_size, scale, interpret, config):
   tk = k.shape[1]
   top_k = block_indices.shape[-1]
   rows = max(config.min_rows, next_pow2(g))
+  step_keys = config.fwd_step_keys or block_size
+  if block_size % step_keys:
+    raise ValueError(f"fwd_step_keys={config.fwd_step_keys} must divide {block_size=}")
   kernel = functools.partial(_fwd_kernel, block_size=block_size, scale=scale, group=g, rows=rows,
-                             top_k=top_k)
+                             top_k=top_k, step_keys=step_keys)
   q_spec, kv_spec, idx_spec, lse_spec = _query_grid_specs(t, tk, g, d, top_k)
   call = pl.pallas_call(
       kernel,

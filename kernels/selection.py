@@ -108,8 +108,8 @@ class SelectionConfig:
     walk_pair_lse: at g = 2 with the "pisa" selector, the walk scores a candidate from its two
       children's logits as max + log(1 + exp(-|z0 - z1|)) (Eq. 21 for a pair: one exponential and
       one logarithm per head instead of two and one, no running-max bookkeeping): 669 -> 587 SASS
-      instructions per level of the fused kernel, 94 registers instead of 91 (both 20 programs
-      per SM, then bound by shared memory; offline, session 5). Untimed, hence off. Other
+      instructions per level of the fused kernel, 94 registers instead of 91 (offline, session
+      5); 5.31 -> 5.07 ms at 128K, 11.47 -> 10.85 at 256K (H200, session 6): on by default. Other
       branchings and selectors, and the dense upper levels of `walk_dense_nodes`, use the
       general reduction (`_reduce_children`); the scores agree up to float32 rounding.
     leaf_wide_loads: the leaf-tile kernel loads its query and key rows as whole contiguous rows
@@ -186,6 +186,8 @@ class SelectionConfig:
     candidate slots per level, `candidates` = NC = next power of two >= max(beam * g, 16).
 
     Measured on the H200 (2026-11-29, Table 4 setting unless named; ms):
+    - Session 6, the rank top-k summed by column, 16K / 128K / 256K: fused 0.572 / 5.31 / 11.47,
+      with `walk_pair_lse` 0.559 / 5.07 / 10.85 (hence on; it applies where g = 2 and "pisa").
     - Session 5, after the compacted leaf loop and the walk's shifts, 16K / 128K / 1M: fused
       0.606 / 5.57 / 56.8, two-stage Q4 0.826 / 6.85 / 60.6, Q8 0.866 / 7.15 / 63.0; the fused
       kernel with one pipelining stage 0.807 / 7.62 / 73.9, with three 0.758 / 7.29 (16K /
@@ -215,7 +217,7 @@ class SelectionConfig:
     del seq_len
     gp = next_pow2(group)
     base = dict(variant="two_stage", q_tile=8, bsa_q_tile=max(1, min(16, 64 // gp)),
-                walk_warps=1, topk_impl="rank", topk_rows=8, topk_warps=2)
+                walk_warps=1, topk_impl="rank", topk_rows=8, topk_warps=2, walk_pair_lse=True)
     if candidates == 16:
       base.update(variant="fused")
     elif candidates == 32:

@@ -129,6 +129,20 @@ def test_split_work_items_and_bitwise_repeat():
   assert_matches(first, reference_value_and_grads(q, k, v, idx, do, c, 0.25), jnp.float32)
 
 
+@pytest.mark.parametrize("t,c,step,dtype", [(150, 64, 16, jnp.float32), (70, 32, 16, jnp.bfloat16),
+                                             (100, 48, 16, jnp.float32)])
+def test_forward_in_sub_block_steps(t, c, step, dtype):
+  """`fwd_step_keys`: each selected block streamed in C / step steps of one online softmax
+  (C = 48: three steps, the division path) gives the reference's output and gradients, including
+  rows with -1 padding and blocks with keys after the query."""
+  hq, hkv, d, top_k = 4, 2, 32, 3
+  q, k, v, do = make_inputs(11, 1, t, hq, hkv, d, dtype)
+  idx = random_indices(11, 1, t, hkv, top_k, c)
+  config = attn.SparseAttentionConfig(fwd_step_keys=step)
+  got = jax.jit(lambda *a: value_and_grads(pallas_fn(c, 0.2, config), *a))(q, k, v, idx, do)
+  assert_matches(got, reference_value_and_grads(q, k, v, idx, do, c, 0.2), dtype)
+
+
 def test_inverted_index_lists_every_valid_entry_once():
   t, hkv, top_k, c, items = 70, 2, 4, 8, 3
   idx = np.array(random_indices(5, 1, t, hkv, top_k, c))
@@ -193,6 +207,15 @@ def test_config_validation():
     attn.SparseAttentionConfig(dkv_rows=48)
   with pytest.raises(ValueError, match="items_entries"):
     attn.SparseAttentionConfig(items_entries=0)
+  for bad in (8, 24):
+    with pytest.raises(ValueError, match="fwd_step_keys"):
+      attn.SparseAttentionConfig(fwd_step_keys=bad)
+  q = jnp.zeros((1, 8, 2, 16))
+  k = jnp.zeros((1, 8, 1, 16))
+  idx = jnp.zeros((1, 8, 1, 1), jnp.int32)
+  with pytest.raises(ValueError, match="fwd_step_keys=32 must divide block_size=16"):
+    attn.sparse_attention_pallas(q, k, k, idx, block_size=16, scale=1.0, interpret=True,
+                                 config=attn.SparseAttentionConfig(fwd_step_keys=32))
 
 
 _SHARDED_SCRIPT = textwrap.dedent("""

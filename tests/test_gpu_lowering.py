@@ -58,14 +58,16 @@ TWO_STAGE = dataclasses.replace(sel.SelectionConfig.default(seq_len=0, group=16)
 
 
 @pytest.mark.parametrize("selector,config,kernels", [
-    ("pisa", None, {"pisa_select_fused_rank"}),  # the K = 8 default
-    ("pisa", TWO_STAGE, {"pisa_select_walk_rank", "pisa_select_leaf_q8", "pisa_select_topk_rank"}),
+    ("pisa", None, {"pisa_select_fused_rank_plse"}),  # the K = 8 default
+    ("pisa", TWO_STAGE, {"pisa_select_walk_rank_plse", "pisa_select_leaf_q8",
+                         "pisa_select_topk_rank"}),
     ("pisa", dataclasses.replace(TWO_STAGE, walk_dense_nodes=16),
      {"pisa_select_walk_dense_q4", "pisa_select_leaf_q8"}),
-    ("pisa", dataclasses.replace(TWO_STAGE, walk_online_lse=True, topk_impl="passes"),
+    ("pisa", dataclasses.replace(TWO_STAGE, walk_online_lse=True, walk_pair_lse=False,
+                                 topk_impl="passes"),
      {"pisa_select_walk_olse", "pisa_select_topk"}),
     ("pisa", dataclasses.replace(sel.SelectionConfig.default(seq_len=0, group=16),
-                                 walk_pair_lse=True), {"pisa_select_fused_rank_plse"}),
+                                 walk_pair_lse=False), {"pisa_select_fused_rank"}),
     ("pisa2", None, {"pisa_select_fused_rank"}),
     ("bsa", None, {"bsa_select"}),
 ])
@@ -84,7 +86,7 @@ def test_selection_lowers_for_other_dtypes_and_k32(captured, dtype):
   # float32 (IEEE dots on float32 summaries) and float16 (split summaries), and K = 32, whose 64
   # candidate slots take the two-stage default with the 4-warp rank walk.
   _lower_selection("pisa", None, dtype=dtype, top_k=32, beam=32)
-  assert {"pisa_select_walk_rank", "pisa_select_leaf_q8", "pisa_select_topk_rank"} <= set(
+  assert {"pisa_select_walk_rank_plse", "pisa_select_leaf_q8", "pisa_select_topk_rank"} <= set(
       _names(captured))
 
 

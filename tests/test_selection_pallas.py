@@ -281,7 +281,9 @@ def test_default_config_picks_topk_by_candidates(top_k, beam, impl):
   names = _kernel_names(q, k, None, **kw)
   walk = {n for n in names if n.startswith(("pisa_select_walk", "pisa_select_fused"))}
   kind = "fused" if geo.nc == 16 else "walk"
-  assert walk == {f"pisa_select_{kind}_rank" if impl == "rank" else f"pisa_select_{kind}"}
+  # g = 2 with "pisa": the walk takes the pair form of Eq. 21 by default.
+  assert walk == {(f"pisa_select_{kind}_rank" if impl == "rank" else f"pisa_select_{kind}")
+                  + "_plse"}
   if geo.nc <= 64:
     _check(200, 4, 1, 64, top_k, "pisa", block_size=4, branching=2, beam=beam, config=None)
 
