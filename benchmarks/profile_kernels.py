@@ -67,6 +67,7 @@ def _layer_case(n, top_k, d):
 RANK1 = dict(topk_impl="rank", topk_rows=1, topk_warps=2)
 CASES = {
     "sel.K8.d64.N131072": lambda: _selection_case(131072, 8, 64),
+    "sel.K8.d64.N262144": lambda: _selection_case(262144, 8, 64),
     "sel.K8.d64.N131072.q8.w1024": lambda: _selection_case(131072, 8, 64, q_tile=8,
                                                            leaf_window=1024),
     "sel.K8.d64.N131072.beam16": lambda: _selection_case(131072, 8, 64, beam=16, q_tile=8),
