@@ -435,7 +435,7 @@ def main():
                   kernel_fn(variant="fused")))
       # The probes' new kernels (rank top-k, multi-query walk) before their timings count.
       for name in ("pisa_q4_rank", "pisa_q8_w256", "pisa_fused_rank", "pisa_fused_s1",
-                   "pisa_fused_pairlse", "pisa_q8_dense64", "pisa_q8_dense256",
+                   "pisa_fused_generic_lse", "pisa_q8_dense64", "pisa_q8_dense256",
                    "pisa_q8_dense64_olse"):
         out.append((f"{name}.f32.N{n}", "pisa", TOP_K, jnp.float32, 1, kernel_fn(**PROBES[name])))
       out.append((f"bsa_pallas.f32.N{n}", "bsa", TOP_K, jnp.float32, 1,
