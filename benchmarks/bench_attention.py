@@ -158,6 +158,8 @@ def check_mode(smoke: bool, sweep: bool = True):
   """GPU correctness against the float32 reference on several shapes (bitwise repeat included),
   then (with `sweep`) a forward launch-config sweep at 16K."""
   from pisa_jax.attention import sparse_attention_reference
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+  import tolerances as tol
 
   cases = [(200, 4, 2, 48, 4, jnp.bfloat16)] if smoke else [(4096, 32, 2, 128, 32, jnp.bfloat16), (4096, 32, 2, 64, 8, jnp.float32),
            (1000, 6, 2, 64, 8, jnp.bfloat16), (777, 8, 8, 48, 5, jnp.float16),
@@ -180,7 +182,16 @@ def check_mode(smoke: bool, sweep: bool = True):
       rel = {n: float(jnp.linalg.norm(f32(a) - b) / jnp.linalg.norm(b))
              for n, a, b in zip(("o", "dq", "dk", "dv"), (o,) + tuple(g), (o_r,) + tuple(g_r))}
       same = all(bool(jnp.array_equal(a, b)) for a, b in zip(g, g2))
-      log(name, {"max_abs": errs, "rel_l2": rel, "bitwise_repeat": same,
+      # The CI suite's criterion, |got - want| <= atol + rtol * |want| elementwise, with its
+      # tolerances (tests/tolerances.py: output, then gradients, by input dtype).
+      key = jnp.dtype(dtype).type
+      bounds = [(tol.OUTPUT_ATOL[key], tol.OUTPUT_RTOL[key])] + [
+          (tol.GRAD_ATOL[key], tol.GRAD_RTOL[key])] * 3
+      within = {n: bool(jnp.all(jnp.abs(f32(a) - b) <= atol + rtol * jnp.abs(b)))
+                for n, a, b, (atol, rtol) in zip(("o", "dq", "dk", "dv"), (o,) + tuple(g),
+                                                 (o_r,) + tuple(g_r), bounds)}
+      log(name, {"max_abs": errs, "rel_l2": rel, "within_tolerance": within,
+                 "bitwise_repeat": same,
                  "finite": all(bool(jnp.all(jnp.isfinite(x))) for x in (o,) + tuple(g))})
     except Exception:  # keep going: one failing case must not hide the others
       log(name + ".error", traceback.format_exc()[-1500:])
