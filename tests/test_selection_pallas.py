@@ -513,6 +513,39 @@ def test_split_summary_rows_reconstruct_float32():
   assert sel_kernels._summary_rows(rows, geo32, jnp.float32) is rows
 
 
+@pytest.mark.parametrize("d", [64, 48])
+def test_split_summary_logits_are_float32_accurate(d):
+  # The walk's summary logits from 16-bit queries and split summaries (high and low halves, two
+  # gathers and two dots), computed in a kernel, against float32 dots. The low half carries ~2^-9
+  # of each summary, which the selection tests rarely notice at CI shapes (dropping it passed
+  # them; the H200's 128K check caught it once, 4,792 rows off): this compares the logits
+  # themselves (~2^-17 relative when both halves count). D = 48 pads columns.
+  from jax.experimental import pallas as pl
+
+  q16, k16 = _inputs(1, 8, 16, 2, d, jnp.bfloat16, 1)
+  geo = sel_kernels._geometry(q16, k16, block_size=4, top_k=3, branching=2, selector="pisa",
+                              scale=0.125, beam=3)
+  summaries = jax.random.normal(jax.random.PRNGKey(2), (40, d), jnp.float32)
+  split = sel_kernels._summary_rows(summaries, geo, jnp.bfloat16)
+  rows = jnp.asarray([3, 0, 39, 17, 17, 5, 22, 9, 1, 30, 2, 11, 38, 7, 25, 4], jnp.int32)
+  m_row = jnp.arange(16) != 5  # one masked row: its logits are zero
+  t, i_h = 6, 1
+
+  def kernel(q_ref, s_ref, rows_ref, mask_ref, out_ref):
+    qg = sel_kernels._load_group_queries(q_ref, geo, 0, t, i_h, geo.gp)
+    out_ref[...] = sel_kernels._summary_logits(qg, s_ref, rows_ref[...], mask_ref[...] != 0, geo)
+
+  got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((geo.gp, 16), jnp.float32),
+                       interpret=True)(q16.reshape(-1, d), split, rows, m_row.astype(jnp.int32))
+  qg = q16[0, t, i_h * geo.group:(i_h + 1) * geo.group].astype(jnp.float32)
+  want = jnp.where(m_row[None, :], jnp.dot(qg, summaries[rows].T,
+                                           precision=jax.lax.Precision.HIGHEST), 0.0)
+  assert got.shape == (16, 16)
+  np.testing.assert_allclose(np.asarray(got[:geo.group]), np.asarray(want), rtol=0,
+                             atol=2.0 ** -15 * float(jnp.max(jnp.abs(want))))
+  np.testing.assert_array_equal(np.asarray(got[geo.group:]), 0.0)  # padded heads
+
+
 def test_beam_none_equals_beam_top_k_and_wider_beam_matches_reference():
   q, k = _inputs(3, 300, 2, 1, 64)
   kw = dict(block_size=8, top_k=4, branching=2, selector="pisa", implementation="pallas")
