@@ -105,8 +105,9 @@ class SparseAttentionConfig:
     (dq 0.545 -> 0.501 at 16K, session 5): the `[16, C]` tile's row max and sums stay inside one
     warp, no exchange through shared memory. At d = 128 one warp spills on whole blocks but not
     in steps of 16 keys (128 registers, 12 KB of shared memory, 16 programs per SM): forward
-    3.50 -> 3.37 ms at 16K, 15.10 -> 14.74 at 64K; 32-key steps, 3 stages and 2-warp steps
-    measured 0.95-1.00x.
+    3.51 -> 3.37 ms at 16K, 15.10 -> 14.74 at 64K. Against these defaults in the same run: at
+    d = 128, 2 warps in 16- or 32-key steps 0.71-0.98x, one warp in 32-key steps 0.99-1.00x;
+    at d = 64, 16- or 32-key steps 0.86-1.01x, 2 warps 0.81-0.86x.
     """
     dp = next_pow2(max(16, head_dim))
     warps = 1 if dp <= 64 else 2
