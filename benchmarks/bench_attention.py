@@ -550,12 +550,15 @@ def plot(path):
   fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
   tags = sorted({k.rsplit(".ours.", 1)[0] for k in RESULTS
                  if ".ours.fwd.ms" in k and ".real_idx." not in k})
-  sides = ("ours", "fla", "cudnn_dense", "xla_reference", "pisa_layer")
+  # The load floor (--load-floor) has no backward: a forward-only bar.
+  sides = ("ours", "fla", "cudnn_dense", "xla_reference", "pisa_layer", "load_floor")
   for ax, phase in zip(axes, ("fwd", "fwdbwd")):
-    width = 0.16
+    width = 0.14
     for j, side in enumerate(sides):
-      vals = [RESULTS.get(f"{tag}.{side}.{phase}.ms", np.nan) for tag in tags]
-      ax.bar(np.arange(len(tags)) + (j - 2) * width, vals, width, label=side)
+      key = "{}.load_floor.ms" if side == "load_floor" else "{}.%s.%s.ms" % (side, phase)
+      vals = [RESULTS.get(key.format(tag), np.nan) if side != "load_floor" or phase == "fwd"
+              else np.nan for tag in tags]
+      ax.bar(np.arange(len(tags)) + (j - 2.5) * width, vals, width, label=side)
     ax.set_yscale("log")
     ax.set_xticks(np.arange(len(tags)))
     ax.set_xticklabels([tg.replace(".", "\n", 2) for tg in tags], fontsize=6, rotation=0)
@@ -581,6 +584,9 @@ def main():
                            "k<n> fwd_step_keys (e.g. s1,w4,s3w4,k32s3)")
   parser.add_argument("--fwd-only", action="store_true",
                       help="forwards only (ours, probes, fla): no fwd+bwd, cuDNN, layer or XLA")
+  parser.add_argument("--replot", metavar="JSON",
+                      help="no GPU: redraw attention.png from a saved attention.json (next to it, "
+                           "or in $OUT) and stop")
   parser.add_argument("--skip-sweep", action="store_true",
                       help="check mode: the correctness cases only, no launch-config sweep")
   parser.add_argument("--load-floor", action="store_true",
@@ -591,6 +597,11 @@ def main():
                       help="also time the forwards (default, probes, fla) on indices with PISA's "
                            "forced blocks 0, cur-1, cur")
   args = parser.parse_args()
+  if args.replot:
+    RESULTS.update(json.load(open(args.replot)))
+    out_dir = os.environ.get("OUT") or os.path.dirname(os.path.abspath(args.replot))
+    plot(os.path.join(out_dir, "attention.png"))
+    return 0
   # A bad probe fails here, before any device time.
   probes = {name: parse_probe(name) for name in args.fwd_probes.split(",") if name}
   out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
