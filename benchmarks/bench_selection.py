@@ -118,9 +118,6 @@ PROBES = {
     # The walk's general Eq. 21 reduction instead of the pair form max + log(1 + exp(-|d|))
     # (the default since session 6: 5.31 -> 5.07 ms at 128K, 11.47 -> 10.85 at 256K).
     "pisa_fused_generic_lse": dict(variant="fused", walk_pair_lse=False),
-    # Each scored leaf as two merged half-leaf LSEs: one [16, 32] logit tile live at a time
-    # (offline, session 6: 94 -> 77 registers, 328 -> 364 SASS per leaf; untimed).
-    "pisa_fused_halves": dict(variant="fused", fused_leaf_halves=True),
     # Two leaves per iteration of the compacted loop (two independent chains per program, at
     # the price of registers; session 5 at 128K: 6.29 ms against the default's 5.48).
     "pisa_fused_u2": dict(variant="fused", fused_leaf_unroll=2),
@@ -438,13 +435,9 @@ def main():
                   kernel_fn(variant="fused")))
       # The probes' new kernels (rank top-k, multi-query walk) before their timings count.
       for name in ("pisa_q4_rank", "pisa_q8_w256", "pisa_fused_rank", "pisa_fused_s1",
-                   "pisa_fused_generic_lse", "pisa_fused_halves", "pisa_q8_dense64",
-                   "pisa_q8_dense256",
+                   "pisa_fused_generic_lse", "pisa_q8_dense64", "pisa_q8_dense256",
                    "pisa_q8_dense64_olse"):
         out.append((f"{name}.f32.N{n}", "pisa", TOP_K, jnp.float32, 1, kernel_fn(**PROBES[name])))
-      # 16-bit inputs for the half-leaf LSE too (the keys' dots are native there).
-      out.append((f"pisa_fused_halves.bf16.N{n}", "pisa", TOP_K, jnp.bfloat16, 2,
-                  kernel_fn(**PROBES["pisa_fused_halves"])))
       out.append((f"bsa_pallas.f32.N{n}", "bsa", TOP_K, jnp.float32, 1,
                   kernel_fn(selector="bsa")))
     if n == 4096:

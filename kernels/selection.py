@@ -121,11 +121,6 @@ class SelectionConfig:
     fused_leaf_unroll: 1 or 2 (needs fused_compact_leaves): leaves scored per iteration of that
       loop, as independent instruction chains (more work in flight per warp for this
       latency-bound loop, at the price of registers).
-    fused_leaf_halves: the fused kernel's compacted leaf loop scores a leaf ("pisa", whole
-      power-of-two leaves of >= 32 keys) as two log-sum-exps over half its keys, merged: one
-      `[16, C/2]` logit tile live at a time. Offline (session 6, K = 8, d = 64): 94 -> 77
-      registers, 328 -> 364 SASS instructions per scored leaf. Same scores up to float32
-      rounding. Untimed, hence off.
   """
 
   variant: str = "two_stage"
@@ -148,7 +143,6 @@ class SelectionConfig:
   leaf_wide_loads: bool = True
   fused_compact_leaves: bool = True
   fused_leaf_unroll: int = 1
-  fused_leaf_halves: bool = False
 
   def __post_init__(self):
     if self.variant not in VARIANTS:
@@ -176,9 +170,6 @@ class SelectionConfig:
     if self.fused_leaf_unroll != 1 and not self.fused_compact_leaves:
       raise ValueError(f"fused_leaf_unroll={self.fused_leaf_unroll} needs fused_compact_leaves=True "
                        "(it unrolls the compacted leaf loop)")
-    if self.fused_leaf_halves and not self.fused_compact_leaves:
-      raise ValueError("fused_leaf_halves=True needs fused_compact_leaves=True (it scores the "
-                       "compacted leaf loop's leaves)")
     if self.walk_pair_lse and self.walk_online_lse:
       raise ValueError("walk_pair_lse=True and walk_online_lse=True are two ways to reduce the "
                        "children's logits: choose one")
@@ -878,40 +869,13 @@ def _leaf_key_rows(leaf, i_b, i_h, geo: _Geometry):
   return (i_b * geo.seq_len + jnp.minimum(pos, geo.seq_len - 1)) * geo.hkv + i_h, m_key, m_key
 
 
-def _leaf_scores_one(qg, m_head, leaf, valid, i_b, i_h, k_ref, geo: _Geometry,
-                     halves: bool = False):
-  """Group-summed raw-key score of one leaf for one query: qg `[Gp, Dp]` -> scalar.
-
-  halves ("pisa", whole power-of-two leaves of >= 32 keys): Eq. 21 over the leaf's keys as two
-  log-sum-exps of C/2 keys each, merged (`SelectionConfig.fused_leaf_halves`)."""
+def _leaf_scores_one(qg, m_head, leaf, valid, i_b, i_h, k_ref, geo: _Geometry):
+  """Group-summed raw-key score of one leaf for one query: qg `[Gp, Dp]` -> scalar."""
   rows, m_load, m_key = _leaf_key_rows(leaf, i_b, i_h, geo)
-  if halves and m_key is None and geo.selector == "pisa" and geo.cp >= 32:
-    return jnp.sum(jnp.where(m_head, _leaf_lse_halves(qg, leaf, valid, i_b, i_h, k_ref, geo),
-                             0.0))
   b_k = _load_rows(k_ref, rows, m_load & valid, geo)
   per_head = _reduce_keys(_qk(qg, b_k, geo.key_mode), m_key, geo.selector, geo.scale,
                           geo.approx_log)
   return jnp.sum(jnp.where(m_head, per_head, 0.0))
-
-
-def _leaf_lse_halves(qg, leaf, valid, i_b, i_h, k_ref, geo: _Geometry):
-  """Per-head Eq. 21 over one whole leaf's raw keys `[Gp]`, in two halves of C/2 keys: each half
-  is a `[Gp, C/2]` dot, its max and its sum of exponentials, and the two merge as
-  m = max(m0, m1), total = t0 * 2^(c (m0 - m)) + t1 * 2^(c (m1 - m)). One half's logits are
-  live at a time (a `[16, 64]` float32 tile is 32 registers a lane on one warp)."""
-  half = geo.cp // 2
-  c = geo.scale * _LOG2E
-  parts = []
-  for p in range(2):
-    o_key = jnp.arange(half) + p * half
-    rows = (i_b * geo.seq_len + leaf * geo.block_size + o_key) * geo.hkv + i_h
-    z = _qk(qg, _load_rows(k_ref, rows, jnp.full((half,), True) & valid, geo), geo.key_mode)
-    m = jnp.max(z, axis=1)
-    parts.append((m, jnp.sum(jnp.exp2(z * c - (m * c)[:, None]), axis=1)))
-  (m0, t0), (m1, t1) = parts
-  m = jnp.maximum(m0, m1)
-  total = t0 * jnp.exp2((m0 - m) * c) + t1 * jnp.exp2((m1 - m) * c)
-  return m * geo.scale + _log2(total, geo.approx_log) * _LN2
 
 
 def _final_select(cand, score, t, geo: _Geometry, topk_impl: str, by_column: bool = False):
@@ -931,8 +895,7 @@ def _final_select(cand, score, t, geo: _Geometry, topk_impl: str, by_column: boo
 
 
 def _fused_kernel(q_ref, k_ref, s_ref, tab_ref, out_ref, *, geo: _Geometry, topk_impl: str,
-                  compact_leaves: bool, leaf_unroll: int = 1, pair_lse: bool = False,
-                  leaf_halves: bool = False):
+                  compact_leaves: bool, leaf_unroll: int = 1, pair_lse: bool = False):
   """Per-query variant: all levels, the leaves included, for one (query, KV head).
 
   compact_leaves: the leaf loop runs once per candidate that needs a score (iteration c scores
@@ -967,7 +930,7 @@ def _fused_kernel(q_ref, k_ref, s_ref, tab_ref, out_ref, *, geo: _Geometry, topk
         # Every numbered leaf is a complete past leaf: its key loads need no mask, except the
         # surplus of the last unrolled iteration.
         live = True if leaf_unroll == 1 else c * leaf_unroll + u < n_need
-        s = _leaf_scores_one(qg, m_head, leaf, live, i_b, i_h, k_ref, geo, halves=leaf_halves)
+        s = _leaf_scores_one(qg, m_head, leaf, live, i_b, i_h, k_ref, geo)
         new = jnp.where(hit, s, new)
       return new
 
@@ -1359,8 +1322,7 @@ def _select_pisa(q, k, geo: _Geometry, *, interpret: bool, config: SelectionConf
     pair_lse = _uses_pair_lse(config, geo)
     out = _call(functools.partial(_fused_kernel, geo=geo, topk_impl=config.topk_impl,
                                   compact_leaves=config.fused_compact_leaves,
-                                  leaf_unroll=config.fused_leaf_unroll, pair_lse=pair_lse,
-                                  leaf_halves=config.fused_leaf_halves),
+                                  leaf_unroll=config.fused_leaf_unroll, pair_lse=pair_lse),
                 jax.ShapeDtypeStruct((rows, geo.kp), jnp.int32), rows, config, config.walk_warps,
                 interpret, "pisa_select_fused" + ("_rank" if config.topk_impl == "rank" else "")
                 + ("_plse" if pair_lse else ""),

@@ -477,8 +477,6 @@ def test_pair_lse_formula():
     (dict(walk_dense_nodes=16, walk_dense_q_tile=3), "walk_dense_q_tile"),
     (dict(variant="fused", fused_leaf_unroll=3), "fused_leaf_unroll"),
     (dict(variant="fused", fused_leaf_unroll=2, fused_compact_leaves=False), "fused_leaf_unroll"),
-    (dict(variant="fused", fused_leaf_halves=True, fused_compact_leaves=False),
-     "fused_leaf_halves"),
 ])
 def test_config_rejects_bad_values(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -546,43 +544,6 @@ def test_split_summary_logits_are_float32_accurate(d):
   np.testing.assert_allclose(np.asarray(got[:geo.group]), np.asarray(want), rtol=0,
                              atol=2.0 ** -15 * float(jnp.max(jnp.abs(want))))
   np.testing.assert_array_equal(np.asarray(got[geo.group:]), 0.0)  # padded heads
-
-
-@pytest.mark.parametrize("t,hq,hkv,block_size,dtype", [
-    (1000, 3, 1, 64, jnp.float32), (700, 16, 2, 32, jnp.bfloat16), (333, 8, 2, 64, jnp.float32)])
-def test_fused_leaf_halves_match_reference(t, hq, hkv, block_size, dtype):
-  # The fused kernel scoring each leaf as two merged half-leaf log-sum-exps.
-  cfg = SelectionConfig(variant="fused", topk_impl="rank", fused_leaf_halves=True)
-  _check(t, hq, hkv, 64, 8, "pisa", block_size=block_size, config=cfg, dtype=dtype)
-
-
-@pytest.mark.parametrize("block_size", [64, 32])
-def test_leaf_lse_halves_equal_the_whole_leaf_lse(block_size):
-  # `_leaf_lse_halves` against the one-tile Eq. 21 of `_reduce_keys`, per head, in a kernel: the
-  # merge rescales each half's sum to the common max (a wrong rescale or a dropped half is off by
-  # far more than this tolerance).
-  from jax.experimental import pallas as pl
-
-  q, k = _inputs(4, 3 * block_size, 16, 2, 64, jnp.float32, 1)
-  k = k * 3.0  # spread the logits so the two halves' maxima differ
-  geo = sel_kernels._geometry(q, k, block_size=block_size, top_k=3, branching=2, selector="pisa",
-                              scale=0.125, beam=3)
-  t, i_h, leaf = 2 * block_size + 5, 1, 1
-
-  def kernel(q_ref, k_ref, out_ref):
-    qg = sel_kernels._load_group_queries(q_ref, geo, 0, t, i_h, geo.gp)
-    halves = sel_kernels._leaf_lse_halves(qg, leaf, True, 0, i_h, k_ref, geo)
-    rows, m_load, m_key = sel_kernels._leaf_key_rows(leaf, 0, i_h, geo)
-    whole = sel_kernels._reduce_keys(
-        sel_kernels._qk(qg, sel_kernels._load_rows(k_ref, rows, m_load, geo), geo.key_mode),
-        m_key, "pisa", geo.scale)
-    out_ref[0, :] = halves
-    out_ref[1, :] = whole
-
-  got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((2, geo.gp), jnp.float32),
-                       interpret=True)(q.reshape(-1, 64), k.reshape(-1, 64))
-  np.testing.assert_allclose(np.asarray(got[0]), np.asarray(got[1]), rtol=1e-6, atol=1e-6)
-  assert float(jnp.std(got[1])) > 0.1  # the heads' scores differ: not a degenerate case
 
 
 def test_beam_none_equals_beam_top_k_and_wider_beam_matches_reference():
