@@ -367,6 +367,39 @@ def plot(out_dir):
   fig.savefig(os.path.join(out_dir, "selection.png"), dpi=120)
 
 
+def check_list(n):
+  """(name, selector, beam, dtype, seed, kernel) of the GPU checks at size n (before any timing
+  counts; built without a GPU, so CI checks that every probe it names exists)."""
+  out = [(f"pisa_q8.f32.N{n}", "pisa", TOP_K, jnp.float32, 1, kernel_fn(q_tile=8))]
+  if n <= 32768:
+    out.append((f"pisa_fused.f32.N{n}", "pisa", TOP_K, jnp.float32, 1,
+                kernel_fn(variant="fused")))
+    # The probes' new kernels (rank top-k, multi-query walk) before their timings count.
+    for name in ("pisa_q4_rank", "pisa_q8_w256", "pisa_fused_rank", "pisa_fused_s1",
+                 "pisa_fused_generic_lse", "pisa_q8_dense64", "pisa_q8_dense256",
+                 "pisa_q8_dense64_olse"):
+      out.append((f"{name}.f32.N{n}", "pisa", TOP_K, jnp.float32, 1, kernel_fn(**PROBES[name])))
+    out.append((f"bsa_pallas.f32.N{n}", "bsa", TOP_K, jnp.float32, 1,
+                kernel_fn(selector="bsa")))
+  if n == 4096:
+    for s in ("pisa1", "pisa2"):
+      out.append((f"{s}_q8.f32.N{n}", s, TOP_K, jnp.float32, 1, kernel_fn(selector=s)))
+    out.append((f"pisa_q2_beam16.f32.N{n}", "pisa", 16, jnp.float32, 1,
+                kernel_fn(q_tile=2, beam=16)))
+    out.append((f"pisa2_q4_rank_wq2_beam16.f32.N{n}", "pisa2", 16, jnp.float32, 1,
+                kernel_fn(selector="pisa2", beam=16, **PROBES["pisa_q4_rank_wq2"])))
+  if n == 131072:
+    # 16-bit inputs: the split summaries (high + low 16-bit rows), every variant that reads them.
+    out.append((f"pisa_q8.bf16.N{n}", "pisa", TOP_K, jnp.bfloat16, 2, kernel_fn(q_tile=8)))
+    out.append((f"pisa_fused.f32.N{n}", "pisa", TOP_K, jnp.float32, 1,
+                kernel_fn(variant="fused")))
+    out.append((f"pisa_fused.bf16.N{n}", "pisa", TOP_K, jnp.bfloat16, 2,
+                kernel_fn(variant="fused")))
+    out.append((f"bsa_pallas.bf16.N{n}", "bsa", TOP_K, jnp.bfloat16, 2,
+                kernel_fn(selector="bsa")))
+  return out
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
@@ -426,37 +459,6 @@ def main():
     raise SystemExit(f"--probes {unknown} unknown: expected names from {list(PROBES)}")
   fns.update({name: kernel_fn(**PROBES[name]) for name in probes})
   stages = stage_fns()
-
-  def check_list(n):
-    """(name, selector, beam, dtype, seed, kernel) of the checks at size n."""
-    out = [(f"pisa_q8.f32.N{n}", "pisa", TOP_K, jnp.float32, 1, kernel_fn(q_tile=8))]
-    if n <= 32768:
-      out.append((f"pisa_fused.f32.N{n}", "pisa", TOP_K, jnp.float32, 1,
-                  kernel_fn(variant="fused")))
-      # The probes' new kernels (rank top-k, multi-query walk) before their timings count.
-      for name in ("pisa_q4_rank", "pisa_q8_w256", "pisa_fused_rank", "pisa_fused_s1",
-                   "pisa_fused_generic_lse", "pisa_q8_dense64", "pisa_q8_dense256",
-                   "pisa_q8_dense64_olse"):
-        out.append((f"{name}.f32.N{n}", "pisa", TOP_K, jnp.float32, 1, kernel_fn(**PROBES[name])))
-      out.append((f"bsa_pallas.f32.N{n}", "bsa", TOP_K, jnp.float32, 1,
-                  kernel_fn(selector="bsa")))
-    if n == 4096:
-      for s in ("pisa1", "pisa2"):
-        out.append((f"{s}_q8.f32.N{n}", s, TOP_K, jnp.float32, 1, kernel_fn(selector=s)))
-      out.append((f"pisa_q2_beam16.f32.N{n}", "pisa", 16, jnp.float32, 1,
-                  kernel_fn(q_tile=2, beam=16)))
-      out.append((f"pisa2_q4_rank_wq2_beam16.f32.N{n}", "pisa2", 16, jnp.float32, 1,
-                  kernel_fn(selector="pisa2", beam=16, **PROBES["pisa_q4_rank_wq2"])))
-    if n == 131072:
-      # 16-bit inputs: the split summaries (high + low 16-bit rows), every variant that reads them.
-      out.append((f"pisa_q8.bf16.N{n}", "pisa", TOP_K, jnp.bfloat16, 2, kernel_fn(q_tile=8)))
-      out.append((f"pisa_fused.f32.N{n}", "pisa", TOP_K, jnp.float32, 1,
-                  kernel_fn(variant="fused")))
-      out.append((f"pisa_fused.bf16.N{n}", "pisa", TOP_K, jnp.bfloat16, 2,
-                  kernel_fn(variant="fused")))
-      out.append((f"bsa_pallas.bf16.N{n}", "bsa", TOP_K, jnp.bfloat16, 2,
-                  kernel_fn(selector="bsa")))
-    return out
 
   # Compile everything up front, in parallel (Triton compiles are CPU-bound and independent).
   t0 = time.perf_counter()

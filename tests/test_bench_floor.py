@@ -1,5 +1,6 @@
 """The selection benchmark's floor model (benchmarks/bench_selection.py: selection_floor), which
-WORKSPACE.md and selection.json quote as "how far from the floor": its counts, checked by hand."""
+WORKSPACE.md and selection.json quote as "how far from the floor": its counts, checked by hand;
+and its GPU check list, built without a GPU."""
 
 from __future__ import annotations
 
@@ -48,3 +49,15 @@ def test_scored_leaf_count_equals_the_kernels(t, block_size, top_k, beam, g):
   need, _, _ = sel._leaf_needs_score(cand, jnp.arange(t)[:, None], geo)
   assert int(need.sum()) == bench_selection.scored_leaves_per_kv_head(
       t, block_size=block_size, top_k=top_k, beam=beam, branching=g)
+
+
+def test_check_list_builds_at_every_checked_size():
+  # The GPU checks run before the timings of a device call; building their kernels needs no GPU,
+  # so a probe renamed without updating the list (a lost device call in session 6) fails here.
+  names = set()
+  for n in (4096, 32768, 131072, 1048576):
+    entries = bench_selection.check_list(n)
+    assert entries and all(callable(e[-1]) for e in entries)
+    names.update(e[0] for e in entries)
+  assert len(names) == sum(len(bench_selection.check_list(n)) for n in (4096, 32768, 131072,
+                                                                        1048576))
