@@ -394,8 +394,8 @@ def load_floor(prefix, k, v, idx):
   so fla's time over the floor bounds the speedup any such forward can have over fla."""
   _, tk, hkv, d = k.shape
   t, top_k = idx.shape[1], idx.shape[-1]
-  kv_spec = pl.BlockSpec((None, tk, None, d), lambda i, h, bb: (bb, 0, h, 0))
-  idx_spec = pl.BlockSpec((None, t, None, top_k), lambda i, h, bb: (bb, 0, h, 0))
+  # The forward's grid and specs; the output is one [D] row per (query, KV head).
+  _, kv_spec, idx_spec, _ = attn._query_grid_specs(t, tk, 1, d, top_k)
   o_spec = pl.BlockSpec((None, t, None, d), lambda i, h, bb: (bb, 0, h, 0))
   best = None
   for warps, stages in ((1, 2), (2, 2), (4, 2), (4, 3), (8, 2)):
@@ -530,8 +530,8 @@ def summary(probes=()):
       RESULTS[f"{tag}.speedup_vs_fla.fwdbwd"] = round(fb / ob, 3)
     line = (f"{tag} | {of} | {ff} | {ff / of:.2f} | {ob} | {fb} | {fb / ob:.2f} | "
             f"{get('cudnn_dense.fwd')} | {get('cudnn_dense.fwdbwd')}")
-    floor = get("load_floor")
-    if floor == floor:  # timed (--load-floor): fla / floor bounds a one-read kernel's speedup
+    if f"{tag}.load_floor.ms" in RESULTS:  # --load-floor: fla / floor bounds a one-read kernel
+      floor = get("load_floor")
       RESULTS[f"{tag}.load_floor.fla_over_floor"] = round(ff / floor, 3)
       line += f" | load floor {floor} (fla / floor {ff / floor:.2f}, ours / floor {of / floor:.2f})"
     for name in probes:
@@ -555,9 +555,11 @@ def plot(path):
   for ax, phase in zip(axes, ("fwd", "fwdbwd")):
     width = 0.14
     for j, side in enumerate(sides):
-      key = "{}.load_floor.ms" if side == "load_floor" else "{}.%s.%s.ms" % (side, phase)
-      vals = [RESULTS.get(key.format(tag), np.nan) if side != "load_floor" or phase == "fwd"
-              else np.nan for tag in tags]
+      if side == "load_floor":
+        keys = [f"{tag}.load_floor.ms" if phase == "fwd" else None for tag in tags]
+      else:
+        keys = [f"{tag}.{side}.{phase}.ms" for tag in tags]
+      vals = [RESULTS.get(key, np.nan) for key in keys]
       ax.bar(np.arange(len(tags)) + (j - 2.5) * width, vals, width, label=side)
     ax.set_yscale("log")
     ax.set_xticks(np.arange(len(tags)))

@@ -113,6 +113,7 @@ class SparseAttentionConfig:
     warps = 1 if dp <= 64 else 2
     step_keys = 16 if dp == 128 and block_size % 16 == 0 and block_size > 16 else 0
     return cls(
+        # 16-key steps are what let one warp hold d = 128 without spilling.
         fwd_num_warps=1 if step_keys else warps,
         fwd_num_stages=2,
         fwd_step_keys=step_keys,
@@ -197,16 +198,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, lse_ref, *, block_size: int
 
   def body(s, carry):
     b_m, b_l, b_acc = carry
-    if steps_per_block == 1:
-      start, visible = _block_slot(idx_ref, t, s, block_size)
-    elif steps_per_block & (steps_per_block - 1) == 0:
-      # Slot and step within it by shift and mask (s >= 0): a signed // and % cost fix-ups.
-      shift = steps_per_block.bit_length() - 1
-      start, visible = _block_slot(idx_ref, t, lax.shift_right_logical(s, shift), block_size,
-                                   s & (steps_per_block - 1), step_keys)
-    else:
-      start, visible = _block_slot(idx_ref, t, s // steps_per_block, block_size,
-                                   s % steps_per_block, step_keys)
+    # Slot and step within it; truncating div / rem (s >= 0), no floor-division fix-ups.
+    slot, sub = (s, 0) if steps_per_block == 1 else (lax.div(s, steps_per_block),
+                                                      lax.rem(s, steps_per_block))
+    start, visible = _block_slot(idx_ref, t, slot, block_size, sub, step_keys)
     # [S, D]
     b_k = k_ref[pl.ds(start, step_keys), :]
     b_v = v_ref[pl.ds(start, step_keys), :]

@@ -129,13 +129,14 @@ def test_split_work_items_and_bitwise_repeat():
   assert_matches(first, reference_value_and_grads(q, k, v, idx, do, c, 0.25), jnp.float32)
 
 
-@pytest.mark.parametrize("t,c,step,dtype", [(150, 64, 16, jnp.float32), (70, 32, 16, jnp.bfloat16),
-                                             (100, 48, 16, jnp.float32)])
-def test_forward_in_sub_block_steps(t, c, step, dtype):
+@pytest.mark.parametrize("t,hq,hkv,c,step,dtype", [(150, 4, 2, 64, 16, jnp.float32),
+                                                   (70, 3, 1, 32, 16, jnp.bfloat16),
+                                                   (100, 16, 2, 48, 16, jnp.float32)])
+def test_forward_in_sub_block_steps(t, hq, hkv, c, step, dtype):
   """`fwd_step_keys`: each selected block streamed in C / step steps of one online softmax
-  (C = 48: three steps, the division path) gives the reference's output and gradients, including
-  rows with -1 padding and blocks with keys after the query."""
-  hq, hkv, d, top_k = 4, 2, 32, 3
+  (C = 48: three steps) gives the reference's output and gradients, including rows with -1
+  padding and blocks with keys after the query, at GQA groups 2, 3 and 8."""
+  d, top_k = 32, 3
   q, k, v, do = make_inputs(11, 1, t, hq, hkv, d, dtype)
   idx = random_indices(11, 1, t, hkv, top_k, c)
   config = attn.SparseAttentionConfig(fwd_step_keys=step)
