@@ -60,10 +60,10 @@ def log(msg):
   print(msg, flush=True)
 
 
-def inputs(n, dtype, seed=0):
+def inputs(n, dtype, seed=0, key_scale=1.0):
   kq, kk = jax.random.split(jax.random.PRNGKey(seed))
   q = jax.random.normal(kq, (1, n, HQ, D), jnp.float32).astype(dtype)
-  k = jax.random.normal(kk, (1, n, HKV, D), jnp.float32).astype(dtype)
+  k = (jax.random.normal(kk, (1, n, HKV, D), jnp.float32) * key_scale).astype(dtype)
   return q, k
 
 
@@ -121,6 +121,9 @@ PROBES = {
     # Two leaves per iteration of the compacted loop (two independent chains per program, at
     # the price of registers; session 5 at 128K: 6.29 ms against the default's 5.48).
     "pisa_fused_u2": dict(variant="fused", fused_leaf_unroll=2),
+    # Eq. 21 with the max shift in every program (the default before session 7, which takes the
+    # unshifted branch where the logits' Cauchy-Schwarz bound allows it).
+    "pisa_fused_shifted": dict(variant="fused", fused_unshifted_lse=False),
 }
 # Timed on the H200 on 2026-11-29 (session 2, 32K / 128K, ms; default pisa_q4 3.96 / 16.94):
 # rank 4.12 / 18.06, rank + 2-warp walk 5.07 / 22.5, rank + wq2 4.29 / 18.7, rank + wq4 6.21 /
@@ -369,7 +372,9 @@ def plot(out_dir):
 
 def check_list(n):
   """(name, selector, beam, dtype, seed, kernel) of the GPU checks at size n (before any timing
-  counts; built without a GPU, so CI checks that every probe it names exists)."""
+  counts; built without a GPU, so CI checks that every probe it names exists). A name ending in
+  ".keys40" runs on keys scaled by 40 (`inputs`' key_scale): logits past the fused kernel's
+  unshifted bound, so its programs take the shifted branch."""
   out = [(f"pisa_q8.f32.N{n}", "pisa", TOP_K, jnp.float32, 1, kernel_fn(q_tile=8))]
   if n <= 32768:
     out.append((f"pisa_fused.f32.N{n}", "pisa", TOP_K, jnp.float32, 1,
@@ -394,6 +399,9 @@ def check_list(n):
     out.append((f"pisa_fused.f32.N{n}", "pisa", TOP_K, jnp.float32, 1,
                 kernel_fn(variant="fused")))
     out.append((f"pisa_fused.bf16.N{n}", "pisa", TOP_K, jnp.bfloat16, 2,
+                kernel_fn(variant="fused")))
+  if n in (32768, 131072):
+    out.append((f"pisa_fused.bf16.N{n}.keys40", "pisa", TOP_K, jnp.bfloat16, 2,
                 kernel_fn(variant="fused")))
     out.append((f"bsa_pallas.bf16.N{n}", "bsa", TOP_K, jnp.bfloat16, 2,
                 kernel_fn(selector="bsa")))
@@ -501,7 +509,7 @@ def main():
     for n in ns:
       for name, selector, beam, dtype, seed, fn in check_list(n):
         try:
-          q, k = inputs(n, dtype, seed=seed)
+          q, k = inputs(n, dtype, seed=seed, key_scale=40.0 if name.endswith(".keys40") else 1.0)
           check(name, check_compiled.get(name, fn), q, k, selector, beam=beam,
                 sample=8192 if n >= 524288 else None)
         except Exception:

@@ -56,6 +56,13 @@ TOPK_IMPLS = ("passes", "rank")
 _BIG = 2**30  # larger than any node id; marks an empty slot in the in-kernel top-k
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
+# The unshifted log-sum-exp (`SelectionConfig.fused_unshifted_lse`) runs where every exponent
+# c * z of the program lies in [-_UNSHIFTED_EXP2, _UNSHIFTED_EXP2]: the largest term 2^(c z) of
+# a sum is then a normal float32 (>= 2^-100; smaller terms may flush to zero, as they would
+# after a shift), and a sum of up to 2^27 terms stays below float32's 2^128, so the shift by
+# the maximum is not needed for range; each exponential's relative rounding is the same either
+# way. (Trained models' |q| |k| can exceed the bound: their programs take the shifted branch.)
+_UNSHIFTED_EXP2 = 100.0
 # Triton's tensor-core dots need every dimension >= 16.
 _MIN_DOT = 16
 
@@ -121,6 +128,16 @@ class SelectionConfig:
     fused_leaf_unroll: 1 or 2 (needs fused_compact_leaves): leaves scored per iteration of that
       loop, as independent instruction chains (more work in flight per warp for this
       latency-bound loop, at the price of registers).
+    fused_unshifted_lse: the fused kernel ("pisa" selector) computes Eq. 21 as log2 of a plain
+      sum of 2^(c z), without subtracting the maximum first, in every program whose logits are
+      bounded: c * max_h |q_h| * max_t |k_t| <= 100 by Cauchy-Schwarz (the summaries are means of
+      keys, so the bound covers them too), with max_t |k_t| per (batch, KV head) from one
+      reduction over the keys outside the kernel. Such a program takes the unshifted branch of
+      one `lax.cond`; any other (large logits, inf or NaN) takes the shifted one. Scores come out
+      in base 2 (log2 e times Eq. 21), which orders the candidates the same. Like the other
+      fused_* fields, ignored by the two-stage variant. Offline SASS (K = 8,
+      d = 64): 328 -> 285 instructions per scored leaf (no row maximum, no shift), 587 -> 561
+      per walk level, same 94 registers.
   """
 
   variant: str = "two_stage"
@@ -143,6 +160,7 @@ class SelectionConfig:
   leaf_wide_loads: bool = True
   fused_compact_leaves: bool = True
   fused_leaf_unroll: int = 1
+  fused_unshifted_lse: bool = False
 
   def __post_init__(self):
     if self.variant not in VARIANTS:
@@ -219,7 +237,7 @@ class SelectionConfig:
     base = dict(variant="two_stage", q_tile=8, bsa_q_tile=max(1, min(16, 64 // gp)),
                 walk_warps=1, topk_impl="rank", topk_rows=8, topk_warps=2, walk_pair_lse=True)
     if candidates == 16:
-      base.update(variant="fused")
+      base.update(variant="fused", fused_unshifted_lse=True)
     elif candidates == 32:
       base.update(topk_rows=1)
     elif candidates == 64:
@@ -271,7 +289,7 @@ def _summary_logits(a, s_ref, rows, m_row, geo: "_Geometry"):
   return _qk(a, _load_rows(s_ref, rows, m_row, geo), geo.score_mode)
 
 
-def _pair_lse(z0, z1, m1, scale: float, approx_log: bool = False):
+def _pair_lse(z0, z1, m1, scale: float, approx_log: bool = False, unshifted: bool = False):
   """Eq. 21 for a candidate with two children, `[Gp, N]` -> `[Gp, N]` per-head scores.
 
   z0, z1: unscaled dot products with the first and second child; m1 `[N]`: the second child
@@ -279,8 +297,12 @@ def _pair_lse(z0, z1, m1, scale: float, approx_log: bool = False):
   c = s * log2(e). The first child exists whenever the candidate is valid; for an invalid
   candidate (its loads masked to zero) the score is finite and unused, since every consumer
   masks candidates by validity.
+  unshifted: log2(2^(c z0) + 2^(c z1)), Eq. 21 in base 2 (log2 e times the natural score), for
+  programs whose exponents are bounded (`SelectionConfig.fused_unshifted_lse`).
   """
   c = scale * _LOG2E
+  if unshifted:
+    return _log2(jnp.exp2(z0 * c) + jnp.where(m1[None, :], jnp.exp2(z1 * c), 0.0), approx_log)
   z1 = jnp.where(m1[None, :], z1, -jnp.inf)
   hi, lo = jnp.maximum(z0, z1), jnp.minimum(z0, z1)
   # lo = -inf (no second child): exp2(-inf) = 0 and the score is s * z0.
@@ -303,13 +325,19 @@ def _log2(x, approx: bool):
   return y
 
 
-def _reduce_children(zs, masks, selector: str, scale: float, approx_log: bool = False):
+def _reduce_children(zs, masks, selector: str, scale: float, approx_log: bool = False,
+                     unshifted: bool = False):
   """Per-head score of each candidate from its children's logits (natural units).
 
   zs: list over children of `[Gp, N]` unscaled dot products q . s (the logits are scale * zs);
   masks: list of `[N]` child-exists masks. Eq. 21 ("pisa"): log-sum-exp; Eq. 33 ("pisa1"): mean;
-  Eq. 34 ("pisa2"): mean + population variance / 2.
+  Eq. 34 ("pisa2"): mean + population variance / 2. unshifted ("pisa"): as in `_pair_lse`, in
+  base 2.
   """
+  if selector == "pisa" and unshifted:
+    c = scale * _LOG2E
+    return _log2(sum(jnp.where(v[None, :], jnp.exp2(z * c), 0.0) for z, v in zip(zs, masks)),
+                 approx_log)
   if selector == "pisa":
     # LSE(scale * z) = scale * m + ln 2 * log2(sum 2^(c * z - c * m)) with c = scale * log2(e)
     # (scale > 0, so the max commutes with it): one fused multiply-add per exponential instead of
@@ -329,10 +357,17 @@ def _reduce_children(zs, masks, selector: str, scale: float, approx_log: bool = 
   return mean + 0.5 * var
 
 
-def _reduce_keys(z, m_key, selector: str, scale: float, approx_log: bool = False):
+def _reduce_keys(z, m_key, selector: str, scale: float, approx_log: bool = False,
+                unshifted: bool = False):
   """Per-row score over one leaf's raw keys: z `[R, Cp]` unscaled dot products q . k, m_key
   `[Cp]` valid keys or None (every column is a key: the block is a power of two >= 16 and only
-  complete past leaves are scored) -> `[R]`."""
+  complete past leaves are scored) -> `[R]`. unshifted ("pisa"): as in `_pair_lse`, in base 2:
+  no row maximum and no shift."""
+  if selector == "pisa" and unshifted:
+    e = jnp.exp2(z * (scale * _LOG2E))
+    if m_key is not None:
+      e = jnp.where(m_key[None, :], e, 0.0)
+    return _log2(jnp.sum(e, axis=1), approx_log)
   if selector == "pisa":
     # Eq. 21 at the leaves: the exact raw-key LSE, as in `_reduce_children` (one fused
     # multiply-add per exponential; no per-element mask when every column is a key).
@@ -625,7 +660,7 @@ def _first_scored_level(geo: _Geometry) -> int:
 
 def _walk_to_leaves(qgs, m_head, i_b, ts, i_h, s_ref, tab_ref, geo: _Geometry, topk_impl: str,
                     init=None, first_level: int | None = None, online_lse: bool = False,
-                    pair_lse: bool = False):
+                    pair_lse: bool = False, unshifted: bool = False):
   """Stage 1 (Algorithm 1, lines 5-14): root -> level 2 for queries of one KV head.
 
   qgs: the queries' group heads, each `[Gp, Dp]`; ts: their positions (scalars). The levels are a
@@ -633,7 +668,8 @@ def _walk_to_leaves(qgs, m_head, i_b, ts, i_h, s_ref, tab_ref, geo: _Geometry, t
   of levels; the queries' walks share that loop as independent instruction streams. With `init`
   (each query's candidates `[NC]` at level `first_level`, from `_walk_top_kernel`) the walk starts
   there instead of at the root's children. Returns the level-1 candidates of each query, `[NC]`
-  (leaf ids, -1 where empty or not eligible).
+  (leaf ids, -1 where empty or not eligible). unshifted: Eq. 21 without the max shift, in base
+  2 (`SelectionConfig.fused_unshifted_lse`; not with online_lse).
   """
   sizes, g, nc = geo.sizes, geo.branching, geo.nc
   num_levels = len(sizes)
@@ -672,10 +708,11 @@ def _walk_to_leaves(qgs, m_head, i_b, ts, i_h, s_ref, tab_ref, geo: _Geometry, t
       per_head = (jnp.where(m == -jnp.inf, 0.0, m) + _log2(acc, geo.approx_log)) * _LN2
     elif pair_lse:  # callers pass it only where `_uses_pair_lse` (g = 2, "pisa")
       (z0, _), (z1, m1) = child_logits(0), child_logits(1)
-      per_head = _pair_lse(z0, z1, m1, geo.scale, geo.approx_log)
+      per_head = _pair_lse(z0, z1, m1, geo.scale, geo.approx_log, unshifted)
     else:
       zs, masks = zip(*(child_logits(j) for j in range(g)))
-      per_head = _reduce_children(list(zs), list(masks), geo.selector, geo.scale, geo.approx_log)
+      per_head = _reduce_children(list(zs), list(masks), geo.selector, geo.scale, geo.approx_log,
+                                  unshifted)
     # Eq. 22: the group's heads share one selection, scored by their sum.
     score = jnp.sum(jnp.where(m_head[:, None], per_head, 0.0), axis=0)
     return _select_and_expand(cand, valid, forced, score, geo, topk_impl)
@@ -869,12 +906,13 @@ def _leaf_key_rows(leaf, i_b, i_h, geo: _Geometry):
   return (i_b * geo.seq_len + jnp.minimum(pos, geo.seq_len - 1)) * geo.hkv + i_h, m_key, m_key
 
 
-def _leaf_scores_one(qg, m_head, leaf, valid, i_b, i_h, k_ref, geo: _Geometry):
+def _leaf_scores_one(qg, m_head, leaf, valid, i_b, i_h, k_ref, geo: _Geometry,
+                     unshifted: bool = False):
   """Group-summed raw-key score of one leaf for one query: qg `[Gp, Dp]` -> scalar."""
   rows, m_load, m_key = _leaf_key_rows(leaf, i_b, i_h, geo)
   b_k = _load_rows(k_ref, rows, m_load & valid, geo)
   per_head = _reduce_keys(_qk(qg, b_k, geo.key_mode), m_key, geo.selector, geo.scale,
-                          geo.approx_log)
+                          geo.approx_log, unshifted)
   return jnp.sum(jnp.where(m_head, per_head, 0.0))
 
 
@@ -894,9 +932,14 @@ def _final_select(cand, score, t, geo: _Geometry, topk_impl: str, by_column: boo
   return _sorted_kept(cand, taken, geo.kp)
 
 
-def _fused_kernel(q_ref, k_ref, s_ref, tab_ref, out_ref, *, geo: _Geometry, topk_impl: str,
-                  compact_leaves: bool, leaf_unroll: int = 1, pair_lse: bool = False):
+def _fused_kernel(q_ref, k_ref, s_ref, tab_ref, *refs, geo: _Geometry, topk_impl: str,
+                  compact_leaves: bool, leaf_unroll: int = 1, pair_lse: bool = False,
+                  unshifted: bool = False):
   """Per-query variant: all levels, the leaves included, for one (query, KV head).
+
+  refs: (out_ref,), or with `unshifted` (kn2_ref, out_ref): kn2_ref `[B*HKV]` holds
+  max_t |k_t|^2 per (batch, KV head), from which the program bounds its logits and takes the
+  unshifted branch (`SelectionConfig.fused_unshifted_lse`) where they are small enough.
 
   compact_leaves: the leaf loop runs once per candidate that needs a score (iteration c scores
   the c-th such slot), not once per slot: forced leaves (first, previous, current) and the
@@ -906,13 +949,44 @@ def _fused_kernel(q_ref, k_ref, s_ref, tab_ref, out_ref, *, geo: _Geometry, topk
   scheduler can interleave (the loop is latency-bound at one warp per program); the last
   iteration's surplus leaves are masked.
   """
+  kn2_ref, out_ref = refs if unshifted else (None, refs[0])
   i_p = pl.program_id(0)
   i_bh, t = i_p // geo.seq_len, i_p % geo.seq_len
   i_b, i_h = i_bh // geo.hkv, i_bh % geo.hkv
   m_head = jnp.arange(geo.gp) < geo.group
   qg = _load_group_queries(q_ref, geo, i_b, t, i_h, geo.gp)
+  if unshifted:
+    kn2 = jnp.max(plt.load(kn2_ref.at[jnp.full((2,), i_bh, jnp.int32)]))
+    select = functools.partial(_fused_select, m_head=m_head, i_b=i_b, t=t, i_h=i_h, k_ref=k_ref,
+                               s_ref=s_ref, tab_ref=tab_ref, geo=geo, topk_impl=topk_impl,
+                               compact_leaves=compact_leaves, leaf_unroll=leaf_unroll,
+                               pair_lse=pair_lse)
+    out = lax.cond(_unshifted_ok(qg, m_head, kn2, geo.scale),
+                   functools.partial(select, unshifted=True),
+                   functools.partial(select, unshifted=False), qg)
+  else:
+    out = _fused_select(qg, m_head, i_b, t, i_h, k_ref, s_ref, tab_ref, geo, topk_impl,
+                        compact_leaves, leaf_unroll, pair_lse)
+  row = (i_b * geo.seq_len + t) * geo.hkv + i_h
+  out_ref[pl.ds(row, 1), :] = out
+
+
+def _unshifted_ok(qg, m_head, kn2, scale: float):
+  """Whether every exponent c * z of a program lies within +-_UNSHIFTED_EXP2: qg `[Gp, Dp]` its
+  query heads (m_head `[Gp]` the real ones), kn2 the largest squared key norm of its (batch, KV
+  head). Cauchy-Schwarz: |c q_h . k| <= c |q_h| |k| for every key and every summary (a mean of
+  keys). NaN or inf inputs fail the compare."""
+  q32 = qg.astype(jnp.float32)
+  qn2 = jnp.max(jnp.where(m_head, jnp.sum(q32 * q32, axis=1), 0.0))
+  return qn2 * kn2 <= (_UNSHIFTED_EXP2 / (abs(scale) * _LOG2E)) ** 2
+
+
+def _fused_select(qg, m_head, i_b, t, i_h, k_ref, s_ref, tab_ref, geo: _Geometry, topk_impl: str,
+                  compact_leaves: bool, leaf_unroll: int, pair_lse: bool, unshifted: bool = False):
+  """The fused kernel's selection for one (query, KV head): walk, leaf scores, final Select_K,
+  `[1, KP]` sorted leaf ids."""
   (cand,) = _walk_to_leaves([qg], m_head, i_b, [t], i_h, s_ref, tab_ref, geo, topk_impl,
-                            pair_lse=pair_lse)
+                            pair_lse=pair_lse, unshifted=unshifted)
   need, _, _ = _leaf_needs_score(cand, t, geo)
   slot = jnp.arange(geo.nc)
 
@@ -930,7 +1004,7 @@ def _fused_kernel(q_ref, k_ref, s_ref, tab_ref, out_ref, *, geo: _Geometry, topk
         # Every numbered leaf is a complete past leaf: its key loads need no mask, except the
         # surplus of the last unrolled iteration.
         live = True if leaf_unroll == 1 else c * leaf_unroll + u < n_need
-        s = _leaf_scores_one(qg, m_head, leaf, live, i_b, i_h, k_ref, geo)
+        s = _leaf_scores_one(qg, m_head, leaf, live, i_b, i_h, k_ref, geo, unshifted)
         new = jnp.where(hit, s, new)
       return new
 
@@ -940,13 +1014,12 @@ def _fused_kernel(q_ref, k_ref, s_ref, tab_ref, out_ref, *, geo: _Geometry, topk
     def score_leaf(c, scores):
       leaf = jnp.sum(jnp.where(slot == c, cand, 0))
       needed = jnp.sum(jnp.where(slot == c, need.astype(jnp.int32), 0)) > 0
-      s = _leaf_scores_one(qg, m_head, jnp.maximum(leaf, 0), needed, i_b, i_h, k_ref, geo)
+      s = _leaf_scores_one(qg, m_head, jnp.maximum(leaf, 0), needed, i_b, i_h, k_ref, geo,
+                           unshifted)
       return jnp.where(slot == c, s, scores)
 
     scores = lax.fori_loop(0, geo.nc, score_leaf, jnp.zeros((geo.nc,), jnp.float32))
-  out = _final_select(cand[None, :], scores[None, :], t, geo, topk_impl, by_column=True)
-  row = (i_b * geo.seq_len + t) * geo.hkv + i_h
-  out_ref[pl.ds(row, 1), :] = out
+  return _final_select(cand[None, :], scores[None, :], t, geo, topk_impl, by_column=True)
 
 
 def _leaf_tile_kernel(q_ref, k_ref, start_ref, bucket_ref, pair_ref, score_ref, *, geo: _Geometry,
@@ -1320,14 +1393,19 @@ def _select_pisa(q, k, geo: _Geometry, *, interpret: bool, config: SelectionConf
   rows = b * t * geo.hkv
   if config.variant == "fused":
     pair_lse = _uses_pair_lse(config, geo)
+    unshifted = config.fused_unshifted_lse and geo.selector == "pisa"
+    # max_t |k_t|^2 per (batch, KV head), the keys' half of each program's logit bound.
+    kn2 = (jnp.max(jnp.sum(jnp.square(k.astype(jnp.float32)), axis=-1), axis=1).reshape(-1),
+           ) if unshifted else ()
     out = _call(functools.partial(_fused_kernel, geo=geo, topk_impl=config.topk_impl,
                                   compact_leaves=config.fused_compact_leaves,
-                                  leaf_unroll=config.fused_leaf_unroll, pair_lse=pair_lse),
+                                  leaf_unroll=config.fused_leaf_unroll, pair_lse=pair_lse,
+                                  unshifted=unshifted),
                 jax.ShapeDtypeStruct((rows, geo.kp), jnp.int32), rows, config, config.walk_warps,
                 interpret, "pisa_select_fused" + ("_rank" if config.topk_impl == "rank" else "")
-                + ("_plse" if pair_lse else ""),
+                + ("_plse" if pair_lse else "") + ("_ulse" if unshifted else ""),
                 q.reshape(-1, d), k.reshape(-1, d),
-                _stacked(pyramid.summaries, geo, q.dtype), _level_table(geo))
+                _stacked(pyramid.summaries, geo, q.dtype), _level_table(geo), *kn2)
   else:
     cand = leaf_candidates_pallas(q, k, pyramid.summaries, geo, interpret=interpret, config=config)
     scores = leaf_scores_pallas(q, k, cand, geo, interpret=interpret, config=config)

@@ -58,7 +58,7 @@ TWO_STAGE = dataclasses.replace(sel.SelectionConfig.default(seq_len=0, group=16)
 
 
 @pytest.mark.parametrize("selector,config,kernels", [
-    ("pisa", None, {"pisa_select_fused_rank_plse"}),  # the K = 8 default
+    ("pisa", None, {"pisa_select_fused_rank_plse_ulse"}),  # the K = 8 default
     ("pisa", TWO_STAGE, {"pisa_select_walk_rank_plse", "pisa_select_leaf_q8",
                          "pisa_select_topk_rank"}),
     ("pisa", dataclasses.replace(TWO_STAGE, walk_dense_nodes=16),
@@ -67,7 +67,9 @@ TWO_STAGE = dataclasses.replace(sel.SelectionConfig.default(seq_len=0, group=16)
                                  topk_impl="passes"),
      {"pisa_select_walk_olse", "pisa_select_topk"}),
     ("pisa", dataclasses.replace(sel.SelectionConfig.default(seq_len=0, group=16),
-                                 walk_pair_lse=False), {"pisa_select_fused_rank"}),
+                                 walk_pair_lse=False), {"pisa_select_fused_rank_ulse"}),
+    ("pisa", dataclasses.replace(sel.SelectionConfig.default(seq_len=0, group=16),
+                                 fused_unshifted_lse=False), {"pisa_select_fused_rank_plse"}),
     ("pisa2", None, {"pisa_select_fused_rank"}),
     ("bsa", None, {"bsa_select"}),
 ])

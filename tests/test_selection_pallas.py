@@ -281,9 +281,10 @@ def test_default_config_picks_topk_by_candidates(top_k, beam, impl):
   names = _kernel_names(q, k, None, **kw)
   walk = {n for n in names if n.startswith(("pisa_select_walk", "pisa_select_fused"))}
   kind = "fused" if geo.nc == 16 else "walk"
-  # g = 2 with "pisa": the walk takes the pair form of Eq. 21 by default.
+  # g = 2 with "pisa": the walk takes the pair form of Eq. 21 by default, and the fused kernel
+  # its unshifted branch.
   assert walk == {(f"pisa_select_{kind}_rank" if impl == "rank" else f"pisa_select_{kind}")
-                  + "_plse"}
+                  + "_plse" + ("_ulse" if kind == "fused" else "")}
   if geo.nc <= 64:
     _check(200, 4, 1, 64, top_k, "pisa", block_size=4, branching=2, beam=beam, config=None)
 
@@ -464,6 +465,82 @@ def test_pair_lse_formula():
   got = _pair_lse(z0, z1, m1, 0.125)
   want = jnp.where(m1[None, :], jnp.logaddexp(0.125 * z0, 0.125 * z1), 0.125 * z0)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=2e-6)
+  # The unshifted form is the same score in base 2 (logits within its bound here).
+  got2 = _pair_lse(z0, z1, m1, 0.125, unshifted=True)
+  np.testing.assert_allclose(np.asarray(got2), np.asarray(want) * np.log2(np.e), rtol=2e-6,
+                             atol=2e-6)
+
+
+@pytest.mark.parametrize("selector", ["pisa", "pisa1", "pisa2"])
+def test_unshifted_reductions_equal_shifted_in_base_2(selector):
+  # `_reduce_keys` and `_reduce_children` with unshifted=True: Eq. 21 times log2(e) for "pisa"
+  # (partial keys masked), the unchanged mean forms otherwise.
+  from pisa_jax.kernels.selection import _reduce_children, _reduce_keys
+
+  z = jax.random.normal(jax.random.PRNGKey(4), (16, 64)) * 20.0
+  m_key = jnp.arange(64) < 37
+  unit = np.log2(np.e) if selector == "pisa" else 1.0
+  for mask in (None, m_key):
+    np.testing.assert_allclose(
+        np.asarray(_reduce_keys(z, mask, selector, 0.125, unshifted=True)),
+        np.asarray(_reduce_keys(z, mask, selector, 0.125)) * unit, rtol=2e-6, atol=2e-6)
+  zs, masks = [z[:, :16], z[:, 16:32], z[:, 32:48]], [m_key[:16], m_key[16:32], m_key[32:48]]
+  np.testing.assert_allclose(
+      np.asarray(_reduce_children(zs, masks, selector, 0.125, unshifted=True)),
+      np.asarray(_reduce_children(zs, masks, selector, 0.125)) * unit, rtol=2e-6, atol=2e-6)
+
+
+def _unshifted_case(key_scale: float, dtype=jnp.float32):
+  """Two batch rows: row 0 at ordinary logits, row 1 with keys scaled by key_scale."""
+  q, k = _inputs(3, 300, 4, 2, 64, jnp.float32, 2)
+  k = k * jnp.asarray([1.0, key_scale])[:, None, None, None]
+  kw = dict(block_size=16, top_k=8, branching=2, selector="pisa", scale=0.125, beam=8)
+  return q.astype(dtype), k.astype(dtype), kw
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fused_unshifted_lse_takes_the_shifted_branch_on_large_logits(dtype):
+  # The default at K = 8 (NC = 16): the fused kernel computes Eq. 21 without the max shift in
+  # each program whose Cauchy-Schwarz bound allows it. Row 1's keys are scaled by 40, so its
+  # logits reach far past 2^128 in base 2 and its programs must take the shifted branch; row 0's
+  # take the unshifted one. Both must match the reference.
+  q, k, kw = _unshifted_case(40.0, dtype)
+  cfg = SelectionConfig.default(seq_len=300, group=2, candidates=16)
+  assert cfg.fused_unshifted_lse
+  assert any(n.endswith("_ulse") for n in _kernel_names(q, k, cfg, **kw))
+  out = _kernel(q, k, config=cfg, **kw)
+  q32, k32 = q.astype(jnp.float32), k.astype(jnp.float32)
+  assert_same_or_near_tie(out, select_blocks_reference(q32, k32, **kw), q32, k32, **kw)
+
+
+def test_unshifted_bound_per_program():
+  # The branch each program of the case above takes: row 0 (ordinary logits) unshifted, row 1
+  # (keys x 40) shifted, and NaN or inf queries shifted.
+  from pisa_jax.kernels.selection import _unshifted_ok
+
+  q, k, kw = _unshifted_case(40.0)
+  kn2 = jnp.max(jnp.sum(jnp.square(k), axis=-1), axis=1)  # [B, HKV]
+  m_head = jnp.arange(16) < 2
+  qg = jnp.zeros((16, 64)).at[:2].set(q[0, 100, :2])
+  assert bool(_unshifted_ok(qg, m_head, kn2[0, 0], kw["scale"]))
+  qg1 = jnp.zeros((16, 64)).at[:2].set(q[1, 100, :2])
+  assert not bool(_unshifted_ok(qg1, m_head, kn2[1, 0], kw["scale"]))
+  for bad in (jnp.nan, jnp.inf):
+    assert not bool(_unshifted_ok(qg.at[1, 3].set(bad), m_head, kn2[0, 0], kw["scale"]))
+  # Padded heads do not count, however large.
+  assert bool(_unshifted_ok(qg.at[5].set(1e6), m_head, kn2[0, 0], kw["scale"]))
+
+
+def test_fused_unshifted_lse_bound_is_what_keeps_large_logits_right(monkeypatch):
+  # Proof that the test above can fail: with the bound lifted, every program takes the unshifted
+  # branch, and row 1's overflowing sums (inf scores, ties broken by index) select other blocks.
+  q, k, kw = _unshifted_case(40.0)
+  cfg = SelectionConfig.default(seq_len=300, group=2, candidates=16)
+  monkeypatch.setattr(sel_kernels, "_UNSHIFTED_EXP2", float("inf"))
+  out = np.asarray(select_blocks_pallas(q, k, interpret=True, config=cfg, **kw))
+  ref = np.asarray(select_blocks_reference(q, k, **kw))
+  np.testing.assert_array_equal(out[0], ref[0])  # ordinary logits: unshifted is exact enough
+  assert np.any(out[1] != ref[1])
 
 
 @pytest.mark.parametrize("kwargs,match", [
