@@ -96,8 +96,14 @@ def forced_causal_indices(seed: int, t: int, hkv: int, top_k: int, block_size: i
   return idx[None].astype(np.int32)
 
 
-def time_jax(fn, *args, reps: int = 7, target_s: float = 0.04):
-  """Median ms per call of a jitted fn: warm-up, then `reps` batches of back-to-back calls."""
+def time_jax(fn, *args, reps: int = 7, target_s: float = 0.2):
+  """Median ms per call of a jitted fn: warm-up, then `reps` batches of back-to-back calls.
+
+  A batch lasts about target_s (at most 50 calls), so the host's dispatch latency before its
+  first call, up to ~0.6 ms on the H200 host (a 256K selection call: 9.67 ms of kernels in its
+  profile, 10.27 ms of wall time alone), is spread over several calls: back-to-back calls keep the
+  GPU busy, as they do inside a training step. (Session 6 and earlier used 0.04 s: one call per
+  batch from ~40 ms up.) fla's side is timed by triton's do_bench, on the GPU's clock alone."""
   jax.block_until_ready(fn(*args))
   t0 = time.perf_counter()
   jax.block_until_ready(fn(*args))
@@ -375,8 +381,10 @@ def parse_probe(name: str) -> dict:
 
 
 def _load_floor_kernel(k_ref, v_ref, idx_ref, o_ref, *, top_k: int):
-  """The forward's memory stream alone: query t's selected key and value blocks, loaded through
-  the same pipelined loop and summed (so no load is dead), no attention math."""
+  """The forward's memory stream alone: query t's selected key and value blocks, loaded in the
+  same loop and summed (so no load is dead), no attention math. Triton issues these as plain
+  16-byte LDGs (its pipeliner makes async copies only of loads that feed a dot; SASS, session 7),
+  where the forward's are async copies: a reference rate, not a strict lower bound."""
   t = pl.program_id(0)
 
   def body(i, acc):
@@ -419,6 +427,50 @@ def load_floor(prefix, k, v, idx):
     log(f"{prefix}.load_floor.TB_per_s", round(gb / best, 2))
 
 
+def _l2_peak_kernel(x_ref, o_ref, *, steps: int, num_tiles: int, rows: int):
+  """Contiguous `[rows, D]` tiles of an L2-resident buffer through a loop like
+  `_load_floor_kernel`'s: program p reads tiles (p * 7 + 13 i) mod num_tiles, i < steps, and
+  sums them. No gather and no misses: what a program's loop of tile loads can draw from L2."""
+  p = pl.program_id(0)
+
+  def body(i, acc):
+    start = ((p * 7 + i * 13) % num_tiles) * rows
+    return acc + x_ref[pl.ds(start, rows), :].astype(jnp.float32)
+
+  acc = lax.fori_loop(0, steps, body, jnp.zeros((rows, x_ref.shape[-1]), jnp.float32))
+  o_ref[p] = jnp.sum(acc, axis=0)
+
+
+def l2_peak(d: int, *, buffer_mb: int = 8, programs: int = 8192, steps: int = 128):
+  """Times `_l2_peak_kernel` (bf16 tiles of `[64, d]` or `[128, d]` from an 8 MB buffer, inside
+  the H200's L2) under several launches; logs each, the fastest and its TB/s: the read rate the
+  forward and the load floor compare against. (Triton issues these loads as plain 16-byte LDGs,
+  not async copies: the loop carries nothing else, so bytes in flight come from the warps.)"""
+  best = None
+  for warps, stages, rows in ((2, 2, 64), (4, 2, 64), (4, 2, 128), (8, 2, 128), (8, 3, 128)):
+    num_tiles = buffer_mb * 2**20 // (rows * d * 2)
+    x = jax.random.normal(jax.random.PRNGKey(5), (num_tiles * rows, d), jnp.bfloat16)
+    call = pl.pallas_call(
+        functools.partial(_l2_peak_kernel, steps=steps * BLOCK // rows, num_tiles=num_tiles,
+                          rows=rows), grid=(programs,),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec(memory_space=pl.ANY),
+        out_shape=jax.ShapeDtypeStruct((programs, d), jnp.float32),
+        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
+        interpret=INTERPRET, name="l2_peak")
+    try:
+      ms = time_jax(jax.jit(call), x)
+    except Exception:
+      log(f"l2_peak.d{d}.w{warps}s{stages}r{rows}.error", traceback.format_exc()[-400:])
+      continue
+    log(f"l2_peak.d{d}.w{warps}s{stages}r{rows}.ms", ms)
+    best = ms if best is None else min(best, ms)
+  if best is not None:
+    gb = programs * steps * BLOCK * d * 2 / 1e9
+    log(f"l2_peak.d{d}.ms", best)
+    log(f"l2_peak.d{d}.TB_per_s", round(gb / best, 2))
+
+
 def time_forwards(prefix, q, k, v, idx, d, base, probes, fl):
   """Times our default forward, then each probe config's forward right after it; logs
   `{prefix}.ours.fwd.ms` and `{prefix}.ours_probe.{name}.fwd.ms`, and each probe's largest
@@ -451,6 +503,9 @@ def bench_mode(sizes, budget_s, out_path, smoke=False, only=frozenset(), probes=
   log("date", time.strftime("%Y-%m-%d %H:%M:%S"))
   log("device", str(jax.devices()[0]))
   log("bf16_matmul_tflops", matmul_tflops())
+  if floor:
+    for d in (64, 128):
+      l2_peak(d, programs=64 if smoke else 8192, steps=4 if smoke else 128)
   # In priority order; settings past the time budget are skipped (and say so in the JSON).
   settings = [(16384, 32, 2, 64, 8), (16384, 32, 2, 128, 32), (65536, 32, 2, 64, 8),
               (65536, 32, 2, 128, 32), (16384, 32, 8, 64, 8), (16384, 32, 4, 64, 8),
@@ -594,7 +649,8 @@ def main():
   parser.add_argument("--load-floor", action="store_true",
                       help="also time the forward's K/V block loads alone (no math) under "
                            "several launches: the floor of a kernel that reads each query's "
-                           "selected blocks once")
+                           "selected blocks once; and, once per run, contiguous tiles of an "
+                           "L2-resident buffer through the same loop (l2_peak)")
   parser.add_argument("--real-indices", action="store_true",
                       help="also time the forwards (default, probes, fla) on indices with PISA's "
                            "forced blocks 0, cur-1, cur")

@@ -182,7 +182,9 @@ def main():
     fn.trace(*spec).lower(lowering_platforms=("cuda",))
     print(f"== {case}: {cfg}")
     for ttir in captured:
-      name = re.search(r"module @([A-Za-z0-9_]+)", ttir).group(1)
+      # The generic form (`sym_name = "..."`) is what MLIR prints for a module that fails to verify.
+      name = re.search(r'module @([A-Za-z0-9_]+)|sym_name = "([A-Za-z0-9_]+)"', ttir)
+      name = name.group(1) or name.group(2)
       try:
         sass = os.path.join(args.sass, f"{case}.{name}.sass") if args.sass else None
         r = _resources(ttir, *_launch_of(name, cfg), sass_path=sass)
