@@ -203,7 +203,10 @@ class SelectionConfig:
     64 query rows (bsa_q_tile * padded group) per program; the in-kernel top-k by the number of
     candidate slots per level, `candidates` = NC = next power of two >= max(beam * g, 16).
 
-    Measured on the H200 (2026-11-29, Table 4 setting unless named; ms):
+    Measured on the H200 (2026-11-29/30, Table 4 setting unless named; ms):
+    - Session 7, the fused kernel's unshifted Eq. 21 branch (`fused_unshifted_lse`, hence on at
+      NC = 16) against the shifted one in the same run: 4.71 / 9.96 against 4.86 / 10.31 at 128K
+      / 256K; two leaves per iteration with it 5.52 / 11.53.
     - Session 6, the rank top-k summed by column, 16K / 128K / 256K: fused 0.572 / 5.31 / 11.47,
       with `walk_pair_lse` 0.559 / 5.07 / 10.85 (hence on; it applies where g = 2 and "pisa").
     - Session 5, after the compacted leaf loop and the walk's shifts, 16K / 128K / 1M: fused
