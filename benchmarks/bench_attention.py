@@ -380,6 +380,21 @@ def parse_probe(name: str) -> dict:
   return {_PROBE_FIELDS[c]: int(n) for c, n in parts}
 
 
+def _fastest(key: str, calls) -> float | None:
+  """Times each (label, pallas call, args) of `calls`, logs `{key}.{label}.ms` (or `.error`: a
+  launch that fails to compile is a finding, not a crash), and returns the fastest ms or None."""
+  best = None
+  for label, call, args in calls:
+    try:
+      ms = time_jax(jax.jit(call), *args)
+    except Exception:
+      log(f"{key}.{label}.error", traceback.format_exc()[-400:])
+      continue
+    log(f"{key}.{label}.ms", ms)
+    best = ms if best is None else min(best, ms)
+  return best
+
+
 def _load_floor_kernel(k_ref, v_ref, idx_ref, o_ref, *, top_k: int):
   """The forward's memory stream alone: query t's selected key and value blocks, loaded in the
   same loop and summed (so no load is dead), no attention math. Triton issues these as plain
@@ -405,21 +420,14 @@ def load_floor(prefix, k, v, idx):
   # The forward's grid and specs; the output is one [D] row per (query, KV head).
   _, kv_spec, idx_spec, _ = attn._query_grid_specs(t, tk, 1, d, top_k)
   o_spec = pl.BlockSpec((None, t, None, d), lambda i, h, bb: (bb, 0, h, 0))
-  best = None
-  for warps, stages in ((1, 2), (2, 2), (4, 2), (4, 3), (8, 2)):
-    call = pl.pallas_call(
-        functools.partial(_load_floor_kernel, top_k=top_k), grid=(t, hkv, 1),
-        in_specs=[kv_spec, kv_spec, idx_spec], out_specs=o_spec,
-        out_shape=jax.ShapeDtypeStruct((1, t, hkv, d), jnp.float32),
-        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
-        interpret=INTERPRET, name="load_floor")
-    try:
-      ms = time_jax(jax.jit(call), k, v, idx)
-    except Exception:
-      log(f"{prefix}.load_floor.w{warps}s{stages}.error", traceback.format_exc()[-400:])
-      continue
-    log(f"{prefix}.load_floor.w{warps}s{stages}.ms", ms)
-    best = ms if best is None else min(best, ms)
+  calls = ((f"w{warps}s{stages}", pl.pallas_call(
+      functools.partial(_load_floor_kernel, top_k=top_k), grid=(t, hkv, 1),
+      in_specs=[kv_spec, kv_spec, idx_spec], out_specs=o_spec,
+      out_shape=jax.ShapeDtypeStruct((1, t, hkv, d), jnp.float32),
+      compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
+      interpret=INTERPRET, name="load_floor"), (k, v, idx))
+      for warps, stages in ((1, 2), (2, 2), (4, 2), (4, 3), (8, 2)))
+  best = _fastest(f"{prefix}.load_floor", calls)
   if best is not None:
     log(f"{prefix}.load_floor.ms", best)
     gb = 2 * t * hkv * top_k * BLOCK * d * k.dtype.itemsize / 1e9
@@ -446,8 +454,7 @@ def l2_peak(d: int, *, buffer_mb: int = 8, programs: int = 8192, steps: int = 12
   the H200's L2) under several launches; logs each, the fastest and its TB/s: the read rate the
   forward and the load floor compare against. (Triton issues these loads as plain 16-byte LDGs,
   not async copies: the loop carries nothing else, so bytes in flight come from the warps.)"""
-  best = None
-  for warps, stages, rows in ((2, 2, 64), (4, 2, 64), (4, 2, 128), (8, 2, 128), (8, 3, 128)):
+  def launch(warps, stages, rows):
     num_tiles = buffer_mb * 2**20 // (rows * d * 2)
     x = jax.random.normal(jax.random.PRNGKey(5), (num_tiles * rows, d), jnp.bfloat16)
     call = pl.pallas_call(
@@ -458,13 +465,10 @@ def l2_peak(d: int, *, buffer_mb: int = 8, programs: int = 8192, steps: int = 12
         out_shape=jax.ShapeDtypeStruct((programs, d), jnp.float32),
         compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=INTERPRET, name="l2_peak")
-    try:
-      ms = time_jax(jax.jit(call), x)
-    except Exception:
-      log(f"l2_peak.d{d}.w{warps}s{stages}r{rows}.error", traceback.format_exc()[-400:])
-      continue
-    log(f"l2_peak.d{d}.w{warps}s{stages}r{rows}.ms", ms)
-    best = ms if best is None else min(best, ms)
+    return f"w{warps}s{stages}r{rows}", call, (x,)
+
+  best = _fastest(f"l2_peak.d{d}", (launch(*c) for c in ((2, 2, 64), (4, 2, 64), (4, 2, 128),
+                                                          (8, 2, 128), (8, 3, 128))))
   if best is not None:
     gb = programs * steps * BLOCK * d * 2 / 1e9
     log(f"l2_peak.d{d}.ms", best)
