@@ -61,3 +61,17 @@ def test_check_list_builds_at_every_checked_size():
     names.update(e[0] for e in entries)
   assert len(names) == sum(len(bench_selection.check_list(n)) for n in (4096, 32768, 131072,
                                                                         1048576))
+
+
+@pytest.mark.parametrize("t,d,top_k,stages", [(1024, 64, 8, 2), (65536, 128, 32, 3)])
+def test_mosaic_load_probe_lowers_for_cuda(t, d, top_k, stages):
+  # benchmarks/mosaic_load_probe.py (issue 4: the forward's block reads by TMA, no math) runs
+  # only on the H200, but its Mosaic GPU kernel lowers here; T = 65,536 with one grid axis
+  # (its first 2-D grid put T past CUDA's 65,535 limit and failed to launch on the H200).
+  import mosaic_load_probe
+
+  kv = jax.ShapeDtypeStruct((t, 2, d), jnp.bfloat16)
+  idx = jax.ShapeDtypeStruct((t, 2, top_k), jnp.int32)
+  fn = jax.jit(lambda k, v, i: mosaic_load_probe.tma_loads(k, v, i, stages=stages))
+  text = fn.trace(kv, kv, idx).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
