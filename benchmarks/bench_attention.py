@@ -20,7 +20,6 @@ import dataclasses
 import json
 import os
 import re
-import statistics
 import sys
 import time
 import traceback
@@ -40,6 +39,10 @@ from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as plt  # noqa: E402
 
 from pisa_jax.kernels import attention as attn  # noqa: E402
+
+# The device sets PYTHONSAFEPATH=1, so a script's own folder is not on sys.path by itself.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import time_jax  # noqa: E402
 
 BLOCK = 64
 RESULTS = {}
@@ -94,30 +97,6 @@ def forced_causal_indices(seed: int, t: int, hkv: int, top_k: int, block_size: i
   slots = np.arange(top_k)
   idx = np.where(few, np.where(slots <= cur, slots, -1), idx)
   return idx[None].astype(np.int32)
-
-
-def time_jax(fn, *args, reps: int = 7, target_s: float = 0.2):
-  """Median ms per call of a jitted fn: warm-up, then `reps` batches of back-to-back calls.
-
-  A batch lasts about target_s (at most 50 calls), so the host's dispatch latency before its
-  first call, up to ~0.6 ms on the H200 host (a 256K selection call: 9.67 ms of kernels in its
-  profile, 10.27 ms of wall time alone), is spread over several calls: back-to-back calls keep the
-  GPU busy, as they do inside a training step. (Session 6 and earlier used 0.04 s: one call per
-  batch from ~40 ms up.) fla's side is timed by triton's do_bench, on the GPU's clock alone."""
-  jax.block_until_ready(fn(*args))
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  est = time.perf_counter() - t0
-  n = max(1, min(50, int(target_s / max(est, 1e-6))))
-  samples = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    out = None
-    for _ in range(n):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - t0) / n)
-  return round(statistics.median(samples) * 1e3, 4)
 
 
 def matmul_tflops():

@@ -46,6 +46,10 @@ from pisa_jax.selection import select_blocks_reference, select_blocks_reference_
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from test_selection_pallas import decision_margin  # noqa: E402
 
+# The device sets PYTHONSAFEPATH=1, so a script's own folder is not on sys.path by itself.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import time_jax  # noqa: E402
+
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 
 HQ, HKV, D, C, TOP_K, G = 32, 2, 64, 64, 8, 2
@@ -169,35 +173,12 @@ def stage_fns():
           "pyramid+walk_rank": jax.jit(functools.partial(walk, cfg=cfg_rank))}
 
 
-def time_jax(fn, *args, budget_s=0.25, batch_s=0.2):
-  """Median ms per call over batches of back-to-back calls (async dispatch, one sync per batch).
-
-  A batch lasts about batch_s (at most 50 calls), so the host's dispatch latency before its first
-  call (~0.6 ms on the H200 host: a 256K selection call is 9.67 ms of kernels in its profile and
-  10.27 ms of wall time alone) is spread over its calls, as it is inside a training step.
-  Sessions 1-6 used batches of 0.02 s: two calls at 256K, one from 1M."""
-  jax.block_until_ready(fn(*args))
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  first = time.perf_counter() - t0
-  per_batch = int(np.clip(batch_s / max(first, 1e-6), 1, 50))
-  batches = int(np.clip(budget_s / max(first * per_batch, 1e-6), 3, 15))
-  times = []
-  for _ in range(batches):
-    t0 = time.perf_counter()
-    for _ in range(per_batch):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t0) / per_batch)
-  return float(np.median(times) * 1e3)
-
-
 def memory_bytes(compiled):
   m = compiled.memory_analysis()
   return int(m.temp_size_in_bytes + m.output_size_in_bytes)
 
 
-def check(name, fn, q, k, selector, beam=TOP_K, max_proofs=30, sample=None):
+def check(name, fn, q, k, selector, beam=TOP_K, max_proofs=200, sample=None):
   """Kernel vs reference; mismatching rows proven near-ties by a float64 re-walk.
 
   With `sample`, the reference runs only at the first 1024 and last 2048 positions plus `sample`
@@ -225,8 +206,10 @@ def check(name, fn, q, k, selector, beam=TOP_K, max_proofs=30, sample=None):
   for b, i, h in bad[:max_proofs]:
     margins.append(decision_margin(qn, kn, int(b), int(pos[i]), int(h), cache=cache, **kw))
   proven = all(m < 1e-4 for m in margins)
+  # unproven_rows: mismatches past max_proofs (session 6-7 runs proved at most 30 per check).
   res = dict(rows=int(np.prod(out.shape[:3])), mismatched_rows=int(len(bad)),
-             proofs_checked=len(margins), max_margin_of_mismatch=float(max(margins, default=0)),
+             proofs_checked=len(margins), unproven_rows=int(len(bad)) - len(margins),
+             max_margin_of_mismatch=float(max(margins, default=0)),
              all_checked_mismatches_near_ties=bool(proven), seconds=round(time.perf_counter() - t0, 1))
   if sample is not None:
     res["positions_checked"] = int(len(pos))
@@ -376,40 +359,42 @@ def plot(out_dir):
 
 
 def check_list(n):
-  """(name, selector, beam, dtype, seed, kernel) of the GPU checks at size n (before any timing
-  counts; built without a GPU, so CI checks that every probe it names exists). A name ending in
-  ".keys40" runs on keys scaled by 40 (`inputs`' key_scale): logits past the fused kernel's
+  """(name, selector, beam, dtype, seed, key_scale, kernel) of the GPU checks at size n (before
+  any timing counts; built without a GPU, so CI checks that every probe it names exists).
+  key_scale multiplies the keys (`inputs`): 40 puts the logits past the fused kernel's
   unshifted bound, so its programs take the shifted branch."""
-  out = [(f"pisa_q8.f32.N{n}", "pisa", TOP_K, jnp.float32, 1, kernel_fn(q_tile=8))]
+  out = [(f"pisa_q8.f32.N{n}", "pisa", TOP_K, jnp.float32, 1, 1.0, kernel_fn(q_tile=8))]
   if n <= 32768:
-    out.append((f"pisa_fused.f32.N{n}", "pisa", TOP_K, jnp.float32, 1,
+    out.append((f"pisa_fused.f32.N{n}", "pisa", TOP_K, jnp.float32, 1, 1.0,
                 kernel_fn(variant="fused")))
     # The probes' new kernels (rank top-k, multi-query walk) before their timings count.
     for name in ("pisa_q4_rank", "pisa_q8_w256", "pisa_fused_rank", "pisa_fused_s1",
                  "pisa_fused_generic_lse", "pisa_q8_dense64", "pisa_q8_dense256",
                  "pisa_q8_dense64_olse"):
-      out.append((f"{name}.f32.N{n}", "pisa", TOP_K, jnp.float32, 1, kernel_fn(**PROBES[name])))
-    out.append((f"bsa_pallas.f32.N{n}", "bsa", TOP_K, jnp.float32, 1,
+      out.append((f"{name}.f32.N{n}", "pisa", TOP_K, jnp.float32, 1, 1.0,
+                  kernel_fn(**PROBES[name])))
+    out.append((f"bsa_pallas.f32.N{n}", "bsa", TOP_K, jnp.float32, 1, 1.0,
                 kernel_fn(selector="bsa")))
   if n == 4096:
     for s in ("pisa1", "pisa2"):
-      out.append((f"{s}_q8.f32.N{n}", s, TOP_K, jnp.float32, 1, kernel_fn(selector=s)))
-    out.append((f"pisa_q2_beam16.f32.N{n}", "pisa", 16, jnp.float32, 1,
+      out.append((f"{s}_q8.f32.N{n}", s, TOP_K, jnp.float32, 1, 1.0, kernel_fn(selector=s)))
+    out.append((f"pisa_q2_beam16.f32.N{n}", "pisa", 16, jnp.float32, 1, 1.0,
                 kernel_fn(q_tile=2, beam=16)))
-    out.append((f"pisa2_q4_rank_wq2_beam16.f32.N{n}", "pisa2", 16, jnp.float32, 1,
+    out.append((f"pisa2_q4_rank_wq2_beam16.f32.N{n}", "pisa2", 16, jnp.float32, 1, 1.0,
                 kernel_fn(selector="pisa2", beam=16, **PROBES["pisa_q4_rank_wq2"])))
   if n == 131072:
     # 16-bit inputs: the split summaries (high + low 16-bit rows), every variant that reads them.
-    out.append((f"pisa_q8.bf16.N{n}", "pisa", TOP_K, jnp.bfloat16, 2, kernel_fn(q_tile=8)))
-    out.append((f"pisa_fused.f32.N{n}", "pisa", TOP_K, jnp.float32, 1,
+    out.append((f"pisa_q8.bf16.N{n}", "pisa", TOP_K, jnp.bfloat16, 2, 1.0, kernel_fn(q_tile=8)))
+    out.append((f"pisa_fused.f32.N{n}", "pisa", TOP_K, jnp.float32, 1, 1.0,
                 kernel_fn(variant="fused")))
-    out.append((f"pisa_fused.bf16.N{n}", "pisa", TOP_K, jnp.bfloat16, 2,
+    out.append((f"pisa_fused.bf16.N{n}", "pisa", TOP_K, jnp.bfloat16, 2, 1.0,
                 kernel_fn(variant="fused")))
-  if n in (32768, 131072):
-    out.append((f"pisa_fused.bf16.N{n}.keys40", "pisa", TOP_K, jnp.bfloat16, 2,
-                kernel_fn(variant="fused")))
-    out.append((f"bsa_pallas.bf16.N{n}", "bsa", TOP_K, jnp.bfloat16, 2,
+    out.append((f"bsa_pallas.bf16.N{n}", "bsa", TOP_K, jnp.bfloat16, 2, 1.0,
                 kernel_fn(selector="bsa")))
+  if n in (32768, 131072):
+    # The fused kernel's shifted branch (logits past its unshifted bound).
+    out.append((f"pisa_fused.bf16.N{n}.keys40", "pisa", TOP_K, jnp.bfloat16, 2, 40.0,
+                kernel_fn(variant="fused")))
   return out
 
 
@@ -488,7 +473,7 @@ def main():
         jobs[(name, n)] = pool.submit(lambda f=f, s=spec: f.lower(*s).compile())
     check_jobs = {}
     for n in checks:
-      for name, selector, beam, dtype, seed, fn in check_list(n):
+      for name, selector, beam, dtype, seed, _, fn in check_list(n):
         spec = [jax.ShapeDtypeStruct((1, n, HQ, D), dtype), jax.ShapeDtypeStruct((1, n, HKV, D), dtype)]
         check_jobs[name] = pool.submit(lambda f=fn, s=spec: f.lower(*s).compile())
     compiled = {}
@@ -512,9 +497,9 @@ def main():
   # Correctness first at the smallest check size, then the timings, then the larger checks.
   def run_checks(ns):
     for n in ns:
-      for name, selector, beam, dtype, seed, fn in check_list(n):
+      for name, selector, beam, dtype, seed, key_scale, fn in check_list(n):
         try:
-          q, k = inputs(n, dtype, seed=seed, key_scale=40.0 if name.endswith(".keys40") else 1.0)
+          q, k = inputs(n, dtype, seed=seed, key_scale=key_scale)
           check(name, check_compiled.get(name, fn), q, k, selector, beam=beam,
                 sample=8192 if n >= 524288 else None)
         except Exception:
@@ -532,7 +517,7 @@ def main():
       if (name, n) not in compiled:
         continue
       try:
-        lat.setdefault(name, {})[str(n)] = round(time_jax(compiled[(name, n)], q, k), 4)
+        lat.setdefault(name, {})[str(n)] = time_jax(compiled[(name, n)], q, k)
         mem.setdefault(name, {})[str(n)] = memory_bytes(compiled[(name, n)])
       except Exception as e:
         RESULTS.setdefault("errors", {})[f"run.{name}.N{n}"] = repr(e)[:600]

@@ -24,7 +24,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_attention import BLOCK, make_inputs, ours_fns, time_jax  # noqa: E402
+from bench_attention import BLOCK, make_inputs, ours_fns  # noqa: E402
+from timing import time_jax  # noqa: E402
 from pisa_jax.kernels import attention as attn  # noqa: E402
 
 RESULTS = {}
@@ -92,7 +93,7 @@ def main():
       continue
     q, k, v, _, idx_np = make_inputs(t_len, 32, 2, d, top_k)
     idx = jnp.asarray(idx_np)
-    gb = 2 * t_len * 2 * top_k * BLOCK * d * 2 / 1e9
+    gb = 2 * t_len * k.shape[2] * top_k * BLOCK * d * k.dtype.itemsize / 1e9
     log(f"{tag}.selected_kv_GB", round(gb, 2))
     try:
       base = attn.SparseAttentionConfig.default(head_dim=d, group=16, top_k=top_k,

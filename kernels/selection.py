@@ -57,10 +57,10 @@ _BIG = 2**30  # larger than any node id; marks an empty slot in the in-kernel to
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 # The unshifted log-sum-exp (`SelectionConfig.fused_unshifted_lse`) runs where every exponent
-# c * z of the program lies in [-_UNSHIFTED_EXP2, _UNSHIFTED_EXP2]: the largest term 2^(c z) of
-# a sum is then a normal float32 (>= 2^-100; smaller terms may flush to zero, as they would
-# after a shift), and a sum of up to 2^27 terms stays below float32's 2^128, so the shift by
-# the maximum is not needed for range; each exponential's relative rounding is the same either
+# c * z of the program lies in [-_UNSHIFTED_EXP2, _UNSHIFTED_EXP2]: every term 2^(c z) of a sum
+# is then a normal float32 (>= 2^-100: none flushes to zero, where a shift by the maximum would
+# flush terms below 2^-126 of it), and a sum of up to 2^27 terms stays below float32's 2^128, so
+# the shift is not needed for range; each exponential's relative rounding is the same either
 # way. (Trained models' |q| |k| can exceed the bound: their programs take the shifted branch.)
 _UNSHIFTED_EXP2 = 100.0
 # Triton's tensor-core dots need every dimension >= 16.
@@ -316,8 +316,10 @@ def _pair_lse(z0, z1, m1, scale: float, approx_log: bool = False, unshifted: boo
 def _log2(x, approx: bool):
   """log2 of non-negative float32 values (0 -> -inf).
 
-  approx: the MUFU's `lg2.approx` (one instruction, absolute error ~2^-22 on the sums of
-  exponentials >= 1 that it gets here) instead of libdevice's `log2f`, a 25-instruction
+  approx: the MUFU's `lg2.approx` (one instruction, absolute error ~2^-22 over the full range
+  per the PTX ISA: on the shifted sums of exponentials, >= 1, and on the unshifted ones, in
+  [2^-100, 2^107], alike; .ftz flushes only subnormal inputs, which neither gives it) instead of
+  libdevice's `log2f`, a 25-instruction
   polynomial that was a sixth of the walk kernel's instructions (SASS of the K = 8 walk). GPU only:
   the interpreter has no inline assembly, so interpret mode (CI) takes `jnp.log2`.
   """
@@ -331,7 +333,8 @@ def _log2(x, approx: bool):
 
 def _reduce_children(zs, masks, selector: str, scale: float, approx_log: bool = False,
                      unshifted: bool = False):
-  """Per-head score of each candidate from its children's logits (natural units).
+  """Per-head score of each candidate from its children's logits (natural units; base 2 with
+  `unshifted`).
 
   zs: list over children of `[Gp, N]` unscaled dot products q . s (the logits are scale * zs);
   masks: list of `[N]` child-exists masks. Eq. 21 ("pisa"): log-sum-exp; Eq. 33 ("pisa1"): mean;
@@ -959,18 +962,17 @@ def _fused_kernel(q_ref, k_ref, s_ref, tab_ref, *refs, geo: _Geometry, topk_impl
   i_b, i_h = i_bh // geo.hkv, i_bh % geo.hkv
   m_head = jnp.arange(geo.gp) < geo.group
   qg = _load_group_queries(q_ref, geo, i_b, t, i_h, geo.gp)
+  select = functools.partial(_fused_select, qg, m_head, i_b, t, i_h, k_ref, s_ref, tab_ref, geo,
+                             topk_impl, compact_leaves, leaf_unroll, pair_lse)
   if unshifted:
+    # This (batch, KV head)'s max_t |k_t|^2, loaded as a 2-vector (a value's shape is a power of
+    # two; one element would do) and reduced to a scalar.
     kn2 = jnp.max(plt.load(kn2_ref.at[jnp.full((2,), i_bh, jnp.int32)]))
-    select = functools.partial(_fused_select, m_head=m_head, i_b=i_b, t=t, i_h=i_h, k_ref=k_ref,
-                               s_ref=s_ref, tab_ref=tab_ref, geo=geo, topk_impl=topk_impl,
-                               compact_leaves=compact_leaves, leaf_unroll=leaf_unroll,
-                               pair_lse=pair_lse)
     out = lax.cond(_unshifted_ok(qg, m_head, kn2, geo.scale),
                    functools.partial(select, unshifted=True),
-                   functools.partial(select, unshifted=False), qg)
+                   functools.partial(select, unshifted=False))
   else:
-    out = _fused_select(qg, m_head, i_b, t, i_h, k_ref, s_ref, tab_ref, geo, topk_impl,
-                        compact_leaves, leaf_unroll, pair_lse)
+    out = select()
   row = (i_b * geo.seq_len + t) * geo.hkv + i_h
   out_ref[pl.ds(row, 1), :] = out
 

@@ -66,8 +66,9 @@ def test_check_list_builds_at_every_checked_size():
 @pytest.mark.parametrize("t,d,top_k,stages", [(1024, 64, 8, 2), (65536, 128, 32, 3)])
 def test_mosaic_load_probe_lowers_for_cuda(t, d, top_k, stages):
   # benchmarks/mosaic_load_probe.py (issue 4: the forward's block reads by TMA, no math) runs
-  # only on the H200, but its Mosaic GPU kernel lowers here; T = 65,536 with one grid axis
-  # (its first 2-D grid put T past CUDA's 65,535 limit and failed to launch on the H200).
+  # only on the H200, but its Mosaic GPU kernel lowers here, so an API change fails in CI. (The
+  # launch itself is not checked: its first 2-D grid put T = 65,536 past CUDA's 65,535 limit,
+  # which only the H200 showed.)
   import mosaic_load_probe
 
   kv = jax.ShapeDtypeStruct((t, 2, d), jnp.bfloat16)

@@ -195,6 +195,7 @@ def _check(t, hq, hkv, d, top_k, selector, *, block_size=64, branching=2, beam=N
 
 
 TWO = SelectionConfig(variant="two_stage", q_tile=4)
+ULSE = SelectionConfig(variant="fused", fused_unshifted_lse=True)
 # (T, HQ, HKV, D, top_k, selector, block_size, branching, config)
 CI_CASES = [
     (1000, 16, 1, 64, 8, "pisa", 64, 2, TWO),
@@ -212,6 +213,14 @@ CI_CASES = [
     (300, 6, 2, 64, 3, "pisa", 16, 2, SelectionConfig(variant="fused", fused_compact_leaves=False)),
     # Two leaves per iteration of the compacted loop (odd and even counts of needed leaves).
     (1000, 3, 1, 64, 8, "pisa", 64, 2, SelectionConfig(variant="fused", fused_leaf_unroll=2)),
+    # The unshifted Eq. 21 branch (`fused_unshifted_lse`; these logits are within its bound) at
+    # D = 128, D = 48 (padded), g = 3 (the general reduction of the children), over all leaf
+    # slots, and two leaves per iteration.
+    (300, 6, 2, 128, 3, "pisa", 16, 2, ULSE),
+    (300, 4, 2, 48, 8, "pisa", 16, 2, ULSE),
+    (300, 2, 1, 64, 4, "pisa", 16, 3, ULSE),
+    (300, 6, 2, 64, 3, "pisa", 16, 2, dataclasses.replace(ULSE, fused_compact_leaves=False)),
+    (1000, 3, 1, 64, 8, "pisa", 64, 2, dataclasses.replace(ULSE, fused_leaf_unroll=2)),
 ]
 
 
@@ -219,7 +228,8 @@ def _case_id(c):
   t, hq, hkv, d, top_k, sel, bs, g, cfg = c
   return (f"T{t}-HQ{hq}-HKV{hkv}-D{d}-C{bs}-g{g}-K{top_k}-{sel}-{cfg.variant}-q{cfg.q_tile}"
           f"-w{cfg.leaf_window}" + ("" if cfg.fused_compact_leaves else "-allslots")
-          + (f"-unroll{cfg.fused_leaf_unroll}" if cfg.fused_leaf_unroll > 1 else ""))
+          + (f"-unroll{cfg.fused_leaf_unroll}" if cfg.fused_leaf_unroll > 1 else "")
+          + ("-ulse" if cfg.fused_unshifted_lse else ""))
 
 
 @pytest.mark.parametrize("case", CI_CASES, ids=_case_id)
@@ -560,16 +570,18 @@ def test_config_rejects_bad_values(kwargs, match):
     SelectionConfig(**kwargs)
 
 
-@pytest.mark.parametrize("dtype,wide,variant", [(jnp.bfloat16, True, "two_stage"),
-                                                (jnp.bfloat16, False, "two_stage"),
-                                                (jnp.float16, True, "two_stage"),
-                                                (jnp.float16, True, "fused")])
-def test_16bit_scores_in_f32(dtype, wide, variant):
+@pytest.mark.parametrize("dtype,wide,variant,unshifted", [
+    (jnp.bfloat16, True, "two_stage", False), (jnp.bfloat16, False, "two_stage", False),
+    (jnp.float16, True, "two_stage", False), (jnp.float16, True, "fused", False),
+    (jnp.float16, True, "fused", True)])
+def test_16bit_scores_in_f32(dtype, wide, variant, unshifted):
   # 16-bit inputs take the tensor-core path (exact products, summaries split once into 16-bit
   # high / low rows: float16's narrower exponent included); the reference gets the same values
-  # upcast to float32. Both leaf-tile load paths (whole rows, or element by element).
+  # upcast to float32. Both leaf-tile load paths (whole rows, or element by element), and the
+  # fused kernel's shifted and unshifted Eq. 21.
   _check(300, 8, 2, 64, 8, "pisa", block_size=16, dtype=dtype, b=2,
-         config=SelectionConfig(variant=variant, q_tile=2, leaf_wide_loads=wide))
+         config=SelectionConfig(variant=variant, q_tile=2, leaf_wide_loads=wide,
+                                fused_unshifted_lse=unshifted))
 
 
 def test_split_summary_rows_reconstruct_float32():
