@@ -2,10 +2,10 @@
 
 Each program (query t, KV head h) copies its K selected `[64, d]` key and value blocks from
 `[T, HKV, d]` into shared memory with TMA (dynamic row start, one barrier per slot, `stages`
-slots in flight) and waits for them; nothing else. Its time against the Triton forward and the
-load floor says whether TMA reads these gathered blocks faster than the async copies the
-Triton kernels issue (about 9-11 TB/s on the H200); our Triton forward is timed beside it on the
-same inputs (bench_attention's). Writes mosaic_load_probe.json to $OUT.
+slots in flight) and waits for them; nothing else. Our Triton forward is timed beside it on the
+same inputs (bench_attention's): the pair says whether TMA reads these gathered blocks faster
+than the async copies the Triton kernels issue (about 9-11 TB/s on the H200), and whether any
+one-read forward could reach a given time. Writes mosaic_load_probe.json to $OUT.
 """
 
 from __future__ import annotations

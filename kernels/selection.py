@@ -304,13 +304,23 @@ def _pair_lse(z0, z1, m1, scale: float, approx_log: bool = False, unshifted: boo
   unshifted: log2(2^(c z0) + 2^(c z1)), Eq. 21 in base 2 (log2 e times the natural score), for
   programs whose exponents are bounded (`SelectionConfig.fused_unshifted_lse`).
   """
-  c = scale * _LOG2E
   if unshifted:
-    return _log2(jnp.exp2(z0 * c) + jnp.where(m1[None, :], jnp.exp2(z1 * c), 0.0), approx_log)
+    return _unshifted_lse([z0, z1], [None, m1], scale, approx_log)
+  c = scale * _LOG2E
   z1 = jnp.where(m1[None, :], z1, -jnp.inf)
   hi, lo = jnp.maximum(z0, z1), jnp.minimum(z0, z1)
   # lo = -inf (no second child): exp2(-inf) = 0 and the score is s * z0.
   return hi * scale + _log2(1.0 + jnp.exp2((lo - hi) * c), approx_log) * _LN2
+
+
+def _unshifted_lse(zs, masks, scale: float, approx_log: bool = False):
+  """Eq. 21 in base 2 without the max shift: log2(sum_j 2^(c z_j)) over the children's `[Gp, N]`
+  unscaled logits zs, each masked by its `[N]` mask (None: always present). Only for programs
+  whose exponents are bounded (`_UNSHIFTED_EXP2`, `SelectionConfig.fused_unshifted_lse`)."""
+  c = scale * _LOG2E
+  terms = [jnp.exp2(z * c) if m is None else jnp.where(m[None, :], jnp.exp2(z * c), 0.0)
+           for z, m in zip(zs, masks)]
+  return _log2(functools.reduce(jnp.add, terms), approx_log)
 
 
 def _log2(x, approx: bool):
@@ -342,9 +352,7 @@ def _reduce_children(zs, masks, selector: str, scale: float, approx_log: bool = 
   base 2.
   """
   if selector == "pisa" and unshifted:
-    c = scale * _LOG2E
-    return _log2(sum(jnp.where(v[None, :], jnp.exp2(z * c), 0.0) for z, v in zip(zs, masks)),
-                 approx_log)
+    return _unshifted_lse(zs, masks, scale, approx_log)
   if selector == "pisa":
     # LSE(scale * z) = scale * m + ln 2 * log2(sum 2^(c * z - c * m)) with c = scale * log2(e)
     # (scale > 0, so the max commutes with it): one fused multiply-add per exponential instead of
