@@ -23,7 +23,7 @@ from jaxtyping import Array, Float
 
 from pisa_jax.kernels._common import next_pow2, triton_deprecation_silenced
 
-from pisa_jax.pyramid import Pyramid, level_sizes
+from pisa_jax.geometry import Pyramid, level_sizes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,7 +48,7 @@ from jaxtyping import Array, Float, Int
 
 from pisa_jax.kernels._common import next_pow2, triton_deprecation_silenced
 from pisa_jax.kernels.pyramid import build_pyramid_pallas, leaf_summaries_pallas
-from pisa_jax.pyramid import level_sizes
+from pisa_jax.geometry import level_sizes
 
 SELECTORS = ("pisa", "pisa1", "pisa2", "bsa")
 VARIANTS = ("two_stage", "fused")

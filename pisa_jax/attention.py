@@ -10,6 +10,7 @@ from jax import lax
 from jaxtyping import Array, Float, Int
 
 from pisa_jax import _chunking, _dispatch, _validation
+from pisa_jax.kernels import attention as attention_kernels
 from pisa_jax.selection import select_blocks
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -149,13 +150,8 @@ def sparse_attention(
 
 def _attend(q, k, v, block_indices, *, block_size: int, scale: float, implementation):
   """Dispatches validated arguments to the reference or the kernel."""
-  if _dispatch.resolve_implementation(implementation) == "pallas":
-    from pisa_jax.kernels import attention as attention_kernels
-
-    return attention_kernels.sparse_attention_pallas(
-        q, k, v, block_indices, block_size=block_size, scale=scale,
-        interpret=_dispatch.interpret_mode())
-  return sparse_attention_reference(q, k, v, block_indices, block_size=block_size, scale=scale)
+  attend = _dispatch.lookup("sparse_attention", implementation)
+  return attend(q, k, v, block_indices, block_size=block_size, scale=scale)
 
 
 def pisa_attention(
@@ -188,3 +184,10 @@ def pisa_attention(
   # second check (which would copy concrete indices to the host on every eager call).
   return _attend(q, k, v, lax.stop_gradient(block_indices), block_size=int(block_size),
                  scale=_validation.resolve_scale(scale, q.shape[-1]), implementation=implementation)
+
+
+_dispatch.register(
+    "sparse_attention",
+    xla=sparse_attention_reference,
+    pallas=_dispatch.with_interpret(attention_kernels.sparse_attention_pallas),
+)

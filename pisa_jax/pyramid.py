@@ -10,55 +10,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from pisa_jax import _dispatch, _validation
-
-
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["summaries", "counts"],
-    meta_fields=["block_size", "branching", "seq_len"],
-)
-@dataclasses.dataclass(frozen=True)
-class Pyramid:
-  """Mean summaries of every level, leaves first.
-
-  Attributes:
-    summaries: level 1 (the leaf blocks) first and the single root last; level l is float32
-      `[B, M_l, HKV, D]` with `M_1 = ceil(T / block_size)` and `M_{l+1} = ceil(M_l / branching)`
-      (Eq. 10, 13).
-    counts: int32 `[M_l]` per level: the number of valid keys of each leaf at level 1, and the number
-      of valid children of each node above it: the denominators of Eq. 15.
-    block_size: C, keys per leaf block.
-    branching: g, children per upper node.
-    seq_len: T, the number of keys summarised.
-  """
-
-  summaries: tuple[Float[Array, "B M H D"], ...]
-  counts: tuple[Int[Array, "M"], ...]
-  block_size: int
-  branching: int
-  seq_len: int
-
-  @property
-  def num_levels(self) -> int:
-    return len(self.summaries)
-
-  @property
-  def num_blocks(self) -> int:
-    """M, the number of leaf blocks."""
-    return self.summaries[0].shape[1]
-
-
-def level_sizes(seq_len: int, block_size: int, branching: int) -> tuple[int, ...]:
-  """Number of nodes per level, leaves first, ending with the root (Eq. 10, 13)."""
-  sizes = [-(-seq_len // block_size)]
-  while sizes[-1] > 1:
-    sizes.append(-(-sizes[-1] // branching))
-  return tuple(sizes)
-
-
-def node_span(level: int, block_size: int, branching: int) -> int:
-  """Number of key positions a full node at `level` (1 = leaf) covers."""
-  return block_size * branching ** (level - 1)
+from pisa_jax.geometry import Pyramid, level_sizes, node_span
+from pisa_jax.kernels import pyramid as pyramid_kernels
 
 
 def _mean_pool(x: Float[Array, "B N H D"], group: int, num_valid: int):
@@ -110,11 +63,12 @@ def build_pyramid(
     raise ValueError(f"sequence length T={k.shape[1]} must be >= 1")
   _validation.check_block_size(block_size)
   _validation.check_branching(branching)
-  impl = _dispatch.resolve_implementation(implementation)
-  if impl == "pallas":
-    from pisa_jax.kernels import pyramid as pyramid_kernels
+  build = _dispatch.lookup("build_pyramid", implementation)
+  return build(k, block_size=int(block_size), branching=int(branching))
 
-    return pyramid_kernels.build_pyramid_pallas(
-        k, block_size=int(block_size), branching=int(branching),
-        interpret=_dispatch.interpret_mode())
-  return build_pyramid_reference(k, block_size=int(block_size), branching=int(branching))
+
+_dispatch.register(
+    "build_pyramid",
+    xla=build_pyramid_reference,
+    pallas=_dispatch.with_interpret(pyramid_kernels.build_pyramid_pallas),
+)

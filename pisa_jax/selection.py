@@ -15,7 +15,9 @@ from jax import lax
 from jaxtyping import Array, Float, Int
 
 from pisa_jax import _chunking, _dispatch, _validation
-from pisa_jax.pyramid import build_pyramid_reference, node_span
+from pisa_jax.geometry import node_span
+from pisa_jax.kernels import selection as selection_kernels
+from pisa_jax.pyramid import build_pyramid_reference
 
 _HIGHEST = lax.Precision.HIGHEST
 
@@ -304,14 +306,16 @@ def select_blocks(
   _validation.check_selector(selector)
   beam = _validation.resolve_beam(beam, top_k, selector)
   scale = _validation.resolve_scale(scale, d)
-  impl = _dispatch.resolve_implementation(implementation)
-  kwargs = dict(block_size=int(block_size), top_k=int(top_k), branching=int(branching),
+  if selector == "exact" and _dispatch.resolve_implementation(implementation) != "xla":
+    raise ValueError(
+        f"{selector=} exists only in the reference: pass implementation='xla' for it")
+  select = _dispatch.lookup("select_blocks", implementation)
+  return select(q, k, block_size=int(block_size), top_k=int(top_k), branching=int(branching),
                 selector=selector, scale=scale, beam=beam)
-  if impl == "pallas":
-    if selector == "exact":
-      raise ValueError(
-          f"{selector=} exists only in the reference: pass implementation='xla' for it")
-    from pisa_jax.kernels import selection as selection_kernels
 
-    return selection_kernels.select_blocks_pallas(q, k, interpret=_dispatch.interpret_mode(), **kwargs)
-  return select_blocks_reference(q, k, **kwargs)
+
+_dispatch.register(
+    "select_blocks",
+    xla=select_blocks_reference,
+    pallas=_dispatch.with_interpret(selection_kernels.select_blocks_pallas),
+)
