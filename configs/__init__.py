@@ -1,16 +1,18 @@
-"""Named presets and the config types: `get_config("tiny")`, `apply_overrides`, `validate`."""
+"""Named presets and the run config: `get_config("tiny")`, `apply_overrides`, `validate`.
+
+`ModelConfig` is defined beside the model (`pisa_jax.models.config`) and re-exported here.
+"""
 
 from pisa_jax.configs.base import (
-    ATTENTION_KINDS,
     Config,
     DataConfig,
-    ModelConfig,
     TrainConfig,
     apply_overrides,
     validate,
     warmup_steps,
 )
 from pisa_jax.configs.presets import PRESETS, get_config
+from pisa_jax.models.config import ATTENTION_KINDS, ModelConfig
 
 __all__ = [
     "ATTENTION_KINDS",

@@ -1,9 +1,10 @@
-"""Config types for the decoder and its training run, their validation, and `--set` overrides.
+"""A run's config: model, data and training sections, their validation, and `--set` overrides.
 
-Three frozen dataclasses, `ModelConfig`, `DataConfig` and `TrainConfig`, grouped in `Config`. A
-preset (see `pisa_jax.configs.presets`) is a `Config`; the CLI applies `section.field=value`
-overrides to it and `validate` rejects an impossible combination before anything is compiled, with
-an error that names the field.
+Three frozen dataclasses, `ModelConfig` (defined beside the model, in `pisa_jax.models.config`),
+`DataConfig` and `TrainConfig`, grouped in `Config`. A preset (see `pisa_jax.configs.presets`) is a
+`Config`; the CLI applies `section.field=value` overrides to it and `validate` rejects an impossible
+combination before anything is compiled, with an error that names the field. The attention fields
+are checked by the same functions that check `pisa_jax.pisa_attention`'s arguments.
 """
 
 from __future__ import annotations
@@ -14,45 +15,17 @@ import types
 import typing
 from typing import Any
 
-ATTENTION_KINDS = ("dense", "pisa", "pisa1", "pisa2", "bsa")
-# The sparse kinds map to `pisa_jax.pisa_attention(selector=...)`.
-SPARSE_ATTENTION_KINDS = ("pisa", "pisa1", "pisa2", "bsa")
-PARAM_DTYPES = ("float32", "bfloat16")
-COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+from pisa_jax import _validation
+from pisa_jax.models.config import (
+    ATTENTION_KINDS,
+    COMPUTE_DTYPES,
+    PARAM_DTYPES,
+    SPARSE_ATTENTION_KINDS,
+    ModelConfig,
+)
+
 DATA_SOURCES = ("mqar", "tokens")
 LR_SCHEDULES = ("wsd_sqrt", "cosine", "constant")
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-  """Decoder-only LM (Appendix C.1): pre-RMSNorm, SiLU-gated MLP, RoPE, GQA, untied embeddings."""
-
-  vocab_size: int = 50_257
-  # Embedding and output rows are padded up to a multiple of this (50,257 -> 50,432, as the paper).
-  vocab_pad_multiple: int = 256
-  num_layers: int = 24
-  d_model: int = 1024
-  mlp_dim: int = 2816
-  num_heads: int = 32
-  num_kv_heads: int = 2
-  head_dim: int = 64
-  rope_base: float = 10_000.0
-  norm_eps: float = 1e-5
-  init_std: float = 0.02
-  attention: str = "pisa"
-  block_size: int = 64
-  top_k: int = 8
-  branching: int = 2
-  beam: int | None = None
-  attention_implementation: str | None = None
-  param_dtype: str = "float32"
-  # "auto": bfloat16 on a GPU, float32 elsewhere (CPU matmuls in bf16 are slow and emulated).
-  compute_dtype: str = "auto"
-
-  @property
-  def padded_vocab_size(self) -> int:
-    m = self.vocab_pad_multiple
-    return -(-self.vocab_size // m) * m
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +168,7 @@ def validate(config: Config) -> Config:
   if m.attention not in ATTENTION_KINDS:
     raise ValueError(f"model.attention={m.attention!r} is unknown: expected one of {ATTENTION_KINDS}")
   for name in ("vocab_size", "vocab_pad_multiple", "num_layers", "d_model", "mlp_dim",
-               "num_heads", "num_kv_heads", "head_dim", "block_size", "branching"):
+               "num_heads", "num_kv_heads", "head_dim"):
     if getattr(m, name) < 1:
       raise ValueError(f"model.{name}={getattr(m, name)} must be >= 1")
   if m.num_heads % m.num_kv_heads:
@@ -212,21 +185,17 @@ def validate(config: Config) -> Config:
   if m.compute_dtype not in COMPUTE_DTYPES:
     raise ValueError(f"model.compute_dtype={m.compute_dtype!r} must be one of {COMPUTE_DTYPES}")
   if m.attention in SPARSE_ATTENTION_KINDS:
-    if m.top_k < 3:
-      raise ValueError(
-          f"model.top_k={m.top_k} must be >= 3: the first, previous and current blocks are forced"
-      )
-    if m.branching < 2:
-      raise ValueError(f"model.branching={m.branching} must be >= 2")
+    # The library's own argument checks, naming the config fields.
+    _validation.check_block_size(m.block_size, name="model.block_size")
+    _validation.check_top_k(m.top_k, name="model.top_k")
+    _validation.check_branching(m.branching, name="model.branching")
+    _validation.check_beam(m.beam, m.top_k, m.attention, name="model.beam",
+                           top_k_name="model.top_k", selector_name="model.attention")
+    _validation.check_implementation(m.attention_implementation,
+                                     name="model.attention_implementation")
     if m.block_size > t.seq_len:
       raise ValueError(
           f"model.block_size={m.block_size} must be <= train.seq_len={t.seq_len}"
-      )
-    if m.beam is not None and m.beam < m.top_k:
-      raise ValueError(f"model.beam={m.beam} must be None or >= model.top_k={m.top_k}")
-    if m.attention_implementation not in (None, "xla", "pallas"):
-      raise ValueError(
-          f"model.attention_implementation={m.attention_implementation!r} must be None, 'xla' or 'pallas'"
       )
   elif m.attention_implementation is not None:
     raise ValueError(

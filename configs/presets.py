@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from pisa_jax.configs.base import Config, DataConfig, ModelConfig, TrainConfig
+from pisa_jax.configs.base import Config, DataConfig, TrainConfig
+from pisa_jax.models.config import ModelConfig
 
 _PAPER_TRAIN = TrainConfig(
     seq_len=4096,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -22,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 import pisa_jax
-from pisa_jax.configs.base import SPARSE_ATTENTION_KINDS, ModelConfig
+from pisa_jax.models.config import SPARSE_ATTENTION_KINDS, ModelConfig
 from pisa_jax.models.sharding import axes_size, batch_axes_of, constrain_batch
 
 # Logit given to the padding rows of the output embedding: they never win and carry no mass.
@@ -145,6 +146,7 @@ class Attention(nnx.Module):
       out = per_batch_shard(attend)(q, k, v)
     else:
       raise ValueError(f"model.attention={cfg.attention!r} is unknown")
+    chex.assert_shape(out, q.shape)  # [B, T, HQ, D]
     return constrain_batch(jnp.einsum("bthd,hde->bte", out.astype(cdt), self.wo[...].astype(cdt)))
 
 
@@ -194,6 +196,7 @@ class Decoder(nnx.Module):
 
   def __call__(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T Vp"]:
     cfg = self.cfg
+    chex.assert_rank(tokens, 2)  # [B, T]
     cdt = compute_dtype(cfg)
     # Activations stay batch-sharded under an fsdp mesh (see `constrain_batch`).
     x = constrain_batch(jnp.take(self.embed[...], tokens, axis=0).astype(cdt))

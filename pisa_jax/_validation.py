@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pisa_jax import _dispatch
+
 SELECTORS = ("pisa", "pisa1", "pisa2", "bsa", "exact")
 # Selectors that walk the pyramid; "bsa" and "exact" are flat.
 HIERARCHICAL_SELECTORS = ("pisa", "pisa1", "pisa2")
@@ -61,37 +63,59 @@ def check_v(v, k) -> None:
     raise ValueError(f"v.shape={tuple(v.shape)} must equal k.shape={tuple(k.shape)}")
 
 
-def check_block_size(block_size) -> None:
-  if not isinstance(block_size, (int, np.integer)) or isinstance(block_size, bool) or block_size < 1:
-    raise ValueError(f"{block_size=} must be an int >= 1")
+def _is_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
-def check_branching(branching) -> None:
-  if not isinstance(branching, (int, np.integer)) or isinstance(branching, bool) or branching < 2:
-    raise ValueError(f"{branching=} must be an int >= 2: each upper node merges at least two children")
+# `name` is how the caller's user spells the argument: "top_k" for a function argument,
+# "model.top_k" for a config field (`pisa_jax.configs.validate` calls these same checks).
 
 
-def check_top_k(top_k) -> None:
-  if not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool) or top_k < NUM_FORCED:
-    raise ValueError(f"{top_k=} must be an int >= 3: the first, previous and current blocks are forced")
+def check_block_size(block_size, *, name: str = "block_size") -> None:
+  if not _is_int(block_size) or block_size < 1:
+    raise ValueError(f"{name}={block_size!r} must be an int >= 1")
 
 
-def check_selector(selector) -> None:
+def check_branching(branching, *, name: str = "branching") -> None:
+  if not _is_int(branching) or branching < 2:
+    raise ValueError(
+        f"{name}={branching!r} must be an int >= 2: each upper node merges at least two children")
+
+
+def check_top_k(top_k, *, name: str = "top_k") -> None:
+  if not _is_int(top_k) or top_k < NUM_FORCED:
+    raise ValueError(
+        f"{name}={top_k!r} must be an int >= 3: the first, previous and current blocks are forced")
+
+
+def check_selector(selector, *, name: str = "selector") -> None:
   if selector not in SELECTORS:
-    raise ValueError(f"{selector=} is unknown: expected one of {SELECTORS}")
+    raise ValueError(f"{name}={selector!r} is unknown: expected one of {SELECTORS}")
+
+
+def check_beam(beam, top_k: int, selector: str, *, name: str = "beam",
+               top_k_name: str = "top_k", selector_name: str = "selector") -> None:
+  """beam: None, or an int >= top_k for a hierarchical selector."""
+  if beam is None:
+    return
+  if not _is_int(beam) or beam < top_k:
+    raise ValueError(f"{name}={beam!r} must be None or an int >= {top_k_name}={top_k}")
+  if selector not in HIERARCHICAL_SELECTORS:
+    raise ValueError(
+        f"{name}={beam!r} applies only to the hierarchical selectors {HIERARCHICAL_SELECTORS}; "
+        f"{selector_name}={selector!r} has no levels above the leaves: use {name}=None")
+
+
+def check_implementation(implementation, *, name: str = "implementation") -> None:
+  if implementation is not None and implementation not in _dispatch.IMPLEMENTATIONS:
+    raise ValueError(
+        f"{name}={implementation!r} is unknown: expected one of {_dispatch.IMPLEMENTATIONS} or None")
 
 
 def resolve_beam(beam, top_k: int, selector: str) -> int:
   """`beam=None` keeps top_k nodes at every level, the paper's rule."""
-  if beam is None:
-    return top_k
-  if not isinstance(beam, (int, np.integer)) or isinstance(beam, bool) or beam < top_k:
-    raise ValueError(f"{beam=} must be None or an int >= top_k={top_k}")
-  if selector not in HIERARCHICAL_SELECTORS:
-    raise ValueError(
-        f"{beam=} applies only to the hierarchical selectors {HIERARCHICAL_SELECTORS}; "
-        f"{selector=} has no levels above the leaves: pass beam=None")
-  return int(beam)
+  check_beam(beam, top_k, selector)
+  return top_k if beam is None else int(beam)
 
 
 def resolve_scale(scale, head_dim: int) -> float:

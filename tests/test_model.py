@@ -1,15 +1,26 @@
 """The NNX decoder: shapes, parameter counts of the presets, causality for every attention kind."""
 
+import ast
 import dataclasses
+from pathlib import Path
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from pisa_jax.configs import ATTENTION_KINDS, ModelConfig, get_config
-from pisa_jax.models import LOGICAL_AXIS_RULES, Decoder, count_params
+from pisa_jax import _validation
+from pisa_jax.configs import get_config
+from pisa_jax.models import (
+    ATTENTION_KINDS,
+    LOGICAL_AXIS_RULES,
+    SPARSE_ATTENTION_KINDS,
+    Decoder,
+    ModelConfig,
+    count_params,
+)
 from pisa_jax.models.decoder import apply_rope, rope_angles
 
 # Small enough for interpret-free CPU runs; T=72 is not a multiple of the block size (16).
@@ -121,12 +132,23 @@ def test_causality(attention):
   assert float(jnp.abs(a[:, 50:] - b[:, 50:]).max()) > 1e-4  # the change is visible afterwards
 
 
-def test_sparse_equals_dense_when_every_block_is_selected():
-  """top_k covering all blocks makes PISA exact attention (a wiring check of the layer)."""
-  tokens = jax.random.randint(jax.random.key(3), (1, 64), 0, SMALL.vocab_size)
-  dense = _model(attention="dense")(tokens)
-  sparse = _model(attention="pisa", top_k=4)(tokens)  # 64 / 16 = 4 blocks
-  np.testing.assert_allclose(sparse, dense, atol=2e-4, rtol=1e-4)
+class SparseEqualsDenseTest(chex.TestCase):
+  """top_k covering all blocks makes PISA exact attention (a wiring check of the layer).
+
+  Eagerly the library checks the selected indices' values; under jit they are tracers: both paths.
+  """
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_sparse_equals_dense_when_every_block_is_selected(self):
+    tokens = jax.random.randint(jax.random.key(3), (1, 64), 0, SMALL.vocab_size)
+
+    def logits(attention, **overrides):
+      graphdef, params = nnx.split(_model(attention=attention, **overrides), nnx.Param)
+      return self.variant(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens)
+
+    sparse = logits("pisa", top_k=4)  # 64 / 16 = 4 blocks
+    chex.assert_shape(sparse, (1, 64, 128))
+    chex.assert_trees_all_close(sparse, logits("dense"), atol=2e-4, rtol=1e-4)
 
 
 def test_bfloat16_params_and_compute():
@@ -135,3 +157,24 @@ def test_bfloat16_params_and_compute():
   assert all(x.dtype == jnp.bfloat16 for x in leaves)
   logits = model(jnp.zeros((1, 32), jnp.int32))
   assert logits.dtype == jnp.float32 and bool(jnp.isfinite(logits[..., :97]).all())
+
+
+def test_sparse_kinds_are_library_selectors():
+  assert set(SPARSE_ATTENTION_KINDS) <= set(_validation.SELECTORS)
+  assert set(ATTENTION_KINDS) == {"dense", *SPARSE_ATTENTION_KINDS}
+
+
+def test_models_import_neither_configs_nor_train():
+  # Data flows one way: configs -> train -> models -> pisa_jax API -> kernels.
+  root = Path(__file__).resolve().parents[1] / "models"
+  for path in root.glob("*.py"):
+    for node in ast.walk(ast.parse(path.read_text())):
+      names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+               else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+      for name in names:
+        assert not name.startswith(("pisa_jax.configs", "pisa_jax.train")), (path.name, name)
+
+
+def test_a_token_array_of_the_wrong_rank_is_a_clear_error():
+  with pytest.raises(AssertionError, match="rank"):
+    _model()(jnp.zeros((72,), jnp.int32))

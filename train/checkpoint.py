@@ -15,7 +15,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from pisa_jax.configs.base import Config, ModelConfig
+from pisa_jax.configs.base import Config
+from pisa_jax.models.config import ModelConfig
 
 FORMAT = "pisa-jax-train-state-v1"
 # Model fields that fix parameter shapes and dtypes: a checkpoint restores only into the same ones.

@@ -1,0 +1,47 @@
+"""The decoder's config type: `ModelConfig`, and the attention kinds it accepts.
+
+It sits beside the model it describes; `pisa_jax.configs` groups it with the data and training
+sections into a run's `Config` and validates the whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+ATTENTION_KINDS = ("dense", "pisa", "pisa1", "pisa2", "bsa")
+# The sparse kinds are `pisa_jax.pisa_attention` selectors (not "exact": the O(T^2) oracle).
+SPARSE_ATTENTION_KINDS = ("pisa", "pisa1", "pisa2", "bsa")
+PARAM_DTYPES = ("float32", "bfloat16")
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Decoder-only LM (Appendix C.1): pre-RMSNorm, SiLU-gated MLP, RoPE, GQA, untied embeddings."""
+
+  vocab_size: int = 50_257
+  # Embedding and output rows are padded up to a multiple of this (50,257 -> 50,432, as the paper).
+  vocab_pad_multiple: int = 256
+  num_layers: int = 24
+  d_model: int = 1024
+  mlp_dim: int = 2816
+  num_heads: int = 32
+  num_kv_heads: int = 2
+  head_dim: int = 64
+  rope_base: float = 10_000.0
+  norm_eps: float = 1e-5
+  init_std: float = 0.02
+  attention: str = "pisa"
+  block_size: int = 64
+  top_k: int = 8
+  branching: int = 2
+  beam: int | None = None
+  attention_implementation: str | None = None
+  param_dtype: str = "float32"
+  # "auto": bfloat16 on a GPU, float32 elsewhere (CPU matmuls in bf16 are slow and emulated).
+  compute_dtype: str = "auto"
+
+  @property
+  def padded_vocab_size(self) -> int:
+    m = self.vocab_pad_multiple
+    return -(-self.vocab_size // m) * m
