@@ -61,7 +61,7 @@ def _tiny() -> Config:
   # previous and current blocks; K=8 of 16 blocks leaves 5 slots for up to 12 other past blocks,
   # so for every query past position 24 PISA has to select block 1 itself. Filler positions hold
   # token 0 (Zoology's random_non_queries=False): with random filler the loss barely moves in CPU
-  # minutes. Measured on the 2-core CPU (2026-11-29, 450 steps, held-out recall): dense 100%;
+  # minutes. Measured on a CPU (450 steps, held-out recall): dense 100%;
   # PISA K=8 100% (keys in block 1, which only selection can reach: 100%); K=4 12.6% and K=3 16.8%
   # (keys in block 0, always visible: 11% and 28%): with one free slot or none the model stays on
   # the "one of the 8 values" plateau. The PISA model's loss and gradients equal dense attention

@@ -1,4 +1,4 @@
-"""Multi-device training on fake CPU devices (issue 6's checks that need no GPU).
+"""Multi-device training on fake CPU devices: the multi-GPU checks that need no GPU.
 
 XLA's device count must be set before JAX starts, so each case runs in a subprocess with
 `--xla_force_host_platform_device_count`. The same global batch (4 sequences) is split over 1, 2
@@ -88,7 +88,7 @@ def test_loss_curves_match_across_layouts_and_checkpoints_move_between_them():
 
 
 def test_multi_gpu_script_dry_run_on_fake_devices(tmp_path):
-  # Issue 6's run script (benchmarks/multi_gpu.py), dry-run on 2 fake CPU devices: every layout
+  # The multi-GPU run script (benchmarks/multi_gpu.py), dry-run on 2 fake CPU devices: every layout
   # trains on the same global batch and data order, the curves agree with 1 device, and the
   # checkpoint moves between 2 devices and 1 in both directions with the same resumed losses.
   script = Path(__file__).resolve().parents[1] / "benchmarks" / "multi_gpu.py"
@@ -167,8 +167,7 @@ USER_MESH_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp
     from jax.sharding import AxisType, PartitionSpec as P
     from flax import nnx
-    from pisa_jax.configs import ModelConfig
-    from pisa_jax.models import Decoder
+    from pisa_jax.models import Decoder, ModelConfig
     from pisa_jax.models.sharding import MESH_AXES
 
     cfg = ModelConfig(vocab_size=97, vocab_pad_multiple=32, num_layers=1, d_model=32, mlp_dim=64,
