@@ -1,7 +1,7 @@
 """The kernels' GPU-only code paths lower to Triton IR on any machine.
 
 CI has no GPU, so interpret mode never sees what only the compiled path does: the MUFU `lg2.approx`
-inline assembly (`_log2`), whole-row loads, the launch shapes of every variant. Lowering for
+inline assembly (`scoring.log2`), whole-row loads, the launch shapes of every variant. Lowering for
 "cuda" runs Pallas' Triton lowering in jaxlib on the CPU once it is told a compute capability
 (sm_90, the H200's), the same patch as `benchmarks/triton_resources.py`; a lowering error in a
 GPU-only path fails here instead of on the H200.
@@ -44,32 +44,29 @@ def _names(modules):
   return [re.search(r"module @([A-Za-z0-9_]+)", m).group(1) for m in modules]
 
 
-def _lower_selection(selector, config, *, dtype=jnp.bfloat16, top_k=8, beam=8, t=4096):
-  q = jax.ShapeDtypeStruct((1, t, 32, 64), dtype)
-  k = jax.ShapeDtypeStruct((1, t, 2, 64), dtype)
+def _lower_selection(selector, config, *, dtype=jnp.bfloat16, top_k=8, beam=8, t=4096, d=64):
+  q = jax.ShapeDtypeStruct((1, t, 32, d), dtype)
+  k = jax.ShapeDtypeStruct((1, t, 2, d), dtype)
   fn = jax.jit(functools.partial(
       sel.select_blocks_pallas, block_size=64, top_k=top_k, branching=2, selector=selector,
-      scale=0.125, beam=beam, interpret=False, config=config))
+      scale=d ** -0.5, beam=beam, interpret=False, config=config))
   fn.trace(q, k).lower(lowering_platforms=("cuda",))
 
 
-TWO_STAGE = dataclasses.replace(sel.SelectionConfig.default(seq_len=0, group=16),
-                                variant="two_stage")
+DEFAULT = sel.SelectionConfig.default(seq_len=0, group=16)
+TWO_STAGE = dataclasses.replace(DEFAULT, variant="two_stage")
 
 
 @pytest.mark.parametrize("selector,config,kernels", [
-    ("pisa", None, {"pisa_select_fused_rank_plse_ulse"}),  # the K = 8 default
-    ("pisa", TWO_STAGE, {"pisa_select_walk_rank_plse", "pisa_select_leaf_q8",
-                         "pisa_select_topk_rank"}),
-    ("pisa", dataclasses.replace(TWO_STAGE, walk_dense_nodes=16),
-     {"pisa_select_walk_dense_q4", "pisa_select_leaf_q8"}),
-    ("pisa", dataclasses.replace(TWO_STAGE, walk_online_lse=True, walk_pair_lse=False,
-                                 topk_impl="passes"),
-     {"pisa_select_walk_olse", "pisa_select_topk"}),
-    ("pisa", dataclasses.replace(sel.SelectionConfig.default(seq_len=0, group=16),
-                                 walk_pair_lse=False), {"pisa_select_fused_rank_ulse"}),
-    ("pisa", dataclasses.replace(sel.SelectionConfig.default(seq_len=0, group=16),
-                                 fused_unshifted_lse=False), {"pisa_select_fused_rank_plse"}),
+    ("pisa", None, {"pisa_select_fused_rank_pair_lse_unshifted"}),  # the K = 8 default
+    ("pisa", TWO_STAGE, {"pisa_select_walk_rank_pair_lse", "pisa_select_leaf_q8",
+                         "pisa_select_final_topk_rank"}),
+    ("pisa", dataclasses.replace(TWO_STAGE, topk_impl="passes", walk_pair_lse=False),
+     {"pisa_select_walk_passes", "pisa_select_final_topk_passes"}),
+    ("pisa", dataclasses.replace(DEFAULT, walk_pair_lse=False),
+     {"pisa_select_fused_rank_unshifted"}),
+    ("pisa", dataclasses.replace(DEFAULT, fused_unshifted_lse=False, topk_impl="passes"),
+     {"pisa_select_fused_passes_pair_lse"}),
     ("pisa2", None, {"pisa_select_fused_rank"}),
     ("bsa", None, {"bsa_select"}),
 ])
@@ -88,8 +85,17 @@ def test_selection_lowers_for_other_dtypes_and_k32(captured, dtype):
   # float32 (IEEE dots on float32 summaries) and float16 (split summaries), and K = 32, whose 64
   # candidate slots take the two-stage default with the 4-warp rank walk.
   _lower_selection("pisa", None, dtype=dtype, top_k=32, beam=32)
-  assert {"pisa_select_walk_rank_plse", "pisa_select_leaf_q8", "pisa_select_topk_rank"} <= set(
-      _names(captured))
+  assert {"pisa_select_walk_rank_pair_lse", "pisa_select_leaf_q8",
+          "pisa_select_final_topk_rank"} <= set(_names(captured))
+
+
+@pytest.mark.parametrize("variant", ["fused", "two_stage"])
+def test_selection_lowers_for_a_head_dim_not_a_power_of_two(captured, variant):
+  # D = 48: every load clamps its columns into the row and masks the padding (D = 64 and 128
+  # load whole rows).
+  _lower_selection("pisa", dataclasses.replace(DEFAULT, variant=variant), d=48)
+  kind = "fused" if variant == "fused" else "walk"
+  assert any(n.startswith(f"pisa_select_{kind}") for n in _names(captured))
 
 
 @pytest.mark.parametrize("group,d", [(16, 64), (3, 128)])

@@ -22,8 +22,7 @@ import pytest
 
 import pisa_jax
 from pisa_jax.kernels.pyramid import build_pyramid_pallas
-from pisa_jax.kernels import selection as sel_kernels
-from pisa_jax.kernels.selection import SelectionConfig, select_blocks_pallas
+from pisa_jax.kernels.selection import SelectionConfig, layout, scoring, select_blocks_pallas, topk
 from pisa_jax.pyramid import build_pyramid_reference
 from pisa_jax.selection import select_blocks_reference
 
@@ -194,42 +193,40 @@ def _check(t, hq, hkv, d, top_k, selector, *, block_size=64, branching=2, beam=N
   return assert_same_or_near_tie(out, ref, q.astype(jnp.float32), k.astype(jnp.float32), **kw)
 
 
-TWO = SelectionConfig(variant="two_stage", q_tile=4)
-ULSE = SelectionConfig(variant="fused", fused_unshifted_lse=True)
+# The passes top-k, the general reduction of the children and the shifted Eq. 21: the forms the
+# field defaults (rank, pair LSE, unshifted LSE) replaced, still selectable and tested.
+PLAIN = dict(topk_impl="passes", topk_rows=32, walk_pair_lse=False, fused_unshifted_lse=False)
+TWO = SelectionConfig(variant="two_stage", q_tile=4, **PLAIN)
+FUSED = SelectionConfig(variant="fused", **PLAIN)
+ULSE = dataclasses.replace(FUSED, fused_unshifted_lse=True)
 # (T, HQ, HKV, D, top_k, selector, block_size, branching, config)
 CI_CASES = [
     (1000, 16, 1, 64, 8, "pisa", 64, 2, TWO),
-    (300, 6, 2, 128, 3, "pisa", 16, 2, SelectionConfig(variant="fused")),
-    (65, 2, 2, 64, 3, "pisa1", 16, 2, SelectionConfig(q_tile=2)),
-    (600, 4, 2, 64, 4, "pisa", 8, 2, SelectionConfig(q_tile=4, leaf_window=128)),
-    (300, 2, 1, 128, 8, "pisa2", 16, 3, SelectionConfig(q_tile=1)),
+    (300, 6, 2, 128, 3, "pisa", 16, 2, FUSED),
+    (65, 2, 2, 64, 3, "pisa1", 16, 2, dataclasses.replace(TWO, q_tile=2)),
+    (600, 4, 2, 64, 4, "pisa", 8, 2, TWO),
+    (300, 2, 1, 128, 8, "pisa2", 16, 3, dataclasses.replace(TWO, q_tile=1)),
     (1000, 16, 1, 64, 8, "bsa", 64, 2, SelectionConfig(bsa_q_tile=4, bsa_block_tile=16)),
     (300, 3, 1, 64, 3, "bsa", 16, 2, SelectionConfig(bsa_q_tile=8, bsa_block_tile=16)),
     (63, 3, 1, 128, 16, "pisa", 8, 2, TWO),
-    (64, 1, 1, 64, 3, "pisa2", 16, 2, SelectionConfig(variant="fused")),
+    (64, 1, 1, 64, 3, "pisa2", 16, 2, FUSED),
     (1, 2, 2, 64, 8, "pisa", 64, 2, TWO),
-    # The fused kernel's leaf loop over every slot (loads of unneeded slots masked off), the
-    # layout before the compacted loop.
-    (300, 6, 2, 64, 3, "pisa", 16, 2, SelectionConfig(variant="fused", fused_compact_leaves=False)),
-    # Two leaves per iteration of the compacted loop (odd and even counts of needed leaves).
-    (1000, 3, 1, 64, 8, "pisa", 64, 2, SelectionConfig(variant="fused", fused_leaf_unroll=2)),
+    # The field defaults (the fused kernel with the rank top-k, the pair and unshifted LSE) at
+    # group 3 (odd and even counts of needed leaves).
+    (1000, 3, 1, 64, 8, "pisa", 64, 2, SelectionConfig()),
     # The unshifted Eq. 21 branch (`fused_unshifted_lse`; these logits are within its bound) at
-    # D = 128, D = 48 (padded), g = 3 (the general reduction of the children), over all leaf
-    # slots, and two leaves per iteration.
+    # D = 128, D = 48 (padded) and g = 3 (the general reduction of the children).
     (300, 6, 2, 128, 3, "pisa", 16, 2, ULSE),
     (300, 4, 2, 48, 8, "pisa", 16, 2, ULSE),
     (300, 2, 1, 64, 4, "pisa", 16, 3, ULSE),
-    (300, 6, 2, 64, 3, "pisa", 16, 2, dataclasses.replace(ULSE, fused_compact_leaves=False)),
-    (1000, 3, 1, 64, 8, "pisa", 64, 2, dataclasses.replace(ULSE, fused_leaf_unroll=2)),
 ]
 
 
 def _case_id(c):
   t, hq, hkv, d, top_k, sel, bs, g, cfg = c
   return (f"T{t}-HQ{hq}-HKV{hkv}-D{d}-C{bs}-g{g}-K{top_k}-{sel}-{cfg.variant}-q{cfg.q_tile}"
-          f"-w{cfg.leaf_window}" + ("" if cfg.fused_compact_leaves else "-allslots")
-          + (f"-unroll{cfg.fused_leaf_unroll}" if cfg.fused_leaf_unroll > 1 else "")
-          + ("-ulse" if cfg.fused_unshifted_lse else ""))
+          f"-{cfg.topk_impl}" + ("-pair" if cfg.walk_pair_lse else "")
+          + ("-unshifted" if cfg.fused_unshifted_lse else ""))
 
 
 @pytest.mark.parametrize("case", CI_CASES, ids=_case_id)
@@ -245,7 +242,7 @@ SLOW_CASES = [
     for d in (64, 128)
     for top_k in (3, 8, 16)
     for sel in ("pisa", "pisa1", "pisa2", "bsa")
-    for cfg in ((TWO, SelectionConfig(variant="fused")) if sel != "bsa" else (TWO,))
+    for cfg in ((TWO, FUSED) if sel != "bsa" else (TWO,))
     if (t + grp + d + top_k) % 7 == 0  # a fixed, spread-out sixth of the full product
 ]
 
@@ -258,19 +255,17 @@ def test_selection_matrix_slow(case):
 
 
 # ---------------------------------------------------------------------------------------------
-# The rank-based in-kernel top-k (topk_impl="rank") and multi-query walk programs (walk_q_tile).
+# The rank-based in-kernel top-k (topk_impl="rank").
 
-RANK = SelectionConfig(topk_impl="rank", topk_rows=8, topk_warps=2)
-RANK_WQ2 = dataclasses.replace(RANK, walk_q_tile=2)
-RANK_WQ4 = dataclasses.replace(RANK, walk_q_tile=4)
-RANK_FUSED = SelectionConfig(variant="fused", topk_impl="rank")
+RANK = dataclasses.replace(TWO, topk_impl="rank", topk_rows=8)
+RANK_FUSED = dataclasses.replace(FUSED, topk_impl="rank")
 # (T, HQ, HKV, D, top_k, selector, block_size, branching, beam, config); beam > top_k in most, so
 # the walk keeps more nodes than the leaves do.
 RANK_CI_CASES = [
-    (1000, 16, 1, 64, 8, "pisa", 64, 2, 12, RANK_WQ2),
+    (1000, 16, 1, 64, 8, "pisa", 64, 2, 12, RANK),
     (300, 6, 2, 64, 8, "pisa", 16, 2, 8, RANK),
     (300, 3, 1, 64, 3, "pisa1", 16, 2, 5, RANK_FUSED),
-    (65, 2, 2, 64, 3, "pisa2", 8, 3, 4, RANK_WQ4),  # 65 % 4 != 0: the last walk tile is partial
+    (65, 2, 2, 64, 3, "pisa2", 8, 3, 4, RANK),
     (1, 16, 1, 64, 8, "pisa", 64, 2, 9, RANK),
 ]
 
@@ -283,26 +278,25 @@ def test_default_config_picks_topk_by_candidates(top_k, beam, impl):
   # pass its NC so that the kernels it launches follow.
   q, k = _inputs(0, 200, 4, 1, 64, jnp.float32, 1)
   kw = dict(block_size=4, top_k=top_k, branching=2, selector="pisa", scale=0.125, beam=beam)
-  geo = sel_kernels._geometry(q, k, **kw)
-  default = SelectionConfig.default(seq_len=200, group=4, candidates=geo.nc)
+  geo = layout.make_geometry(q, k, **kw)
+  default = SelectionConfig.default(seq_len=200, group=4, candidates=geo.num_slots)
   assert default.topk_impl == impl
   # NC = 16 (K = 8, beam 8) takes the fused per-query kernel, wider sets the two-stage walk.
-  assert default.variant == ("fused" if geo.nc == 16 else "two_stage")
+  assert default.variant == ("fused" if geo.num_slots == 16 else "two_stage")
   names = _kernel_names(q, k, None, **kw)
   walk = {n for n in names if n.startswith(("pisa_select_walk", "pisa_select_fused"))}
-  kind = "fused" if geo.nc == 16 else "walk"
+  kind = "fused" if geo.num_slots == 16 else "walk"
   # g = 2 with "pisa": the walk takes the pair form of Eq. 21 by default, and the fused kernel
   # its unshifted branch.
-  assert walk == {(f"pisa_select_{kind}_rank" if impl == "rank" else f"pisa_select_{kind}")
-                  + "_plse" + ("_ulse" if kind == "fused" else "")}
-  if geo.nc <= 64:
+  assert walk == {f"pisa_select_{kind}_{impl}_pair_lse" + ("_unshifted" if kind == "fused" else "")}
+  if geo.num_slots <= 64:
     _check(200, 4, 1, 64, top_k, "pisa", block_size=4, branching=2, beam=beam, config=None)
 
 
 def _rank_case_id(c):
   t, hq, hkv, d, top_k, sel, bs, g, beam, cfg = c
   return (f"T{t}-HQ{hq}-HKV{hkv}-D{d}-C{bs}-g{g}-K{top_k}-beam{beam}-{sel}-{cfg.variant}"
-          f"-{cfg.topk_impl}-wq{cfg.walk_q_tile}")
+          f"-{cfg.topk_impl}")
 
 
 @pytest.mark.parametrize("case", RANK_CI_CASES, ids=_rank_case_id)
@@ -318,7 +312,7 @@ RANK_SLOW_CASES = [
     for top_k in (3, 8)
     for beam in (top_k, top_k + 5)
     for sel in ("pisa", "pisa1", "pisa2")
-    for cfg in (RANK, RANK_WQ4, RANK_FUSED)
+    for cfg in (RANK, RANK_FUSED)
     if (t + grp + top_k + beam + len(sel)) % 5 == 0  # a fixed, spread-out fifth of the product
 ]
 
@@ -351,20 +345,20 @@ def test_rank_helpers_equal_the_passes_on_ties(keep):
   # must go to the lower node id, not to the lower slot.
   n = 16
   cand, valid, forced, score = _tied_rows(keep, 400, n)
-  want = jax.jit(sel_kernels._top_mask, static_argnums=4)(cand, valid, forced, score, keep)
-  got, rank = jax.jit(sel_kernels._rank_keep, static_argnums=4)(cand, valid, forced, score, keep)
+  want = jax.jit(topk.top_mask, static_argnums=4)(cand, valid, forced, score, keep)
+  got, rank = jax.jit(topk.rank_keep, static_argnums=4)(cand, valid, forced, score, keep)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   # The valid ranks are a permutation of 0..n_valid-1.
   r, v = np.asarray(rank), np.asarray(valid)
   for row in range(r.shape[0]):
     np.testing.assert_array_equal(np.sort(r[row][v[row]]), np.arange(v[row].sum()))
-  np.testing.assert_array_equal(np.asarray(sel_kernels._sorted_kept_rank(cand, got, 8)),
-                                np.asarray(sel_kernels._sorted_kept(cand, want, 8)))
+  np.testing.assert_array_equal(np.asarray(topk.sorted_kept_rank(cand, got, 8)),
+                                np.asarray(topk.sorted_kept(cand, want, 8)))
   # Expansion: both place the kept node of rank p (forced first, then score descending, ties to
   # the lower id) in slots p * g .. p * g + g - 1, so the layouts are equal, not only the sets.
   g = 2
-  expand_rank = jax.jit(sel_kernels._expand_rank, static_argnums=(3, 4))
-  keep_expand = jax.jit(sel_kernels._keep_and_expand, static_argnums=(4, 5, 6))
+  expand_rank = jax.jit(topk.expand_rank, static_argnums=(3, 4))
+  keep_expand = jax.jit(topk.keep_and_expand, static_argnums=(4, 5, 6))
   for row in range(40):
     a = np.asarray(expand_rank(cand[row], got[row], rank[row], g, 2 * n))
     b = np.asarray(keep_expand(cand[row], valid[row], forced[row], score[row], keep, g, 2 * n))
@@ -379,49 +373,8 @@ def test_rank_and_passes_bit_identical():
   q, k = _inputs(7, 300, 4, 1, 64)
   kw = dict(block_size=16, top_k=4, branching=2, selector="pisa", scale=0.125, beam=6)
   want = np.asarray(_kernel(q, k, config=TWO, **kw))
-  for cfg in (RANK_WQ4,):
+  for cfg in (RANK, RANK_FUSED):
     np.testing.assert_array_equal(np.asarray(_kernel(q, k, config=cfg, **kw)), want)
-
-
-# The dense walk of the upper levels (walk_dense_nodes): (T, HQ, HKV, C, g, top_k, beam, selector,
-# walk_dense_nodes, walk_dense_q_tile, lowest dense level expected). Stop level 2 means the dense
-# kernel alone walks to the leaves; above 2 the gathered walk continues from its candidates. A
-# power-of-two g expands kept parents by a reshape, g = 3 by a compare.
-DENSE_CI_CASES = [
-    (700, 8, 2, 16, 2, 4, 4, "pisa", 16, 4, 3),
-    (1000, 16, 1, 16, 2, 8, 8, "pisa1", 32, 2, 2),
-    (333, 6, 3, 8, 2, 3, 5, "pisa2", 16, 4, 3),
-    (65, 4, 2, 4, 2, 4, 4, "pisa", 16, 8, 2),  # 65 % 8 != 0: the last tile has queries past T
-    (500, 4, 1, 4, 3, 4, 6, "pisa", 16, 4, 3),
-]
-
-
-@pytest.mark.parametrize("g,beam,topk_impl", [(2, 4, "passes"), (3, 6, "rank"), (2, 9, "rank")])
-def test_online_lse_walk_matches_reference(g, beam, topk_impl):
-  cfg = SelectionConfig(q_tile=4, walk_online_lse=True, topk_impl=topk_impl, topk_rows=8)
-  q, k = _inputs(0, 500, 8, 2, 64, jnp.float32, 1)
-  names = _kernel_names(q, k, cfg, block_size=8, top_k=4, branching=g, selector="pisa",
-                        scale=0.125, beam=beam)
-  assert any(n.startswith("pisa_select_walk") and n.endswith("_olse") for n in names)
-  _check(500, 8, 2, 64, 4, "pisa", block_size=8, branching=g, beam=beam, config=cfg)
-
-
-@pytest.mark.parametrize("case", DENSE_CI_CASES, ids=lambda c: "-".join(map(str, c)))
-def test_dense_upper_walk_matches_reference(case):
-  t, hq, hkv, bs, g, top_k, beam, selector, nodes, qt, stop = case
-  cfg = SelectionConfig(q_tile=4, walk_dense_nodes=nodes, walk_dense_q_tile=qt)
-  q, k = _inputs(0, t, hq, hkv, 64, jnp.float32, 1)
-  geo = sel_kernels._geometry(q, k, block_size=bs, top_k=top_k, branching=g, selector=selector,
-                              scale=0.125, beam=beam)
-  assert sel_kernels._dense_stop_level(geo, nodes) == stop
-  # The dense kernel runs (a wrong guard would fall back to the gathered walk, same answer), and
-  # the gathered walk only continues when the dense part stopped above level 2.
-  names = _kernel_names(q, k, cfg, block_size=bs, top_k=top_k, branching=g, selector=selector,
-                        scale=0.125, beam=beam)
-  assert f"pisa_select_walk_dense_q{qt}" in names
-  assert (f"pisa_select_walk_from{stop - 1}" in names) == (stop > 2)
-  _check(t, hq, hkv, 64, top_k, selector, block_size=bs, branching=g, beam=beam, config=cfg,
-         b=2 if t == 333 else 1)
 
 
 @pytest.mark.parametrize("t,hq,hkv,variant,dtype,topk_impl", [
@@ -434,13 +387,13 @@ def test_pair_lse_walk_matches_reference(t, hq, hkv, variant, dtype, topk_impl):
   # node of several levels with one child, so the second child's -inf branch runs; such a node is
   # eligible only as the current leaf's ancestor, i.e. forced, so its score is never read here:
   # test_pair_lse_formula pins that branch.
-  cfg = SelectionConfig(variant=variant, q_tile=4, walk_pair_lse=True, topk_impl=topk_impl)
+  cfg = dataclasses.replace(TWO, variant=variant, walk_pair_lse=True, topk_impl=topk_impl)
   q, k = _inputs(0, t, hq, hkv, 64, dtype, 1)
   kw = dict(block_size=8, top_k=4, branching=2, selector="pisa", scale=0.125, beam=4)
-  assert any(n.endswith("_plse") for n in _kernel_names(q, k, cfg, **kw))
+  assert any(n.endswith("_pair_lse") for n in _kernel_names(q, k, cfg, **kw))
   # Inapplicable (g = 3, or another selector): the general reduction runs.
-  assert not any(n.endswith("_plse") for n in _kernel_names(q, k, cfg, **{**kw, "branching": 3}))
-  assert not any(n.endswith("_plse")
+  assert not any("_pair_lse" in n for n in _kernel_names(q, k, cfg, **{**kw, "branching": 3}))
+  assert not any("_pair_lse" in n
                  for n in _kernel_names(q, k, cfg, **{**kw, "selector": "pisa2"}))
   _check(t, hq, hkv, 64, 4, "pisa", block_size=8, config=cfg, dtype=dtype)
 
@@ -449,8 +402,6 @@ def test_pair_lse_walk_matches_reference(t, hq, hkv, variant, dtype, topk_impl):
 def test_rank_by_column_equals_by_row(shape):
   # The two layouts of the rank top-k compute the same ranks, kept sets and sorted outputs, ties
   # (equal scores, several forced nodes, fewer valid nodes than keep) included.
-  from pisa_jax.kernels.selection import _rank_keep, _sorted_kept_rank
-
   rng = np.random.default_rng(0)
   for _ in range(20):
     cand = jnp.asarray(rng.permutation(100)[:shape[-1]] * np.ones(shape, np.int64), jnp.int32)
@@ -458,46 +409,45 @@ def test_rank_by_column_equals_by_row(shape):
     forced = valid & jnp.asarray(rng.random(shape) < 0.15)
     score = jnp.asarray(rng.integers(0, 4, shape).astype(np.float32))  # many exact ties
     keep = int(rng.integers(1, shape[-1]))
-    taken_r, rank_r = _rank_keep(cand, valid, forced, score, keep)
-    taken_c, rank_c = _rank_keep(cand, valid, forced, score, keep, by_column=True)
+    taken_r, rank_r = topk.rank_keep(cand, valid, forced, score, keep)
+    taken_c, rank_c = topk.rank_keep(cand, valid, forced, score, keep, by_column=True)
     np.testing.assert_array_equal(np.asarray(taken_r), np.asarray(taken_c))
     np.testing.assert_array_equal(np.where(valid, rank_r, -1), np.where(valid, rank_c, -1))
-    np.testing.assert_array_equal(np.asarray(_sorted_kept_rank(cand, taken_r, 8)),
-                                  np.asarray(_sorted_kept_rank(cand, taken_c, 8, by_column=True)))
+    np.testing.assert_array_equal(
+        np.asarray(topk.sorted_kept_rank(cand, taken_r, 8)),
+        np.asarray(topk.sorted_kept_rank(cand, taken_c, 8, by_column=True)))
 
 
 def test_pair_lse_formula():
-  from pisa_jax.kernels.selection import _pair_lse
-
   z0 = jax.random.normal(jax.random.PRNGKey(1), (16, 16)) * 30.0
   z1 = jax.random.normal(jax.random.PRNGKey(2), (16, 16)) * 30.0
   m1 = jnp.arange(16) % 3 != 0
-  got = _pair_lse(z0, z1, m1, 0.125)
+  got = scoring.pair_lse(z0, z1, m1, 0.125)
   want = jnp.where(m1[None, :], jnp.logaddexp(0.125 * z0, 0.125 * z1), 0.125 * z0)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=2e-6)
   # The unshifted form is the same score in base 2 (logits within its bound here).
-  got2 = _pair_lse(z0, z1, m1, 0.125, unshifted=True)
+  got2 = scoring.pair_lse(z0, z1, m1, 0.125, unshifted=True)
   np.testing.assert_allclose(np.asarray(got2), np.asarray(want) * np.log2(np.e), rtol=2e-6,
                              atol=2e-6)
 
 
 @pytest.mark.parametrize("selector", ["pisa", "pisa1", "pisa2"])
 def test_unshifted_reductions_equal_shifted_in_base_2(selector):
-  # `_reduce_keys` and `_reduce_children` with unshifted=True: Eq. 21 times log2(e) for "pisa"
+  # `reduce_keys` and `reduce_children` with unshifted=True: Eq. 21 times log2(e) for "pisa"
   # (partial keys masked), the unchanged mean forms otherwise.
-  from pisa_jax.kernels.selection import _reduce_children, _reduce_keys
+  reduce_children, reduce_keys = scoring.reduce_children, scoring.reduce_keys
 
   z = jax.random.normal(jax.random.PRNGKey(4), (16, 64)) * 20.0
   m_key = jnp.arange(64) < 37
   unit = np.log2(np.e) if selector == "pisa" else 1.0
   for mask in (None, m_key):
     np.testing.assert_allclose(
-        np.asarray(_reduce_keys(z, mask, selector, 0.125, unshifted=True)),
-        np.asarray(_reduce_keys(z, mask, selector, 0.125)) * unit, rtol=2e-6, atol=2e-6)
+        np.asarray(reduce_keys(z, mask, selector, 0.125, unshifted=True)),
+        np.asarray(reduce_keys(z, mask, selector, 0.125)) * unit, rtol=2e-6, atol=2e-6)
   zs, masks = [z[:, :16], z[:, 16:32], z[:, 32:48]], [m_key[:16], m_key[16:32], m_key[32:48]]
   np.testing.assert_allclose(
-      np.asarray(_reduce_children(zs, masks, selector, 0.125, unshifted=True)),
-      np.asarray(_reduce_children(zs, masks, selector, 0.125)) * unit, rtol=2e-6, atol=2e-6)
+      np.asarray(reduce_children(zs, masks, selector, 0.125, unshifted=True)),
+      np.asarray(reduce_children(zs, masks, selector, 0.125)) * unit, rtol=2e-6, atol=2e-6)
 
 
 def _unshifted_case(key_scale: float, dtype=jnp.float32):
@@ -517,7 +467,7 @@ def test_fused_unshifted_lse_takes_the_shifted_branch_on_large_logits(dtype):
   q, k, kw = _unshifted_case(40.0, dtype)
   cfg = SelectionConfig.default(seq_len=300, group=2, candidates=16)
   assert cfg.fused_unshifted_lse
-  assert any(n.endswith("_ulse") for n in _kernel_names(q, k, cfg, **kw))
+  assert any(n.endswith("_unshifted") for n in _kernel_names(q, k, cfg, **kw))
   out = _kernel(q, k, config=cfg, **kw)
   q32, k32 = q.astype(jnp.float32), k.astype(jnp.float32)
   assert_same_or_near_tie(out, select_blocks_reference(q32, k32, **kw), q32, k32, **kw)
@@ -526,19 +476,17 @@ def test_fused_unshifted_lse_takes_the_shifted_branch_on_large_logits(dtype):
 def test_unshifted_bound_per_program():
   # The branch each program of the case above takes: row 0 (ordinary logits) unshifted, row 1
   # (keys x 40) shifted, and NaN or inf queries shifted.
-  from pisa_jax.kernels.selection import _unshifted_ok
-
   q, k, kw = _unshifted_case(40.0)
   kn2 = jnp.max(jnp.sum(jnp.square(k), axis=-1), axis=1)  # [B, HKV]
   m_head = jnp.arange(16) < 2
   qg = jnp.zeros((16, 64)).at[:2].set(q[0, 100, :2])
-  assert bool(_unshifted_ok(qg, m_head, kn2[0, 0], kw["scale"]))
+  assert bool(scoring.unshifted_ok(qg, m_head, kn2[0, 0], kw["scale"]))
   qg1 = jnp.zeros((16, 64)).at[:2].set(q[1, 100, :2])
-  assert not bool(_unshifted_ok(qg1, m_head, kn2[1, 0], kw["scale"]))
+  assert not bool(scoring.unshifted_ok(qg1, m_head, kn2[1, 0], kw["scale"]))
   for bad in (jnp.nan, jnp.inf):
-    assert not bool(_unshifted_ok(qg.at[1, 3].set(bad), m_head, kn2[0, 0], kw["scale"]))
+    assert not bool(scoring.unshifted_ok(qg.at[1, 3].set(bad), m_head, kn2[0, 0], kw["scale"]))
   # Padded heads do not count, however large.
-  assert bool(_unshifted_ok(qg.at[5].set(1e6), m_head, kn2[0, 0], kw["scale"]))
+  assert bool(scoring.unshifted_ok(qg.at[5].set(1e6), m_head, kn2[0, 0], kw["scale"]))
 
 
 def test_fused_unshifted_lse_bound_is_what_keeps_large_logits_right(monkeypatch):
@@ -546,7 +494,7 @@ def test_fused_unshifted_lse_bound_is_what_keeps_large_logits_right(monkeypatch)
   # branch, and row 1's overflowing sums (inf scores, ties broken by index) select other blocks.
   q, k, kw = _unshifted_case(40.0)
   cfg = SelectionConfig.default(seq_len=300, group=2, candidates=16)
-  monkeypatch.setattr(sel_kernels, "_UNSHIFTED_EXP2", float("inf"))
+  monkeypatch.setattr(scoring, "UNSHIFTED_EXP2", float("inf"))
   out = np.asarray(select_blocks_pallas(q, k, interpret=True, config=cfg, **kw))
   ref = np.asarray(select_blocks_reference(q, k, **kw))
   np.testing.assert_array_equal(out[0], ref[0])  # ordinary logits: unshifted is exact enough
@@ -555,33 +503,29 @@ def test_fused_unshifted_lse_bound_is_what_keeps_large_logits_right(monkeypatch)
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(topk_impl="sort"), "topk_impl"),
-    (dict(walk_pair_lse=True, walk_online_lse=True), "walk_pair_lse"),
-    (dict(walk_q_tile=3), "walk_q_tile"),
-    (dict(variant="fused", walk_q_tile=2), "walk_q_tile"),
-    (dict(walk_dense_nodes=8), "walk_dense_nodes"),
-    (dict(walk_dense_nodes=48), "walk_dense_nodes"),
-    (dict(variant="fused", walk_dense_nodes=16), "walk_dense_nodes"),
-    (dict(walk_dense_nodes=16, walk_dense_q_tile=3), "walk_dense_q_tile"),
-    (dict(variant="fused", fused_leaf_unroll=3), "fused_leaf_unroll"),
-    (dict(variant="fused", fused_leaf_unroll=2, fused_compact_leaves=False), "fused_leaf_unroll"),
+    (dict(variant="dense"), "variant"),
+    (dict(q_tile=3), "q_tile"),
+    (dict(topk_rows=0), "topk_rows"),
+    (dict(bsa_q_tile=6), "bsa_q_tile"),
+    (dict(bsa_block_tile=8), "bsa_block_tile"),
 ])
 def test_config_rejects_bad_values(kwargs, match):
   with pytest.raises(ValueError, match=match):
     SelectionConfig(**kwargs)
 
 
-@pytest.mark.parametrize("dtype,wide,variant,unshifted", [
-    (jnp.bfloat16, True, "two_stage", False), (jnp.bfloat16, False, "two_stage", False),
-    (jnp.float16, True, "two_stage", False), (jnp.float16, True, "fused", False),
-    (jnp.float16, True, "fused", True)])
-def test_16bit_scores_in_f32(dtype, wide, variant, unshifted):
+@pytest.mark.parametrize("dtype,d,variant,unshifted", [
+    (jnp.bfloat16, 64, "two_stage", False), (jnp.bfloat16, 48, "two_stage", False),
+    (jnp.float16, 64, "two_stage", False), (jnp.float16, 64, "fused", False),
+    (jnp.float16, 64, "fused", True)])
+def test_16bit_scores_in_f32(dtype, d, variant, unshifted):
   # 16-bit inputs take the tensor-core path (exact products, summaries split once into 16-bit
   # high / low rows: float16's narrower exponent included); the reference gets the same values
-  # upcast to float32. Both leaf-tile load paths (whole rows, or element by element), and the
-  # fused kernel's shifted and unshifted Eq. 21.
-  _check(300, 8, 2, 64, 8, "pisa", block_size=16, dtype=dtype, b=2,
-         config=SelectionConfig(variant=variant, q_tile=2, leaf_wide_loads=wide,
-                                fused_unshifted_lse=unshifted))
+  # upcast to float32. Both load paths (whole rows at D = 64, clamped and masked columns at
+  # D = 48), and the fused kernel's shifted and unshifted Eq. 21.
+  _check(300, 8, 2, d, 8, "pisa", block_size=16, dtype=dtype, b=2,
+         config=dataclasses.replace(TWO, variant=variant, q_tile=2,
+                                    fused_unshifted_lse=unshifted))
 
 
 def test_split_summary_rows_reconstruct_float32():
@@ -589,17 +533,17 @@ def test_split_summary_rows_reconstruct_float32():
   # float32 summary to ~2^-17 relative, and float32 queries keep the float32 rows.
   rows = jax.random.normal(jax.random.PRNGKey(0), (37, 64), jnp.float32) * 3.0
   q16, k16 = _inputs(0, 8, 2, 1, 64, jnp.bfloat16, 1)
-  geo = sel_kernels._geometry(q16, k16, block_size=4, top_k=3, branching=2, selector="pisa",
-                              scale=0.125, beam=3)
-  split = sel_kernels._summary_rows(rows, geo, jnp.bfloat16)
+  geo = layout.make_geometry(q16, k16, block_size=4, top_k=3, branching=2, selector="pisa",
+                             scale=0.125, beam=3)
+  split = layout.summary_rows(rows, geo, jnp.bfloat16)
   assert split.shape == (74, 64) and split.dtype == jnp.bfloat16
   back = split[0::2].astype(jnp.float32) + split[1::2].astype(jnp.float32)
   np.testing.assert_allclose(np.asarray(back), np.asarray(rows), rtol=2.0 ** -16, atol=0)
   assert not np.array_equal(np.asarray(split[1::2]), np.zeros((37, 64)))  # a real low part
   q32, k32 = _inputs(0, 8, 2, 1, 64, jnp.float32, 1)
-  geo32 = sel_kernels._geometry(q32, k32, block_size=4, top_k=3, branching=2, selector="pisa",
-                                scale=0.125, beam=3)
-  assert sel_kernels._summary_rows(rows, geo32, jnp.float32) is rows
+  geo32 = layout.make_geometry(q32, k32, block_size=4, top_k=3, branching=2, selector="pisa",
+                               scale=0.125, beam=3)
+  assert layout.summary_rows(rows, geo32, jnp.float32) is rows
 
 
 @pytest.mark.parametrize("d", [64, 48])
@@ -612,19 +556,20 @@ def test_split_summary_logits_are_float32_accurate(d):
   from jax.experimental import pallas as pl
 
   q16, k16 = _inputs(1, 8, 16, 2, d, jnp.bfloat16, 1)
-  geo = sel_kernels._geometry(q16, k16, block_size=4, top_k=3, branching=2, selector="pisa",
-                              scale=0.125, beam=3)
+  geo = layout.make_geometry(q16, k16, block_size=4, top_k=3, branching=2, selector="pisa",
+                             scale=0.125, beam=3)
   summaries = jax.random.normal(jax.random.PRNGKey(2), (40, d), jnp.float32)
-  split = sel_kernels._summary_rows(summaries, geo, jnp.bfloat16)
+  split = layout.summary_rows(summaries, geo, jnp.bfloat16)
   rows = jnp.asarray([3, 0, 39, 17, 17, 5, 22, 9, 1, 30, 2, 11, 38, 7, 25, 4], jnp.int32)
   m_row = jnp.arange(16) != 5  # one masked row: its logits are zero
   t, i_h = 6, 1
 
   def kernel(q_ref, s_ref, rows_ref, mask_ref, out_ref):
-    qg = sel_kernels._load_group_queries(q_ref, geo, 0, t, i_h, geo.gp)
-    out_ref[...] = sel_kernels._summary_logits(qg, s_ref, rows_ref[...], mask_ref[...] != 0, geo)
+    qg = layout.load_group_queries(q_ref, geo, 0, t, i_h, geo.group_padded)
+    out_ref[...] = scoring.summary_logits(qg, s_ref, rows_ref[...], mask_ref[...] != 0, geo)
 
-  got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((geo.gp, 16), jnp.float32),
+  out_shape = jax.ShapeDtypeStruct((geo.group_padded, 16), jnp.float32)
+  got = pl.pallas_call(kernel, out_shape=out_shape,
                        interpret=True)(q16.reshape(-1, d), split, rows, m_row.astype(jnp.int32))
   qg = q16[0, t, i_h * geo.group:(i_h + 1) * geo.group].astype(jnp.float32)
   want = jnp.where(m_row[None, :], jnp.dot(qg, summaries[rows].T,
@@ -641,7 +586,7 @@ def test_beam_none_equals_beam_top_k_and_wider_beam_matches_reference():
   none = pisa_jax.select_blocks(q, k, beam=None, **kw)
   same = pisa_jax.select_blocks(q, k, beam=4, **kw)
   np.testing.assert_array_equal(np.asarray(none), np.asarray(same))
-  # A wider beam above the leaves (issue 7) against the reference; it must change some rows,
+  # A wider beam above the leaves against the reference; it must change some rows,
   # otherwise the beam would not be reaching the kernel.
   wide = pisa_jax.select_blocks(q, k, beam=7, **kw)
   assert np.any(np.asarray(wide) != np.asarray(none))
@@ -655,7 +600,7 @@ def test_two_runs_bit_identical_and_variants_agree():
   a = _kernel(q, k, config=TWO, **kw)
   b = _kernel(q, k, config=TWO, **kw)
   np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  for cfg in (SelectionConfig(variant="fused"),):
+  for cfg in (FUSED,):
     np.testing.assert_array_equal(np.asarray(_kernel(q, k, config=cfg, **kw)), np.asarray(a))
 
 

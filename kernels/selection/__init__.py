@@ -1,0 +1,32 @@
+"""Pallas kernels for block selection (Section 3.3, Algorithm 1, Appendix B): the twin of
+`pisa_jax.selection.select_blocks_reference` for "pisa", "pisa1", "pisa2" and "bsa".
+
+  config.py     SelectionConfig and its default heuristic
+  layout.py     Geometry (static shapes), the row layout, loads, level table, launch
+  scoring.py    dots in float32 and the reductions of Eq. 21 / 33 / 34
+  topk.py       in-kernel Select_K (passes and rank) and the Eq. 18 expansion
+  walk.py       one query's walk from the first scored level down to level 2
+  fused.py      per-query kernel: walk, leaf scores and final Select_K in one program
+  two_stage.py  walk kernel, leaf-tile kernel (host bucket sort), final top-k kernel
+  bsa.py        the flat BSA kernel (two passes, running top-k, no [T, M] in HBM)
+  select.py     select_blocks_pallas: geometry, config, dispatch
+"""
+
+from pisa_jax.kernels.selection.config import SelectionConfig, candidate_slots
+from pisa_jax.kernels.selection.layout import Geometry, make_geometry
+from pisa_jax.kernels.selection.select import SELECTORS, select_blocks_pallas
+from pisa_jax.kernels.selection.topk import leaf_needs_score
+from pisa_jax.kernels.selection.two_stage import (final_topk_pallas, leaf_candidates_pallas,
+                                                  leaf_scores_pallas)
+from pisa_jax.kernels.selection.walk import first_scored_level
+
+# The benchmarks' names for these (benchmarks/bench_selection.py, tests/test_bench_floor.py).
+_geometry = make_geometry
+_first_scored_level = first_scored_level
+_leaf_needs_score = leaf_needs_score
+
+__all__ = [
+    "SELECTORS", "Geometry", "SelectionConfig", "candidate_slots", "final_topk_pallas",
+    "first_scored_level", "leaf_candidates_pallas", "leaf_needs_score", "leaf_scores_pallas",
+    "make_geometry", "select_blocks_pallas",
+]

@@ -1,0 +1,201 @@
+"""Static shapes of one selection call (`Geometry`), the row layout of its inputs, and the loads and
+launch every selection kernel shares.
+
+q `[B, T, HQ, D]` and k `[B, T, HKV, D]` are viewed as rows `[B*T*HQ, D]` / `[B*T*HKV, D]` (free
+reshapes, native layout) and gathered with clamped, masked 2-D index arrays. Every value in a kernel
+has power-of-two shapes: the group's heads are padded to `group_padded`, the candidates to
+`num_slots`, the head dim to `head_dim_padded` and the block to `block_padded`, with masks. The
+pyramid's levels 1..L-1 are stacked into one row array, addressed through a level table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+from jaxtyping import Array, Float
+
+from pisa_jax.geometry import level_sizes
+from pisa_jax.kernels._common import next_pow2, triton_deprecation_silenced
+from pisa_jax.kernels.selection.config import (MIN_DOT, SelectionConfig, candidate_slots,
+                                               pow2_at_least)
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+  """Static shapes shared by the selection kernels."""
+
+  batch: int
+  seq_len: int
+  hq: int
+  hkv: int
+  d: int
+  block_size: int
+  top_k: int
+  beam: int
+  branching: int
+  selector: str
+  scale: float
+  level_sizes: tuple[int, ...]  # nodes per level, leaves first, the root last
+  # q and k share one 16-bit dtype: scores come from 16-bit tensor-core dots with float32
+  # accumulation (`scoring.qk_dot`), the float32 summaries split into two 16-bit rows
+  # (`summary_rows`). Otherwise every dot is an IEEE float32 one.
+  inputs_16bit: bool
+  approx_log: bool = False  # log2 by the MUFU (compiled for the GPU; not in the interpreter)
+
+  @property
+  def group(self) -> int:
+    return self.hq // self.hkv
+
+  @property
+  def group_padded(self) -> int:
+    return pow2_at_least(self.group, MIN_DOT)
+
+  @property
+  def head_dim_padded(self) -> int:
+    return pow2_at_least(self.d, MIN_DOT)
+
+  @property
+  def block_padded(self) -> int:
+    return pow2_at_least(self.block_size, MIN_DOT)
+
+  @property
+  def num_slots(self) -> int:
+    """NC, candidate slots per level below the root: up to beam * branching children."""
+    return candidate_slots(self.beam, self.branching)
+
+  @property
+  def top_k_padded(self) -> int:
+    return next_pow2(self.top_k)
+
+  @property
+  def num_blocks(self) -> int:
+    return self.level_sizes[0]
+
+
+def make_geometry(q, k, *, block_size, top_k, branching, selector, scale, beam,
+                  interpret: bool = True) -> Geometry:
+  b, t, hq, d = q.shape
+  hkv = k.shape[2]
+  # Anything but 16-bit inputs of one dtype is upcast to float32.
+  inputs_16bit = q.dtype == k.dtype and q.dtype in (jnp.bfloat16, jnp.float16)
+  return Geometry(
+      batch=b, seq_len=t, hq=hq, hkv=hkv, d=d, block_size=block_size, top_k=top_k, beam=beam,
+      branching=branching, selector=selector, scale=float(scale),
+      level_sizes=level_sizes(t, block_size, branching), inputs_16bit=inputs_16bit,
+      approx_log=not interpret)
+
+
+def launch(kernel, out_shape, grid: int, config: SelectionConfig, warps: int, interpret: bool,
+           name: str, *args):
+  """One `pallas_call` over a 1-D grid."""
+  with triton_deprecation_silenced():
+    return pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(grid,),
+        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=config.num_stages),
+        interpret=interpret, name=name)(*args)
+
+
+def query_tile_program(geo: Geometry, q_tile: int):
+  """(batch, KV head, tile index) of this program in a grid over (batch, KV head, tile of q_tile
+  consecutive queries)."""
+  n_tiles = pl.cdiv(geo.seq_len, q_tile)
+  i_p = pl.program_id(0)
+  i_bh, i_tile = i_p // n_tiles, i_p % n_tiles
+  return i_bh // geo.hkv, i_bh % geo.hkv, i_tile
+
+
+def load_rows(ref, rows, m_row, geo: Geometry):
+  """Rows `[N]` of a `[*, D]` ref as `[N, Dp]`, masked rows and padded columns zero."""
+  o_col = jnp.arange(geo.head_dim_padded)
+  if geo.d == geo.head_dim_padded:
+    # No column clamp or column mask: Triton then sees each row as Dp contiguous, aligned
+    # elements and issues 128-bit loads (with the clamp it issued one scalar load, address and
+    # predicate per element: a third of the walk's instructions).
+    return plt.load(ref.at[rows[:, None], o_col[None, :]], mask=m_row[:, None], other=0.0)
+  # D not a power of two (48, say): clamp the columns into the row and mask the padding.
+  return plt.load(ref.at[rows[:, None], jnp.minimum(o_col, geo.d - 1)[None, :]],
+                  mask=m_row[:, None] & (o_col < geo.d)[None, :], other=0.0)
+
+
+def load_group_queries(q_ref, geo: Geometry, i_b, t, i_h, rows: int):
+  """The group's query heads of query t: `[rows, Dp]` (padded heads and columns read as zero)."""
+  o_head = jnp.arange(rows)
+  q_rows = (i_b * geo.seq_len + t) * geo.hq + i_h * geo.group + jnp.minimum(o_head, geo.group - 1)
+  return load_rows(q_ref, q_rows, o_head < geo.group, geo)
+
+
+def leaf_key_rows(leaf, i_b, i_h, geo: Geometry):
+  """Leaf `leaf`'s raw keys in the `[B*T*HKV, D]` view: (rows `[Cp]`, load mask `[Cp]`, the key
+  mask `scoring.reduce_keys` needs or None).
+
+  Only complete past leaves are scored (`topk.leaf_needs_score`: eligible, not the current or
+  previous block), and the callers mask off the other slots' loads and drop their scores. So for
+  whole power-of-two tiles every key of a scored leaf exists: the rows are left unclamped (affine
+  in the key index), the load mask is constant along it and the scores need no key mask, and
+  Triton computes one base address instead of a clamp, an address and a predicate per element.
+  """
+  o_key = jnp.arange(geo.block_padded)
+  pos = leaf * geo.block_size + o_key
+  if geo.block_padded == geo.block_size:
+    return (i_b * geo.seq_len + pos) * geo.hkv + i_h, jnp.full((geo.block_padded,), True), None
+  m_key = (o_key < geo.block_size) & (pos < geo.seq_len)
+  return (i_b * geo.seq_len + jnp.minimum(pos, geo.seq_len - 1)) * geo.hkv + i_h, m_key, m_key
+
+
+def level_offsets(geo: Geometry, sizes=None) -> list[int]:
+  """First row of each level (`sizes`, default the pyramid's) in the stacked summaries."""
+  offsets, acc = [], 0
+  for m in (geo.level_sizes if sizes is None else sizes):
+    offsets.append(acc)
+    acc += geo.batch * m * geo.hkv
+  return offsets
+
+
+def level_table(geo: Geometry):
+  """int32 `[3, LP]`: per level l (index l - 1) its node count, its first row in the stacked
+  summaries `[sum_l B*M_l*HKV, D]` of levels 1..L-1, and its leaves per node g^(l-1)."""
+  lp = next_pow2(len(geo.level_sizes) + 1)
+  sizes = list(geo.level_sizes) + [1] * (lp - len(geo.level_sizes))
+  offsets = level_offsets(geo, sizes)
+  pows = [geo.branching ** i for i in range(lp)]
+  return jnp.asarray([sizes, offsets, pows], jnp.int32)
+
+
+def load_table(tab_ref, geo: Geometry):
+  """The level table's three rows as `[LP]` values."""
+  lp = tab_ref.shape[1]
+  o = jnp.arange(lp)
+  return tuple(plt.load(tab_ref.at[jnp.full((lp,), r, jnp.int32), o]) for r in range(3))
+
+
+def pick(vec, idx):
+  """vec[idx] for a value (no dynamic indexing of values in Triton kernels)."""
+  return jnp.sum(jnp.where(jnp.arange(vec.shape[0]) == idx, vec, 0))
+
+
+def summary_rows(rows: Float[Array, "R D"], geo: Geometry, dtype) -> Array:
+  """The summaries ref of `scoring.summary_logits`: float32 rows as they are, or, for 16-bit inputs,
+  each row r as its 16-bit high part (row 2r) and the 16-bit rounding of the remainder (row 2r + 1),
+  `[2R, D]` in `dtype`: two exact-product dots then score a 16-bit query against the float32
+  summary to ~2^-17 relative. Split once here, not after every load inside the walk."""
+  if not geo.inputs_16bit:
+    return rows
+  # The high part by reduce_precision, not a round trip through the 16-bit dtype: XLA on the GPU
+  # (xla_allow_excess_precision, on by default) may fold convert(convert(x, bf16), f32) into x,
+  # which made every low part zero (the H200's bf16 check at 128K caught it: 4,792 rows off).
+  finfo = jnp.finfo(dtype)
+  hi = lax.reduce_precision(rows, exponent_bits=finfo.nexp, mantissa_bits=finfo.nmant)
+  lo = (rows - hi).astype(dtype)
+  return jnp.stack([hi.astype(dtype), lo], axis=1).reshape(-1, rows.shape[-1])
+
+
+def stacked_summaries(summaries, geo: Geometry, dtype):
+  """Levels 1..L-1 as one row array `[sum_l B*M_l*HKV, D]` (the root is never read), in the
+  layout of `summary_rows`."""
+  d = summaries[0].shape[-1]
+  used = summaries[:-1] or summaries[:1]
+  return summary_rows(jnp.concatenate([s.reshape(-1, d) for s in used], axis=0), geo, dtype)

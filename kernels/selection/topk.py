@@ -1,0 +1,184 @@
+"""Select_K inside the kernels (Eq. 17 with the forced-node rule of Appendix B) and the Eq. 18
+expansion of kept nodes to their children, without sorts.
+
+Two forms with the same result: "passes" (`keep` dependent passes of max / lowest-index argmax)
+and "rank" (one broadcast compare `[..., N, N]` and one sum give every candidate its rank in
+(score descending, node id ascending)). Reductions run over the last axis, so every helper works
+on `[N]` and `[rows, N]`.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from pisa_jax.kernels.selection.layout import Geometry
+
+BIG = 2**30  # larger than any node id; marks an empty slot
+
+
+def ancestors(cur, leaves_per_node, shift=None):
+  """The ancestors (nodes of `leaves_per_node` leaves) of the current leaf and of the previous
+  one (-1 when cur = 0). With `shift` = log2(leaves_per_node) (g a power of two) a shift: a
+  division by a runtime value is ~20 SASS instructions."""
+  prev = jnp.maximum(cur - 1, 0)
+  if shift is not None:
+    anc_cur, anc_prev = cur >> shift, prev >> shift
+  else:
+    anc_cur, anc_prev = cur // leaves_per_node, prev // leaves_per_node
+  return anc_cur, jnp.where(cur >= 1, anc_prev, -1)
+
+
+def forced_nodes(cand, cur, leaves_per_node, shift=None):
+  """Ancestors (nodes of `leaves_per_node` leaves) of the first, previous and current leaves
+  (Appendix B)."""
+  anc_cur, anc_prev = ancestors(cur, leaves_per_node, shift)
+  return (cand == 0) | (cand == anc_prev) | (cand == anc_cur)
+
+
+def top_mask(cand, valid, forced, score, keep: int):
+  """Select_K of Eq. 17 with the forced-node rule by passes: which candidates are kept, bool.
+
+  If at most `keep` candidates are valid all are kept; otherwise forced ones first, then the highest
+  scores, ties to the lower node id.
+  """
+  keep_all = jnp.sum(valid.astype(jnp.int32), axis=-1, keepdims=True) <= keep
+  key = jnp.where(forced | keep_all, jnp.inf, score)
+
+  # A loop, not an unrolled Python loop: Triton compile time grows with the unrolled code.
+  def pick_one(_, taken):
+    avail = valid & ~taken
+    k_avail = jnp.where(avail, key, -jnp.inf)
+    best = jnp.max(k_avail, axis=-1, keepdims=True)
+    pick = jnp.min(jnp.where(avail & (k_avail == best), cand, BIG), axis=-1, keepdims=True)
+    return taken | (avail & (cand == pick))
+
+  return lax.fori_loop(0, keep, pick_one, jnp.zeros(cand.shape, jnp.bool_))
+
+
+def sorted_kept(cand, taken, width: int):
+  """The kept node ids ascending, -1 padded: `[..., N]` -> `[..., width]`."""
+  out = jnp.full(cand.shape[:-1] + (width,), -1, jnp.int32)
+  slot = lax.broadcasted_iota(jnp.int32, out.shape, out.ndim - 1)
+
+  def next_smallest(r, carry):
+    out, prev = carry
+    nxt = jnp.min(jnp.where(taken & (cand > prev), cand, BIG), axis=-1, keepdims=True)
+    out = jnp.where((slot == r) & (nxt < BIG), nxt, out)
+    return out, jnp.where(nxt < BIG, nxt, prev)
+
+  prev = jnp.full(cand.shape[:-1] + (1,), -1, jnp.int32)
+  return lax.fori_loop(0, width, next_smallest, (out, prev))[0]
+
+
+def keep_and_expand(cand, valid, forced, score, keep: int, branching: int, width: int):
+  """Select_K of Eq. 17 (as `top_mask`) fused with the Eq. 18 expansion: `[N]` -> `[width]`.
+
+  The node picked by pass p fills slots p * g .. p * g + g - 1 with its children as it is picked,
+  so no separate compaction loop runs (one max and one min reduction per kept node). The slot
+  order (by rank) does not matter: the next level's Select_K is order-free and the leaves are
+  sorted at the end.
+  """
+  keep_all = jnp.sum(valid.astype(jnp.int32), axis=-1, keepdims=True) <= keep
+  key = jnp.where(forced | keep_all, jnp.inf, score)
+  slot = jnp.arange(width)
+  o_parent, o_child = slot // branching, slot % branching
+
+  def pick_one(p, carry):
+    taken, out = carry
+    avail = valid & ~taken
+    k_avail = jnp.where(avail, key, -jnp.inf)
+    best = jnp.max(k_avail, axis=-1, keepdims=True)
+    pick = jnp.min(jnp.where(avail & (k_avail == best), cand, BIG), axis=-1, keepdims=True)
+    out = jnp.where((o_parent == p) & (pick < BIG), pick * branching + o_child, out)
+    return taken | (avail & (cand == pick)), out
+
+  init = (jnp.zeros(cand.shape, jnp.bool_), jnp.full((width,), -1, jnp.int32))
+  return lax.fori_loop(0, min(keep, width // branching), pick_one, init)[1]
+
+
+def pair_axes(by_column: bool):
+  """How an all-pairs compare over the last axis `[..., N]` lays out candidate i (whose count is
+  wanted) and candidate j (counted): (expand as i, expand as j, the axis to sum j over). By row,
+  i is the row of the `[..., N, N]` compare; by column, i is the column."""
+  rows, cols = (lambda x: x[..., :, None]), (lambda x: x[..., None, :])
+  return (cols, rows, -2) if by_column else (rows, cols, -1)
+
+
+def rank_keep(cand, valid, forced, score, keep: int, by_column: bool = False):
+  """Select_K of Eq. 17 with the forced-node rule, by rank: `[..., N]` -> (kept, rank).
+
+  The same set as `top_mask`: the order is score descending (forced nodes, and every node when at
+  most `keep` are valid, count as +inf) with ties to the lower node id, a strict total order on the
+  valid candidates (their ids are distinct). rank_i = #{valid j before i in that order}, from one
+  broadcast compare `[..., N, N]` and one sum, so the valid ranks are 0..n_valid-1 and the kept
+  nodes are those ranked below `keep`.
+
+  by_column: candidate i is the compare's column and the sum runs down the rows (axis -2), so the
+  rank comes out in the layout of a row vector `[..., None, :]`, the one `expand_rank` broadcasts
+  it in; summed along the rows instead, Triton converts it between the two layouts. Same ranks;
+  offline SASS of the fused kernel's walk level: 896 -> 669 instructions, 126 -> 91 registers.
+  """
+  keep_all = jnp.sum(valid.astype(jnp.int32), axis=-1, keepdims=True) <= keep
+  key = jnp.where(forced | keep_all, jnp.inf, score)
+  as_i, as_j, over_j = pair_axes(by_column)
+  k_i, k_j, c_i, c_j = as_i(key), as_j(key), as_i(cand), as_j(cand)
+  before = as_j(valid) & ((k_j > k_i) | ((k_j == k_i) & (c_j < c_i)))
+  rank = jnp.sum(before.astype(jnp.int32), axis=over_j)
+  return valid & (rank < keep), rank
+
+
+def sorted_kept_rank(cand, taken, width: int, by_column: bool = False):
+  """`sorted_kept` in one pass: a kept node's output slot is its rank by node id among the kept
+  (ids are distinct), read back with a one-hot max. `[..., N]` -> `[..., width]`, -1 padded.
+  by_column: as in `rank_keep`, the position comes out in the layout it is read back in."""
+  as_i, as_j, over_j = pair_axes(by_column)
+  before = as_j(taken) & (as_j(cand) < as_i(cand))
+  pos = jnp.sum(before.astype(jnp.int32), axis=over_j)
+  slot = lax.broadcasted_iota(jnp.int32, cand.shape[:-1] + (width, 1), cand.ndim - 1)
+  hit = taken[..., None, :] & (pos[..., None, :] == slot)
+  return jnp.max(jnp.where(hit, cand[..., None, :], -1), axis=-1)
+
+
+def expand_rank(cand, taken, rank, branching: int, width: int):
+  """Eq. 18 by rank: kept node of rank p fills slots p * g .. p * g + g - 1 with its children, so
+  no compaction loop runs. `[N]` -> `[width]` candidate ids (-1 empty)."""
+  slot = jnp.arange(width)
+  o_parent, o_child = slot // branching, slot % branching
+  hit = taken[None, :] & (rank[None, :] == o_parent[:, None])
+  return jnp.max(jnp.where(hit, cand[None, :] * branching + o_child[:, None], -1), axis=1)
+
+
+def select_and_expand(cand, valid, forced, score, geo: Geometry, topk_impl: str):
+  """One walk level's Select_K (keep = beam) and Eq. 18 expansion to `[NC]` child candidates."""
+  if topk_impl == "rank":
+    taken, rank = rank_keep(cand, valid, forced, score, geo.beam, by_column=True)
+    return expand_rank(cand, taken, rank, geo.branching, geo.num_slots)
+  return keep_and_expand(cand, valid, forced, score, geo.beam, geo.branching, geo.num_slots)
+
+
+def leaf_needs_score(cand, t, geo: Geometry):
+  """Which level-1 candidates are ranked by score: eligible, not forced, and more eligible
+  candidates than top_k. `cand` `[..., NC]`, t broadcastable to it. Returns (need, valid,
+  forced)."""
+  valid = cand >= 0
+  cur = t // geo.block_size
+  forced = forced_nodes(cand, cur, 1)
+  many = jnp.sum(valid.astype(jnp.int32), axis=-1, keepdims=True) > geo.top_k
+  return valid & ~forced & many, valid, forced
+
+
+def final_select(cand, score, t, geo: Geometry, topk_impl: str, by_column: bool = False):
+  """Leaf Select_K (Eq. 17 at l = 1) and ascending order: `[..., NC]` -> `[..., KP]`.
+
+  by_column (rank top-k): the layout choice of `rank_keep`; the fused kernel's one-query select
+  is 88 SASS instructions shorter with it, the final top-k kernel's `[rows, NC]` select takes 4-6
+  more registers, so each caller picks.
+  """
+  need, valid, forced = leaf_needs_score(cand, t, geo)
+  score = jnp.where(need, score, 0.0)
+  if topk_impl == "rank":
+    taken, _ = rank_keep(cand, valid, forced, score, geo.top_k, by_column=by_column)
+    return sorted_kept_rank(cand, taken, geo.top_k_padded, by_column=by_column)
+  taken = top_mask(cand, valid, forced, score, geo.top_k)
+  return sorted_kept(cand, taken, geo.top_k_padded)

@@ -1,0 +1,185 @@
+"""The two-stage selection (Algorithm 1; the paper's Q1/Q2/Q4), the default for candidate sets
+wider than 16 slots:
+
+1. `walk_kernel`, one program per (query, KV head): loads the group's query heads once and walks
+   the pyramid to level 2 (`walk.walk_to_leaves`); only the level-1 candidates `[B*T*HKV, NC]` go
+   back to HBM.
+2. `leaf_tile_kernel`: the (query, candidate leaf) pairs that need a score are grouped by leaf with
+   a stable argsort outside the kernel (`leaf_scores_pallas`) and cut into tiles of at most
+   `q_tile` queries; each program loads one leaf's raw keys once and scores `q_tile` queries x the
+   group's heads with one dot (Eq. 21 with l = 1: the exact raw-key LSE).
+3. `final_topk_kernel`: forced blocks first, then the top_k best scores, ascending, -1 padded.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+from jaxtyping import Array, Int
+
+from pisa_jax.kernels._common import next_pow2
+from pisa_jax.kernels.selection import scoring, topk
+from pisa_jax.kernels.selection.config import MIN_DOT, SelectionConfig
+from pisa_jax.kernels.selection.layout import (Geometry, launch, leaf_key_rows, level_table,
+                                               load_group_queries, load_rows, query_tile_program,
+                                               stacked_summaries)
+from pisa_jax.kernels.selection.walk import uses_pair_lse, walk_to_leaves
+
+
+def walk_kernel(q_ref, s_ref, tab_ref, cand_ref, *, geo: Geometry, topk_impl: str,
+                pair_lse: bool = False):
+  """Stage 1 for one (query, KV head): writes its leaf candidates `[NC]`."""
+  i_b, i_h, t = query_tile_program(geo, 1)
+  m_head = jnp.arange(geo.group_padded) < geo.group
+  qg = load_group_queries(q_ref, geo, i_b, t, i_h, geo.group_padded)
+  cand = walk_to_leaves(qg, m_head, i_b, t, i_h, s_ref, tab_ref, geo, topk_impl,
+                        pair_lse=pair_lse)
+  cand_ref[(i_b * geo.seq_len + t) * geo.hkv + i_h, :] = cand
+
+
+def leaf_tile_kernel(q_ref, k_ref, start_ref, bucket_ref, pair_ref, score_ref, *, geo: Geometry,
+                     q_tile: int, num_pairs: int, trash: int):
+  """Stage 2 (Algorithm 1, lines 16-22): one leaf's keys against up to q_tile queries.
+
+  start_ref `[NG]`: first sorted position of each tile (num_pairs when the tile is unused);
+  bucket_ref `[num_pairs]`: sorted (batch, KV head, leaf) buckets; pair_ref `[num_pairs]`: the
+  pair id (row * NC + slot) at each sorted position. Writes score_ref[pair] (score_ref[trash]
+  when masked).
+  """
+  # Head rows per query: the group padded to a power of two, and >= 16 rows in all for the dot.
+  heads = max(next_pow2(geo.group), MIN_DOT // q_tile)
+  tile_rows = q_tile * heads
+  i_g = pl.program_id(0)
+  o_r = jnp.arange(tile_rows)
+  o_e = jnp.arange(q_tile)
+  start = jnp.max(plt.load(start_ref.at[jnp.full((q_tile,), i_g, jnp.int32)]))
+  # Tiles are numbered densely from 0, so the unused ones (start == num_pairs) are the grid's
+  # tail: the grid's static size bounds the tiles of every possible grouping. They exit here.
+  @pl.when(start < num_pairs)
+  def _():
+    # Entry e of the tile is sorted position start + e; it belongs to the tile if it exists and has
+    # the tile's bucket (a bucket's last tile may be short).
+    pos_e = start + o_e
+    bucket0 = jnp.max(plt.load(bucket_ref.at[jnp.full((q_tile,), start)]))
+    bucket_e = plt.load(bucket_ref.at[jnp.minimum(pos_e, num_pairs - 1)])
+    m_e = (pos_e < num_pairs) & (bucket_e == bucket0)
+    pair_e = plt.load(pair_ref.at[jnp.minimum(pos_e, num_pairs - 1)])
+    # A used tile's first entry is a live pair, so bucket0 is a real (batch, KV head, leaf).
+    leaf = bucket0 % geo.num_blocks
+    i_bh = bucket0 // geo.num_blocks
+    i_b, i_h = i_bh // geo.hkv, i_bh % geo.hkv
+    # [Q*heads] query rows: entry r // heads, head r % heads.
+    e_r = o_r // heads
+    j_r = o_r % heads
+    pos_r = start + e_r
+    m_r = (pos_r < num_pairs) & (j_r < geo.group)
+    pair_r = plt.load(pair_ref.at[jnp.minimum(pos_r, num_pairs - 1)])
+    bucket_r = plt.load(bucket_ref.at[jnp.minimum(pos_r, num_pairs - 1)])
+    m_r = m_r & (bucket_r == bucket0)
+    qk_row = pair_r // geo.num_slots  # (b * T + t) * HKV + h
+    q_rows = (qk_row // geo.hkv) * geo.hq + i_h * geo.group + jnp.minimum(j_r, geo.group - 1)
+    b_q = load_rows(q_ref, q_rows, m_r, geo)
+    k_rows, m_load, m_key = leaf_key_rows(leaf, i_b, i_h, geo)
+    b_k = load_rows(k_ref, k_rows, m_load, geo)
+    # [Q*heads, Cp]: every (query, head) of the tile against the leaf's raw keys, one dot.
+    per_row = jnp.where(m_r, scoring.reduce_keys(scoring.qk_dot(b_q, b_k, geo.inputs_16bit), m_key,
+                                                 geo.selector, geo.scale, geo.approx_log), 0.0)
+    # Eq. 22: sum each entry's heads, [Q].
+    score_e = jnp.sum(jnp.where(e_r[None, :] == o_e[:, None], per_row[None, :], 0.0), axis=1)
+    plt.store(score_ref.at[jnp.where(m_e, pair_e, trash)], score_e)
+
+
+def final_topk_kernel(cand_ref, score_ref, out_ref, *, geo: Geometry, rows: int, num_rows: int,
+                      topk_impl: str):
+  """Stage 2 final Select_K for `rows` (query, KV head) rows: `[rows, NC]` -> `[rows, KP]`."""
+  i_p = pl.program_id(0)
+  o_row = i_p * rows + jnp.arange(rows)
+  m_row = o_row < num_rows
+  c_row = jnp.minimum(o_row, num_rows - 1)
+  o_slot = jnp.arange(geo.num_slots)
+  cand = plt.load(cand_ref.at[c_row[:, None], o_slot[None, :]])
+  cand = jnp.where(m_row[:, None], cand, -1)
+  score = plt.load(score_ref.at[(c_row[:, None] * geo.num_slots + o_slot[None, :])])
+  t = ((c_row // geo.hkv) % geo.seq_len)[:, None]
+  out = topk.final_select(cand, score, t, geo, topk_impl)
+  trash = num_rows
+  plt.store(out_ref.at[jnp.where(m_row, o_row, trash)[:, None],
+                       jnp.arange(geo.top_k_padded)[None, :]], out)
+
+
+def leaf_candidates_pallas(q, k, summaries, geo: Geometry, *, interpret: bool,
+                           config: SelectionConfig) -> Int[Array, "R NC"]:
+  """Stage 1: level-1 candidates `[B*T*HKV, NC]` (also timed alone by the benchmark)."""
+  b, t, hq, d = q.shape
+  rows = b * t * geo.hkv
+  pair_lse = uses_pair_lse(config, geo)
+  stacked, table = stacked_summaries(summaries, geo, q.dtype), level_table(geo)
+  name = f"pisa_select_walk_{config.topk_impl}" + ("_pair_lse" if pair_lse else "")
+  return launch(functools.partial(walk_kernel, geo=geo, topk_impl=config.topk_impl,
+                                  pair_lse=pair_lse),
+                jax.ShapeDtypeStruct((rows, geo.num_slots), jnp.int32), rows, config,
+                config.walk_warps, interpret, name, q.reshape(-1, d), stacked, table)
+
+
+def leaf_scores_pallas(q, k, cand, geo: Geometry, *, interpret: bool, config: SelectionConfig):
+  """Stage 2 key-tile scoring: float32 scores `[B*T*HKV * NC + 1]` of the pairs that need one
+  (the last element is the trash slot of masked stores; unscored pairs are left unwritten)."""
+  b, t, hq, d = q.shape
+  rows = cand.shape[0]
+  num_pairs = rows * geo.num_slots
+  t_row = ((jnp.arange(rows) // geo.hkv) % t)[:, None]
+  need, _, _ = topk.leaf_needs_score(cand, t_row, geo)
+  # Buckets are (batch, KV head, leaf); pairs that need no score go to the last bucket.
+  num_buckets = b * geo.hkv * geo.num_blocks
+  q_tile = config.q_tile
+  bh = (jnp.arange(rows) // (t * geo.hkv)) * geo.hkv + jnp.arange(rows) % geo.hkv
+  bucket = jnp.where(need, bh[:, None] * geo.num_blocks + jnp.maximum(cand, 0), num_buckets)
+  bucket = bucket.reshape(-1)
+  # Group the pairs by leaf, stably (by query inside a leaf). The per-bucket counts and offsets
+  # are small ([B*HKV*M]), so no scan runs over the P pairs.
+  order = jnp.argsort(bucket, stable=True).astype(jnp.int32)
+  sorted_bucket = bucket[order]
+  counts = jnp.zeros((num_buckets + 1,), jnp.int32).at[bucket].add(1)[:num_buckets]
+  first = jnp.cumsum(counts) - counts  # first sorted position of each bucket
+  pos = jnp.arange(num_pairs, dtype=jnp.int32)
+  tiles = -(-counts // q_tile)
+  first_tile = jnp.cumsum(tiles) - tiles  # tiles before each bucket
+  live = sorted_bucket < num_buckets
+  safe_bucket = jnp.minimum(sorted_bucket, num_buckets - 1)
+  rank = pos - first[safe_bucket]
+  tile_head = (rank % q_tile == 0) & live
+  tile_id = first_tile[safe_bucket] + rank // q_tile
+  # Static bound on the number of tiles: each bucket adds at most one partial tile.
+  num_tiles = -(-num_pairs // q_tile) + min(num_pairs, num_buckets)
+  starts = jnp.full((num_tiles,), num_pairs, jnp.int32).at[
+      jnp.where(tile_head, tile_id, num_tiles)].set(pos, mode="drop")
+  return launch(
+      functools.partial(leaf_tile_kernel, geo=geo, q_tile=q_tile, num_pairs=num_pairs,
+                        trash=num_pairs),
+      jax.ShapeDtypeStruct((num_pairs + 1,), jnp.float32), num_tiles, config, config.leaf_warps,
+      interpret, f"pisa_select_leaf_q{q_tile}", q.reshape(-1, d), k.reshape(-1, d), starts,
+      sorted_bucket, order)
+
+
+def final_topk_pallas(cand, scores, geo: Geometry, *, interpret: bool, config: SelectionConfig):
+  """Stage 2 final Select_K: `[B*T*HKV, NC]` candidates and their scores -> `[B*T*HKV, KP]`."""
+  rows = cand.shape[0]
+  tile = config.topk_rows
+  out = launch(functools.partial(final_topk_kernel, geo=geo, rows=tile, num_rows=rows,
+                                 topk_impl=config.topk_impl),
+               jax.ShapeDtypeStruct((rows + 1, geo.top_k_padded), jnp.int32), -(-rows // tile),
+               config, config.topk_warps, interpret, f"pisa_select_final_topk_{config.topk_impl}",
+               cand, scores)
+  return out[:rows]
+
+
+def select_two_stage(q, k, summaries, geo: Geometry, *, interpret: bool,
+                     config: SelectionConfig):
+  """The two-stage variant over the pyramid `summaries`: int32 `[B*T*HKV, KP]`."""
+  cand = leaf_candidates_pallas(q, k, summaries, geo, interpret=interpret, config=config)
+  scores = leaf_scores_pallas(q, k, cand, geo, interpret=interpret, config=config)
+  return final_topk_pallas(cand, scores, geo, interpret=interpret, config=config)
