@@ -1,25 +1,24 @@
-"""Wall-clock timing of jitted calls, shared by the benchmarks (our side of every comparison)."""
+"""Wall-clock timing, the same method on every side of a comparison.
+
+A sample is a batch of back-to-back calls lasting about `batch_s` (at most 50 calls), ended by one
+device synchronisation; the time per call is the batch's time over its calls, and the result the
+median of `reps` samples after a warm-up call. Dispatching a call from the host takes up to ~0.6 ms
+on an H200 host; spread over a batch it costs what it costs inside a training step, and both
+sides pay it alike. jax calls are synchronised with `jax.block_until_ready`, torch calls (fla)
+with `torch.cuda.synchronize`. (triton's `do_bench` on the same fla calls agreed within 1.5%.)
+"""
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
-import jax
 
-
-def time_jax(fn, *args, reps: int = 7, batch_s: float = 0.2) -> float:
-  """Median ms per call of a jitted fn: a warm-up call, then `reps` batches of back-to-back calls.
-
-  A batch lasts about batch_s (at most 50 calls), so the host's dispatch latency before its
-  first call, up to ~0.6 ms on the H200 host (a 256K selection call is 9.67 ms of kernels in its
-  profile and 10.27 ms of wall time alone), is spread over the batch, as it is inside a training
-  step. Until session 6 a batch lasted 0.02-0.04 s, one or two calls from 20-40 ms up, so our
-  side carried that latency where fla's, timed by triton's `do_bench` on the GPU's clock, did not.
-  """
-  jax.block_until_ready(fn(*args))
+def _median_ms(call: Callable, wait: Callable, reps: int, batch_s: float) -> float:
+  wait(call())
   t0 = time.perf_counter()
-  jax.block_until_ready(fn(*args))
+  wait(call())
   estimate = time.perf_counter() - t0
   calls = max(1, min(50, int(batch_s / max(estimate, 1e-6))))
   samples = []
@@ -27,7 +26,19 @@ def time_jax(fn, *args, reps: int = 7, batch_s: float = 0.2) -> float:
     t0 = time.perf_counter()
     out = None
     for _ in range(calls):
-      out = fn(*args)
-    jax.block_until_ready(out)
+      out = call()
+    wait(out)
     samples.append((time.perf_counter() - t0) / calls)
   return round(statistics.median(samples) * 1e3, 4)
+
+
+def time_jax(fn: Callable, *args, reps: int = 7, batch_s: float = 0.2) -> float:
+  """Median ms per call of `fn(*args)` (a jitted function)."""
+  import jax
+  return _median_ms(lambda: fn(*args), jax.block_until_ready, reps, batch_s)
+
+
+def time_torch(fn: Callable, *, reps: int = 7, batch_s: float = 0.2) -> float:
+  """Median ms per call of `fn()` (torch work on the current CUDA device)."""
+  import torch
+  return _median_ms(fn, lambda _: torch.cuda.synchronize(), reps, batch_s)

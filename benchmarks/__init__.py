@@ -1,0 +1,11 @@
+"""Benchmarks: one script per question, each `python -m benchmarks.<name> --out DIR` on your GPU.
+
+  selection   block-selection time against N: PISA, our BSA, fla's BSA
+  attention   selected-block attention forward and forward + backward: ours, fla, cuDNN dense
+  layer       the whole PISA layer (selection + attention, forward + backward) against cuDNN dense
+  training    tokens/s of the `small` preset, dense against PISA attention
+  multi_gpu   the `small` preset over the local GPUs: scaling, memory, equivalence, restores
+
+Each writes results/<name>.json (the layout of `_record.py`: commit, jax, device, date, settings,
+rows) and results/<name>.png; `--replot JSON` redraws a plot anywhere. run_all.sh runs them all.
+"""

@@ -1,0 +1,51 @@
+"""fla (flash-linear-attention's `fla.ops.nsa`) as a peer: its NSA top-k and selected attention.
+
+fla-core is a pure-Python package on PyPI (`pip install fla-core flash-linear-attention`; on a
+machine without registry access, install their wheel files, see benchmarks/run_all.sh). It needs
+torch with CUDA and triton. When it cannot be imported, the benchmarks skip its columns and say
+why in the result's notes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def missing() -> str | None:
+  """None when fla's NSA kernels and a CUDA device are usable, else the reason they are not."""
+  try:
+    import torch
+    from fla.ops.nsa.parallel import ParallelNSAFunction, parallel_nsa_topk  # noqa: F401
+  except Exception as e:  # ImportError, or a broken torch / triton install
+    return f"fla not importable ({type(e).__name__}: {str(e)[:200]}): its columns are skipped"
+  if not torch.cuda.is_available():
+    return "fla needs a CUDA device, torch sees none: its columns are skipped"
+  return None
+
+
+def to_torch(x, dtype=None):
+  """A jax or numpy array as a CUDA tensor (through host memory), in `dtype` if given."""
+  import jax.numpy as jnp
+  import torch
+  if jnp.issubdtype(x.dtype, jnp.floating):  # bf16 has no numpy twin torch reads: via float32
+    t = torch.from_numpy(np.array(x, np.float32)).cuda()
+    return t.to(dtype or torch.bfloat16)
+  return torch.from_numpy(np.array(x)).cuda()
+
+
+def bsa_select(q, k, *, block_size: int, top_k: int, scale: float):
+  """fla's BSA selection: mean-pooled key blocks, then `parallel_nsa_topk`; int32 [B, T, HKV, K'].
+
+  K' is top_k rounded up to a power of two; unused slots hold -1."""
+  from fla.ops.nsa.parallel import parallel_nsa_topk
+  from fla.ops.utils.pooling import mean_pooling
+  kc = mean_pooling(k, block_size)
+  return parallel_nsa_topk(q=q, k=kc, lse=None, TK=k.shape[1], block_counts=top_k,
+                           block_size=block_size, scale=scale)
+
+
+def sparse_attention(q, k, v, block_indices, *, block_size: int, scale: float):
+  """fla's selected-block attention (`ParallelNSAFunction`), differentiable in q, k and v."""
+  from fla.ops.nsa.parallel import ParallelNSAFunction
+  return ParallelNSAFunction.apply(q, k, v, block_indices, block_indices.shape[-1], block_size,
+                                   scale, None)

@@ -1,0 +1,167 @@
+"""The one result layout every benchmark writes, and the command line they share.
+
+Each benchmark writes exactly one result, `<out>/<name>.json` beside its plot `<out>/<name>.png`,
+and overwrites both on every run (default out: benchmarks/results). The JSON says what produced it:
+
+  {"benchmark": "selection",
+   "commit": "<git sha>", with "-dirty" when tracked files differ from it,
+   "jax": "0.11.2", "jaxlib": "0.11.2",
+   "device": "1 x NVIDIA H200",
+   "date": "2026-12-01T09:30:00Z",           (UTC, when the run started)
+   "settings": {...},                         (the shapes and options of this run)
+   "notes": ["fla not importable: ..."],      (peers skipped, failures, caveats)
+   "rows": [{...}, ...]}                      (one measurement each; times are medians in ms)
+
+The file is rewritten after every row, so a run stopped early keeps what it measured.
+`--replot JSON` redraws a saved result's plot (and prints its table) without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+KEYS = ("benchmark", "commit", "jax", "jaxlib", "device", "date", "settings", "notes", "rows")
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+
+
+def git_commit() -> str:
+  """HEAD's sha of the checkout holding this file, "-dirty" if tracked files differ from it."""
+  repo = Path(__file__).resolve().parent
+
+  def git(*args):
+    return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=30)
+
+  try:
+    head = git("rev-parse", "HEAD")
+    if head.returncode:
+      return "unknown (not a git checkout)"
+    dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return "unknown (git not available)"
+  return head.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def environment() -> dict:
+  """Commit, jax / jaxlib versions, device kind and count, and the UTC date of this run."""
+  import jax
+  import jaxlib
+
+  devices = jax.devices()
+  return {"commit": git_commit(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+          "device": f"{len(devices)} x {devices[0].device_kind}",
+          "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
+
+
+class Recorder:
+  """Builds one benchmark's result and writes `<out>/<name>.json` after every change."""
+
+  def __init__(self, name: str, settings: dict, out_dir: str | Path):
+    self.path = Path(out_dir) / f"{name}.json"
+    self.path.parent.mkdir(parents=True, exist_ok=True)
+    self.record = {"benchmark": name, **environment(), "settings": settings, "notes": [],
+                   "rows": []}
+    self.save()
+
+  @property
+  def rows(self) -> list[dict]:
+    return self.record["rows"]
+
+  def add(self, **row) -> dict:
+    self.rows.append(row)
+    self.save()
+    return row
+
+  def note(self, text: str) -> None:
+    print(f"note: {text}", flush=True)
+    self.record["notes"].append(text)
+    self.save()
+
+  def save(self) -> None:
+    self.path.write_text(json.dumps(self.record, indent=1, default=float) + "\n")
+
+
+def load(path: str | Path) -> dict:
+  """A saved result; raises if it is not in this layout."""
+  record = json.loads(Path(path).read_text())
+  missing = [k for k in KEYS if k not in record]
+  if missing:
+    raise ValueError(f"{path} is not a benchmark result in the shared layout: it lacks {missing}")
+  return record
+
+
+def header(record: dict) -> str:
+  """One line naming what produced the result."""
+  return (f"{record['benchmark']}: {record['device']}, jax {record['jax']}, commit "
+          f"{record['commit']}, {record['date']}")
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+  """The arguments every benchmark takes: --out and --replot."""
+  p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                 help=f"folder for <name>.json and <name>.png (default {DEFAULT_OUT})")
+  p.add_argument("--replot", metavar="JSON", type=Path,
+                 help="no measurement: redraw the plot of a saved result into --out and print "
+                      "its table")
+  return p
+
+
+def run(name: str, args: argparse.Namespace, measure: Callable[[argparse.Namespace, Recorder], None],
+        settings: Callable[[argparse.Namespace], dict], plot: Callable[[dict, Path], None],
+        table: Callable[[dict], str]) -> dict:
+  """A benchmark's main: measure into a fresh result (or load one with --replot), plot, print."""
+  if args.replot:
+    record = load(args.replot)
+    if record["benchmark"] != name:
+      raise SystemExit(f"--replot {args.replot} holds a {record['benchmark']!r} result, "
+                       f"not {name!r}")
+  else:
+    recorder = Recorder(name, settings(args), args.out)
+    try:
+      measure(args, recorder)
+    finally:
+      recorder.save()
+    record = recorder.record
+  args.out.mkdir(parents=True, exist_ok=True)
+  png = args.out / f"{name}.png"
+  if record["rows"]:
+    plot(record, png)
+  print(header(record))
+  print(table(record))
+  if args.replot:
+    for text in record["notes"]:
+      print(f"note: {text}")
+  print(f"wrote {png}" + ("" if args.replot else f" and {args.out / f'{name}.json'}"), flush=True)
+  return record
+
+
+def markdown(columns: list[str], lines: list[list]) -> str:
+  """A markdown table; floats to 4 significant digits, None as a blank."""
+  def cell(x):
+    if x is None:
+      return ""
+    if isinstance(x, float):
+      return f"{x:.4g}"
+    return str(x)
+  out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+  out += ["| " + " | ".join(cell(x) for x in line) + " |" for line in lines]
+  return "\n".join(out)
+
+
+def bar_floor(values) -> float | None:
+  """A log axis' lower limit that leaves the shortest bar visible (a third of it)."""
+  ms = [v for v in values if isinstance(v, (int, float)) and v > 0]
+  return min(ms) / 3 if ms else None
+
+
+def pyplot():
+  """matplotlib's pyplot on the file-only Agg backend."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  return plt

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Runs the benchmark suite on your GPU: selection, attention, layer and training, each writing
+# <out>/<name>.json and <out>/<name>.png (default out: benchmarks/results).
+#
+#   benchmarks/run_all.sh [--out DIR] [--wheels DIR] [--gpu-tests] [--multi-gpu]
+#
+#   --wheels DIR   first install peer packages such as fla-core, flash-linear-attention and
+#                  einops from the wheel files in DIR (for a machine without registry access;
+#                  fetch them elsewhere with `pip download --no-deps -d DIR fla-core==0.6.0
+#                  flash-linear-attention==0.6.0 einops==0.8.1`)
+#   --gpu-tests    first run the GPU correctness tests (pytest -m gpu), stop if they fail
+#   --multi-gpu    also run benchmarks.multi_gpu over every local GPU
+#
+# The project must be importable from the repository root: `pip install -e .` (done here when it
+# is not, without dependencies or a build environment). Training reads data/corpus when it exists
+# (`pisa-prepare-data ... --out data/corpus`), MQAR otherwise. PYTHON picks the interpreter.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+OUT=benchmarks/results
+WHEELS=""
+GPU_TESTS=0
+MULTI=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) OUT=$2; shift 2 ;;
+    --wheels) WHEELS=$2; shift 2 ;;
+    --gpu-tests) GPU_TESTS=1; shift ;;
+    --multi-gpu) MULTI=1; shift ;;
+    *) echo "usage: benchmarks/run_all.sh [--out DIR] [--wheels DIR] [--gpu-tests] [--multi-gpu]" >&2
+       exit 2 ;;
+  esac
+done
+export PYTHONUNBUFFERED=1
+# NVLink multicast off in NCCL, PyTorch and NVSHMEM: on a shared host it can take the GPUs out of
+# service.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [ -n "$WHEELS" ]; then
+  "$PY" -m pip install -q --no-index --no-deps "$WHEELS"/*.whl
+fi
+if ! "$PY" -c "import pisa_jax.kernels, pisa_jax.train" 2>/dev/null; then
+  "$PY" -m pip install -q --no-deps --no-build-isolation -e .
+fi
+"$PY" -c "import jax; print('jax', jax.__version__, jax.devices())"
+if [ "$GPU_TESTS" = 1 ]; then
+  "$PY" -m pytest -q -m gpu tests/test_gpu_selection.py tests/test_gpu_attention.py \
+    tests/test_gpu_fla.py
+fi
+"$PY" -m benchmarks.selection --out "$OUT"
+"$PY" -m benchmarks.attention --out "$OUT"
+"$PY" -m benchmarks.layer --out "$OUT"
+"$PY" -m benchmarks.training --out "$OUT"
+if [ "$MULTI" = 1 ]; then
+  data=()
+  [ -f data/corpus/meta.json ] && data=(--set data.source=tokens --set data.path=data/corpus)
+  "$PY" -m benchmarks.multi_gpu --out "$OUT" "${data[@]}"
+fi

@@ -1,0 +1,172 @@
+"""The benchmarks on the CPU: every script imports, parses its arguments, writes the shared result
+layout and draws its plot, so a renamed API fails here rather than on a GPU. The selection and
+attention benchmarks run end to end on the jnp reference; multi_gpu runs on 2 fake CPU devices."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pisa_jax.testing import random_block_indices
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ("selection", "attention", "layer", "training", "multi_gpu")
+
+# One small fake result per script, rows as the script writes them.
+FAKE_ROWS = {
+    "selection": [
+        dict(n=n, side=side, selector=sel, beam=8 if sel == "pisa" else None, ms=ms, memory_mb=1.0)
+        for n, scale in ((4096, 1), (8192, 2))
+        for side, sel, ms in (("pisa-jax", "pisa", 0.13 * scale), ("pisa-jax", "bsa", 0.06 * scale),
+                              ("fla", "bsa", 0.17 * scale))],
+    "attention": [
+        dict(case="16K d64 K8 g16", n=16384, hq=32, hkv=2, d=64, top_k=8, side=side, phase=phase,
+             ms=ms)
+        for side, phase, ms in (("pisa-jax", "fwd", 0.4), ("pisa-jax", "fwd+bwd", 1.5),
+                                ("fla", "fwd", 0.6), ("fla", "fwd+bwd", 3.1),
+                                ("cudnn dense", "fwd", 2.5), ("cudnn dense", "fwd+bwd", 9.0))],
+    "layer": [
+        dict(case="16K d64 K8 g16", n=16384, hq=32, hkv=2, d=64, top_k=8, side="pisa layer",
+             phase="fwd+bwd", ms=2.1, speedup_vs_dense=4.3),
+        dict(case="16K d64 K8 g16", n=16384, hq=32, hkv=2, d=64, top_k=8, side="cudnn dense",
+             phase="fwd+bwd", ms=9.0)],
+    "training": [
+        dict(attention=a, seq_len=4096, global_batch=8, tokens_per_step=32768, steps=20,
+             tokens_per_s=t, mfu=0.2, compiled_step_gib={"temp": 20.0}, final_loss=5.0,
+             loss_curve=[[5, 9.0], [10, 7.0]], **extra)
+        for a, t, extra in (("dense", 3e5, {}), ("pisa", 2.5e5, {"speedup_vs_dense": 0.83}))],
+    "multi_gpu": [
+        dict(layout=name, data=d, fsdp=f, devices=d * f, tokens_per_s=t, tokens_per_s_per_device=t / (d * f),
+             compiled_step_memory_gib_per_device={"temp": 10.0},
+             device_busy_ms_per_step={"compute": 60.0, "communication": 2.0, "memcpy": 0.0},
+             losses={"1": 10.9, "2": 10.5}, scaling_efficiency=1.0, max_loss_diff_vs_1x1=0.0)
+        for name, d, f, t in (("1x1", 1, 1, 2.9e5), ("2x1", 2, 1, 5.3e5))]
+        + [dict(restore="2x1->1x1", ok=True, start_step=3, losses={"3": 10.1})],
+}
+SETTINGS = {
+    "selection": dict(hq=32, hkv=2, d=64, block_size=64, top_k=8, branching=2, dtype="bfloat16"),
+    "attention": dict(indices="random"),
+    "layer": {},
+    "training": dict(preset="small", seconds=60.0),
+    "multi_gpu": dict(preset="small", attention="pisa", global_batch=8, seq_len=4096),
+}
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_script_imports_and_parses(name, capsys):
+  module = importlib.import_module(f"benchmarks.{name}")
+  assert module.NAME == name
+  for attr in ("main", "plot", "table", "measure", "settings"):
+    assert callable(getattr(module, attr)), attr
+  with pytest.raises(SystemExit) as exit_:
+    module.main(["--help"])
+  assert exit_.value.code == 0
+  assert f"benchmarks.{name}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_record_and_replot(name, tmp_path):
+  from benchmarks import _record
+  rec = _record.Recorder(name, SETTINGS[name], tmp_path / "run")
+  for row in FAKE_ROWS[name]:
+    rec.add(**row)
+  rec.note("a note")
+  saved = _record.load(tmp_path / "run" / f"{name}.json")
+  assert list(saved) == list(_record.KEYS)
+  assert saved["benchmark"] == name and saved["rows"] == json.loads(json.dumps(FAKE_ROWS[name]))
+  assert saved["device"] == f"{jax.device_count()} x {jax.devices()[0].device_kind}"
+  assert saved["date"].endswith("Z") and saved["jax"] == jax.__version__
+  assert saved["commit"]
+  module = importlib.import_module(f"benchmarks.{name}")
+  module.main(["--replot", str(tmp_path / "run" / f"{name}.json"), "--out", str(tmp_path / "plot")])
+  assert (tmp_path / "plot" / f"{name}.png").stat().st_size > 0
+  assert module.table(saved).count("\n") >= 2
+
+
+def test_replot_refuses_another_benchmarks_result(tmp_path):
+  from benchmarks import _record, layer
+  _record.Recorder("attention", {}, tmp_path).add(**FAKE_ROWS["attention"][0])
+  with pytest.raises(SystemExit, match="attention"):
+    layer.main(["--replot", str(tmp_path / "attention.json"), "--out", str(tmp_path)])
+
+
+def test_selection_runs_on_the_reference(tmp_path):
+  from benchmarks import selection
+  record = selection.main(["--sizes", "256", "--beams", "8,16", "--implementation", "xla",
+                           "--no-fla", "--out", str(tmp_path)])
+  rows = {(r["selector"], r["beam"]): r for r in record["rows"]}
+  assert set(rows) == {("pisa", 8), ("pisa", 16), ("bsa", None)}
+  assert all(r["ms"] > 0 and "error" not in r for r in rows.values())
+  assert rows["pisa", 8]["x_pisa"] == 1.0
+  assert record["notes"] == ["fla left out (--no-fla)"]
+  assert (tmp_path / "selection.png").exists()
+  assert json.loads((tmp_path / "selection.json").read_text())["rows"] == record["rows"]
+
+
+def test_attention_runs_on_the_reference(tmp_path):
+  from benchmarks import attention
+  record = attention.main(["--case", "130:4:2:32:3", "--implementation", "xla", "--no-fla",
+                           "--out", str(tmp_path)])
+  assert {(r["side"], r["phase"]) for r in record["rows"]} == {("pisa-jax", "fwd"),
+                                                               ("pisa-jax", "fwd+bwd")}
+  assert all(r["ms"] > 0 and "error" not in r for r in record["rows"])
+
+
+def test_timing_returns_a_median_per_call():
+  from benchmarks.timing import time_jax
+  x = jnp.ones((64, 64))
+  ms = time_jax(jax.jit(lambda x: x @ x), x, reps=3, batch_s=0.01)
+  assert isinstance(ms, float) and 0 < ms < 1000
+
+
+def test_random_block_indices_are_valid():
+  idx = random_block_indices(1, 700, 3, 5, 16, batch=2, thin_rows=0.3)
+  cur = np.arange(700) // 16
+  assert idx.shape == (2, 700, 3, 5) and idx.dtype == np.int32
+  assert (idx.max(-1) <= cur[None, :, None]).all()
+  valid = idx >= 0
+  assert (valid[..., :-1] >= valid[..., 1:]).all()  # -1 only after the valid ids
+  assert (np.where(valid[..., 1:], idx[..., 1:], 10**6) > idx[..., :-1]).all()  # ascending
+  full = random_block_indices(1, 700, 3, 5, 16)
+  assert ((full >= 0).sum(-1) == np.minimum(5, cur + 1)[None, :, None]).all()
+  assert (full.max(-1) == cur[None, :, None]).all()  # the current block is always in
+  assert (~valid).all(-1).any() and (valid.sum(-1) < (full >= 0).sum(-1)).any()
+
+
+def test_multi_gpu_dry_run_on_fake_devices(tmp_path):
+  # Every layout trains on the same global batch and data order, the curves agree with 1 device,
+  # and the checkpoint moves between 2 devices and 1 in both directions with the same losses.
+  env = {**os.environ, "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  proc = subprocess.run(
+      [sys.executable, "-m", "benchmarks.multi_gpu", "--preset", "tiny", "--seq-len", "128",
+       "--steps", "3", "--profile-steps", "1", "--global-batch", "4", "--layouts",
+       "1x1,2x1,1x2,4x1", "--out", str(tmp_path / "out"), "--workdir", str(tmp_path / "runs")],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  res = json.loads((tmp_path / "out" / "multi_gpu.json").read_text())
+  assert res["device"] == "2 x cpu" and any("4x1" in n for n in res["notes"])
+  layouts = {r["layout"]: r for r in res["rows"] if "layout" in r}
+  assert set(layouts) == {"1x1", "2x1", "1x2"}
+  for name, r in layouts.items():
+    assert len(r["losses"]) == 3 and r["tokens_per_s"] > 0, name
+    assert len(r["allocator_peak_gib_per_device_since_start"]) == r["devices"]
+    assert "temp" in r["compiled_step_memory_gib_per_device"], r
+    assert set(r["device_busy_ms_per_step"]) == {"compute", "communication", "memcpy"}
+    assert r["max_loss_diff_vs_1x1"] < 1e-4, (name, r["max_loss_diff_vs_1x1"])
+  port = {r["restore"]: r for r in res["rows"] if "restore" in r}
+  # The widest layouts are 2x1 and 1x2: the fsdp one is moved, so the restore reshards.
+  assert set(port) == {"1x2->1x1", "1x1->1x2"}
+  assert all(p["ok"] and p["start_step"] == 4 for p in port.values()), port
+  a, b = (port[k]["losses"] for k in ("1x2->1x1", "1x1->1x2"))
+  assert a.keys() == b.keys() and all(abs(a[s] - b[s]) < 1e-4 for s in a)
+  assert (tmp_path / "out" / "multi_gpu.png").exists()
