@@ -1,0 +1,584 @@
+"""Autoregressive decoding with PISA: the decode cache and one decode step (Section 3.3
+"Decoding", Eq. 30-31; Appendix B "Decode cache").
+
+`DecodeCache` holds, for a batch of rows of different lengths, the keys, the values and every
+level of the mean-summary pyramid. `decode_step` appends one token per row at the row's own
+length (its leaf mean and its ancestor path updated: O(log N) summaries touched), selects its
+blocks and attends to them, itself included. Its indices equal row t of `select_blocks` on the
+whole sequence and its output row t of `sparse_attention`: selection at t only reads complete
+nodes before t (the current path is forced and never scored), so a pyramid built token by token
+ranks exactly what the full-sequence pyramid ranks.
+
+Typical use (a jitted step recompiles once per capacity bucket, O(log N) times in a generation):
+
+    cache = DecodeCache.create(batch, capacity, num_kv_heads, head_dim)
+    cache = cache.prefill(k_prompt, v_prompt, lengths)            # [B, T, HKV, D]
+    step = jax.jit(functools.partial(decode_step, top_k=8), donate_argnames="cache")
+    for _ in range(n):
+      if needed_capacity > cache.capacity:                        # host-side count, no sync
+        cache = cache.grow(needed_capacity)
+      out, cache = step(q, k, v, cache)                           # q [B, 1, HQ, D]
+
+Called outside `jit`, `decode_step` grows the cache itself when a row would pass its capacity.
+
+Implementations ("xla" jnp reference, "pallas" kernels in `pisa_jax.kernels.decode`) are
+registered per op: "decode_append" (the cache update; a scatter of the new token and of the
+recomputed leaf-to-root path in "xla", one kernel in "pallas"), "decode_select" and
+"decode_attention".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array, Float, Int
+
+from pisa_jax import _dispatch, _validation
+from pisa_jax.geometry import level_sizes
+from pisa_jax.kernels import decode as decode_kernels
+from pisa_jax.kernels.decode import level_offsets
+from pisa_jax.selection import _bsa_chunk, _hierarchical_chunk
+
+_HIGHEST = lax.Precision.HIGHEST
+# Selectors a decode step supports; "exact" scores every past block's raw keys (O(N C) a step).
+DECODE_SELECTORS = ("pisa", "pisa1", "pisa2", "bsa")
+
+
+def bucket_capacity(num_tokens: int, block_size: int) -> int:
+  """The capacity bucket of `num_tokens`: block_size times the next power of two of the blocks
+  needed. Growth moves between buckets, so a jitted step sees O(log N) distinct shapes."""
+  blocks = max(1, -(-int(num_tokens) // block_size))
+  return block_size * (1 << (blocks - 1).bit_length())
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["k", "v", "summaries", "lengths"],
+    meta_fields=["block_size", "branching", "growable"],
+)
+@dataclasses.dataclass(frozen=True)
+class DecodeCache:
+  """Keys, values and the mean-summary pyramid of a batch of rows, with per-row lengths.
+
+  Row b holds tokens 0 .. lengths[b] - 1; everything at or past its length is ignored (and may
+  hold stale values). Create one with `DecodeCache.create`, fill it with `prefill`, extend it
+  with `decode_step`; it is a pytree (jit it, donate it).
+
+  Attributes:
+    k, v: `[B, capacity, HKV, D]` in the cache dtype (the model's layout).
+    summaries: float32 `[B, S, HKV, D]`: the pyramid's levels stacked along axis 1, leaves first
+      (`level_offsets`; `levels()` splits them). Level l holds the `level_sizes[l - 1]` nodes of a
+      pyramid over `capacity` keys; node i of level l is the mean of the existing children of
+      Eq. 15 (the leaf: the mean of its valid keys), exactly as `build_pyramid` computes it for
+      the row's first lengths[b] keys. Nodes a row has not reached are zero or stale.
+    lengths: int32 `[B]`, tokens held per row.
+    block_size: C, keys per leaf block.
+    branching: g, children per upper node.
+    growable: whether `grow` (and `decode_step`'s automatic growth) may reallocate the cache;
+      with False, a token past capacity is an error.
+  """
+
+  k: Float[Array, "B N HKV D"]
+  v: Float[Array, "B N HKV D"]
+  summaries: Float[Array, "B S HKV D"]
+  lengths: Int[Array, "B"]
+  block_size: int = 64
+  branching: int = 2
+  growable: bool = True
+
+  @classmethod
+  def create(cls, batch: int, capacity: int, num_kv_heads: int, head_dim: int, *,
+             block_size: int = 64, branching: int = 2, dtype=jnp.bfloat16,
+             growable: bool = True) -> "DecodeCache":
+    """An empty cache (every length 0) for `capacity` tokens per row, rounded up to whole blocks.
+
+    Memory: 2 * B * capacity * HKV * D cache-dtype elements for keys and values, plus about
+    2 * B * (capacity / C) * HKV * D float32 for the pyramid (with g = 2).
+    """
+    for name, value in (("batch", batch), ("capacity", capacity), ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim)):
+      if not _validation._is_int(value) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an int >= 1")
+    _validation.check_block_size(block_size)
+    _validation.check_branching(branching)
+    if not jnp.issubdtype(dtype, jnp.floating):
+      raise TypeError(f"{dtype=} must be a floating-point dtype (bfloat16, float16 or float32)")
+    capacity = -(-int(capacity) // block_size) * block_size
+    shape = (batch, capacity, num_kv_heads, head_dim)
+    num_nodes = level_offsets(capacity, block_size, branching)[-1] + 1
+    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+               summaries=jnp.zeros((batch, num_nodes, num_kv_heads, head_dim), jnp.float32),
+               lengths=jnp.zeros((batch,), jnp.int32), block_size=int(block_size),
+               branching=int(branching), growable=bool(growable))
+
+  @property
+  def batch(self) -> int:
+    return self.k.shape[0]
+
+  @property
+  def capacity(self) -> int:
+    return self.k.shape[1]
+
+  @property
+  def num_kv_heads(self) -> int:
+    return self.k.shape[2]
+
+  @property
+  def head_dim(self) -> int:
+    return self.k.shape[3]
+
+  @property
+  def dtype(self):
+    return self.k.dtype
+
+  @property
+  def level_sizes(self) -> tuple[int, ...]:
+    """Nodes per level of the capacity's pyramid, leaves first (Eq. 10, 13)."""
+    return level_sizes(self.capacity, self.block_size, self.branching)
+
+  @property
+  def level_offsets(self) -> tuple[int, ...]:
+    """Where each level starts along axis 1 of `summaries`."""
+    return level_offsets(self.capacity, self.block_size, self.branching)
+
+  def levels(self) -> tuple[Float[Array, "B M HKV D"], ...]:
+    """The pyramid's levels `[B, M_l, HKV, D]`, leaves first (views of `summaries`)."""
+    return tuple(self.summaries[:, o:o + m] for o, m in zip(self.level_offsets, self.level_sizes))
+
+  def prefill(self, k: Float[Array, "B T HKV D"], v: Float[Array, "B T HKV D"],
+              lengths: Int[Array, "B"] | None = None) -> "DecodeCache":
+    """A cache holding exactly these keys and values (whatever this one held before).
+
+    Args:
+      k, v: `[B, T, HKV, D]` in the cache dtype.
+      lengths: int32 `[B]` valid tokens per row (default T for every row); positions at or past
+        a row's length are padding and ignored. Checked when concrete.
+
+    Returns:
+      The filled cache, its pyramid equal to `build_pyramid` of each row's valid keys. When T
+      exceeds the capacity, a growable cache is reallocated to T's bucket (`bucket_capacity`);
+      otherwise this raises.
+    """
+    self._check_tokens(k, "k", None)
+    self._check_tokens(v, "v", k.shape[1])
+    t = k.shape[1]
+    if lengths is None:
+      lengths = jnp.full((self.batch,), t, jnp.int32)
+    else:
+      if (not hasattr(lengths, "dtype") or not jnp.issubdtype(lengths.dtype, jnp.integer)
+          or tuple(lengths.shape) != (self.batch,)):
+        raise ValueError(f"lengths must be an int array [B] = [{self.batch}], got "
+                         f"{getattr(lengths, 'dtype', type(lengths).__name__)} "
+                         f"{tuple(getattr(lengths, 'shape', ()))}")
+      if not isinstance(lengths, jax.core.Tracer):
+        arr = np.asarray(lengths)
+        if arr.min(initial=0) < 0 or arr.max(initial=0) > t:
+          raise ValueError(f"lengths={arr.tolist()} must lie in [0, T={t}] (T = k.shape[1])")
+    capacity = self.capacity
+    if t > capacity:
+      if not self.growable:
+        raise ValueError(f"k.shape[1]={t} tokens exceed cache.capacity={capacity} and the cache "
+                         "was created with growable=False: create it with a larger capacity")
+      capacity = bucket_capacity(t, self.block_size)
+    k_cache, v_cache, summaries = _prefill(k, v, lengths.astype(jnp.int32), capacity=capacity,
+                                           block_size=self.block_size, branching=self.branching)
+    return dataclasses.replace(self, k=k_cache, v=v_cache, summaries=summaries,
+                               lengths=lengths.astype(jnp.int32))
+
+  def grow(self, min_capacity: int) -> "DecodeCache":
+    """A cache of at least `min_capacity` tokens per row holding the same rows (self if it
+    already has that many).
+
+    Growth doubles the capacity at least (the fixed fraction of Appendix B is 1), to a power-of-two
+    number of blocks (`bucket_capacity`): over a generation to N tokens the cache is reallocated
+    O(log N) times, each copy O(N), so O(1) amortised per token, and a jitted step recompiles only
+    for each new bucket. Call it outside `jit` (it reads the lengths to refuse a cache that
+    overflowed under `jit`); the existing nodes keep their ids at every level, and each new level
+    above the old root holds the old root (its only child).
+    """
+    if not _validation._is_int(min_capacity):
+      raise ValueError(f"{min_capacity=} must be an int")
+    if min_capacity <= self.capacity:
+      return self
+    if not self.growable:
+      raise ValueError(f"{min_capacity=} exceeds cache.capacity={self.capacity} and the cache "
+                       "was created with growable=False")
+    if not isinstance(self.lengths, jax.core.Tracer):
+      over = np.asarray(self.lengths) > self.capacity
+      if over.any():
+        raise ValueError(
+            f"rows {np.flatnonzero(over).tolist()} have lengths past cache.capacity="
+            f"{self.capacity}: a jitted decode_step ran past capacity and dropped their tokens "
+            "(their outputs were NaN); grow before the step instead")
+    capacity = bucket_capacity(max(int(min_capacity), 2 * self.capacity), self.block_size)
+    k, v, summaries = _grow(self.k, self.v, self.summaries, capacity=capacity,
+                            block_size=self.block_size, branching=self.branching)
+    return dataclasses.replace(self, k=k, v=v, summaries=summaries)
+
+  def _check_tokens(self, x, name: str, seq_len: int | None) -> None:
+    """x `[B, T, HKV, D]` in the cache dtype (T = seq_len when given)."""
+    _validation.check_float(name, x)
+    t = x.shape[1] if x.ndim == 4 else None
+    expected = (self.batch, t if seq_len is None else seq_len, self.num_kv_heads, self.head_dim)
+    if x.ndim != 4 or tuple(x.shape) != expected:
+      raise ValueError(f"{name}.shape={tuple(x.shape)} must be [B, T, HKV, D] = "
+                       f"[{self.batch}, {'T' if seq_len is None else seq_len}, "
+                       f"{self.num_kv_heads}, {self.head_dim}] (the cache's batch, KV heads and "
+                       "head dim)")
+    if x.dtype != self.dtype:
+      raise TypeError(f"{name}.dtype={x.dtype} must equal the cache dtype {self.dtype} "
+                      "(DecodeCache.create(dtype=...))")
+
+
+# ----------------------------------------------------------------------------- prefill and growth
+
+
+def _ragged_pyramid(k, lengths, block_size: int, branching: int):
+  """The pyramid of each row's first lengths[b] keys, levels `[B, M_l(T), HKV, D]` leaves first:
+  `build_pyramid_reference`'s arithmetic (zero padding, sums, division by the existing count)
+  with per-row counts. k `[B, T, HKV, D]` is zero at and past each row's length."""
+  b, t, hkv, d = k.shape
+  m = -(-t // block_size)
+  x = jnp.pad(k.astype(jnp.float32), ((0, 0), (0, m * block_size - t), (0, 0), (0, 0)))
+  total = x.reshape(b, m, block_size, hkv, d).sum(axis=2)
+  # Eq. 2 / Eq. 15 with l = 0: a leaf is the mean of its valid keys.
+  counts = jnp.clip(lengths[:, None] - jnp.arange(m) * block_size, 0, block_size)
+  level = jnp.where(counts[..., None, None] > 0,
+                    total / jnp.maximum(counts, 1)[..., None, None].astype(jnp.float32), 0.0)
+  levels = [level]
+  existing = -(-lengths // block_size)  # nodes of the row at this level
+  while levels[-1].shape[1] > 1:
+    n = levels[-1].shape[1]
+    parents = -(-n // branching)
+    x = jnp.pad(levels[-1], ((0, 0), (0, parents * branching - n), (0, 0), (0, 0)))
+    total = x.reshape(b, parents, branching, hkv, d).sum(axis=2)
+    # Eq. 15: the mean of the children that exist.
+    counts = jnp.clip(existing[:, None] - jnp.arange(parents) * branching, 0, branching)
+    levels.append(jnp.where(counts[..., None, None] > 0,
+                            total / jnp.maximum(counts, 1)[..., None, None].astype(jnp.float32),
+                            0.0))
+    existing = -(-existing // branching)
+  return levels
+
+
+def _stack_levels(levels, capacity: int, block_size: int, branching: int):
+  """Levels of a pyramid over fewer keys, `[B, M_l, HKV, D]`, placed in the capacity's stacked
+  layout `[B, S, HKV, D]`: each level zero-padded to the capacity's size, and each level above
+  the given root holding that root (its only existing child) at node 0."""
+  sizes = level_sizes(capacity, block_size, branching)
+  out = []
+  for i, m in enumerate(sizes):
+    level = levels[i] if i < len(levels) else levels[-1][:, :1]
+    out.append(jnp.pad(level, ((0, 0), (0, m - level.shape[1]), (0, 0), (0, 0))))
+  return jnp.concatenate(out, axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("capacity", "block_size", "branching"))
+def _prefill(k, v, lengths, *, capacity: int, block_size: int, branching: int):
+  b, t, hkv, d = k.shape
+  keep = (jnp.arange(t)[None, :] < lengths[:, None])[:, :, None, None]
+  k = jnp.where(keep, k, jnp.zeros((), k.dtype))
+  v = jnp.where(keep, v, jnp.zeros((), v.dtype))
+  pad = ((0, 0), (0, capacity - t), (0, 0), (0, 0))
+  num_nodes = level_offsets(capacity, block_size, branching)[-1] + 1
+  if t == 0:
+    summaries = jnp.zeros((b, num_nodes, hkv, d), jnp.float32)
+  else:
+    summaries = _stack_levels(_ragged_pyramid(k, lengths, block_size, branching), capacity,
+                              block_size, branching)
+  return jnp.pad(k, pad), jnp.pad(v, pad), summaries
+
+
+@functools.partial(jax.jit, static_argnames=("capacity", "block_size", "branching"))
+def _grow(k, v, summaries, *, capacity: int, block_size: int, branching: int):
+  old = k.shape[1]
+  pad = ((0, 0), (0, capacity - old), (0, 0), (0, 0))
+  levels = [summaries[:, o:o + m] for o, m in zip(level_offsets(old, block_size, branching),
+                                                  level_sizes(old, block_size, branching))]
+  return jnp.pad(k, pad), jnp.pad(v, pad), _stack_levels(levels, capacity, block_size, branching)
+
+
+# ----------------------------------------------------------------------------- jnp reference
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "branching"))
+def decode_append_reference(
+    k_new: Float[Array, "B HKV D"],
+    v_new: Float[Array, "B HKV D"],
+    k_cache: Float[Array, "B N HKV D"],
+    v_cache: Float[Array, "B N HKV D"],
+    summaries: Float[Array, "B S HKV D"],
+    positions: Int[Array, "B"],
+    *,
+    block_size: int,
+    branching: int,
+):
+  """Appends one token per row at `positions` (the rows' lengths) and updates its leaf and the
+  leaf's ancestors (Appendix B: O(log N) summaries touched), as scatters that XLA performs in
+  place when the caches are donated. A row whose position is past capacity is left unchanged.
+
+  The leaf is recomputed as the mean of its raw keys and each ancestor as the mean of its existing
+  children (Eq. 15), with `build_pyramid_reference`'s arithmetic, so the summaries stay those of
+  `build_pyramid` rather than drifting with incremental updates.
+
+  Returns:
+    (k_cache, v_cache, summaries).
+  """
+  b, capacity, hkv, d = k_cache.shape
+  sizes = level_sizes(capacity, block_size, branching)
+  offsets = level_offsets(capacity, block_size, branching)
+  rows = jnp.arange(b)
+  live = positions < capacity
+  pos = jnp.minimum(positions, capacity - 1)
+  write = jnp.where(live, positions, capacity)  # out of bounds: dropped
+  k_cache = k_cache.at[rows, write].set(k_new.astype(k_cache.dtype), mode="drop")
+  v_cache = v_cache.at[rows, write].set(v_new.astype(v_cache.dtype), mode="drop")
+  # The current leaf: the mean of its keys up to pos (Eq. 2).
+  leaf = pos // block_size
+  key_pos = leaf[:, None] * block_size + jnp.arange(block_size)
+  keys = k_cache[rows[:, None], jnp.minimum(key_pos, capacity - 1)].astype(jnp.float32)
+  keys = jnp.where((key_pos <= pos[:, None])[..., None, None], keys, 0.0)
+  new = keys.sum(axis=1) / (pos - leaf * block_size + 1).astype(jnp.float32)[:, None, None]
+  values, nodes = [new], [offsets[0] + leaf]
+  node = leaf
+  for level in range(1, len(sizes)):
+    # Eq. 15: children before `node` are complete, `node` is new, later ones do not exist yet.
+    parent = node // branching
+    slot = node - parent * branching
+    acc = jnp.zeros_like(new)
+    for j in range(branching):
+      child = jnp.minimum(parent * branching + j, node)
+      x = summaries[rows, offsets[level - 1] + child]
+      acc = acc + jnp.where((j == slot)[:, None, None], new,
+                            jnp.where((j < slot)[:, None, None], x, 0.0))
+    new = acc / (slot + 1).astype(jnp.float32)[:, None, None]
+    node = parent
+    values.append(new)
+    nodes.append(offsets[level] + node)
+  nodes = jnp.where(live[:, None], jnp.stack(nodes, axis=1), summaries.shape[1])
+  summaries = summaries.at[rows[:, None], nodes].set(jnp.stack(values, axis=1), mode="drop")
+  return k_cache, v_cache, summaries
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "branching", "top_k", "beam",
+                                             "selector", "scale"))
+def decode_select_reference(
+    q: Float[Array, "B HQ D"],
+    k_cache: Float[Array, "B N HKV D"],
+    summaries: Float[Array, "B S HKV D"],
+    positions: Int[Array, "B"],
+    *,
+    block_size: int,
+    branching: int,
+    top_k: int,
+    beam: int,
+    selector: str,
+    scale: float,
+) -> Int[Array, "B HKV K"]:
+  """Selection for the token at `positions` (already appended): the full-sequence reference's own
+  per-query code (`select_blocks_reference`'s walk, or its BSA rule), one row at a time over the
+  cache. The walk starts at the capacity pyramid's root; the levels above a row's own root hold
+  one eligible node each and keep it unscored, so the result is the row's. Gathers only the
+  candidates' children: O(log N) per row, except "bsa", which scores every leaf."""
+  capacity = k_cache.shape[1]
+  sizes = level_sizes(capacity, block_size, branching)
+  offsets = level_offsets(capacity, block_size, branching)
+  levels = tuple(summaries[:, o:o + m] for o, m in zip(offsets, sizes))
+  t = jnp.minimum(positions, capacity - 1).astype(jnp.int32)
+  if selector == "bsa":
+    def row(t, q, leaves):
+      return _bsa_chunk(t[None], q[None, None], leaves[None], block_size=block_size,
+                        top_k=top_k, scale=scale)[0, 0]
+
+    return jax.vmap(row)(t, q, levels[0])
+
+  def row(t, q, k, levels):
+    return _hierarchical_chunk(
+        t[None], q[None, None], k[None], tuple(level[None] for level in levels),
+        block_size=block_size, top_k=top_k, beam=beam, branching=branching, selector=selector,
+        scale=scale, level_sizes=sizes)[0, 0]
+
+  return jax.vmap(row)(t, q, k_cache, levels)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "scale"))
+def decode_attention_reference(
+    q: Float[Array, "B HQ D"],
+    k_cache: Float[Array, "B N HKV D"],
+    v_cache: Float[Array, "B N HKV D"],
+    block_indices: Int[Array, "B HKV K"],
+    positions: Int[Array, "B"],
+    *,
+    block_size: int,
+    scale: float,
+) -> Float[Array, "B HQ D"]:
+  """Eq. 6 for the token at `positions`: softmax attention of each query head over the keys
+  j <= t of its KV head's selected blocks (-1 and blocks after t's select nothing), in float32.
+  Gathers K * C keys and values per (row, KV head). Returns `[B, HQ, D]` in q's dtype."""
+  b, hq, d = q.shape
+  capacity, hkv = k_cache.shape[1], k_cache.shape[2]
+  t = jnp.minimum(positions, capacity - 1)[:, None, None, None]
+  key_pos = jnp.maximum(block_indices, 0)[..., None] * block_size + jnp.arange(block_size)
+  visible = (block_indices >= 0)[..., None] & (key_pos <= t)  # [B, HKV, K, C]
+  gather = (jnp.arange(b)[:, None, None, None], jnp.minimum(key_pos, capacity - 1),
+            jnp.arange(hkv)[None, :, None, None])
+  # Keys the query does not see are zeroed, so a NaN among them cannot reach it.
+  k_sel = jnp.where(visible[..., None], k_cache[gather].astype(jnp.float32), 0.0)
+  v_sel = jnp.where(visible[..., None], v_cache[gather].astype(jnp.float32), 0.0)
+  qg = q.astype(jnp.float32).reshape(b, hkv, hq // hkv, d)
+  logits = scale * jnp.einsum("bhgd,bhkcd->bhgkc", qg, k_sel, precision=_HIGHEST)
+  visible = visible[:, :, None]
+  has_key = jnp.any(visible, axis=(-2, -1), keepdims=True)
+  row_max = jnp.max(jnp.where(visible, logits, -jnp.inf), axis=(-2, -1), keepdims=True)
+  p = jnp.where(visible, jnp.exp(logits - jnp.where(has_key, row_max, 0.0)), 0.0)
+  denom = p.sum(axis=(-2, -1))
+  out = jnp.einsum("bhgkc,bhkcd->bhgd", p, v_sel, precision=_HIGHEST)
+  out = jnp.where(denom[..., None] > 0, out / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
+  return out.reshape(b, hq, d).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------- the decode step
+
+
+def _step(q, k, v, cache: DecodeCache, *, top_k: int, selector: str, beam: int, scale: float,
+          implementation: str):
+  """One validated decode step: append, select, attend."""
+  positions = cache.lengths
+  geometry = dict(block_size=cache.block_size)
+  append = _dispatch.lookup("decode_append", implementation)
+  k_cache, v_cache, summaries = append(k[:, 0], v[:, 0], cache.k, cache.v, cache.summaries,
+                                       positions, branching=cache.branching, **geometry)
+  select = _dispatch.lookup("decode_select", implementation)
+  idx = select(q[:, 0], k_cache, summaries, positions, branching=cache.branching, top_k=top_k,
+               beam=beam, selector=selector, scale=scale, **geometry)
+  attend = _dispatch.lookup("decode_attention", implementation)
+  out = attend(q[:, 0], k_cache, v_cache, idx, positions, scale=scale, **geometry)
+  # A token past capacity (only possible under jit) was dropped: its row says so loudly.
+  over = (positions >= cache.capacity)[:, None, None]
+  out = jnp.where(over, jnp.asarray(jnp.nan, out.dtype), out)
+  idx = jnp.where(over, -1, idx)
+  cache = dataclasses.replace(cache, k=k_cache, v=v_cache, summaries=summaries,
+                              lengths=positions + 1)
+  return out[:, None], cache, idx[:, None]
+
+
+_STATIC = ("top_k", "selector", "beam", "scale", "implementation")
+_step_donating = jax.jit(_step, static_argnames=_STATIC, donate_argnames=("cache",))
+_step_keeping = jax.jit(_step, static_argnames=_STATIC)
+
+
+def _check_step(q, k, v, cache) -> None:
+  if not isinstance(cache, DecodeCache):
+    raise TypeError(f"cache must be a DecodeCache, got {type(cache).__name__}")
+  _validation.check_float("q", q)
+  b, hkv, d = cache.batch, cache.num_kv_heads, cache.head_dim
+  if q.ndim != 4 or q.shape[1] != 1:
+    raise ValueError(f"{q.shape=} must be [B, 1, HQ, D]: decode_step takes one token per row")
+  if q.dtype != cache.dtype:
+    raise TypeError(f"q.dtype={q.dtype} must equal the cache dtype {cache.dtype} (queries and "
+                    "keys meet in one dtype, as in select_blocks)")
+  if q.shape[0] != b or q.shape[3] != d or q.shape[2] % hkv:
+    raise ValueError(f"{q.shape=} must be [B, 1, HQ, D] = [{b}, 1, HQ, {d}] with HQ a multiple of "
+                     f"the cache's num_kv_heads={hkv}")
+  for name, x in (("k", k), ("v", v)):
+    _validation.check_float(name, x)
+    if tuple(x.shape) != (b, 1, hkv, d):
+      raise ValueError(f"{name}.shape={tuple(x.shape)} must be [B, 1, HKV, D] = [{b}, 1, {hkv}, "
+                       f"{d}] (the cache's batch, KV heads and head dim; one token per row)")
+    if x.dtype != cache.dtype:
+      raise TypeError(f"{name}.dtype={x.dtype} must equal the cache dtype {cache.dtype} "
+                      "(DecodeCache.create(dtype=...))")
+
+
+def decode_step(
+    q: Float[Array, "B 1 HQ D"],
+    k: Float[Array, "B 1 HKV D"],
+    v: Float[Array, "B 1 HKV D"],
+    cache: DecodeCache,
+    *,
+    top_k: int = 8,
+    selector: str = "pisa",
+    beam: int | None = None,
+    scale: float | None = None,
+    implementation: str | None = None,
+    return_indices: bool = False,
+    grow: bool = True,
+    donate: bool = True,
+):
+  """One decode step: appends each row's token, selects its blocks and attends to them.
+
+  The token of row b takes position t = cache.lengths[b]: its key and value are written there,
+  its leaf's mean and the leaf's ancestors are updated (O(log N) summaries), then its query
+  selects top_k leaf blocks of its row (Section 3.3 "Decoding": one fused walk over every level,
+  the leaves included) and attends to the keys 0..t of those blocks, its own included. Row t of
+  `select_blocks` / `sparse_attention` on the whole sequence gives the same indices / output.
+
+  Args:
+    q: queries `[B, 1, HQ, D]`, HQ a multiple of the cache's HKV.
+    k, v: the new keys and values `[B, 1, HKV, D]`, in the cache dtype.
+    cache: the `DecodeCache` to extend.
+    top_k, selector, beam, scale: as in `select_blocks`; selector one of "pisa", "pisa1",
+      "pisa2", "bsa" ("exact" scores every past block's raw keys and does not decode).
+    implementation: "xla" (jnp reference), "pallas" (kernels) or None (pallas on GPU, else xla).
+    return_indices: also return the selected blocks.
+    grow: outside `jit`, reallocate the cache (`DecodeCache.grow`) when a row's token would pass
+      its capacity; with False, or a cache created with growable=False, that is a ValueError.
+      Under `jit` the lengths are not known: a row past capacity gets NaN outputs and -1
+      indices, its token is dropped, and `grow` refuses the cache afterwards. Grow ahead of the
+      step from a host-side count instead (`bucket_capacity` says which capacity a count needs).
+    donate: outside `jit`, update the cache's buffers in place: the `cache` passed in is
+      consumed (use the returned one). False keeps it valid at the price of a full copy of the
+      cache per step. Under `jit`, donate the cache to the jitted function instead.
+
+  Returns:
+    (out, cache), or (out, cache, indices) with `return_indices`: out `[B, 1, HQ, D]` in q's
+    dtype; the updated cache (lengths + 1); indices int32 `[B, 1, HKV, top_k]`, ascending, -1
+    padded.
+  """
+  _check_step(q, k, v, cache)
+  _validation.check_top_k(top_k)
+  _validation.check_selector(selector)
+  if selector not in DECODE_SELECTORS:
+    raise ValueError(f"{selector=} does not decode: expected one of {DECODE_SELECTORS} ('exact' "
+                     "scores the raw keys of every past block, O(N) per token)")
+  beam = _validation.resolve_beam(beam, top_k, selector)
+  scale = _validation.resolve_scale(scale, q.shape[-1])
+  implementation = _dispatch.resolve_implementation(implementation)
+  if not isinstance(cache.lengths, jax.core.Tracer):
+    lengths = np.asarray(cache.lengths)
+    needed = int(lengths.max(initial=0)) + 1
+    if needed > cache.capacity:
+      if not grow:
+        raise ValueError(f"a row of length {needed - 1} cannot take another token: "
+                         f"cache.capacity={cache.capacity} and grow=False")
+      if not cache.growable:
+        raise ValueError(f"a row of length {needed - 1} cannot take another token: "
+                         f"cache.capacity={cache.capacity} and the cache was created with "
+                         "growable=False")
+      cache = cache.grow(needed)
+  step = _step_donating if donate else _step_keeping
+  out, cache, idx = step(q, k, v, cache, top_k=int(top_k), selector=selector, beam=beam,
+                         scale=scale, implementation=implementation)
+  return (out, cache, idx) if return_indices else (out, cache)
+
+
+_dispatch.register(
+    "decode_append",
+    xla=decode_append_reference,
+    pallas=_dispatch.with_interpret(decode_kernels.decode_append_pallas),
+)
+_dispatch.register(
+    "decode_select",
+    xla=decode_select_reference,
+    pallas=_dispatch.with_interpret(decode_kernels.decode_select_pallas),
+)
+_dispatch.register(
+    "decode_attention",
+    xla=decode_attention_reference,
+    pallas=_dispatch.with_interpret(decode_kernels.decode_attention_pallas),
+)
