@@ -51,9 +51,13 @@ def data_overrides(args, rec: _record.Recorder) -> list[str]:
   if args.data and (Path(args.data) / "meta.json").exists():
     return ["data.source=tokens", f"data.path={args.data}"]
   rec.note(f"no pisa-prepare-data folder at {args.data}: trained on MQAR generated on the fly")
-  if get_config(args.preset).data.source == "mqar":
+  preset = get_config(args.preset)
+  if preset.data.source == "mqar":
     return []
-  return ["data.source=mqar", "data.mqar_num_pairs=64"]
+  # MQAR splits the vocabulary into keys and values, so it needs an even size; one more token
+  # leaves the padded embedding, and so the model's compute, unchanged.
+  vocab = preset.model.vocab_size + preset.model.vocab_size % 2
+  return ["data.source=mqar", "data.mqar_num_pairs=64", f"model.vocab_size={vocab}"]
 
 
 def run_one(args, attention: str, seq_len: int, workdir: Path) -> dict:
