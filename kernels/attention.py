@@ -10,7 +10,7 @@ once: the `[G, D] x [D, C]` score tile feeds the tensor cores with M = G rows (p
 two >= `min_rows`, padding rows masked). Key/value blocks are loaded as contiguous rows
 `k_ref[pl.ds(pl.multiple_of(b * C, C), C), :]` after clamping the index into `[0, t // C]`; the
 clamped slots and keys after the query are masked, so -1 padding and future blocks contribute
-nothing (the rule of Eq. 6 and contract rule 8).
+nothing (the rule of Eq. 6), and a query with no visible key gets zeros.
 
 Backward (Appendix B: the selection is held fixed, gradients flow through the selected entries):
 - dq mirrors the forward: per (query, KV head) it re-streams the selected blocks.
@@ -98,11 +98,11 @@ class SparseAttentionConfig:
     Forward: 2 warps beat 4 and 8 (0.54 vs 0.66 / 1.11 ms at d=64, K=8; 3.81 vs 4.11 / 6.29 ms at
     d=128, K=32), 2 stages beat 1. dq: 4 warps beat 8 (0.66 vs 0.92 ms at d=64; 4.30 vs 5.66 at
     d=128) and 2 stages beat 1; 2 warps, the forward's shape (same loads, 128 registers, no
-    spills), beat 4 in session 5: 0.545 vs 0.649 ms at d=64, 3.93 vs 4.32 at d=128 (16K), which
-    took forward + backward to 1.51-1.54x fla at 64K-128K. dk/dv: 64 rows (4 queries of a
+    spills), beat 4: 0.545 vs 0.649 ms at d=64, 3.93 vs 4.32 at d=128 (16K), which took
+    forward + backward to 1.51-1.54x fla at 64K-128K. dk/dv: 64 rows (4 queries of a
     group of 16) and 4 warps beat 32 or 128 rows and 8 warps at both head dims; 2 warps spill.
-    Session 6: one warp at d <= 64, forward 0.509 -> 0.413 ms at 16K and 4.11 -> 3.55 at 128K
-    (dq 0.545 -> 0.501 at 16K, session 5): the `[16, C]` tile's row max and sums stay inside one
+    One warp at d <= 64: forward 0.509 -> 0.413 ms at 16K and 4.11 -> 3.55 at 128K (dq
+    0.545 -> 0.501 at 16K): the `[16, C]` tile's row max and sums stay inside one
     warp, no exchange through shared memory. At d = 128 one warp spills on whole blocks but not
     in steps of 16 keys (128 registers, 12 KB of shared memory, 16 programs per SM): forward
     3.51 -> 3.37 ms at 16K, 15.10 -> 14.74 at 64K. Against these defaults in the same run: at
@@ -221,7 +221,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, lse_ref, *, block_size: int
   init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
           jnp.zeros((rows, d), jnp.float32))
   b_m, b_l, b_acc = lax.fori_loop(0, top_k * steps_per_block, body, init)
-  # A row with no visible key has l = 0 and acc = 0: it gets zeros (contract rule 8), lse = -inf.
+  # A row with no visible key has l = 0 and acc = 0: it gets zeros and lse = -inf.
   has_key = b_l > 0
   b_o = b_acc / jnp.where(has_key, b_l, 1.0)[:, None]
   b_lse = jnp.where(has_key, (b_m + jnp.log2(jnp.where(has_key, b_l, 1.0))) * _LN2, -jnp.inf)
