@@ -153,15 +153,20 @@ def flat_top_k(scores: Float[Array, "B Tc H M"], positions, *, block_size: int, 
 
 
 def _bsa_chunk(positions, q, leaves, *, block_size, top_k, scale):
-  """BSA for one chunk: per-head softmax over complete past blocks, summed over the group."""
+  """BSA for one chunk: per-head softmax over the blocks complete at t, summed over the group, as
+  the score of each complete block before the current one."""
   b, tc, hq, d = q.shape
   hkv = leaves.shape[2]
   qg = q.astype(jnp.float32).reshape(b, tc, hkv, hq // hkv, d)
   # Eq. 4 with the mean-key summaries of Eq. 2.
   z = scale * jnp.einsum("bthgd,bmhd->bthgm", qg, leaves, precision=_HIGHEST)
-  cur = (positions // block_size)[None, :, None, None, None]
-  past = jnp.arange(leaves.shape[1]) < cur
-  probs = jax.nn.softmax(jnp.where(past, z, -jnp.inf), axis=-1, where=past)
+  t = positions[None, :, None, None, None]
+  blocks = jnp.arange(leaves.shape[1])
+  # The softmax normalises over every block whose last key is at or before t (fla's NSA, which
+  # the paper's BSA follows): the current block too when t is its last position.
+  complete = blocks < (t + 1) // block_size
+  past = blocks < t // block_size  # the scored candidates; the current block is forced
+  probs = jax.nn.softmax(jnp.where(complete, z, -jnp.inf), axis=-1, where=complete)
   probs = jnp.where(past, probs, 0.0)
   return flat_top_k(probs.sum(axis=3), positions, block_size=block_size, top_k=top_k)
 

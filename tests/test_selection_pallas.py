@@ -100,8 +100,11 @@ def decision_margin(q, k, b: int, t: int, h: int, *, block_size: int, top_k: int
     cand = list(range(m))
     valid = [c <= cur for c in cand]
     forced = [c in forced_leaves for c in cand]
-    z = scale * qg @ levels[0][:cur].T  # [G, cur]
-    if cur:
+    # Each head's softmax normalises over the blocks complete at t (the current one too when t is
+    # its last position); the blocks before the current one are scored.
+    done = (t + 1) // block_size
+    z = scale * qg @ levels[0][:done].T  # [G, done]
+    if done:
       p = np.exp(z - z.max(-1, keepdims=True))
       p = (p / p.sum(-1, keepdims=True)).sum(0)
     score = [p[c] if c < cur else 0.0 for c in cand]

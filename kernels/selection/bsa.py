@@ -1,7 +1,7 @@
-"""The flat BSA selection kernel: per query head a softmax over the leaf summaries of the complete
-past blocks (Eq. 4 with the mean-key summaries of Eq. 2), summed over the group's heads, and the
-top_k - 3 best blocks beside the forced first, previous and current ones. The twin of the "bsa"
-selector of `select_blocks_reference`."""
+"""The flat BSA selection kernel: per query head a softmax over the leaf summaries of the blocks
+complete at t (Eq. 4 with the mean-key summaries of Eq. 2), summed over the group's heads, and the
+top_k - 3 best past blocks beside the forced first, previous and current ones. The twin of the
+"bsa" selector of `select_blocks_reference`."""
 
 from __future__ import annotations
 
@@ -24,9 +24,10 @@ from pisa_jax.kernels.selection.layout import (Geometry, launch, load_rows, quer
 def bsa_kernel(q_ref, s_ref, out_ref, *, geo: Geometry, q_tile: int, block_tile: int):
   """Flat BSA for q_tile queries of one KV head, without materialising `[T, M]` scores.
 
-  Pass 1: per (query, head) online max / sum of exp over the complete past blocks (the softmax
-  normaliser). Pass 2: the normalised probabilities summed over the group's heads, merged block
-  tile by block tile into a running top-(top_k - 3) of the non-forced past blocks.
+  Pass 1: per (query, head) online max / sum of exp over the blocks complete at t, the current
+  one too when t is its last position (the softmax normaliser of fla's NSA, which the paper's BSA
+  follows). Pass 2: the normalised probabilities summed over the group's heads, merged block tile
+  by block tile into a running top-(top_k - 3) of the non-forced past blocks.
   """
   # Head rows per query: the group padded to a power of two, and >= 16 rows in all for the dot.
   heads = max(next_pow2(geo.group), MIN_DOT // q_tile)
@@ -40,23 +41,25 @@ def bsa_kernel(q_ref, s_ref, out_ref, *, geo: Geometry, q_tile: int, block_tile:
   q_rows = ((i_b * geo.seq_len + jnp.minimum(t_r, geo.seq_len - 1)) * geo.hq + i_h * geo.group
             + jnp.minimum(j_r, geo.group - 1))
   b_q = load_rows(q_ref, q_rows, m_r, geo)
-  cur_r = (t_r // geo.block_size)[:, None]
+  done_r = ((t_r + 1) // geo.block_size)[:, None]  # blocks complete at t
   o_e = jnp.arange(q_tile)
   t_e = t0 + o_e
   cur_e = (jnp.minimum(t_e, geo.seq_len - 1) // geo.block_size)[:, None]
   num_blocks = geo.num_blocks
-  last_cur = jnp.minimum(t0 + q_tile - 1, geo.seq_len - 1) // geo.block_size
-  n_steps = pl.cdiv(last_cur, block_tile)
+  t_last = jnp.minimum(t0 + q_tile - 1, geo.seq_len - 1)
+  # Block tiles that hold a candidate (a block before the current one) of some query of the tile,
+  # and those that hold a block of some query's normaliser (up to one block more).
+  n_steps = pl.cdiv(t_last // geo.block_size, block_tile)
+  n_norm_steps = pl.cdiv((t_last + 1) // geo.block_size, block_tile)
   o_blk = jnp.arange(block_tile)
   scale2 = geo.scale * scoring.LOG2E
 
   def logits(i):
     blk = i * block_tile + o_blk
     rows = (i_b * num_blocks + jnp.minimum(blk, num_blocks - 1)) * geo.hkv + i_h
-    # [Q*heads, BT] base-2 logits; Eq. 4 over complete past blocks only.
+    # [Q*heads, BT] base-2 logits; Eq. 4 over the blocks complete at t only.
     z2 = scale2 * scoring.summary_logits(b_q, s_ref, rows, blk < num_blocks, geo)
-    past = blk[None, :] < cur_r
-    return blk, jnp.where(past, z2, -jnp.inf)
+    return blk, jnp.where(blk[None, :] < done_r, z2, -jnp.inf)
 
   def normaliser(i, carry):
     m, l = carry
@@ -68,7 +71,8 @@ def bsa_kernel(q_ref, s_ref, out_ref, *, geo: Geometry, q_tile: int, block_tile:
     return m_new, l
 
   m0 = jnp.full((tile_rows, 1), -jnp.inf, jnp.float32)
-  m, l = lax.fori_loop(0, n_steps, normaliser, (m0, jnp.zeros((tile_rows, 1), jnp.float32)))
+  m, l = lax.fori_loop(0, n_norm_steps, normaliser,
+                       (m0, jnp.zeros((tile_rows, 1), jnp.float32)))
   m_safe = jnp.where(m == -jnp.inf, 0.0, m)
   inv_l = jnp.where(m_r[:, None] & (l > 0), 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
   n_best = geo.top_k - 3
@@ -82,7 +86,7 @@ def bsa_kernel(q_ref, s_ref, out_ref, *, geo: Geometry, q_tile: int, block_tile:
     # [Q, BT] group-summed probabilities (Eq. 22 for BSA).
     ps = jnp.sum(jnp.where((e_r[None, :] == o_e[:, None])[:, :, None], p[None, :, :], 0.0), axis=1)
     blk2 = jnp.broadcast_to(blk[None, :], ps.shape)
-    # Candidates: complete past blocks that are not forced (0 and cur - 1 are kept anyway).
+    # Candidates: past blocks that are not forced (0, cur - 1 and cur are kept anyway).
     m_cand = (blk2 < cur_e) & (blk2 != 0) & (blk2 != cur_e - 1)
     cv = jnp.where(m_cand, ps, -jnp.inf)
 
