@@ -15,18 +15,6 @@
 from pisa_jax.kernels.selection.config import SelectionConfig, candidate_slots
 from pisa_jax.kernels.selection.layout import Geometry, make_geometry
 from pisa_jax.kernels.selection.select import SELECTORS, select_blocks_pallas
-from pisa_jax.kernels.selection.topk import leaf_needs_score
-from pisa_jax.kernels.selection.two_stage import (final_topk_pallas, leaf_candidates_pallas,
-                                                  leaf_scores_pallas)
-from pisa_jax.kernels.selection.walk import first_scored_level
 
-# The benchmarks' names for these (benchmarks/bench_selection.py, tests/test_bench_floor.py).
-_geometry = make_geometry
-_first_scored_level = first_scored_level
-_leaf_needs_score = leaf_needs_score
-
-__all__ = [
-    "SELECTORS", "Geometry", "SelectionConfig", "candidate_slots", "final_topk_pallas",
-    "first_scored_level", "leaf_candidates_pallas", "leaf_needs_score", "leaf_scores_pallas",
-    "make_geometry", "select_blocks_pallas",
-]
+__all__ = ["SELECTORS", "Geometry", "SelectionConfig", "candidate_slots", "make_geometry",
+           "select_blocks_pallas"]

@@ -113,7 +113,7 @@ def final_topk_kernel(cand_ref, score_ref, out_ref, *, geo: Geometry, rows: int,
 
 def leaf_candidates_pallas(q, k, summaries, geo: Geometry, *, interpret: bool,
                            config: SelectionConfig) -> Int[Array, "R NC"]:
-  """Stage 1: level-1 candidates `[B*T*HKV, NC]` (also timed alone by the benchmark)."""
+  """Stage 1: level-1 candidates `[B*T*HKV, NC]`."""
   b, t, hq, d = q.shape
   rows = b * t * geo.hkv
   pair_lse = uses_pair_lse(config, geo)
