@@ -81,6 +81,7 @@ class DecodeConfig:
     select_warps: warps of the selection program (its values are `[16, NC]` and `[16, Cp]`; the
       candidates' all-pairs rank compare is `[NC, NC]`).
     bsa_block_tile: leaf summaries per step of the BSA kernel's loops (a power of two >= 16).
+    bsa_warps: warps of the BSA program (its dots are `[16, D] x [D, bsa_block_tile]`).
     attend_blocks: selected blocks per attention program (a power of two); 0 picks
       `default_attend_blocks`.
     attend_warps: warps of an attention program.
@@ -90,6 +91,7 @@ class DecodeConfig:
 
   select_warps: int = 1
   bsa_block_tile: int = 64
+  bsa_warps: int = 4
   attend_blocks: int = 0
   attend_warps: int = 2
   append_warps: int = 1
@@ -341,7 +343,7 @@ def _sorted_ids(cand, kept, width: int):
 
 
 def _append_kernel(pos_ref, kn_ref, vn_ref, k_ref, v_ref, s_ref, ko_ref, vo_ref, so_ref, *,
-                   batch: int, capacity: int, hkv: int, d: int, block_size: int, branching: int,
+                   capacity: int, hkv: int, d: int, block_size: int, branching: int,
                    offsets: tuple[int, ...]):
   """One (batch row, KV head): append the token at position pos = the row's length, then update
   its leaf (the mean of the block's raw keys) and every ancestor (the mean of its existing
@@ -410,7 +412,7 @@ def decode_append_pallas(
   config = config or DecodeConfig()
   b, capacity, hkv, d = k_cache.shape
   offsets = level_offsets(capacity, block_size, branching)
-  kernel = functools.partial(_append_kernel, batch=b, capacity=capacity, hkv=hkv, d=d,
+  kernel = functools.partial(_append_kernel, capacity=capacity, hkv=hkv, d=d,
                              block_size=block_size, branching=branching, offsets=offsets)
   shapes = [jax.ShapeDtypeStruct((x.size // d, d), x.dtype) for x in (k_cache, v_cache, summaries)]
   call = _call(kernel, shapes, (b * hkv,), warps=config.append_warps, stages=1,
@@ -625,7 +627,7 @@ def decode_select_pallas(
   positions = positions.astype(jnp.int32)
   if selector == "bsa":
     call = _call(functools.partial(_bsa_kernel, geo=geo, block_tile=config.bsa_block_tile),
-                 out_shape, (b * hkv,), warps=4, stages=config.num_stages, interpret=interpret,
+                 out_shape, (b * hkv,), warps=config.bsa_warps, stages=config.num_stages, interpret=interpret,
                  name="pisa_decode_select_bsa")
     out = call(positions, rows[0], rows[2])
   else:
@@ -717,6 +719,7 @@ def decode_attention_pallas(
   keys j <= t of its selected blocks, split-K over programs. Returns `[B, HQ, D]` in q's dtype."""
   b, hq, d = q.shape
   hkv, top_k = k_cache.shape[2], block_indices.shape[-1]
+  # The walk's fields (branching, beam, selector) are unused by the attention kernel.
   geo = _geometry(q, k_cache, block_size=block_size, branching=2, top_k=top_k, beam=top_k,
                   selector="pisa", scale=scale)
   config = config or DecodeConfig.default(candidates=geo.nc, head_dim=d)

@@ -5,9 +5,9 @@
 level of the mean-summary pyramid. `decode_step` appends one token per row at the row's own
 length (its leaf mean and its ancestor path updated: O(log N) summaries touched), selects its
 blocks and attends to them, itself included. Its indices equal row t of `select_blocks` on the
-whole sequence and its output row t of `sparse_attention`: selection at t only reads complete
-nodes before t (the current path is forced and never scored), so a pyramid built token by token
-ranks exactly what the full-sequence pyramid ranks.
+whole sequence and its output row t of `sparse_attention`: selection at t scores only complete
+nodes before t (the current path is forced and never scored), and a pyramid built token by token
+holds the same means for those as the full-sequence pyramid (to float32 rounding).
 
 Typical use (a jitted step recompiles once per capacity bucket, O(log N) times in a generation):
 
@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import checkify
 from jaxtyping import Array, Float, Int
 
 from pisa_jax import _dispatch, _validation
@@ -74,8 +75,8 @@ class DecodeCache:
     summaries: float32 `[B, S, HKV, D]`: the pyramid's levels stacked along axis 1, leaves first
       (`level_offsets`; `levels()` splits them). Level l holds the `level_sizes[l - 1]` nodes of a
       pyramid over `capacity` keys; node i of level l is the mean of the existing children of
-      Eq. 15 (the leaf: the mean of its valid keys), exactly as `build_pyramid` computes it for
-      the row's first lengths[b] keys. Nodes a row has not reached are zero or stale.
+      Eq. 15 (the leaf: the mean of its valid keys), as `build_pyramid` computes it for the row's
+      first lengths[b] keys (to float32 rounding). Nodes a row has not reached are zero or stale.
     lengths: int32 `[B]`, tokens held per row.
     block_size: C, keys per leaf block.
     branching: g, children per upper node.
@@ -449,6 +450,12 @@ def _step(q, k, v, cache: DecodeCache, *, top_k: int, selector: str, beam: int, 
           implementation: str):
   """One validated decode step: append, select, attend."""
   positions = cache.lengths
+  # Under jit the lengths are unknown to the caller's Python: this reports a token past capacity
+  # through `checkify.checkify` when the caller wraps the step in it, and is a no-op otherwise.
+  checkify.debug_check(
+      jnp.all(positions < cache.capacity),
+      f"decode_step: a row of length {{}} has no room for another token in cache.capacity="
+      f"{cache.capacity}: grow the cache before the step (DecodeCache.grow)", jnp.max(positions))
   geometry = dict(block_size=cache.block_size)
   append = _dispatch.lookup("decode_append", implementation)
   k_cache, v_cache, summaries = append(k[:, 0], v[:, 0], cache.k, cache.v, cache.summaries,
@@ -529,7 +536,8 @@ def decode_step(
     grow: outside `jit`, reallocate the cache (`DecodeCache.grow`) when a row's token would pass
       its capacity; with False, or a cache created with growable=False, that is a ValueError.
       Under `jit` the lengths are not known: a row past capacity gets NaN outputs and -1
-      indices, its token is dropped, and `grow` refuses the cache afterwards. Grow ahead of the
+      indices, its token is dropped, and `grow` refuses the cache afterwards; wrapped in
+      `jax.experimental.checkify.checkify`, the step reports it as an error. Grow ahead of the
       step from a host-side count instead (`bucket_capacity` says which capacity a count needs).
     donate: outside `jit`, update the cache's buffers in place: the `cache` passed in is
       consumed (use the returned one). False keeps it valid at the price of a full copy of the

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.experimental import checkify
 from jax._src.pallas.triton import pallas_call_registration as registration
 
 import pisa_jax
@@ -259,16 +260,20 @@ def test_append_kernel_equals_reference_append():
 
 
 @pytest.mark.parametrize("implementation", IMPLS)
-def test_jitted_step_past_capacity_poisons_the_row(implementation):
+def test_jitted_step_past_capacity_poisons_the_row_and_checkify_reports_it(implementation):
   _, k, v = _qkv(3, 2, 16, 2, 1, 16, jnp.float32)
   q = jnp.ones((2, 1, 2, 16), jnp.float32)
   cache = DecodeCache.create(2, 16, 1, 16, block_size=16, dtype=jnp.float32)
   cache = cache.prefill(k, v, jnp.asarray([16, 3], jnp.int32))
-  step = jax.jit(functools.partial(decode_step, top_k=3, implementation=implementation,
-                                   return_indices=True))
-  out, new, idx = step(q, k[:, :1], v[:, :1], cache)
-  # The full row's token did not fit: NaN and no blocks, its cache untouched; the other row
-  # decodes normally.
+  step = checkify.checkify(jax.jit(functools.partial(
+      decode_step, top_k=3, implementation=implementation, return_indices=True)))
+  err, (out, new, idx) = step(q, k[:, :1], v[:, :1], cache)
+  with pytest.raises(checkify.JaxRuntimeError,
+                     match=r"a row of length 16 has no room for another token in "
+                           r"cache.capacity=16"):
+    err.throw()
+  # Unchecked, the full row's token did not fit: NaN and no blocks, its cache untouched; the
+  # other row decodes normally.
   assert np.isnan(np.asarray(out[0])).all() and (np.asarray(idx[0]) == -1).all()
   assert np.isfinite(np.asarray(out[1])).all() and (np.asarray(idx[1, 0, 0, :1]) == 0).all()
   np.testing.assert_array_equal(np.asarray(new.k[0]), np.asarray(cache.k[0]))
