@@ -627,8 +627,8 @@ def decode_select_pallas(
   positions = positions.astype(jnp.int32)
   if selector == "bsa":
     call = _call(functools.partial(_bsa_kernel, geo=geo, block_tile=config.bsa_block_tile),
-                 out_shape, (b * hkv,), warps=config.bsa_warps, stages=config.num_stages, interpret=interpret,
-                 name="pisa_decode_select_bsa")
+                 out_shape, (b * hkv,), warps=config.bsa_warps, stages=config.num_stages,
+                 interpret=interpret, name="pisa_decode_select_bsa")
     out = call(positions, rows[0], rows[2])
   else:
     sizes = geo.sizes
