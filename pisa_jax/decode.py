@@ -548,6 +548,15 @@ def decode_step(
     dtype; the updated cache (lengths + 1); indices int32 `[B, 1, HKV, top_k]`, ascending, -1
     padded.
   """
+  options = dict(top_k=top_k, selector=selector, beam=beam, scale=scale,
+                 implementation=implementation, return_indices=return_indices, grow=grow,
+                 donate=donate)
+  for name, value in options.items():
+    if isinstance(value, jax.core.Tracer):
+      raise TypeError(
+          f"{name} is traced: decode_step was called under jax.jit with {name} as an argument, "
+          "but it fixes shapes or compiled code and must be a Python value. Bind it before "
+          f"jitting, functools.partial(decode_step, {name}=...), or mark it static")
   _check_step(q, k, v, cache)
   _validation.check_top_k(top_k)
   _validation.check_selector(selector)

@@ -337,6 +337,12 @@ def test_bad_step_options_name_the_argument(kw, pattern):
     decode_step(*_token(), _small_cache(), **kw)
 
 
+def test_traced_option_is_a_type_error_naming_it():
+  step = jax.jit(decode_step)
+  with pytest.raises(TypeError, match=r"top_k is traced: decode_step was called under jax.jit"):
+    step(*_token(), _small_cache(), top_k=jnp.int32(8))
+
+
 def test_bad_cache_arguments_name_the_argument():
   with pytest.raises(ValueError, match=r"capacity=0 must be an int >= 1"):
     DecodeCache.create(1, 0, 2, 16)
