@@ -87,24 +87,22 @@ def _levels(k, b: int, h: int, block_size: int, branching: int, cache: dict | No
 
 
 def bsa_scores64(q, k, b: int, t: int, h: int, *, block_size: int, scale: float,
-                 normalised_blocks: int | None = None, cache: dict | None = None) -> np.ndarray:
-  """BSA's score of every complete past block of row (b, t, h) in float64, `[t // block_size]`.
+                 cache: dict | None = None) -> np.ndarray:
+  """Row (b, t, h)'s float64 BSA score of each block before the current one, `[t // block_size]`.
 
-  Each head's softmax over the mean-key summaries of the blocks before the current one, summed
-  over the group (Eq. 4 with the summaries of Eq. 2). `normalised_blocks` sets how many leading
-  blocks the softmax normalises over (default: the scored ones); a peer that also counts the
-  current block once it is complete normalises over one more.
+  Each head's softmax over the mean-key summaries of every block complete at t, summed over the
+  group (Eq. 4 with the summaries of Eq. 2): the softmax normalises over the (t + 1) // block_size
+  leading blocks, so the current block joins the normaliser at its last position, but only the
+  blocks before it are scored (it is forced).
   """
   hq, hkv = q.shape[2], k.shape[2]
-  cur = t // block_size
-  n = cur if normalised_blocks is None else normalised_blocks
+  cur, done = t // block_size, (t + 1) // block_size
   if cur == 0:
     return np.zeros(0)
   leaves = _levels(k, b, h, block_size, 2, cache)[0]  # the leaves do not depend on branching
-  z = scale * _query_rows(q, b, t, h, hq // hkv) @ leaves[:max(n, cur)].T  # [G, max(n, cur)]
-  m = z[:, :n].max(-1, keepdims=True)
-  p = np.exp(z - m) / np.exp(z[:, :n] - m).sum(-1, keepdims=True)
-  return p[:, :cur].sum(0)
+  z = scale * _query_rows(q, b, t, h, hq // hkv) @ leaves[:done].T  # [G, done]
+  p = np.exp(z - z.max(-1, keepdims=True))
+  return (p / p.sum(-1, keepdims=True))[:, :cur].sum(0)
 
 
 def decision_margin(q, k, b: int, t: int, h: int, *, block_size: int, top_k: int, branching: int,

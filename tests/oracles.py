@@ -79,8 +79,9 @@ def select_hierarchical(q, k, *, block_size, top_k, branching, selector, scale, 
 
 
 def select_flat(q, k, *, block_size, top_k, scale, selector):
-  """"bsa" (per-head softmax over mean-key summaries of complete past blocks, summed) or "exact"
-  (summed raw-key LSE of complete past blocks); forced first/previous/current; then top-k."""
+  """"bsa" (per-head softmax over the mean-key summaries of every block complete at t, the current
+  one too at its last position, summed over the group for each past block) or "exact" (summed
+  raw-key LSE of complete past blocks); forced first/previous/current; then top-k."""
   q = np.asarray(q, np.float64)
   k = np.asarray(k, np.float64)
   seq_len, hq, _ = q.shape
@@ -97,9 +98,9 @@ def select_flat(q, k, *, block_size, top_k, scale, selector):
       u = np.zeros(cur)
       for hh in range(h * group, (h + 1) * group):
         if selector == "bsa":
-          z = scale * leaves[:cur, h] @ q[t, hh]
+          z = scale * leaves[:(t + 1) // block_size, h] @ q[t, hh]
           p = np.exp(z - z.max())
-          u += p / p.sum()
+          u += (p / p.sum())[:cur]
         else:
           for i in range(cur):
             u[i] += _reduce(scale * k[i * block_size:(i + 1) * block_size, h] @ q[t, hh], "pisa")
