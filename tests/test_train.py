@@ -1,6 +1,13 @@
 """Training: overfitting, kill-and-resume, Ctrl-C, non-finite loss, bad configs and checkpoints,
-and the sharded step on 4 fake CPU devices against the single-device step."""
+and the sharded step on 4 fake CPU devices against the single-device step.
 
+The reliability cases: a refused run leaves its folder as it was; a corrupt checkpoint falls back
+to the previous one in one line; SIGKILL at any point (between checkpoints, while one is written,
+committed or sealed) resumes to the uninterrupted run's exact losses; a run that cannot fit or has
+no data stops before it compiles or writes anything; every CLI mistake is one line.
+"""
+
+import dataclasses
 import json
 import os
 import re
@@ -10,13 +17,16 @@ import sys
 import textwrap
 import time
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pisa_jax.configs import apply_overrides, get_config, validate
-from pisa_jax.train.checkpoint import IncompatibleCheckpointError
+from pisa_jax.train import checkpoint as ckpt_lib
+from pisa_jax.train import trainer as trainer_lib
+from pisa_jax.train.checkpoint import CorruptCheckpointError, IncompatibleCheckpointError
 from pisa_jax.train.trainer import NonFiniteLossError, build_trainer, train
 
 # A model that compiles in seconds: 1 layer, 64 tokens, 4 blocks of 16, MQAR with 4 pairs.
@@ -57,9 +67,32 @@ def test_overfits_a_small_batch():
   assert losses[-1] < 0.1 * losses[0], losses[::10]
 
 
-def test_kill_and_resume_gives_identical_losses(tmp_path, micro_trainer):
+@pytest.fixture(scope="module")
+def micro_reference(micro_trainer, tmp_path_factory):
+  """The uninterrupted micro run: its TrainResult and its metrics.jsonl rows."""
   cfg, trainer = micro_trainer
-  full = train(cfg, tmp_path / "full", progress=False, quiet=True, trainer=trainer)
+  workdir = tmp_path_factory.mktemp("reference")
+  full = train(cfg, workdir, progress=False, quiet=True, trainer=trainer)
+  return full, _metric_rows(workdir)
+
+
+def _metric_rows(workdir) -> list[dict]:
+  rows = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+  # Timing fields differ between runs; everything else must not.
+  return [{k: v for k, v in r.items() if k not in ("time", "tokens_per_s", "mfu")} for r in rows]
+
+
+def _restore(workdir, step, trainer, cfg) -> dict:
+  reader = ckpt_lib.Checkpointer(workdir / "checkpoints", read_only=True)
+  try:
+    return reader.restore(step, trainer.abstract_state, cfg)
+  finally:
+    reader.close()
+
+
+def test_kill_and_resume_gives_identical_losses(tmp_path, micro_trainer, micro_reference):
+  cfg, trainer = micro_trainer
+  full, full_rows = micro_reference
   assert sorted(full.losses) == list(range(8))
   first = train(cfg, tmp_path / "cut", run_steps=3, progress=False, quiet=True, trainer=trainer)
   assert first.stopped_early and first.end_step == 3
@@ -69,11 +102,252 @@ def test_kill_and_resume_gives_identical_losses(tmp_path, micro_trainer):
   resumed = {**first.losses, **rest.losses}
   assert resumed == full.losses  # bit-identical: same data from (seed, step), same state
   assert rest.evals[-1] == full.evals[-1]
-  rows = [json.loads(l) for l in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
-  train_rows = [r for r in rows if "loss" in r]
+  chex.assert_trees_all_equal(_restore(tmp_path / "cut", 8, trainer, cfg)["params"],
+                              _restore(full.workdir, 8, trainer, cfg)["params"])
+  train_rows = [r for r in full_rows if "loss" in r]
   assert [r["step"] for r in train_rows] == list(range(1, 9))
-  assert all({"lr", "grad_norm", "tokens_per_s", "mfu"} <= set(r) for r in train_rows)
-  assert [r["step"] for r in rows if "eval_loss" in r] == [4, 8]
+  assert all({"lr", "grad_norm"} <= set(r) for r in train_rows)
+  assert [r["step"] for r in full_rows if "eval_loss" in r] == [4, 8]
+
+
+# Runs the CLI and SIGKILLs itself at the first checkpoint of this invocation: right after the
+# save is issued (Orbax writing in the background), at the rename that commits it, or after the
+# commit but before its checksums are written. Matmul precision as conftest sets it in-process,
+# so that the losses can equal the in-process reference bit for bit.
+KILLED_CLI = textwrap.dedent("""
+    import os, signal, sys
+    import jax
+    jax.config.update("jax_default_matmul_precision", "highest")
+    from pisa_jax.train import checkpoint, cli
+
+    def die(*args, **kwargs):
+      os.kill(os.getpid(), signal.SIGKILL)
+
+    where = sys.argv[1]
+    if where == "writing":
+      save = checkpoint.Checkpointer.save
+      checkpoint.Checkpointer.save = lambda *a, **k: (save(*a, **k), die())
+    elif where == "committing":
+      rename = os.rename
+      def commit_or_die(src, dst, *a, **k):
+        if "orbax-checkpoint-tmp" in str(src) and os.path.basename(dst).isdigit():
+          die()
+        return rename(src, dst, *a, **k)
+      os.rename = commit_or_die
+    elif where == "sealing":
+      checkpoint.write_manifest = die
+    sys.exit(cli.main(sys.argv[2:]))
+""")
+
+
+def test_sigkill_at_any_point_resumes_to_the_same_losses(tmp_path, micro_reference):
+  full, full_rows = micro_reference
+  workdir = tmp_path / "run"
+  # One compilation for all five processes.
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax"),
+         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+  args = ["--config", "tiny", *[a for s in MICRO for a in ("--set", s)], "--workdir", str(workdir),
+          "--no-progress"]
+
+  def run(where):
+    return subprocess.Popen([sys.executable, "-c", KILLED_CLI, where, *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+  # Killed from outside between two checkpoints: step 3 is logged, checkpoint 2 sealed.
+  proc = run("outside")
+  metrics, sealed = workdir / "metrics.jsonl", workdir / "checkpoints" / "2" / ckpt_lib.MANIFEST
+  deadline = time.time() + 240
+  while proc.poll() is None and time.time() < deadline:
+    if sealed.exists() and '"step": 3,' in metrics.read_text():
+      proc.kill()
+      break
+    time.sleep(0.02)
+  out, _ = proc.communicate(timeout=60)
+  assert proc.returncode == -signal.SIGKILL, out[-3000:]
+  for where in ("writing", "committing", "sealing"):
+    proc = run(where)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == -signal.SIGKILL, (where, out[-3000:])
+  proc = run("none")
+  out, _ = proc.communicate(timeout=240)
+  assert proc.returncode == 0, out[-3000:]
+  # The checkpoint committed without its checksums is set aside in one line.
+  skipped = [l for l in out.splitlines() if l.startswith("skipped checkpoint")]
+  assert len(skipped) == 1 and "stopped before the checkpoint was sealed" in skipped[0], out
+  assert _metric_rows(workdir) == full_rows
+
+
+def _flip_a_byte(step_dir):
+  path = max((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+  data = bytearray(path.read_bytes())
+  data[len(data) // 2] ^= 0x01
+  path.write_bytes(bytes(data))
+
+
+def _truncate(step_dir):
+  path = max((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+  path.write_bytes(path.read_bytes()[:10])
+
+
+CORRUPTIONS = {
+    "bit_flip": (_flip_a_byte, "does not match its checksum"),
+    "truncated": (_truncate, r"is truncated \(10 of \d+ bytes\)"),
+    "missing_metadata": (lambda d: (d / "state" / "_METADATA").unlink(), "state/_METADATA is missing"),
+    "unsealed": (lambda d: (d / ckpt_lib.MANIFEST).unlink(), "the run stopped before the checkpoint was sealed"),
+}
+
+
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+def test_a_corrupt_checkpoint_falls_back_to_the_previous_one(tmp_path, micro_trainer,
+                                                             micro_reference, corruption, capsys):
+  cfg, trainer = micro_trainer
+  full, full_rows = micro_reference
+  workdir = tmp_path / "run"
+  train(cfg, workdir, run_steps=6, progress=False, quiet=True, trainer=trainer)
+  assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()) == [4, 6]
+  corrupt, reason = CORRUPTIONS[corruption]
+  corrupt(workdir / "checkpoints" / "6")
+  rest = train(cfg, workdir, progress=False, print_config=False, trainer=trainer)
+  out = capsys.readouterr().out
+  skipped = [l for l in out.splitlines() if "skipped checkpoint" in l]
+  assert len(skipped) == 1, out
+  assert re.search(rf"skipped checkpoint {re.escape(str(workdir.absolute()))}/checkpoints/6 "
+                   rf"\(.*{reason}.*\): moved it to .*skipped_checkpoints/6$", skipped[0]), skipped
+  assert f"resumed from {workdir.absolute()}/checkpoints/4" in out
+  assert (workdir / "skipped_checkpoints" / "6").is_dir()  # set aside, not deleted
+  assert rest.start_step == 4 and rest.end_step == 8
+  assert {s: full.losses[s] for s in rest.losses} == rest.losses
+  # The rows a killed run logged past its restored step are dropped, then logged again.
+  assert _metric_rows(workdir) == full_rows
+
+
+def test_no_good_checkpoint_says_how_to_start_over(tmp_path, micro_trainer):
+  cfg, trainer = micro_trainer
+  workdir = tmp_path / "run"
+  train(cfg, workdir, run_steps=4, progress=False, quiet=True, trainer=trainer)
+  for step_dir in (workdir / "checkpoints").iterdir():
+    _flip_a_byte(step_dir)
+  before = sorted(str(p) for p in workdir.rglob("*"))
+  with pytest.raises(CorruptCheckpointError,
+                     match=r"no checkpoint in .* passes its checksums \(4: .*; 2: .*\): delete "
+                           r".*/checkpoints to start over, or use a new --workdir"):
+    train(cfg, workdir, progress=False, quiet=True, trainer=trainer)
+  assert sorted(str(p) for p in workdir.rglob("*")) == before
+  with pytest.raises(CorruptCheckpointError, match="does not match its checksum"):
+    _restore(workdir, 4, trainer, cfg)
+
+
+def test_a_refused_resume_leaves_the_run_folder_as_it_was(tmp_path, micro_trainer):
+  cfg, trainer = micro_trainer
+  train(cfg, tmp_path, run_steps=2, progress=False, quiet=True, trainer=trainer)
+  snapshot = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+  with pytest.raises(IncompatibleCheckpointError, match=r"model\.d_model: checkpoint 32, now 64"):
+    train(micro_config("model.d_model=64"), tmp_path, progress=False, quiet=True)
+  dense = micro_config("model.attention=dense")
+  with pytest.raises(IncompatibleCheckpointError,
+                     match=r"model\.attention: checkpoint 'pisa', now 'dense'.*--allow-attention-change"):
+    train(dense, tmp_path, progress=False, quiet=True)
+  with pytest.raises(IncompatibleCheckpointError, match=r"model\.top_k: checkpoint 3, now 4"):
+    train(micro_config("model.top_k=4"), tmp_path, progress=False, quiet=True)
+  assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == snapshot
+  # Asked for explicitly, the change goes ahead.
+  result = train(dense, tmp_path, run_steps=1, progress=False, quiet=True,
+                 allow_attention_change=True)
+  assert result.start_step == 2 and result.end_step == 3
+  assert json.loads((tmp_path / "config.json").read_text())["model"]["attention"] == "dense"
+
+
+def test_a_run_that_cannot_fit_stops_before_it_starts(tmp_path, micro_trainer, monkeypatch):
+  cfg, trainer = micro_trainer
+  assert trainer_lib.step_memory(trainer.memory) > 2**20
+  monkeypatch.setattr(trainer_lib, "device_memory", lambda device: (2**20, "one test device"))
+  with pytest.raises(trainer_lib.InsufficientMemoryError,
+                     match=r"the compiled train step needs [\d.]+ MiB per device .* but one test "
+                           r"device has 1.0 MiB: lower train.per_device_batch=4 .*train.seq_len=64"):
+    train(cfg, tmp_path / "run", progress=False, quiet=True, trainer=trainer)
+  assert not (tmp_path / "run").exists()
+
+
+def test_the_memory_report_names_temporaries_peak_and_bytes_per_token(micro_trainer):
+  _, trainer = micro_trainer
+  line = trainer_lib.check_memory(trainer)
+  assert re.match(r"train step memory per device: peak [\d.]+ MiB of .*; temporaries [\d.]+ MiB "
+                  r"\([\d.]+ KiB per token of a micro-batch\)", line), line
+
+
+def test_missing_data_fails_before_compiling_and_writes_nothing(tmp_path, monkeypatch):
+  cfg = micro_config("data.source=tokens", f"data.path={tmp_path / 'nowhere'}")
+  monkeypatch.setattr(trainer_lib, "build_trainer", lambda *a: pytest.fail("compiled"))
+  with pytest.raises(FileNotFoundError, match=r"data.path=.*nowhere.* has no meta.json"):
+    train(cfg, tmp_path / "run", progress=False, quiet=True)
+  assert not (tmp_path / "run").exists()
+
+
+def test_ctrl_c_during_set_up_writes_nothing(tmp_path, monkeypatch):
+  def interrupted(*args):
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(trainer_lib, "build_trainer", interrupted)
+  with pytest.raises(trainer_lib.InterruptedBeforeStart,
+                     match="interrupted before training started: nothing was written"):
+    train(micro_config(), tmp_path / "run", progress=False, quiet=True)
+  assert not (tmp_path / "run").exists()
+
+
+def test_a_second_ctrl_c_exits_at_once(monkeypatch, capfd):
+  exits = []
+  monkeypatch.setattr(trainer_lib.os, "_exit", exits.append)
+  interrupt = trainer_lib._Interrupt()
+  interrupt._handle(2, None)
+  assert interrupt.requested and not exits
+  interrupt._handle(2, None)
+  assert exits == [130]
+  assert "second Ctrl-C: stopped without saving" in capfd.readouterr().err
+
+
+def test_cli_mistakes_are_one_line(tmp_path, micro_trainer, micro_reference, capsys):
+  from pisa_jax.train.cli import main
+
+  a_file = tmp_path / "a_file"
+  a_file.write_text("")
+  sets = [a for s in MICRO for a in ("--set", s)]
+  assert main(["--config", "tiny", *sets, "--workdir", str(a_file)]) == 1
+  err = capsys.readouterr().err
+  assert err == (f"pisa-train: error: {a_file} is a file, not a folder: --workdir names a run "
+                 f"folder (a new one starts a run, an existing one resumes it)\n")
+  for bad in ("-3", "0", "x"):
+    with pytest.raises(SystemExit) as e:
+      main(["--config", "tiny", "--workdir", str(tmp_path / "r"), "--run-steps", bad])
+    assert e.value.code == 2
+    assert "argument --run-steps:" in capsys.readouterr().err
+  # A finished run says so, and compiles nothing.
+  full, _ = micro_reference
+  assert main(["--config", "tiny", *sets, "--workdir", str(full.workdir), "--no-progress"]) == 0
+  out = capsys.readouterr().out
+  assert (f"the run is complete: checkpoint {full.workdir.absolute()}/checkpoints/8 is step 8 of "
+          f"train.steps=8") in out, out
+
+
+def test_the_demo_removes_its_temporary_runs(tmp_path, monkeypatch):
+  from pisa_jax.train import demo
+
+  monkeypatch.setattr(demo.tempfile, "tempdir", str(tmp_path))
+
+  def fake_train(cfg, workdir, **kw):
+    workdir.mkdir(parents=True)
+    (workdir / "metrics.jsonl").write_text("{}\n")
+    return trainer_lib.TrainResult(start_step=0, end_step=2, losses={0: 4.0, 1: 3.0},
+                                   accuracies={}, evals=[{"eval_loss": 3.0, "eval_accuracy": 0.5}],
+                                   stopped_early=False, workdir=workdir)
+
+  monkeypatch.setattr(trainer_lib, "train", fake_train)
+  short = ["--steps", "2", "--set", "train.warmup_steps=1", "--set", "train.decay_steps=1"]
+  assert demo.main(short) == 0
+  assert list(tmp_path.iterdir()) == []
+  kept = tmp_path / "kept"
+  assert demo.main(short + ["--workdir", str(kept)]) == 0
+  assert sorted(p.name for p in kept.iterdir()) == ["dense", "pisa"]
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, micro_trainer):
@@ -87,19 +361,11 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, micr
       m = {**m, "param_norm": jnp.float32(jnp.nan)}
     return new, m
 
-  bad = type(trainer)(**{**trainer.__dict__, "train_step": poisoned_step})
+  bad = dataclasses.replace(trainer, train_step=poisoned_step)
   with pytest.raises(NonFiniteLossError, match=r"step 3 .*last good checkpoint is step 2"):
     train(cfg, tmp_path, progress=False, quiet=True, trainer=bad)
   steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
   assert steps == [2]
-
-
-def test_incompatible_checkpoint_is_a_clear_error(tmp_path, micro_trainer):
-  cfg, trainer = micro_trainer
-  train(cfg, tmp_path, run_steps=2, progress=False, quiet=True, trainer=trainer)
-  wider = micro_config("model.mlp_dim=128")
-  with pytest.raises(IncompatibleCheckpointError, match=r"model\.mlp_dim: checkpoint 64, now 128"):
-    train(wider, tmp_path, progress=False, quiet=True)
 
 
 @pytest.mark.parametrize("override,field", [

@@ -1,14 +1,22 @@
-"""Orbax checkpoints of the train state, with the config they were made with.
+"""Orbax checkpoints of the train state, with the config they were made with and their checksums.
 
-Each checkpoint `<dir>/<step>/` holds `state` (parameters, Adam state, step, RNG key) and `meta`
-(JSON: the config, the data-loader position, the format). Orbax writes into a temporary folder and
-renames it only when every file is written, so a checkpoint cut short by a crash never looks
-complete and `latest_step()` skips it.
+Each checkpoint `<dir>/<step>/` holds `state` (parameters, Adam state, step, RNG key), `meta`
+(JSON: the config, the data-loader position, the format) and `checksums.json`. Orbax writes into a
+temporary folder and renames it only when every file is written, so a checkpoint cut short by a
+crash never looks complete. Once Orbax has finished, the sha256 of every file of the step folder is
+written to `checksums.json` (the checkpoint is then "sealed"); a restore first checks every file
+against it, so a truncated, missing or bit-flipped file, or a checkpoint whose run died before it
+was sealed, is found before anything is read, and the run falls back to the newest one that checks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -16,16 +24,26 @@ import jax
 import orbax.checkpoint as ocp
 
 from pisa_jax.configs.base import Config
-from pisa_jax.models.config import ModelConfig
+from pisa_jax.models.config import SPARSE_ATTENTION_KINDS, ModelConfig
 
 FORMAT = "pisa-jax-train-state-v1"
+MANIFEST = "checksums.json"
+MANIFEST_FORMAT = "pisa-jax-checksums-v1"
 # Model fields that fix parameter shapes and dtypes: a checkpoint restores only into the same ones.
 SHAPE_FIELDS = ("vocab_size", "vocab_pad_multiple", "num_layers", "d_model", "mlp_dim",
                 "num_heads", "num_kv_heads", "head_dim", "param_dtype")
+# Model fields that decide which keys each query attends to. A checkpoint restores into other
+# values (the parameters have the same shapes), but the run then continues a different model:
+# `train` refuses that unless asked to.
+ATTENTION_FIELDS = ("attention", "block_size", "top_k", "branching", "beam")
 
 
 class IncompatibleCheckpointError(ValueError):
   """The checkpoint was made for another model shape or by another program."""
+
+
+class CorruptCheckpointError(ValueError):
+  """No checkpoint of a run folder passes its checksums (or the one asked for does not)."""
 
 
 def _pure(state: Any) -> Any:
@@ -41,25 +59,87 @@ def _unpure(restored: Any, like: Any) -> Any:
   return restored
 
 
-class Checkpointer:
-  """A CheckpointManager over `directory`: async saves, keep the last `keep`."""
+def _sha256(path: Path) -> str:
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    while chunk := f.read(1 << 22):
+      digest.update(chunk)
+  return digest.hexdigest()
 
-  def __init__(self, directory: str | Path, *, keep: int, use_async: bool = True):
+
+def _files(step_dir: Path) -> list[str]:
+  return sorted(str(p.relative_to(step_dir)) for p in step_dir.rglob("*")
+                if p.is_file() and p.name != MANIFEST)
+
+
+def write_manifest(step_dir: Path) -> None:
+  """Writes `checksums.json`: size and sha256 of every file of the step folder (atomically)."""
+  files = {rel: {"bytes": (step_dir / rel).stat().st_size, "sha256": _sha256(step_dir / rel)}
+           for rel in _files(step_dir)}
+  tmp = step_dir / (MANIFEST + ".tmp")
+  with open(tmp, "w") as f:
+    json.dump({"format": MANIFEST_FORMAT, "files": files}, f, indent=1, sort_keys=True)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, step_dir / MANIFEST)
+
+
+def verify(step_dir: Path) -> str | None:
+  """None when every file of the checkpoint matches its manifest, else what is wrong, in words."""
+  try:
+    manifest = json.loads((step_dir / MANIFEST).read_text())
+  except FileNotFoundError:
+    return f"it has no {MANIFEST}: the run stopped before the checkpoint was sealed"
+  except (OSError, ValueError):
+    return f"its {MANIFEST} is unreadable"
+  if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+    return f"its {MANIFEST} has an unknown format"
+  for rel, want in sorted(manifest["files"].items()):
+    path = step_dir / rel
+    if not path.is_file():
+      return f"{rel} is missing"
+    size = path.stat().st_size
+    if size < want["bytes"]:
+      return f"{rel} is truncated ({size} of {want['bytes']} bytes)"
+    if size != want["bytes"]:
+      return f"{rel} has {size} bytes, {want['bytes']} were written"
+    if _sha256(path) != want["sha256"]:
+      return f"{rel} does not match its checksum"
+  return None
+
+
+class Checkpointer:
+  """A CheckpointManager over `directory`: async saves, keep the last `keep`, sealed by checksums.
+
+  With `read_only=True` nothing is created or written: it lists, verifies and restores.
+  """
+
+  def __init__(self, directory: str | Path, *, keep: int = 1, use_async: bool = True,
+               read_only: bool = False):
     self.directory = Path(directory).absolute()
+    self.use_async = use_async
     self.manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=use_async, create=True
+            max_to_keep=keep, enable_async_checkpointing=use_async, create=not read_only,
+            # A temporary folder left by a save that a kill cut short.
+            cleanup_tmp_directories=not read_only,
         ),
     )
     self._last_saved: int | None = None
+    self._sealer: threading.Thread | None = None
+    self._seal_error: BaseException | None = None
+
+  def all_steps(self) -> list[int]:
+    return sorted(self.manager.all_steps())
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
   def save(self, step: int, state: dict, config: Config, *, force: bool = False) -> None:
-    if step == self._last_saved or step == self.latest_step():
+    if step == self._last_saved or step in self.all_steps():
       return
+    self._join_sealer()
     meta = {"format": FORMAT, "step": step, "data_position": step, "config": config.to_dict()}
     self.manager.save(
         step,
@@ -67,13 +147,46 @@ class Checkpointer:
         force=force,
     )
     self._last_saved = step
+    if self.use_async:
+      # Sealed as soon as Orbax has finished, not at the next save: a crash in between would
+      # otherwise cost a whole checkpoint interval.
+      self._sealer = threading.Thread(target=self._seal, args=(step,), daemon=True,
+                                      name=f"seal-checkpoint-{step}")
+      self._sealer.start()
+    else:
+      self._seal(step)
+      self._raise_seal_error()
+
+  def _seal(self, step: int) -> None:
+    try:
+      self.manager.wait_until_finished()
+      if jax.process_index() == 0:
+        write_manifest(self.directory / str(step))
+    except BaseException as e:  # re-raised in the main thread by _join_sealer
+      self._seal_error = e
+
+  def _join_sealer(self) -> None:
+    if self._sealer is not None:
+      self._sealer.join()
+      self._sealer = None
+    self._raise_seal_error()
+
+  def _raise_seal_error(self) -> None:
+    if self._seal_error is not None:
+      e, self._seal_error = self._seal_error, None
+      raise e
+
+  def verify(self, step: int) -> str | None:
+    """None when checkpoint `step` passes its checksums, else the reason it does not."""
+    return verify(self.directory / str(step))
 
   def read_meta(self, step: int) -> dict:
     try:
       out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
     except Exception as e:  # orbax raises several types for a missing / foreign item
       raise IncompatibleCheckpointError(
-          f"{self.directory}/{step} is not a pisa-jax checkpoint (no readable meta): {e}"
+          f"{self.directory}/{step} is not a pisa-jax checkpoint (no readable meta): "
+          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
       ) from None
     meta = out["meta"]
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
@@ -83,8 +196,14 @@ class Checkpointer:
       )
     return meta
 
-  def restore(self, step: int, abstract_state: Any, config: Config) -> dict:
-    """Restores step `step` onto `abstract_state`'s shardings after checking model compatibility."""
+  def restore(self, step: int, abstract_state: Any, config: Config, *,
+              verified: bool = False) -> dict:
+    """Restores step `step` onto `abstract_state`'s shardings after checking model compatibility.
+
+    verified: the caller has just checked the checksums (`verify`); otherwise they are checked here.
+    """
+    if not verified and (reason := self.verify(step)) is not None:
+      raise CorruptCheckpointError(f"{self.directory}/{step} cannot be restored: {reason}")
     meta = self.read_meta(step)
     check_compatible(meta["config"]["model"], config.model, where=f"{self.directory}/{step}")
     if meta["data_position"] != step:
@@ -97,7 +216,8 @@ class Checkpointer:
       )
     except Exception as e:
       raise IncompatibleCheckpointError(
-          f"{self.directory}/{step} does not restore into this model's state: {e}"
+          f"{self.directory}/{step} does not restore into this model's state: "
+          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
       ) from None
     state = _unpure(out["state"], abstract_state)
     if int(state["step"]) != step:
@@ -107,11 +227,74 @@ class Checkpointer:
     return state
 
   def wait(self) -> None:
+    self._join_sealer()
     self.manager.wait_until_finished()
 
   def close(self) -> None:
-    self.manager.wait_until_finished()
-    self.manager.close()
+    try:
+      self.wait()
+    finally:
+      self.manager.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumePoint:
+  """The newest checkpoint of a run folder that passes its checksums, and those skipped above it."""
+
+  step: int
+  meta: dict
+  skipped: tuple[tuple[int, str], ...]
+
+
+def find_resume_point(directory: str | Path, model: ModelConfig, *,
+                      allow_attention_change: bool = False) -> ResumePoint | None:
+  """Checks a run's checkpoints without writing anything: None when it has none.
+
+  Walks from the newest checkpoint down to the first that passes its checksums; checks that one
+  against `model` (shapes always, attention fields unless `allow_attention_change`). Raises
+  CorruptCheckpointError when checkpoints exist but none passes, IncompatibleCheckpointError when
+  the newest good one was written for another model.
+  """
+  directory = Path(directory).absolute()
+  if not directory.is_dir():
+    return None
+  reader = Checkpointer(directory, read_only=True)
+  try:
+    skipped = []
+    for step in reversed(reader.all_steps()):
+      reason = reader.verify(step)
+      if reason is None:
+        meta = reader.read_meta(step)
+        where = f"{directory}/{step}"
+        check_compatible(meta["config"]["model"], model, where=where)
+        if not allow_attention_change:
+          check_same_attention(meta["config"]["model"], model, where=where)
+        return ResumePoint(step=step, meta=meta, skipped=tuple(skipped))
+      skipped.append((step, reason))
+  finally:
+    reader.close()
+  if skipped:
+    listed = "; ".join(f"{step}: {reason}" for step, reason in skipped)
+    raise CorruptCheckpointError(
+        f"no checkpoint in {directory} passes its checksums ({listed}): delete {directory} to "
+        f"start over, or use a new --workdir"
+    )
+  return None
+
+
+def set_aside(directory: str | Path, steps: list[int], into: str | Path) -> list[Path]:
+  """Moves the step folders `steps` of `directory` into `into` (nothing is deleted)."""
+  moved = []
+  for step in steps:
+    target = Path(into) / str(step)
+    n = 1
+    while target.exists():
+      n += 1
+      target = Path(into) / f"{step}-{n}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(Path(directory) / str(step)), target)
+    moved.append(target)
+  return moved
 
 
 def check_compatible(saved_model: dict, model: ModelConfig, *, where: str) -> None:
@@ -126,16 +309,42 @@ def check_compatible(saved_model: dict, model: ModelConfig, *, where: str) -> No
     )
 
 
-def init_from(workdir: str | Path, abstract_state: Any, config: Config) -> dict:
-  """Parameters and Adam moments from `workdir`'s latest checkpoint, with step reset to 0."""
+def attention_changes(saved_model: dict, model: ModelConfig) -> list[str]:
+  """The attention fields that differ, as `model.field: checkpoint X, now Y`."""
+  now = dataclasses.asdict(model)
+  both_sparse = (saved_model.get("attention") in SPARSE_ATTENTION_KINDS
+                 and model.attention in SPARSE_ATTENTION_KINDS)
+  # A dense model has no blocks: its block_size, top_k, ... mean nothing.
+  fields = ATTENTION_FIELDS if both_sparse else ("attention",)
+  return [f"model.{f}: checkpoint {saved_model.get(f)!r}, now {now[f]!r}"
+          for f in fields if saved_model.get(f) != now[f]]
+
+
+def check_same_attention(saved_model: dict, model: ModelConfig, *, where: str) -> None:
+  """Raises IncompatibleCheckpointError when the run would continue under another attention."""
+  diffs = attention_changes(saved_model, model)
+  if diffs:
+    raise IncompatibleCheckpointError(
+        f"{where} was trained with other attention ({'; '.join(diffs)}): resuming would continue "
+        f"those weights under the new attention; pass --allow-attention-change to do that on "
+        f"purpose, use a new --workdir, or --set the fields back"
+    )
+
+
+def init_from(workdir: str | Path, abstract_state: Any, config: Config) -> tuple[dict, ResumePoint]:
+  """Parameters and Adam moments from `workdir`'s newest good checkpoint, with step reset to 0.
+
+  Returns the state and the checkpoint it came from (with any newer ones skipped as corrupt).
+  """
   directory = Path(workdir) / "checkpoints"
-  source = Checkpointer(directory, keep=1, use_async=False)
+  # Continued pretraining may change the attention (e.g. dense -> PISA): only shapes must match.
+  point = find_resume_point(directory, config.model, allow_attention_change=True)
+  if point is None:
+    raise FileNotFoundError(f"train.init_from={str(workdir)!r} has no complete checkpoint in {directory}")
+  source = Checkpointer(directory, read_only=True)
   try:
-    step = source.latest_step()
-    if step is None:
-      raise FileNotFoundError(f"train.init_from={str(workdir)!r} has no complete checkpoint in {directory}")
-    state = source.restore(step, abstract_state, config)
+    state = source.restore(point.step, abstract_state, config, verified=True)
   finally:
     source.close()
   state["step"] = jax.device_put(jax.numpy.zeros((), jax.numpy.int32), abstract_state["step"].sharding)
-  return state
+  return state, point

@@ -4,8 +4,9 @@
   pisa-train --config small --set data.path=data/corpus --set train.steps=500 --workdir runs/s
   pisa-train --config cpt-1.47b --set train.init_from=runs/pretrain --workdir runs/cpt
 
-Running the same command again resumes from the latest complete checkpoint; Ctrl-C saves one and
-exits. `--print-config` shows the resolved config and exits without compiling anything.
+Running the same command again resumes from the newest checkpoint that passes its checksums; Ctrl-C
+saves one and exits. `--print-config` shows the resolved config and exits without compiling
+anything. Every mistake ends in one line on stderr and exit status 1 (130 for Ctrl-C).
 """
 
 from __future__ import annotations
@@ -16,6 +17,20 @@ import sys
 from pisa_jax.configs import PRESETS, apply_overrides, get_config, validate
 
 
+def _positive(kind):
+  def parse(text: str):
+    try:
+      value = kind(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+      raise argparse.ArgumentTypeError(f"{text} must be > 0")
+    return value
+
+  parse.__name__ = kind.__name__
+  return parse
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="pisa-train", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -23,10 +38,14 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--set", dest="overrides", action="append", default=[],
                       metavar="SECTION.FIELD=VALUE", help="override a config field (repeatable)")
   parser.add_argument("--workdir", help="checkpoints, config.json and metrics.jsonl go here")
-  parser.add_argument("--run-steps", type=int, default=None,
+  parser.add_argument("--run-steps", type=_positive(int), default=None,
                       help="stop (with a checkpoint) after this many steps of this invocation")
-  parser.add_argument("--max-seconds", type=float, default=None,
+  parser.add_argument("--max-seconds", type=_positive(float), default=None,
                       help="stop (with a checkpoint) after this much training wall time")
+  parser.add_argument("--allow-attention-change", action="store_true",
+                      help="resume even though model.attention (or its block_size, top_k, "
+                           "branching or beam) differs from the checkpoint's: the weights trained "
+                           "with the old attention continue under the new one")
   parser.add_argument("--print-config", action="store_true")
   parser.add_argument("--no-progress", action="store_true")
   args = parser.parse_args(argv)
@@ -41,16 +60,22 @@ def main(argv: list[str] | None = None) -> int:
   if not args.workdir:
     parser.error("--workdir is required to train")
 
-  # Imported after validation: a bad config fails before JAX starts or anything compiles.
-  from pisa_jax.train.checkpoint import IncompatibleCheckpointError
-  from pisa_jax.train.trainer import NonFiniteLossError, train
-
   try:
-    result = train(config, args.workdir, run_steps=args.run_steps, max_seconds=args.max_seconds,
-                   progress=not args.no_progress)
-  except (NonFiniteLossError, IncompatibleCheckpointError, FileNotFoundError, ValueError) as e:
+    # Imported after validation: a bad config fails before JAX starts or anything compiles.
+    from pisa_jax.train import trainer
+
+    result = trainer.train(config, args.workdir, run_steps=args.run_steps,
+                           max_seconds=args.max_seconds, progress=not args.no_progress,
+                           allow_attention_change=args.allow_attention_change)
+  except KeyboardInterrupt as e:
+    print(f"pisa-train: {str(e) or 'interrupted'}", file=sys.stderr)
+    return 130
+  except (ValueError, OSError, trainer.NonFiniteLossError, trainer.InsufficientMemoryError) as e:
+    # ValueError covers the config, data, run-folder and checkpoint errors.
     print(f"pisa-train: error: {e}", file=sys.stderr)
     return 1
+  if result.already_complete:
+    return 0
   final = result.evals[-1] if result.evals else None
   if final:
     print(f"done: step {result.end_step}, eval loss {final['eval_loss']:.4f}, "

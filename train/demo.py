@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--attention", nargs="+", default=["pisa", "dense"],
                       help="attention kinds to compare (pisa, pisa1, pisa2, bsa, dense)")
   parser.add_argument("--workdir", type=Path, default=None,
-                      help="where runs go (default: a fresh temporary folder)")
+                      help="keep the runs here (default: a temporary folder, removed at the end)")
   parser.add_argument("--set", dest="overrides", action="append", default=[],
                       metavar="SECTION.FIELD=VALUE", help="override a field of the tiny preset")
   args = parser.parse_args(argv)
@@ -43,8 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.error(str(e))
 
   from pisa_jax.models.decoder import count_params
-  from pisa_jax.train.trainer import train
+  from pisa_jax.train import trainer
 
+  # Without --workdir the runs go to a temporary folder that is removed at the end.
   root = args.workdir or Path(tempfile.mkdtemp(prefix="pisa-demo-"))
   any_cfg = next(iter(configs.values()))
   m, d, t = any_cfg.model, any_cfg.data, any_cfg.train
@@ -53,22 +56,33 @@ def main(argv: list[str] | None = None) -> int:
         f"Model: {m.num_layers} layers, d_model {m.d_model}, {m.num_heads} query / {m.num_kv_heads} "
         f"KV heads ({count_params(m) / 1e6:.2f}M parameters); {t.steps} steps of "
         f"{t.per_device_batch} sequences. Sparse attention: blocks of {m.block_size}, top_k "
-        f"{m.top_k} ({m.top_k * m.block_size} of {t.seq_len} keys per query).\nRuns in {root}\n",
-        flush=True)
+        f"{m.top_k} ({m.top_k * m.block_size} of {t.seq_len} keys per query).\n"
+        + (f"Runs in {root}\n" if args.workdir else ""), flush=True)
 
   rows = []
-  for kind, cfg in configs.items():
-    print(f"--- {kind} attention ---", flush=True)
-    t0 = time.perf_counter()
-    result = train(cfg, root / kind, progress=True, print_config=False)
-    elapsed = time.perf_counter() - t0
-    losses = [result.losses[s] for s in sorted(result.losses)]
-    k = min(10, len(losses))
-    rows.append({
-        "kind": kind, "first": sum(losses[:k]) / k, "last": sum(losses[-k:]) / k,
-        "eval_loss": result.evals[-1]["eval_loss"], "recall": result.evals[-1]["eval_accuracy"],
-        "seconds": elapsed,
-    })
+  try:
+    for kind, cfg in configs.items():
+      print(f"--- {kind} attention ---", flush=True)
+      t0 = time.perf_counter()
+      result = trainer.train(cfg, root / kind, progress=True, print_config=False)
+      elapsed = time.perf_counter() - t0
+      if result.already_complete:
+        print(f"{root / kind} already holds this finished run: pass a new --workdir to train "
+              f"again", flush=True)
+        return 1
+      losses = [result.losses[s] for s in sorted(result.losses)]
+      k = min(10, len(losses))
+      rows.append({
+          "kind": kind, "first": sum(losses[:k]) / k, "last": sum(losses[-k:]) / k,
+          "eval_loss": result.evals[-1]["eval_loss"], "recall": result.evals[-1]["eval_accuracy"],
+          "seconds": elapsed,
+      })
+  except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+    return 130
+  finally:
+    if args.workdir is None:
+      shutil.rmtree(root, ignore_errors=True)
 
   chance = 1.0 / (m.vocab_size - m.vocab_size // 2)
   header = ("attention", "train loss (first -> last 10 steps)", "held-out loss", "recall", "time")

@@ -9,8 +9,12 @@ counted tokens, clips at global norm 1.0 and applies AdamW with the schedule's l
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import logging
 import math
+import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -30,6 +34,8 @@ from pisa_jax.models.sharding import batch_sharding, make_mesh, param_shardings
 from pisa_jax.train import checkpoint as ckpt_lib
 from pisa_jax.train.data import make_batches
 from pisa_jax.train.schedule import make_schedule
+
+log = logging.getLogger(__name__)
 
 # Dense bf16 peak FLOP/s per device, for MFU; looked up by substring of `device.device_kind`.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -89,6 +95,12 @@ class Trainer:
 
   def init_state(self) -> dict:
     """Fresh parameters from `train.seed`, Adam state at zero, step 0, placed by the table."""
+    with jax.set_mesh(self.mesh):
+      return self._init_fn()
+
+  @functools.cached_property
+  def _init_fn(self):
+    """The jitted initialiser, compiled on the first `init_state` and reused by later ones."""
     cfg = self.config
 
     def init():
@@ -102,8 +114,7 @@ class Trainer:
           "rng": jax.random.key_data(key),
       }
 
-    with jax.set_mesh(self.mesh):
-      return jax.jit(init, out_shardings=self.state_shardings)()
+    return jax.jit(init, out_shardings=self.state_shardings)
 
   def place_batch(self, batch: dict[str, np.ndarray], shardings: dict) -> dict:
     return {k: jax.make_array_from_process_local_data(shardings[k], v) for k, v in batch.items()}
@@ -217,8 +228,81 @@ def peak_flops(device) -> float | None:
   return None
 
 
-def _fmt_bytes(n: int) -> str:
-  return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+def _fmt_bytes(n: float) -> str:
+  if n >= 2**30:
+    return f"{n / 2**30:.2f} GiB"
+  return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def step_memory(memory: dict) -> int | None:
+  """Bytes one device holds while the train step runs, from XLA's memory analysis.
+
+  Arguments + outputs + temporaries, with the outputs that reuse the donated arguments' buffers
+  (the updated state) counted once.
+  """
+  if not memory:
+    return None
+  return (memory.get("argument_size_in_bytes", 0) + memory.get("output_size_in_bytes", 0)
+          - memory.get("alias_size_in_bytes", 0) + memory.get("temp_size_in_bytes", 0))
+
+
+def _host_available_bytes() -> int | None:
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except (OSError, ValueError, IndexError):
+    pass
+  try:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  except (ValueError, OSError, AttributeError):
+    return None
+
+
+def device_memory(device) -> tuple[int, str] | None:
+  """(bytes one device can hold, what that figure is), or None where the backend does not say."""
+  try:
+    stats = device.memory_stats() or {}
+  except Exception:  # some backends raise instead of returning None
+    stats = {}
+  if "bytes_limit" in stats:
+    return int(stats["bytes_limit"]), f"one {device.device_kind}"
+  if device.platform == "cpu":
+    available = _host_available_bytes()
+    if available:
+      n = len(jax.local_devices())
+      # The host's CPU devices share its memory.
+      return available // n, "the host's available memory" + (f" / {n} devices" if n > 1 else "")
+  return None
+
+
+class InsufficientMemoryError(RuntimeError):
+  """The compiled train step needs more memory than a device has."""
+
+
+def check_memory(trainer: Trainer) -> str:
+  """Raises InsufficientMemoryError when the step cannot fit; else returns the memory report line."""
+  cfg, t, mem = trainer.config, trainer.config.train, trainer.memory
+  need = step_memory(mem)
+  if need is None:
+    return "train step memory: XLA gives no memory analysis on this backend"
+  have = device_memory(trainer.mesh.devices.flat[0])
+  temp, args = mem.get("temp_size_in_bytes", 0), mem.get("argument_size_in_bytes", 0)
+  if have is not None and need > have[0]:
+    raise InsufficientMemoryError(
+        f"the compiled train step needs {_fmt_bytes(need)} per device (temporaries "
+        f"{_fmt_bytes(temp)}, state and batch {_fmt_bytes(args)}) but {have[1]} has "
+        f"{_fmt_bytes(have[0])}: lower train.per_device_batch={t.per_device_batch} (raise "
+        f"train.grad_accum={t.grad_accum} to keep the tokens per step), train.seq_len={t.seq_len}, "
+        f"or the model size (model.num_layers={cfg.model.num_layers}, "
+        f"model.d_model={cfg.model.d_model}, model.mlp_dim={cfg.model.mlp_dim})"
+    )
+  per_token = temp / (t.per_device_batch * t.seq_len)
+  return (f"train step memory per device: peak {_fmt_bytes(need)}"
+          f"{f' of {_fmt_bytes(have[0])} ({have[1]})' if have else ''}; temporaries "
+          f"{_fmt_bytes(temp)} ({_fmt_bytes(per_token)} per token of a micro-batch); state and "
+          f"batch {_fmt_bytes(args)}")
 
 
 @dataclasses.dataclass
@@ -232,6 +316,8 @@ class TrainResult:
   evals: list[dict]
   stopped_early: bool
   workdir: Path
+  # The run folder's checkpoint had already reached train.steps: nothing was trained.
+  already_complete: bool = False
 
 
 def evaluate(trainer: Trainer, params, batches, num_batches: int) -> dict:
@@ -248,8 +334,12 @@ def evaluate(trainer: Trainer, params, batches, num_batches: int) -> dict:
   return {"eval_loss": loss / weight, "eval_accuracy": hits / weight}
 
 
+class InterruptedBeforeStart(KeyboardInterrupt):
+  """Ctrl-C while the run was being set up: nothing was written to the run folder."""
+
+
 class _Interrupt:
-  """First Ctrl-C asks the loop to checkpoint and stop; a second one raises at once."""
+  """First Ctrl-C asks the loop to checkpoint and stop; a second one exits at once."""
 
   def __init__(self):
     self.requested = False
@@ -264,7 +354,11 @@ class _Interrupt:
 
   def _handle(self, signum, frame):
     if self.requested:
-      raise KeyboardInterrupt
+      # Exits without unwinding: an exception here would carry Orbax's and XLA's running threads
+      # into interpreter shutdown, which aborts. An unfinished save is only a temporary folder.
+      os.write(2, b"\nsecond Ctrl-C: stopped without saving; run the same command again to resume "
+                  b"from the last complete checkpoint\n")
+      os._exit(130)
     self.requested = True
     tqdm.write("Ctrl-C: finishing this step, saving a checkpoint and exiting (again to abort)")
 
@@ -273,54 +367,215 @@ class _Interrupt:
       signal.signal(signal.SIGINT, self._previous)
 
 
+class RunFolderError(ValueError):
+  """The workdir cannot hold a run."""
+
+
+def check_workdir(workdir: Path) -> None:
+  """A workdir that is a file, or that cannot be created, fails here in one line."""
+  for path in (workdir, workdir / "checkpoints"):
+    if path.exists() and not path.is_dir():
+      raise RunFolderError(
+          f"{path} is a file, not a folder: --workdir names a run folder (a new one starts a run, "
+          f"an existing one resumes it)")
+  existing = workdir.absolute()
+  while not existing.exists():
+    existing = existing.parent
+  if not existing.is_dir():
+    raise RunFolderError(f"{existing} is a file: cannot create the run folder {workdir}")
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise RunFolderError(f"{existing} is not writable: cannot use the run folder {workdir}")
+
+
+def _truncate_metrics(path: Path, step: int) -> int:
+  """Drops metric rows past `step` and lines cut short by a kill; returns how many were dropped.
+
+  A run killed after its last checkpoint logged steps that the resumed run computes again.
+  """
+  if not path.exists():
+    return 0
+  kept, dropped = [], 0
+  for line in path.read_text().splitlines():
+    try:
+      row = json.loads(line)
+    except ValueError:
+      row = None
+    if not isinstance(row, dict) or row.get("step", 0) > step:
+      dropped += 1
+      continue
+    kept.append(line + "\n")
+  if dropped:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+  return dropped
+
+
+class _TqdmHandler(logging.Handler):
+  """Writes each record as one line above the progress bar."""
+
+  def emit(self, record):
+    try:
+      tqdm.write(self.format(record))
+    except Exception:
+      self.handleError(record)
+
+
+def console_logging() -> None:
+  """Sends the `pisa_jax` loggers' INFO lines to the console as plain lines above the progress bar.
+
+  Done once, and not when the application has given the `pisa_jax` logger a handler of its own.
+  The lines do not propagate to the root logger: Orbax's absl logging installs a handler there
+  that would print them a second time, prefixed.
+  """
+  package = logging.getLogger("pisa_jax")
+  if package.handlers:
+    return
+  handler = _TqdmHandler()
+  handler.setFormatter(logging.Formatter("%(message)s"))
+  package.addHandler(handler)
+  package.setLevel(logging.INFO)
+  package.propagate = False
+
+
+@dataclasses.dataclass
+class _Start:
+  """What the set-up found: the compiled trainer, the state to start from and where it came from."""
+
+  trainer: Trainer
+  state: dict
+  point: ckpt_lib.ResumePoint | None
+  train_batches: Any
+  val_batches: Any
+
+
 def train(config: Config, workdir: str | Path, *, run_steps: int | None = None,
           max_seconds: float | None = None,
           progress: bool = True, mesh: Mesh | None = None, quiet: bool = False,
-          print_config: bool = True, trainer: Trainer | None = None) -> TrainResult:
-  """Trains `config` in `workdir`, resuming from its latest complete checkpoint.
+          print_config: bool = True, trainer: Trainer | None = None,
+          allow_attention_change: bool = False) -> TrainResult:
+  """Trains `config` in `workdir`, resuming from its newest checkpoint that passes its checksums.
 
   run_steps: stop after this many steps of this invocation (checkpointing first), as Ctrl-C does.
   max_seconds: likewise, once this much wall time has passed in the loop (compilation excluded).
+  allow_attention_change: resume a checkpoint trained with other attention fields (attention,
+    block_size, top_k, branching, beam), which is refused otherwise.
+
+  Nothing is written to `workdir` until the run is sure to start: the data, the checkpoints
+  (checksums, model), the compiled step and its memory are checked first, and a folder that this
+  call created is removed again if the set-up fails. Status lines go to the `pisa_jax.train`
+  loggers (see `console_logging`).
   """
   cfg, t = config, config.train
-  workdir = Path(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
-  say = (lambda *a: None) if quiet else tqdm.write
-  if print_config:
-    say("resolved config:\n" + cfg.to_json())
-  (workdir / "config.json").write_text(cfg.to_json() + "\n")
-
+  if run_steps is not None and run_steps < 1:
+    raise ValueError(f"run_steps={run_steps} must be >= 1")
+  if max_seconds is not None and not max_seconds > 0:
+    raise ValueError(f"max_seconds={max_seconds} must be > 0")
   if trainer is not None and trainer.config != cfg:
     raise ValueError("trainer was built for a different config than config: build it with "
                      "build_trainer(config) or pass trainer=None")
-  trainer = build_trainer(cfg, mesh) if trainer is None else trainer
-  n_dev = trainer.mesh.devices.size
-  say(f"mesh {dict(trainer.mesh.shape)} on {n_dev} x {jax.devices()[0].device_kind}; "
-      f"{count_params(cfg.model) / 1e6:.1f}M parameters; global batch {trainer.global_batch} x "
-      f"{t.grad_accum} accumulation x {t.seq_len} tokens")
-  if trainer.memory:
-    say("compiled train step memory: " + ", ".join(
-        f"{k.removesuffix('_size_in_bytes')} {_fmt_bytes(v)}" for k, v in trainer.memory.items()))
+  workdir = Path(workdir)
+  check_workdir(workdir)
+  if not quiet:
+    console_logging()
+  say = (lambda *a: None) if quiet else log.info
+  checkpoint_dir = (workdir / "checkpoints").absolute()
 
-  checkpoints = ckpt_lib.Checkpointer(workdir / "checkpoints", keep=t.keep_checkpoints,
-                                      use_async=t.async_checkpointing)
+  created = not workdir.exists()
+  try:
+    begin = _set_up(cfg, checkpoint_dir, mesh=mesh, trainer=trainer, say=say,
+                    print_config=print_config, allow_attention_change=allow_attention_change)
+    if isinstance(begin, TrainResult):
+      return dataclasses.replace(begin, workdir=workdir)
+    # The run starts: from here on the run folder is written.
+    start = int(begin.state["step"])
+    workdir.mkdir(parents=True, exist_ok=True)
+    if begin.point is not None and begin.point.skipped:
+      skipped = [step for step, _ in begin.point.skipped]
+      moved = ckpt_lib.set_aside(checkpoint_dir, skipped, workdir / "skipped_checkpoints")
+      log.warning("; ".join(
+          f"skipped checkpoint {checkpoint_dir}/{step} ({reason}): moved it to {target}"
+          for (step, reason), target in zip(begin.point.skipped, moved)))
+    (workdir / "config.json").write_text(cfg.to_json() + "\n")
+    dropped = _truncate_metrics(workdir / "metrics.jsonl", start)
+    checkpoints = ckpt_lib.Checkpointer(checkpoint_dir, keep=t.keep_checkpoints,
+                                        use_async=t.async_checkpointing)
+  except KeyboardInterrupt:
+    if created:
+      shutil.rmtree(workdir, ignore_errors=True)
+    raise InterruptedBeforeStart(
+        f"interrupted before training started: nothing was written to {workdir}") from None
+  except BaseException:
+    if created:
+      shutil.rmtree(workdir, ignore_errors=True)
+    raise
+  if begin.point is not None:
+    say(f"resumed from {checkpoint_dir}/{begin.point.step} (step {start} of {t.steps})")
+  if dropped:
+    say(f"dropped {dropped} rows past step {start} from metrics.jsonl: those steps run again")
+  return _loop(cfg, workdir, begin, checkpoints, run_steps=run_steps, max_seconds=max_seconds,
+               progress=progress, say=say)
+
+
+def _set_up(cfg: Config, checkpoint_dir: Path, *, mesh, trainer, say, print_config: bool,
+            allow_attention_change: bool) -> _Start | TrainResult:
+  """Checks the data and checkpoints, compiles, checks the memory and restores: writes nothing."""
+  t = cfg.train
+  mesh = trainer.mesh if trainer is not None else (make_mesh(t.fsdp) if mesh is None else mesh)
+  global_batch = t.per_device_batch * mesh.devices.size
+  # The data first: a missing or unprepared corpus fails before anything compiles.
   pi, pc = jax.process_index(), jax.process_count()
-  train_batches = make_batches(cfg, "train", global_batch=trainer.global_batch,
-                               accum=t.grad_accum, process_index=pi, process_count=pc)
-  val_batches = make_batches(cfg, "val", global_batch=trainer.global_batch, accum=1,
+  train_batches = make_batches(cfg, "train", global_batch=global_batch, accum=t.grad_accum,
+                               process_index=pi, process_count=pc)
+  val_batches = make_batches(cfg, "val", global_batch=global_batch, accum=1,
                              process_index=pi, process_count=pc)
 
-  latest = checkpoints.latest_step()
-  if latest is not None:
-    state = checkpoints.restore(latest, trainer.abstract_state, cfg)
-    say(f"resumed from {checkpoints.directory}/{latest}")
+  point = ckpt_lib.find_resume_point(checkpoint_dir, cfg.model,
+                                     allow_attention_change=allow_attention_change)
+  if point is not None and point.step >= t.steps:
+    say(f"the run is complete: checkpoint {checkpoint_dir}/{point.step} is step {point.step} of "
+        f"train.steps={t.steps}; --set train.steps to more to train further, or use a new --workdir")
+    return TrainResult(start_step=point.step, end_step=point.step, losses={}, accuracies={},
+                       evals=[], stopped_early=False, workdir=checkpoint_dir.parent,
+                       already_complete=True)
+  if print_config:
+    say("resolved config:\n" + cfg.to_json())
+  if point is not None and allow_attention_change:
+    changes = ckpt_lib.attention_changes(point.meta["config"]["model"], cfg.model)
+    if changes:
+      log.warning(f"continuing checkpoint {point.step} under other attention "
+                  f"({'; '.join(changes)}), as --allow-attention-change asks")
+
+  trainer = build_trainer(cfg, mesh) if trainer is None else trainer
+  say(f"mesh {dict(trainer.mesh.shape)} on {trainer.mesh.devices.size} x "
+      f"{jax.devices()[0].device_kind}; {count_params(cfg.model) / 1e6:.1f}M parameters; global "
+      f"batch {trainer.global_batch} x {t.grad_accum} accumulation x {t.seq_len} tokens")
+  say(check_memory(trainer))
+
+  if point is not None:
+    reader = ckpt_lib.Checkpointer(checkpoint_dir, read_only=True)
+    try:
+      state = reader.restore(point.step, trainer.abstract_state, cfg, verified=True)
+    finally:
+      reader.close()
   elif t.init_from:
-    state = ckpt_lib.init_from(t.init_from, trainer.abstract_state, cfg)
-    say(f"initialised parameters and Adam moments from {t.init_from}; step reset to 0")
+    state, source = ckpt_lib.init_from(t.init_from, trainer.abstract_state, cfg)
+    for step, reason in source.skipped:
+      log.warning(f"train.init_from: skipped checkpoint {step} ({reason})")
+    say(f"initialised parameters and Adam moments from {t.init_from} (checkpoint {source.step}); "
+        f"step reset to 0")
   else:
     state = trainer.init_state()
-  start = int(state["step"])
+  return _Start(trainer=trainer, state=state, point=point, train_batches=train_batches,
+                val_batches=val_batches)
 
+
+def _loop(cfg: Config, workdir: Path, begin: _Start, checkpoints: ckpt_lib.Checkpointer, *,
+          run_steps, max_seconds, progress, say) -> TrainResult:
+  """The training loop, from the set-up's state to `train.steps` or an early stop."""
+  t, trainer, state = cfg.train, begin.trainer, begin.state
+  start = int(state["step"])
+  n_dev = trainer.mesh.devices.size
   flops_tok = flops_per_token(cfg.model, t.seq_len)
   peak = t.peak_tflops_per_device * 1e12 or peak_flops(jax.devices()[0])
   metrics_file = open(workdir / "metrics.jsonl", "a")
@@ -331,9 +586,13 @@ def train(config: Config, workdir: str | Path, *, run_steps: int | None = None,
   window: list[dict] = []
   t_window = time.perf_counter()
   stop_at = t.steps if run_steps is None else min(t.steps, start + run_steps)
+  # The progress bar shows an exponential moving average of the per-step loss (loss_ema); the
+  # status lines and metrics.jsonl give the mean loss of each logging interval (loss).
+  ema = None
 
   def record(step: int, m: dict) -> None:
     """Fetches step `step`'s metrics (one step behind the dispatch) and checks the loss."""
+    nonlocal ema
     m = {k: float(v) for k, v in m.items()}
     if not (math.isfinite(m["loss"]) and math.isfinite(m["param_norm"])):
       checkpoints.wait()
@@ -347,6 +606,7 @@ def train(config: Config, workdir: str | Path, *, run_steps: int | None = None,
       )
     losses[step] = m["loss"]
     accuracies[step] = m["accuracy"]
+    ema = m["loss"] if ema is None else 0.9 * ema + 0.1 * m["loss"]
     window.append(m)
 
   def log_interval(step: int) -> None:
@@ -373,7 +633,7 @@ def train(config: Config, workdir: str | Path, *, run_steps: int | None = None,
   def run_eval(step: int) -> None:
     if t.eval_batches == 0:
       return
-    e = evaluate(trainer, state["params"], val_batches, t.eval_batches)
+    e = evaluate(trainer, state["params"], begin.val_batches, t.eval_batches)
     e["step"] = step
     evals.append(e)
     metrics_file.write(json.dumps(e) + "\n")
@@ -390,11 +650,12 @@ def train(config: Config, workdir: str | Path, *, run_steps: int | None = None,
   bar = tqdm(total=t.steps, initial=start, disable=not progress, desc="train", unit="step",
              dynamic_ncols=True)
   pending = None
-  try:
-    with _Interrupt() as interrupt:
-      step = start
+  step = start
+  # Ctrl-C is caught until the last checkpoint is written: a second one exits at once.
+  with _Interrupt() as interrupt:
+    try:
       while step < stop_at:
-        batch = trainer.place_batch(train_batches.batch(step), trainer.batch_shardings)
+        batch = trainer.place_batch(begin.train_batches.batch(step), trainer.batch_shardings)
         state, metrics = trainer.train_step(state, batch)
         if pending is not None:
           record(*pending)
@@ -408,7 +669,7 @@ def train(config: Config, workdir: str | Path, *, run_steps: int | None = None,
         if done or ckpt or ev or interrupt.requested or out_of_time or step == stop_at:
           record(*pending)
           pending = None
-          bar.set_postfix(loss=f"{losses[step - 1]:.4f}")
+          bar.set_postfix(loss_ema=f"{ema:.4f}")
         if done:
           log_interval(step)
         if ev:
@@ -427,16 +688,19 @@ def train(config: Config, workdir: str | Path, *, run_steps: int | None = None,
         save(step, force=True)
         say(f"stopped at step {step}; checkpoint saved to {checkpoints.directory}/{step}; run the "
             f"same command again to resume")
-    stats = jax.local_devices()[0].memory_stats() or {}
-    if "peak_bytes_in_use" in stats:
-      metrics_file.write(json.dumps({"step": step, "peak_bytes_in_use": stats["peak_bytes_in_use"]}) + "\n")
-      say(f"peak device memory {_fmt_bytes(stats['peak_bytes_in_use'])}")
-  finally:
-    bar.close()
-    checkpoints.close()
-    metrics_file.close()
-    if tb is not None:
-      tb.close()
+      stats = jax.local_devices()[0].memory_stats() or {}
+      if "peak_bytes_in_use" in stats:
+        metrics_file.write(
+            json.dumps({"step": step, "peak_bytes_in_use": stats["peak_bytes_in_use"]}) + "\n")
+        say(f"peak device memory {_fmt_bytes(stats['peak_bytes_in_use'])}")
+    finally:
+      bar.close()
+      try:
+        checkpoints.close()
+      finally:
+        metrics_file.close()
+        if tb is not None:
+          tb.close()
   return TrainResult(start_step=start, end_step=step, losses=losses, accuracies=accuracies,
                      evals=evals, stopped_early=stopped_early, workdir=workdir)
 
