@@ -6,7 +6,8 @@
 
 Running the same command again resumes from the newest checkpoint that passes its checksums; Ctrl-C
 saves one and exits. `--print-config` shows the resolved config and exits without compiling
-anything. Every mistake ends in one line on stderr and exit status 1 (130 for Ctrl-C).
+anything. A mistake ends in one line on stderr: exit status 2 for a bad argument or config, 1 for
+a run that cannot start or continue, 130 for Ctrl-C.
 """
 
 from __future__ import annotations

@@ -4,6 +4,11 @@ The train state is a plain pytree `{"params", "opt_state", "step", "rng"}`: para
 model's pure dict, placed by the logical-axis table (`pisa_jax.models.sharding`). One step runs
 `grad_accum` micro-batches under `lax.scan`, sums float32 gradients, divides by the number of
 counted tokens, clips at global norm 1.0 and applies AdamW with the schedule's learning rate.
+
+`train` checks what it can before it writes anything to the run folder: the data, the checkpoints
+(checksums, and the model they were written for), and the compiled step's memory against the
+device's. Its status lines go to the `pisa_jax.train.trainer` logger; `console_logging` prints them
+above the progress bar.
 """
 
 from __future__ import annotations
