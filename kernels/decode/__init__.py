@@ -1,0 +1,48 @@
+"""Pallas (Triton) kernels for one decode step (Section 3.3 "Decoding", Eq. 30-31, Appendix B
+"Decode cache"): the twins of `pisa_jax.decode.decode_append_reference`,
+`decode_select_reference` and `decode_attention_reference`.
+
+One decode step is three launches and one small XLA fusion:
+1. append, one program per (batch row, KV head): writes the new key and value at the row's own
+   length, recomputes the current leaf's mean from its raw keys and then each ancestor's mean from
+   its children (Eq. 15): O(C + g log N) rows read, O(log N) summaries written, in place (the cache
+   buffers are aliased to the outputs).
+2. select, one program per (batch row, KV head), all query heads of the GQA group as the rows of
+   its dots: the fused single-stage selection of Eq. 30-31. It walks the pyramid from the first
+   level with more than `beam` eligible nodes down to the leaves (Eq. 16-18), scores each level's
+   candidates from their children's summaries (Eq. 21 / 33 / 34, summed over the group's heads,
+   Eq. 22) and the leaf candidates from their raw keys, keeping the queries in registers
+   throughout. The flat BSA baseline is O(N / C) per step, as BSA is.
+3. attention, split-K flash-decoding: program (row, KV head, split) runs an online softmax over its
+   share of the K selected blocks and writes (o, m, l); a jnp merge combines the splits by
+   log-sum-exp. With one block per split, B = 1 still launches HKV * K programs.
+
+  config.py     DecodeConfig and the attention split heuristic
+  layout.py     Geometry (static shapes), the row layout, loads and stores, launch
+  scoring.py    dots in float32, the reductions of Eq. 21 / 33 / 34, ranking keys
+  append.py     the append kernel (new key and value, leaf and ancestor summaries)
+  select.py     the fused walk + leaf kernel, Select_K by rank, decode_select_pallas
+  bsa.py        the flat BSA kernel (two passes over the leaf summaries, running top-k)
+  attention.py  the split-K attention kernel and the log-sum-exp merge
+
+Layout: the cache keeps the model's `[B, capacity, HKV, D]` layout, viewed as rows
+`[B * capacity * HKV, D]`; the pyramid is one float32 array `[B, S, HKV, D]`, its levels stacked
+leaves first along axis 1 (`level_offsets`), viewed as rows too. Every in-kernel value has
+power-of-two shapes: heads padded to Gp >= 16 rows, head dim to Dp, block to Cp, candidates to NC.
+Out-of-range rows are clamped and masked (interpret mode clamps; the GPU would read garbage).
+
+Scores are float32. 16-bit queries and keys of one dtype meet in a tensor-core dot (exact
+products, float32 accumulation); bfloat16 queries meet the float32 summaries as two dots against
+the summary's bfloat16 high part (its bits truncated, so exactly representable) and the rounded
+remainder (~2^-17 relative error, the prefill kernels' "split" mode); anything else is upcast to
+float32 and dotted at IEEE precision.
+"""
+
+from pisa_jax.kernels.decode.append import decode_append_pallas
+from pisa_jax.kernels.decode.attention import decode_attention_pallas
+from pisa_jax.kernels.decode.config import DecodeConfig, default_attend_blocks
+from pisa_jax.kernels.decode.layout import level_offsets
+from pisa_jax.kernels.decode.select import SELECTORS, decode_select_pallas
+
+__all__ = ["SELECTORS", "DecodeConfig", "decode_append_pallas", "decode_attention_pallas",
+           "decode_select_pallas", "default_attend_blocks", "level_offsets"]

@@ -1,0 +1,99 @@
+"""The decode append kernel: the new token's key and value into the cache, then its leaf's and
+every ancestor's summary (Eq. 15), in place."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Float, Int
+
+from pisa_jax.kernels._common import next_pow2
+from pisa_jax.kernels.decode.config import MIN_DOT, DecodeConfig
+from pisa_jax.kernels.decode.layout import (launch, level_offsets, load_row, load_rows,
+                                            load_scalar, store_row)
+
+
+def _append_kernel(pos_ref, kn_ref, vn_ref, k_ref, v_ref, s_ref, ko_ref, vo_ref, so_ref, *,
+                   capacity: int, hkv: int, d: int, block_size: int, branching: int,
+                   offsets: tuple[int, ...]):
+  """One (batch row, KV head): append the token at position pos = the row's length, then update
+  its leaf (the mean of the block's raw keys) and every ancestor (the mean of its existing
+  children, Eq. 15), leaves first. k_ref / v_ref / s_ref are aliased to ko_ref / vo_ref / so_ref:
+  only rows below pos and complete siblings are read, never a row this program writes."""
+  dp = max(MIN_DOT, next_pow2(d))
+  cp = max(MIN_DOT, next_pow2(block_size))
+  num_nodes = offsets[-1] + 1
+  i_bh = pl.program_id(0)
+  i_b, i_h = i_bh // hkv, i_bh % hkv
+  pos_raw = load_scalar(pos_ref, i_b)
+  # A token past capacity is dropped: every store is masked off (the caller poisons the row).
+  live = pos_raw < capacity
+  pos = jnp.minimum(pos_raw, capacity - 1)
+  k_new = load_row(kn_ref, i_bh, True, d, dp)  # [Dp]
+  v_new = load_row(vn_ref, i_bh, True, d, dp)
+  row = (i_b * capacity + pos) * hkv + i_h
+  store_row(ko_ref, row, k_new, live, d, dp)
+  store_row(vo_ref, row, v_new, live, d, dp)
+  # The current leaf: the mean of its keys up to pos, the new one taken from the input.
+  leaf = pos // block_size
+  o_key = jnp.arange(cp)
+  key_pos = leaf * block_size + o_key
+  m_old = (o_key < block_size) & (key_pos < pos)
+  rows = (i_b * capacity + jnp.minimum(key_pos, capacity - 1)) * hkv + i_h
+  keys = load_rows(k_ref, rows, m_old, d, dp).astype(jnp.float32)
+  keys = jnp.where((key_pos == pos)[:, None], k_new.astype(jnp.float32)[None, :], keys)
+  new = jnp.sum(keys, axis=0) / (pos - leaf * block_size + 1).astype(jnp.float32)
+  node = leaf
+  store_row(so_ref, (i_b * num_nodes + offsets[0] + node) * hkv + i_h, new, live, d, dp)
+  for level in range(1, len(offsets)):
+    # Eq. 15 for the parent: its children before `node` are complete and unchanged, `node`
+    # holds the new mean, and the ones after it do not exist yet. Summed in child order.
+    parent = node // branching
+    slot = node - parent * branching
+    acc = jnp.zeros((dp,), jnp.float32)
+    for j in range(branching):
+      child = jnp.minimum(parent * branching + j, node)
+      x = load_row(s_ref, (i_b * num_nodes + offsets[level - 1] + child) * hkv + i_h, j < slot,
+                   d, dp)
+      acc = acc + jnp.where(j == slot, new, x)
+    new = acc / (slot + 1).astype(jnp.float32)
+    node = parent
+    store_row(so_ref, (i_b * num_nodes + offsets[level] + node) * hkv + i_h, new, live, d, dp)
+
+
+def decode_append_pallas(
+    k_new: Float[Array, "B HKV D"],
+    v_new: Float[Array, "B HKV D"],
+    k_cache: Float[Array, "B N HKV D"],
+    v_cache: Float[Array, "B N HKV D"],
+    summaries: Float[Array, "B S HKV D"],
+    positions: Int[Array, "B"],
+    *,
+    block_size: int,
+    branching: int,
+    interpret: bool,
+    config: DecodeConfig | None = None,
+):
+  """Kernel twin of `decode_append_reference`: the caches with the token appended at `positions`
+  and the leaf / ancestor summaries updated, in place when the caller donates them.
+
+  Returns:
+    (k_cache, v_cache, summaries), same shapes and dtypes.
+  """
+  config = config or DecodeConfig()
+  b, capacity, hkv, d = k_cache.shape
+  offsets = level_offsets(capacity, block_size, branching)
+  kernel = functools.partial(_append_kernel, capacity=capacity, hkv=hkv, d=d,
+                             block_size=block_size, branching=branching, offsets=offsets)
+  shapes = [jax.ShapeDtypeStruct((x.size // d, d), x.dtype) for x in (k_cache, v_cache, summaries)]
+  call = launch(kernel, shapes, (b * hkv,), warps=config.append_warps, stages=1,
+                interpret=interpret, name="pisa_decode_append", aliases={3: 0, 4: 1, 5: 2})
+  k_rows, v_rows, s_rows = call(
+      positions.astype(jnp.int32), k_new.astype(k_cache.dtype).reshape(-1, d),
+      v_new.astype(v_cache.dtype).reshape(-1, d), k_cache.reshape(-1, d), v_cache.reshape(-1, d),
+      summaries.reshape(-1, d))
+  return (k_rows.reshape(k_cache.shape), v_rows.reshape(v_cache.shape),
+          s_rows.reshape(summaries.shape))

@@ -1,0 +1,59 @@
+"""Launch parameters of the decode kernels and the attention kernel's split heuristic."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pisa_jax.kernels._common import next_pow2
+
+# Triton's tensor-core dots need every dimension >= 16.
+MIN_DOT = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+  """Launch parameters of the decode kernels.
+
+  Attributes:
+    select_warps: warps of the selection program (its values are `[16, NC]` and `[16, Cp]`; the
+      candidates' all-pairs rank compare is `[NC, NC]`).
+    bsa_block_tile: leaf summaries per step of the BSA kernel's loops (a power of two >= 16).
+    bsa_warps: warps of the BSA program (its dots are `[16, D] x [D, bsa_block_tile]`).
+    attend_blocks: selected blocks per attention program (a power of two); 0 picks
+      `default_attend_blocks`.
+    attend_warps: warps of an attention program.
+    append_warps: warps of an append program.
+    num_stages: Triton software-pipelining stages (the leaf and attention loops).
+  """
+
+  select_warps: int = 1
+  bsa_block_tile: int = 64
+  bsa_warps: int = 4
+  attend_blocks: int = 0
+  attend_warps: int = 2
+  append_warps: int = 1
+  num_stages: int = 2
+
+  def __post_init__(self):
+    for name in ("bsa_block_tile", "attend_blocks"):
+      value = getattr(self, name)
+      if value and value & (value - 1):
+        raise ValueError(f"{name}={value} must be a power of two")
+    if self.bsa_block_tile < MIN_DOT:
+      raise ValueError(f"bsa_block_tile={self.bsa_block_tile} must be >= {MIN_DOT} (dot size)")
+
+  @classmethod
+  def default(cls, *, candidates: int, head_dim: int) -> "DecodeConfig":
+    """Heuristic: one warp while the candidate set is 16 slots, more for the wider rank compares
+    of K = 32 or beams (the prefill walk's measured choice: 4 warps at NC = 64); two warps per
+    attention program at d >= 128."""
+    warps = 1 if candidates <= 16 else 2 if candidates <= 32 else 4
+    return cls(select_warps=warps, attend_warps=2 if head_dim >= 128 else 1)
+
+
+def default_attend_blocks(batch: int, num_kv_heads: int, top_k: int, *,
+                          target_programs: int = 512) -> int:
+  """Selected blocks per attention program: split the B * HKV * K blocks over about
+  `target_programs` programs (a few per SM of an H100/H200), one block each when that is few."""
+  per = -(-batch * num_kv_heads * top_k // target_programs)
+  return min(next_pow2(max(1, per)), next_pow2(top_k))

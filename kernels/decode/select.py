@@ -1,0 +1,178 @@
+"""The fused decode selection (Eq. 30-31): one program per (batch row, KV head) walks the pyramid,
+scores the leaf candidates from their raw keys and keeps top_k leaves by Select_K; and
+`decode_select_pallas`, which launches it or the flat BSA kernel."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+from jaxtyping import Array, Float, Int
+
+from pisa_jax.kernels._common import next_pow2
+from pisa_jax.kernels.decode.bsa import select_bsa
+from pisa_jax.kernels.decode.config import DecodeConfig
+from pisa_jax.kernels.decode.layout import (Geometry, launch, load_group_queries, load_rows,
+                                            load_scalar, make_geometry, pick)
+from pisa_jax.kernels.decode.scoring import (dot_t, rank_key, reduce_children, reduce_keys,
+                                             summary_logits)
+
+SELECTORS = ("pisa", "pisa1", "pisa2", "bsa")
+
+
+def _rank(cand, valid, key):
+  """Each candidate's rank in (key descending, id ascending) among the valid ones, `[N]`: one
+  all-pairs compare instead of a sort (ids are distinct, so the order is strict)."""
+  k_i, k_j = key[None, :], key[:, None]
+  c_i, c_j = cand[None, :], cand[:, None]
+  before = valid[:, None] & ((k_j > k_i) | ((k_j == k_i) & (c_j < c_i)))
+  return jnp.sum(before.astype(jnp.int32), axis=0)
+
+
+def _select_k(cand, valid, forced, score, keep: int):
+  """Select_K of Eq. 17 with Appendix B's forced nodes: (kept mask, rank). If at most `keep`
+  candidates are valid all are kept; otherwise forced ones first, then the highest scores, ties
+  to the lower node id (the reference's `_keep`)."""
+  keep_all = jnp.sum(valid.astype(jnp.int32)) <= keep
+  key = jnp.where(forced | keep_all, jnp.inf, rank_key(score))
+  rank = _rank(cand, valid, key)
+  return valid & (rank < keep), rank
+
+
+def _expand(cand, kept, rank, branching: int, width: int):
+  """Eq. 18: the kept node of rank p fills slots p * g .. p * g + g - 1 with its children."""
+  slot = jnp.arange(width)
+  hit = kept[None, :] & (rank[None, :] == (slot // branching)[:, None])
+  return jnp.max(jnp.where(hit, cand[None, :] * branching + (slot % branching)[:, None], -1),
+                 axis=1)
+
+
+def _sorted_ids(cand, kept, width: int):
+  """The kept ids ascending, -1 padded, `[width]`: a kept id's slot is its rank by id."""
+  pos = jnp.sum((kept[:, None] & (cand[:, None] < cand[None, :])).astype(jnp.int32), axis=0)
+  slot = jnp.arange(width)
+  hit = kept[None, :] & (pos[None, :] == slot[:, None])
+  return jnp.max(jnp.where(hit, cand[None, :], -1), axis=1)
+
+
+def _select_kernel(pos_ref, q_ref, k_ref, s_ref, tab_ref, out_ref, *, geo: Geometry):
+  """The fused decode selection (Eq. 30-31) for one (batch row, KV head): walk, leaf scores,
+  final Select_K. Writes the row's leaf ids ascending, -1 padded, `[KP]`."""
+  g, nc, c = geo.branching, geo.nc, geo.block_size
+  num_levels = len(geo.sizes)
+  num_nodes = geo.num_nodes
+  i_bh = pl.program_id(0)
+  i_b, i_h = i_bh // geo.hkv, i_bh % geo.hkv
+  t = jnp.clip(load_scalar(pos_ref, i_b), 0, geo.capacity - 1)
+  cur = t // c
+  qg, m_head = load_group_queries(q_ref, i_b, i_h, geo)
+  slot = jnp.arange(nc)
+  lp = tab_ref.shape[1]
+  o_lvl = jnp.arange(lp)
+  offs = plt.load(tab_ref.at[jnp.zeros((lp,), jnp.int32), o_lvl])
+  pows = plt.load(tab_ref.at[jnp.ones((lp,), jnp.int32), o_lvl])  # g^(l-1) at index l - 1
+  # The walk starts at the highest level with more than `beam` eligible nodes (0 .. cur // g^(l-1)):
+  # every level above keeps all of its eligible nodes without a score (Eq. 17's "keep all"), and
+  # the start level's eligible nodes, at most g * beam of them, are all candidates. Level 1 when
+  # even level 2 has at most beam: the candidates are then the leaves 0 .. cur.
+  level_no = o_lvl + 1
+  deep = (level_no >= 2) & (level_no <= num_levels) & (cur // pows >= geo.beam)
+  start = 1 + jnp.sum(deep.astype(jnp.int32))
+  pw0 = pick(pows, start - 1)
+  cand0 = jnp.where(slot <= cur // pw0, slot, -1)
+
+  def walk_level(i, carry):
+    cand, pw = carry  # pw = g^(level - 1): leaves per node at this level
+    level = start - i
+    pw_child = pw // g
+    off_child = pick(offs, level - 2)
+    anc, anc_child = cur // pw, cur // pw_child
+    anc_prev = jnp.where(cur >= 1, (cur - 1) // pw, -1)
+    # Eligible: the node's first key is at or before t. Forced: an ancestor of the first,
+    # previous or current leaf (Appendix B); its score is never used.
+    valid = (cand >= 0) & (cand <= anc)
+    forced = valid & ((cand == 0) | (cand == anc_prev) | (cand == anc))
+    zs, masks = [], []
+    for j in range(g):
+      child = jnp.where(valid, cand, 0) * g + j
+      m_child = valid & (child <= anc_child)
+      rows = (i_b * num_nodes + off_child + jnp.minimum(child, anc_child)) * geo.hkv + i_h
+      zs.append(summary_logits(qg, s_ref, rows, m_child, geo))
+      masks.append(m_child)
+    per_head = reduce_children(zs, masks, geo.selector, geo.scale)
+    # Eq. 22: the group's heads share one selection, scored by their sum.
+    score = jnp.sum(jnp.where(m_head[:, None], per_head, 0.0), axis=0)
+    kept, rank = _select_k(cand, valid, forced, score, geo.beam)
+    return _expand(cand, kept, rank, g, nc), pw_child
+
+  cand, _ = lax.fori_loop(0, start - 1, walk_level, (cand0, pw0))
+  # The leaves: scored from their raw keys (Eq. 21 with l = 1) where Select_K needs a score.
+  valid = (cand >= 0) & (cand <= cur)
+  forced = valid & ((cand == 0) | (cand == cur - 1) | (cand == cur))
+  need = valid & ~forced & (jnp.sum(valid.astype(jnp.int32)) > geo.top_k)
+  # The needed slots numbered 0 .. n_need - 1 in slot order, so the loop runs only over them.
+  order = jnp.sum((need[:, None] & (slot[:, None] < slot[None, :])).astype(jnp.int32), axis=0)
+  n_need = jnp.sum(need.astype(jnp.int32))
+  o_key = jnp.arange(geo.cp)
+  m_key = o_key < c
+
+  def score_leaf(n, scores):
+    hit = need & (order == n)
+    leaf = jnp.sum(jnp.where(hit, cand, 0))
+    # A scored leaf is complete and before the current one: all of its keys exist.
+    key_pos = jnp.minimum(leaf * c + o_key, geo.capacity - 1)
+    keys = load_rows(k_ref, (i_b * geo.capacity + key_pos) * geo.hkv + i_h, m_key, geo.d,
+                     geo.dp)
+    per_head = reduce_keys(dot_t(qg, keys, geo.key_mode), m_key, geo.selector, geo.scale)
+    return jnp.where(hit, jnp.sum(jnp.where(m_head, per_head, 0.0)), scores)
+
+  scores = lax.fori_loop(0, n_need, score_leaf, jnp.zeros((nc,), jnp.float32))
+  kept, _ = _select_k(cand, valid, forced, jnp.where(need, scores, 0.0), geo.top_k)
+  out = _sorted_ids(cand, kept, geo.kp)
+  out_ref[pl.ds(i_bh, 1), :] = out[None, :]
+
+
+def decode_select_pallas(
+    q: Float[Array, "B HQ D"],
+    k_cache: Float[Array, "B N HKV D"],
+    summaries: Float[Array, "B S HKV D"],
+    positions: Int[Array, "B"],
+    *,
+    block_size: int,
+    branching: int,
+    top_k: int,
+    beam: int,
+    selector: str,
+    scale: float,
+    interpret: bool,
+    config: DecodeConfig | None = None,
+) -> Int[Array, "B HKV K"]:
+  """Kernel twin of `decode_select_reference`: the leaf blocks of the token at `positions`
+  (already appended), int32 `[B, HKV, top_k]`, ascending, -1 padded."""
+  if selector not in SELECTORS:
+    raise ValueError(f"{selector=} has no decode kernel: expected one of {SELECTORS}")
+  b, hq, d = q.shape
+  hkv = k_cache.shape[2]
+  geo = make_geometry(q, k_cache, block_size=block_size, branching=branching, top_k=top_k,
+                      beam=beam if selector != "bsa" else top_k, selector=selector, scale=scale)
+  config = config or DecodeConfig.default(candidates=geo.nc, head_dim=d)
+  out_shape = jax.ShapeDtypeStruct((b * hkv, geo.kp), jnp.int32)
+  rows = (q.reshape(-1, d), k_cache.reshape(-1, d), summaries.reshape(-1, d))
+  positions = positions.astype(jnp.int32)
+  if selector == "bsa":
+    out = select_bsa(positions, rows[0], rows[2], geo, config, interpret)
+  else:
+    sizes = geo.sizes
+    lp = next_pow2(len(sizes) + 1)
+    table = jnp.asarray([list(geo.offsets) + [0] * (lp - len(sizes)),
+                         [branching ** i if i < len(sizes) else 1 for i in range(lp)]],
+                        jnp.int32)
+    call = launch(functools.partial(_select_kernel, geo=geo), out_shape, (b * hkv,),
+                  warps=config.select_warps, stages=config.num_stages, interpret=interpret,
+                  name=f"pisa_decode_select_{selector}")
+    out = call(positions, *rows, table)
+  return out[:, :top_k].reshape(b, hkv, top_k)
