@@ -6,6 +6,7 @@
 # it is skipped when pyproject.toml has not changed since the last install.
 set -euo pipefail
 cd "$(dirname "$0")"
+PISA_JAX=${PISA_JAX:-0.11.2}
 
 find_python() {
   local c
@@ -28,13 +29,14 @@ pip_quiet() {
 
 setup() {
   local stamp=.venv/.pisa-installed want
-  want=$(cat pyproject.toml run.sh | sha256sum | cut -d' ' -f1)
+  want=$( (cat pyproject.toml run.sh; echo "$PISA_JAX") | sha256sum | cut -d' ' -f1)
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return 0; fi
   local py; py=$(find_python)
   echo "run.sh: setting up .venv with $("$py" --version) (first run only; a few minutes)" >&2
   [ -x .venv/bin/python ] || "$py" -m venv .venv
   pip_quiet install --upgrade pip
-  pip_quiet install -e ".[test,data,bench]"
+  # pyproject accepts any jax 0.11.x from 0.11.2; the suite runs on the GPU image's release.
+  pip_quiet install -e ".[test,data,bench]" "jax==$PISA_JAX" "jaxlib==$PISA_JAX"
   # The exact GPT-2 BPE ranks ship inside this source package (see WORKSPACE.md, "Data"); it is
   # installed without its dependencies and never imported.
   pip_quiet install --no-deps "openai-whisper==20250625"

@@ -1,4 +1,4 @@
-"""A short CPU tour of selection and attention: `python -m pisa_jax.demo`.
+"""A short CPU tour of selection and attention: `pisa-tour` or `python -m pisa_jax.demo`.
 
 Random queries and keys with planted structure (some key blocks aligned with the queries) show what
 each selector finds, how close its choice is to full attention, and that the sparse output

@@ -23,3 +23,10 @@ def test_every_code_folder_is_a_listed_package():
   assert not missing, f"add {missing} to [tool.setuptools] packages in pyproject.toml"
   unknown = sorted(listed - expected)
   assert not unknown, f"{unknown} in pyproject.toml's packages have no folder with __init__.py"
+
+
+def test_pisa_demo_is_the_readme_main_job():
+  scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+  run_sh = (ROOT / "run.sh").read_text()
+  module, _ = scripts["pisa-demo"].split(":")
+  assert f"-m {module} " in run_sh, f"./run.sh demo must run pisa-demo's module {module}"
