@@ -5,10 +5,25 @@ from __future__ import annotations
 import contextlib
 import warnings
 
+import jax.numpy as jnp
+import numpy as np
+
+INT32_MAX = 2**31 - 1
+
 
 def next_pow2(n: int) -> int:
   """Smallest power of two >= n (Pallas Triton values need power-of-two shapes)."""
   return 1 << max(0, int(n) - 1).bit_length()
+
+
+def int32_table(rows, name: str):
+  """A small table built on the host from Python ints (level sizes, offsets, powers) as an int32
+  jnp array; raises ValueError naming it where an entry does not fit int32, instead of numpy's
+  OverflowError or a silent wrap."""
+  table = np.asarray(rows, np.int64)
+  if table.size and (table.max() > INT32_MAX or table.min() < -INT32_MAX - 1):
+    raise ValueError(f"{name} holds {int(table.max())}, past int32 (max {INT32_MAX})")
+  return jnp.asarray(table.astype(np.int32))
 
 
 @contextlib.contextmanager

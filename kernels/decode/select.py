@@ -13,7 +13,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
-from pisa_jax.kernels._common import next_pow2
+from pisa_jax.kernels._common import int32_table, next_pow2
 from pisa_jax.kernels.decode.bsa import select_bsa
 from pisa_jax.kernels.decode.config import DecodeConfig
 from pisa_jax.kernels.decode.layout import (Geometry, launch, load_group_queries, load_rows,
@@ -168,9 +168,9 @@ def decode_select_pallas(
   else:
     sizes = geo.sizes
     lp = next_pow2(len(sizes) + 1)
-    table = jnp.asarray([list(geo.offsets) + [0] * (lp - len(sizes)),
+    table = int32_table([list(geo.offsets) + [0] * (lp - len(sizes)),
                          [branching ** i if i < len(sizes) else 1 for i in range(lp)]],
-                        jnp.int32)
+                        "the decode level table")
     call = launch(functools.partial(_select_kernel, geo=geo), out_shape, (b * hkv,),
                   warps=config.select_warps, stages=config.num_stages, interpret=interpret,
                   name=f"pisa_decode_select_{selector}")

@@ -19,7 +19,7 @@ from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float
 
 from pisa_jax.geometry import level_sizes
-from pisa_jax.kernels._common import next_pow2, triton_deprecation_silenced
+from pisa_jax.kernels._common import int32_table, next_pow2, triton_deprecation_silenced
 from pisa_jax.kernels.selection.config import (MIN_DOT, SelectionConfig, candidate_slots,
                                                pow2_at_least)
 
@@ -157,12 +157,18 @@ def level_offsets(geo: Geometry, sizes=None) -> list[int]:
 
 def level_table(geo: Geometry):
   """int32 `[3, LP]`: per level l (index l - 1) its node count, its first row in the stacked
-  summaries `[sum_l B*M_l*HKV, D]` of levels 1..L-1, and its leaves per node g^(l-1)."""
-  lp = next_pow2(len(geo.level_sizes) + 1)
-  sizes = list(geo.level_sizes) + [1] * (lp - len(geo.level_sizes))
+  summaries `[sum_l B*M_l*HKV, D]` of levels 1..L-1, and its leaves per node g^(l-1).
+
+  The L levels are padded to LP = next_pow2(L + 1) columns of size 1 and g^(l-1) = 1 (never
+  read): padding with the powers would reach g^(LP-1) = 2^31, past int32, from L = 16 levels on
+  (g = 2, C = 64: T > 1M). The real entries stay small: g^(L-1) < g * M_1.
+  """
+  num_levels = len(geo.level_sizes)
+  lp = next_pow2(num_levels + 1)
+  sizes = list(geo.level_sizes) + [1] * (lp - num_levels)
   offsets = level_offsets(geo, sizes)
-  pows = [geo.branching ** i for i in range(lp)]
-  return jnp.asarray([sizes, offsets, pows], jnp.int32)
+  pows = [geo.branching ** i if i < num_levels else 1 for i in range(lp)]
+  return int32_table([sizes, offsets, pows], "the selection level table")
 
 
 def load_table(tab_ref, geo: Geometry):

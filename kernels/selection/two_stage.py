@@ -9,6 +9,11 @@ wider than 16 slots:
    `q_tile` queries; each program loads one leaf's raw keys once and scores `q_tile` queries x the
    group's heads with one dot (Eq. 21 with l = 1: the exact raw-key LSE).
 3. `final_topk_kernel`: forced blocks first, then the top_k best scores, ascending, -1 padded.
+
+Stages 2 and 3 number the (query, candidate) pairs row * NC + slot in int32 (jax without x64 has no
+int64 arrays, and the argsort's positions are int32 too), so they run over ranges of rows of at
+most MAX_PAIRS pairs each (`row_chunks`): one range up to B*T*HKV*NC = 2^30 pairs (T = 8M at
+HKV = 2, NC = 64), several past it (4M tokens at HKV = 8, NC = 64 reach 2^31).
 """
 
 from __future__ import annotations
@@ -29,6 +34,10 @@ from pisa_jax.kernels.selection.layout import (Geometry, launch, leaf_key_rows, 
                                                stacked_summaries)
 from pisa_jax.kernels.selection.walk import uses_pair_lse, walk_to_leaves
 
+# Pairs per launch of stages 2 and 3: pair ids, sorted positions plus a tile (start + q_tile) and
+# the trash slot after the last pair all stay far below 2^31 - 1.
+MAX_PAIRS = 2**30
+
 
 def walk_kernel(q_ref, s_ref, tab_ref, cand_ref, *, geo: Geometry, topk_impl: str,
                 pair_lse: bool = False):
@@ -42,13 +51,13 @@ def walk_kernel(q_ref, s_ref, tab_ref, cand_ref, *, geo: Geometry, topk_impl: st
 
 
 def leaf_tile_kernel(q_ref, k_ref, start_ref, bucket_ref, pair_ref, score_ref, *, geo: Geometry,
-                     q_tile: int, num_pairs: int, trash: int):
+                     q_tile: int, num_pairs: int, trash: int, row0: int = 0):
   """Stage 2 (Algorithm 1, lines 16-22): one leaf's keys against up to q_tile queries.
 
   start_ref `[NG]`: first sorted position of each tile (num_pairs when the tile is unused);
   bucket_ref `[num_pairs]`: sorted (batch, KV head, leaf) buckets; pair_ref `[num_pairs]`: the
-  pair id (row * NC + slot) at each sorted position. Writes score_ref[pair] (score_ref[trash]
-  when masked).
+  pair id ((row - row0) * NC + slot) at each sorted position, the rows from row0 on. Writes
+  score_ref[pair] (score_ref[trash] when masked).
   """
   # Head rows per query: the group padded to a power of two, and >= 16 rows in all for the dot.
   heads = max(next_pow2(geo.group), MIN_DOT // q_tile)
@@ -81,6 +90,8 @@ def leaf_tile_kernel(q_ref, k_ref, start_ref, bucket_ref, pair_ref, score_ref, *
     bucket_r = plt.load(bucket_ref.at[jnp.minimum(pos_r, num_pairs - 1)])
     m_r = m_r & (bucket_r == bucket0)
     qk_row = pair_r // geo.num_slots  # (b * T + t) * HKV + h
+    if row0:
+      qk_row = qk_row + row0
     q_rows = (qk_row // geo.hkv) * geo.hq + i_h * geo.group + jnp.minimum(j_r, geo.group - 1)
     b_q = load_rows(q_ref, q_rows, m_r, geo)
     k_rows, m_load, m_key = leaf_key_rows(leaf, i_b, i_h, geo)
@@ -94,8 +105,9 @@ def leaf_tile_kernel(q_ref, k_ref, start_ref, bucket_ref, pair_ref, score_ref, *
 
 
 def final_topk_kernel(cand_ref, score_ref, out_ref, *, geo: Geometry, rows: int, num_rows: int,
-                      topk_impl: str):
-  """Stage 2 final Select_K for `rows` (query, KV head) rows: `[rows, NC]` -> `[rows, KP]`."""
+                      topk_impl: str, row0: int = 0):
+  """Stage 2 final Select_K for `rows` (query, KV head) rows: `[rows, NC]` -> `[rows, KP]`.
+  cand_ref holds num_rows rows from row row0 of `[B*T*HKV, NC]` on."""
   i_p = pl.program_id(0)
   o_row = i_p * rows + jnp.arange(rows)
   m_row = o_row < num_rows
@@ -104,7 +116,7 @@ def final_topk_kernel(cand_ref, score_ref, out_ref, *, geo: Geometry, rows: int,
   cand = plt.load(cand_ref.at[c_row[:, None], o_slot[None, :]])
   cand = jnp.where(m_row[:, None], cand, -1)
   score = plt.load(score_ref.at[(c_row[:, None] * geo.num_slots + o_slot[None, :])])
-  t = ((c_row // geo.hkv) % geo.seq_len)[:, None]
+  t = (((c_row + row0 if row0 else c_row) // geo.hkv) % geo.seq_len)[:, None]
   out = topk.final_select(cand, score, t, geo, topk_impl)
   trash = num_rows
   plt.store(out_ref.at[jnp.where(m_row, o_row, trash)[:, None],
@@ -125,18 +137,29 @@ def leaf_candidates_pallas(q, k, summaries, geo: Geometry, *, interpret: bool,
                 config.walk_warps, interpret, name, q.reshape(-1, d), stacked, table)
 
 
-def leaf_scores_pallas(q, k, cand, geo: Geometry, *, interpret: bool, config: SelectionConfig):
-  """Stage 2 key-tile scoring: float32 scores `[B*T*HKV * NC + 1]` of the pairs that need one
-  (the last element is the trash slot of masked stores; unscored pairs are left unwritten)."""
+def row_chunks(rows: int, num_slots: int) -> list[tuple[int, int]]:
+  """Row ranges [start, stop) of `[rows, NC]` candidates, each of at most MAX_PAIRS pairs."""
+  per = max(1, MAX_PAIRS // num_slots)
+  return [(r, min(r + per, rows)) for r in range(0, rows, per)]
+
+
+def leaf_scores_pallas(q, k, cand, geo: Geometry, *, interpret: bool, config: SelectionConfig,
+                       row0: int = 0):
+  """Stage 2 key-tile scoring of candidates `[R, NC]`, rows row0 .. row0 + R - 1 of
+  `[B*T*HKV, NC]`: float32 scores `[R * NC + 1]` of the pairs that need one (the last element is
+  the trash slot of masked stores; unscored pairs are left unwritten)."""
   b, t, hq, d = q.shape
   rows = cand.shape[0]
   num_pairs = rows * geo.num_slots
-  t_row = ((jnp.arange(rows) // geo.hkv) % t)[:, None]
+  if num_pairs > MAX_PAIRS:
+    raise ValueError(f"{num_pairs} pairs in one launch, past {MAX_PAIRS}: split with row_chunks")
+  o_row = jnp.arange(row0, row0 + rows)  # (b * T + t) * HKV + h
+  t_row = ((o_row // geo.hkv) % t)[:, None]
   need, _, _ = topk.leaf_needs_score(cand, t_row, geo)
   # Buckets are (batch, KV head, leaf); pairs that need no score go to the last bucket.
   num_buckets = b * geo.hkv * geo.num_blocks
   q_tile = config.q_tile
-  bh = (jnp.arange(rows) // (t * geo.hkv)) * geo.hkv + jnp.arange(rows) % geo.hkv
+  bh = (o_row // (t * geo.hkv)) * geo.hkv + o_row % geo.hkv
   bucket = jnp.where(need, bh[:, None] * geo.num_blocks + jnp.maximum(cand, 0), num_buckets)
   bucket = bucket.reshape(-1)
   # Group the pairs by leaf, stably (by query inside a leaf). The per-bucket counts and offsets
@@ -159,18 +182,20 @@ def leaf_scores_pallas(q, k, cand, geo: Geometry, *, interpret: bool, config: Se
       jnp.where(tile_head, tile_id, num_tiles)].set(pos, mode="drop")
   return launch(
       functools.partial(leaf_tile_kernel, geo=geo, q_tile=q_tile, num_pairs=num_pairs,
-                        trash=num_pairs),
+                        trash=num_pairs, row0=row0),
       jax.ShapeDtypeStruct((num_pairs + 1,), jnp.float32), num_tiles, config, config.leaf_warps,
       interpret, f"pisa_select_leaf_q{q_tile}", q.reshape(-1, d), k.reshape(-1, d), starts,
       sorted_bucket, order)
 
 
-def final_topk_pallas(cand, scores, geo: Geometry, *, interpret: bool, config: SelectionConfig):
-  """Stage 2 final Select_K: `[B*T*HKV, NC]` candidates and their scores -> `[B*T*HKV, KP]`."""
+def final_topk_pallas(cand, scores, geo: Geometry, *, interpret: bool, config: SelectionConfig,
+                      row0: int = 0):
+  """Stage 2 final Select_K: candidates `[R, NC]` (rows row0 .. row0 + R - 1 of
+  `[B*T*HKV, NC]`) and their scores -> `[R, KP]`."""
   rows = cand.shape[0]
   tile = config.topk_rows
   out = launch(functools.partial(final_topk_kernel, geo=geo, rows=tile, num_rows=rows,
-                                 topk_impl=config.topk_impl),
+                                 topk_impl=config.topk_impl, row0=row0),
                jax.ShapeDtypeStruct((rows + 1, geo.top_k_padded), jnp.int32), -(-rows // tile),
                config, config.topk_warps, interpret, f"pisa_select_final_topk_{config.topk_impl}",
                cand, scores)
@@ -181,5 +206,9 @@ def select_two_stage(q, k, summaries, geo: Geometry, *, interpret: bool,
                      config: SelectionConfig):
   """The two-stage variant over the pyramid `summaries`: int32 `[B*T*HKV, KP]`."""
   cand = leaf_candidates_pallas(q, k, summaries, geo, interpret=interpret, config=config)
-  scores = leaf_scores_pallas(q, k, cand, geo, interpret=interpret, config=config)
-  return final_topk_pallas(cand, scores, geo, interpret=interpret, config=config)
+  outs = []
+  for r0, r1 in row_chunks(cand.shape[0], geo.num_slots):
+    part = cand if r1 - r0 == cand.shape[0] else cand[r0:r1]
+    scores = leaf_scores_pallas(q, k, part, geo, interpret=interpret, config=config, row0=r0)
+    outs.append(final_topk_pallas(part, scores, geo, interpret=interpret, config=config, row0=r0))
+  return outs[0] if len(outs) == 1 else jnp.concatenate(outs)
