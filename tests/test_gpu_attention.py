@@ -8,7 +8,8 @@ none. Outputs land in device memory filled with NaN first (`poison`), so an elem
 writes fails the finiteness check; two runs must be bit-identical (the backward sums its partials
 in a fixed order). Skipped without a CUDA GPU; the whole GPU suite runs with
 
-  python -m pytest -q -m gpu tests/test_gpu_selection.py tests/test_gpu_attention.py tests/test_gpu_fla.py
+  python -m pytest -q -m gpu tests/test_gpu_selection.py tests/test_gpu_attention.py \
+      tests/test_gpu_fla.py tests/test_gpu_long_context.py
 """
 
 from __future__ import annotations
