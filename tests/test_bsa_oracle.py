@@ -1,6 +1,6 @@
-"""The float64 BSA oracles against the rule: each head's softmax normalises over every block complete
-at t, (t + 1) // C of them, so the current block joins the normaliser at its last position
-(t % C == C - 1) while only the blocks before it are scored.
+"""The float64 BSA oracles against the rule: each head's softmax normalises over every block
+complete at t, (t + 1) // C of them, so the current block joins the normaliser at its last
+position (t % C == C - 1) while only the blocks before it are scored.
 
 `oracles.select_flat` (the exhaustive loop the reference is tested against) and
 `pisa_jax.testing.bsa_scores64` (the near-tie proofs of the kernel tests) are checked on rows where
