@@ -7,9 +7,16 @@ Public API (shapes follow `jax.nn.dot_product_attention`: q `[B, T, HQ, D]`, k/v
   pisa_attention     selection under stop_gradient, then sparse attention
   selection_quality  Recall@K, captured mass and mass ratio against full attention (App. D.2)
 Each takes `implementation="xla" | "pallas" | None`.
+
+Decoding (Section 3.3 "Decoding", Appendix B "Decode cache"):
+  DecodeCache        keys, values and the summary pyramid of a batch of rows of different lengths
+  decode_step        one token per row: append, select, attend; `implementation=` as above
+  generate           greedy or nucleus generation with any `DecodeModel` (models.Decoder is one)
 """
 
 from pisa_jax.attention import pisa_attention, sparse_attention
+from pisa_jax.decode import DecodeCache, bucket_capacity, decode_step
+from pisa_jax.generate import DecodeModel, Generation, generate, generate_stream
 from pisa_jax.pyramid import Pyramid, build_pyramid
 from pisa_jax.quality import SelectionQuality, selection_quality
 from pisa_jax.selection import select_blocks
@@ -17,9 +24,16 @@ from pisa_jax.selection import select_blocks
 __version__ = "0.1.0"
 
 __all__ = [
+    "DecodeCache",
+    "DecodeModel",
+    "Generation",
     "Pyramid",
     "SelectionQuality",
+    "bucket_capacity",
     "build_pyramid",
+    "decode_step",
+    "generate",
+    "generate_stream",
     "pisa_attention",
     "select_blocks",
     "selection_quality",

@@ -1,0 +1,330 @@
+"""Autoregressive generation with a decode cache: a batch of prompts of different lengths is
+prefilled by one jitted call, then every row advances one token per jitted step (Section 3.3
+"Decoding": a sparse layer's step appends, selects and attends in O(log N)).
+
+`pisa_jax` never imports a model: `generate` drives anything that implements `DecodeModel` (a
+`pisa_jax.models.Decoder` does, its sparse layers through `decode_step`, its dense ones through a
+plain KV cache).
+
+    out = pisa_jax.generate(model, [[15496, 995], [464]], max_new_tokens=32, stop_tokens=(50256,))
+    out.sequences()   # the new tokens of each row, up to and including its stop token
+
+Shapes are bucketed so that compiled code is reused across calls: prompts are right-padded to a
+power of two, and the cache holds the power-of-two bucket (`bucket_capacity`) of the longest
+prompt plus max_new_tokens. A smaller `initial_capacity` starts the cache small and grows it
+between buckets as the rows advance: the step then compiles once per bucket, O(log N) times in a
+generation, never per token.
+
+`pisa_jax.generate` is the function; import the rest by name (`from pisa_jax.generate import
+DecodeModel`), as `import pisa_jax.generate as m` binds the function too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from pisa_jax._validation import _is_int
+from pisa_jax.decode import bucket_capacity
+
+# The shortest padded prompt and the smallest cache, in tokens: tiny prompts share one compile.
+MIN_BUCKET = 16
+# What a row's output holds after its stop token.
+PAD = -1
+
+
+@runtime_checkable
+class DecodeModel(Protocol):
+  """What `generate` needs from a model.
+
+  The model is a pytree of arrays (an NNX module is one) whose methods are pure functions of
+  their arguments: `generate` passes it as an argument to `jax.jit`-ed functions. The decode
+  state is a pytree too, opaque to `generate`, that the methods create, fill and extend; a row's
+  next position is its own length (prompt length plus the tokens fed since).
+  """
+
+  # Token ids lie in [0, vocab_size).
+  vocab_size: int
+
+  def init_decode_state(self, batch: int, capacity: int) -> Any:
+    """An empty state for `batch` rows of at least `capacity` tokens each (under `jit`)."""
+
+  def grow_decode_state(self, state: Any, capacity: int) -> Any:
+    """The same rows with room for at least `capacity` tokens each (called outside `jit`)."""
+
+  def prefill(self, tokens: Int[Array, "B T"], lengths: Int[Array, "B"],
+              state: Any) -> tuple[Float[Array, "B V"], Any]:
+    """Reads right-padded prompts (row b's tokens are tokens[b, :lengths[b]], lengths >= 1) into
+    an empty state; returns float32 logits of each row's last prompt token and the state."""
+
+  def decode(self, tokens: Int[Array, "B"], state: Any) -> tuple[Float[Array, "B V"], Any]:
+    """Appends one token per row at the row's length; returns float32 logits of that position
+    (the distribution of the next token) and the state with every length one longer."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+  """What `generate` produced.
+
+  Attributes:
+    tokens: int32 `[B, S]`, the new tokens of each row in order; S <= max_new_tokens (fewer when
+      every row stopped early). A row's stop token is kept; after it the row holds PAD (-1).
+    lengths: int32 `[B]`, new tokens per row, its stop token included.
+    stopped: bool `[B]`, whether the row ended on one of the stop tokens.
+    logits: float32 `[B, S, V]`, the logits each token was drawn from (before temperature and
+      top_p), with `return_logits`; else None. A row's logits after its stop token are stale.
+  """
+
+  tokens: np.ndarray
+  lengths: np.ndarray
+  stopped: np.ndarray
+  logits: np.ndarray | None = None
+
+  def sequences(self) -> list[list[int]]:
+    """The new tokens of each row, as lists of ints without padding."""
+    return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths)]
+
+
+def generate(model: DecodeModel, prompt_tokens, *, max_new_tokens: int, temperature: float = 0.0,
+             top_p: float = 1.0, stop_tokens: Sequence[int] = (), seed: int = 0,
+             prompt_lengths=None, initial_capacity: int | None = None,
+             return_logits: bool = False) -> Generation:
+  """Generates up to `max_new_tokens` tokens after each prompt.
+
+  Args:
+    model: a `DecodeModel` (e.g. `pisa_jax.models.Decoder`).
+    prompt_tokens: a list of token sequences (lengths may differ), or an int array `[B, T]` of
+      right-padded prompts with `prompt_lengths` (default: T for every row). Each has >= 1 token.
+    max_new_tokens: tokens to generate per row, >= 1.
+    temperature: 0 is greedy (argmax, the lowest id on a tie); > 0 samples from
+      softmax(logits / temperature).
+    top_p: nucleus sampling (temperature > 0): sample among the most likely tokens whose
+      probabilities sum to at least top_p, in (0, 1]; 1 keeps every token.
+    stop_tokens: ids that end a row (it is kept, then the row holds PAD); the other rows go on.
+      Generation ends when every row has stopped.
+    seed: the random stream of sampling; the same seed, prompts and model give the same tokens.
+    prompt_lengths: valid tokens per row of an array `prompt_tokens`.
+    initial_capacity: tokens per row the cache is first allocated for (default: the longest
+      prompt plus max_new_tokens, so it never grows). A smaller one bounds the memory of rows that
+      stop early; the cache then grows between power-of-two buckets, one recompile of the step
+      each.
+    return_logits: also return the logits of every step (`Generation.logits`).
+
+  Returns:
+    A `Generation`: tokens `[B, S]`, per-row lengths, whether each row stopped (and the logits).
+  """
+  steps = list(generate_stream(
+      model, prompt_tokens, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+      stop_tokens=stop_tokens, seed=seed, prompt_lengths=prompt_lengths,
+      initial_capacity=initial_capacity, return_logits=return_logits))
+  logits = None
+  if return_logits:
+    steps, logits = zip(*steps)
+    logits = np.stack(logits, axis=1)
+  tokens = np.stack(steps, axis=1)
+  lengths = (tokens != PAD).sum(axis=1).astype(np.int32)
+  last = tokens[np.arange(tokens.shape[0]), np.maximum(lengths - 1, 0)]
+  stopped = np.isin(last, np.asarray(stop_tokens, np.int64)) & (lengths > 0)
+  return Generation(tokens=tokens, lengths=lengths, stopped=stopped, logits=logits)
+
+
+def generate_stream(model: DecodeModel, prompt_tokens, *, max_new_tokens: int,
+                    temperature: float = 0.0, top_p: float = 1.0,
+                    stop_tokens: Sequence[int] = (), seed: int = 0, prompt_lengths=None,
+                    initial_capacity: int | None = None,
+                    return_logits: bool = False) -> Iterator[np.ndarray]:
+  """`generate`, one step at a time: yields each step's new token of every row, int32 `[B]`
+  (PAD for a row that stopped before the step), as soon as the step has run; with
+  `return_logits`, (tokens, float32 logits `[B, V]`) pairs.
+
+  The arguments are `generate`'s and are checked before the generator is returned. The next
+  step is dispatched before this one's tokens are read back, so the device does not wait for
+  the host between steps.
+  """
+  _check_model(model)
+  tokens, lengths = _check_prompts(prompt_tokens, prompt_lengths, model.vocab_size)
+  _check_options(max_new_tokens, temperature, top_p, seed, initial_capacity)
+  stop = _check_stop_tokens(stop_tokens, model.vocab_size)
+  return _stream(model, tokens, lengths, max_new_tokens=int(max_new_tokens),
+                 temperature=float(temperature), top_p=float(top_p), stop=stop, seed=int(seed),
+                 initial_capacity=initial_capacity, return_logits=bool(return_logits))
+
+
+def _bucket(num_tokens: int) -> int:
+  return bucket_capacity(max(int(num_tokens), MIN_BUCKET), 1)
+
+
+def _stream(model, tokens: np.ndarray, lengths: np.ndarray, *, max_new_tokens: int,
+            temperature: float, top_p: float, stop: np.ndarray, seed: int,
+            initial_capacity: int | None, return_logits: bool) -> Iterator[np.ndarray]:
+  batch, longest = tokens.shape[0], int(lengths.max())
+  width = _bucket(longest)
+  padded = np.zeros((batch, width), np.int32)
+  cols = min(tokens.shape[1], width)
+  padded[:, :cols] = tokens[:, :cols]
+  # The cache holds every prompt token and each generated token but the last (never fed back).
+  needed = longest + max_new_tokens - 1
+  capacity = max(_bucket(needed if initial_capacity is None else initial_capacity), width)
+  # Stop ids padded with PAD to a multiple of 8: a different number of them compiles nothing new.
+  stop = np.pad(stop, (0, max(8, -(-len(stop) // 8) * 8) - len(stop)), constant_values=PAD)
+  scalars = (jax.random.key(seed), jnp.float32(max(temperature, 1e-30)), jnp.float32(top_p),
+             jnp.asarray(stop, jnp.int32))
+  token, done, state, logits = _prefill(model, jnp.asarray(padded), jnp.asarray(lengths),
+                                        *scalars, capacity=capacity,
+                                        greedy=temperature == 0.0)
+  ended = np.zeros(batch, bool)  # rows that stopped before the current step
+  for step in range(max_new_tokens):
+    pending = None
+    if step + 1 < max_new_tokens:
+      # Step `step + 1` feeds one more token to every row: the longest then holds this many.
+      needed = longest + step + 1
+      if needed > capacity:
+        capacity = _bucket(needed)
+        state = model.grow_decode_state(state, capacity)
+      pending = _step(model, token, done, state, jnp.int32(step + 1), *scalars,
+                      greedy=temperature == 0.0)
+    out = np.where(ended, PAD, np.asarray(token)).astype(np.int32)
+    ended = np.asarray(done)
+    yield (out, np.asarray(logits)) if return_logits else out
+    if pending is None or ended.all():
+      return
+    token, done, state, logits = pending
+
+
+@functools.partial(jax.jit, static_argnames=("capacity", "greedy"))
+def _prefill(model, tokens, lengths, key, temperature, top_p, stop, *, capacity: int,
+             greedy: bool):
+  state = model.init_decode_state(tokens.shape[0], capacity)
+  logits, state = model.prefill(tokens, lengths, state)
+  token = _sample(logits, jax.random.fold_in(key, 0), temperature, top_p, greedy=greedy)
+  return token, jnp.isin(token, stop), state, logits
+
+
+@functools.partial(jax.jit, static_argnames=("greedy",), donate_argnames=("state",))
+def _step(model, token, done, state, index, key, temperature, top_p, stop, *, greedy: bool):
+  logits, state = model.decode(token, state)
+  new = _sample(logits, jax.random.fold_in(key, index), temperature, top_p, greedy=greedy)
+  # A stopped row keeps feeding its stop token: its cache advances with the batch, unread.
+  new = jnp.where(done, token, new)
+  return new, done | jnp.isin(new, stop), state, logits
+
+
+def _sample(logits: Float[Array, "B V"], key, temperature, top_p, *,
+            greedy: bool) -> Int[Array, "B"]:
+  """The next token of each row: argmax, or a draw from the tempered nucleus distribution.
+  temperature and top_p are traced: changing them compiles nothing new."""
+  logits = logits.astype(jnp.float32)
+  if greedy:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  logits = logits / temperature
+  # Keep the most likely tokens up to the first whose cumulative probability reaches top_p (that
+  # one included, so at least one token survives); ties with the last one kept stay too. With
+  # top_p = 1 every token stays, even where the float32 sum reaches 1 before the last of them.
+  ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+  probs = jax.nn.softmax(ordered, axis=-1)
+  before = jnp.cumsum(probs, axis=-1) - probs
+  keep = (before < top_p) | (top_p >= 1.0)
+  threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
+  logits = jnp.where(logits >= threshold, logits, -jnp.inf)
+  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------- argument checks
+
+
+def _check_model(model) -> None:
+  missing = [name for name in ("vocab_size", "init_decode_state", "grow_decode_state",
+                               "prefill", "decode") if not hasattr(model, name)]
+  if missing:
+    raise TypeError(f"model must implement pisa_jax.generate.DecodeModel: "
+                    f"{type(model).__name__} has no {', '.join(missing)}")
+  leaves = jax.tree.leaves(model)
+  if len(leaves) == 1 and leaves[0] is model:
+    raise TypeError(f"model must be a pytree (an NNX module is one): {type(model).__name__} is "
+                    "passed to jax.jit as an argument")
+
+
+def _check_prompts(prompt_tokens, prompt_lengths, vocab_size: int):
+  """int32 `[B, T]` right-padded prompts and int32 `[B]` lengths, each row checked."""
+  if isinstance(prompt_tokens, (list, tuple)):
+    if prompt_lengths is not None:
+      raise ValueError("prompt_lengths goes with an array prompt_tokens [B, T]; a list of "
+                       "sequences carries its own lengths")
+    if not prompt_tokens:
+      raise ValueError("prompt_tokens is empty: give at least one prompt")
+    rows = []
+    for i, row in enumerate(prompt_tokens):
+      if _is_int(row):
+        raise ValueError("prompt_tokens must be a list of token sequences, got a list of ints: "
+                         "wrap a single prompt in a list, [[t0, t1, ...]]")
+      arr = np.asarray(row)
+      if arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
+        raise ValueError(f"prompt_tokens[{i}] must be a sequence of ints, got "
+                         f"{arr.dtype} of shape {arr.shape}")
+      rows.append(arr.astype(np.int64))
+    lengths = np.array([len(r) for r in rows], np.int64)
+    tokens = np.zeros((len(rows), int(lengths.max())), np.int64)
+    for i, r in enumerate(rows):
+      tokens[i, :len(r)] = r
+  else:
+    tokens = np.asarray(prompt_tokens)
+    if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
+      raise ValueError(f"prompt_tokens must be a list of token sequences or an int array [B, T], "
+                       f"got {tokens.dtype} of shape {tokens.shape}")
+    if tokens.shape[0] == 0:
+      raise ValueError("prompt_tokens is empty: give at least one prompt")
+    if prompt_lengths is None:
+      lengths = np.full(tokens.shape[0], tokens.shape[1], np.int64)
+    else:
+      lengths = np.asarray(prompt_lengths)
+      if lengths.shape != (tokens.shape[0],) or not np.issubdtype(lengths.dtype, np.integer):
+        raise ValueError(f"prompt_lengths must be ints [B] = [{tokens.shape[0]}], got "
+                         f"{lengths.dtype} of shape {lengths.shape}")
+      if (lengths > tokens.shape[1]).any():
+        raise ValueError(f"prompt_lengths={lengths.tolist()} must be <= prompt_tokens.shape[1]="
+                         f"{tokens.shape[1]}")
+  empty = np.flatnonzero(lengths < 1)
+  if empty.size:
+    raise ValueError(f"prompt_tokens[{int(empty[0])}] is empty: every prompt needs at least one "
+                     "token")
+  valid = np.arange(tokens.shape[1])[None, :] < lengths[:, None]
+  bad = valid & ((tokens < 0) | (tokens >= vocab_size))
+  if bad.any():
+    b, t = map(int, np.argwhere(bad)[0])
+    raise ValueError(f"prompt_tokens[{b}][{t}]={int(tokens[b, t])} is not a token id of the "
+                     f"model: ids lie in [0, {vocab_size})")
+  return np.where(valid, tokens, 0).astype(np.int32), lengths.astype(np.int32)
+
+
+def _check_options(max_new_tokens, temperature, top_p, seed, initial_capacity) -> None:
+  if not _is_int(max_new_tokens) or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
+  if (isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.number))
+      or not math.isfinite(temperature) or temperature < 0):
+    raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0: greedy)")
+  if (isinstance(top_p, bool) or not isinstance(top_p, (int, float, np.number))
+      or not 0 < top_p <= 1):
+    raise ValueError(f"top_p={top_p!r} must lie in (0, 1] (1: no nucleus truncation)")
+  if not _is_int(seed):
+    raise ValueError(f"seed={seed!r} must be an int")
+  if initial_capacity is not None and (not _is_int(initial_capacity) or initial_capacity < 1):
+    raise ValueError(f"initial_capacity={initial_capacity!r} must be an int >= 1 or None")
+
+
+def _check_stop_tokens(stop_tokens, vocab_size: int) -> np.ndarray:
+  if _is_int(stop_tokens) or isinstance(stop_tokens, (str, bytes)):
+    raise ValueError(f"stop_tokens={stop_tokens!r} must be a sequence of token ids, e.g. (50256,)")
+  stop = list(stop_tokens)
+  for t in stop:
+    if not _is_int(t) or not 0 <= t < vocab_size:
+      raise ValueError(f"stop_tokens={stop!r}: {t!r} is not a token id of the model, ids lie in "
+                       f"[0, {vocab_size})")
+  return np.asarray(stop, np.int32).reshape(-1)
