@@ -32,6 +32,8 @@ import pytest
 
 import pisa_jax
 from pisa_jax import _chunking
+from pisa_jax.kernels import selection as sel
+from pisa_jax.kernels.selection import two_stage
 from pisa_jax.selection import _bsa_chunk, select_blocks_reference_at
 from pisa_jax.testing import mismatch_margins, random_block_indices
 
@@ -121,6 +123,22 @@ def test_selection_at_two_million_tokens_sampled(selection_inputs, selector, top
   unproven = [r for r in rows if not r[3] < tol.SELECTION_NEAR_TIE_RTOL]
   assert not unproven, f"{len(unproven)} of {len(rows)} differing rows are not near-ties: " \
                        f"{unproven[:10]}"
+
+
+def test_two_stage_in_row_ranges_equals_one_launch_compiled(monkeypatch):
+  # Past 2^30 (query, candidate) pairs (4M tokens at 8 KV heads, K = 32) the two-stage selection
+  # scores row ranges in separate launches; here three ranges at 32K tokens, compiled.
+  n, top_k = 1 << 15, 32
+  kq, kk = jax.random.split(jax.random.PRNGKey(22))
+  q = jax.random.normal(kq, (1, n, HQ, SEL_D), jnp.bfloat16)
+  k = jax.random.normal(kk, (1, n, HKV, SEL_D), jnp.bfloat16)
+  run = functools.partial(sel.select_blocks_pallas, block_size=C, top_k=top_k, branching=G,
+                          selector="pisa", scale=SEL_D ** -0.5, beam=top_k, interpret=False)
+  one = np.asarray(jax.jit(run)(q, k))
+  slots = sel.candidate_slots(top_k, G)
+  monkeypatch.setattr(two_stage, "MAX_PAIRS", 25_000 * slots)
+  assert len(two_stage.row_chunks(n * HKV, slots)) == 3
+  np.testing.assert_array_equal(np.asarray(jax.jit(run)(q, k)), one)
 
 
 # ---------------------------------------------------------------------------------------------
