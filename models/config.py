@@ -13,6 +13,9 @@ ATTENTION_KINDS = ("dense", "pisa", "pisa1", "pisa2", "bsa")
 SPARSE_ATTENTION_KINDS = ("pisa", "pisa1", "pisa2", "bsa")
 PARAM_DTYPES = ("float32", "bfloat16")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+# What each decoder block keeps for the backward pass, most memory first (`decoder.REMAT_POLICIES`
+# says what each saves and recomputes).
+REMAT_POLICIES = ("none", "dots", "dots_except_mlp", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +43,8 @@ class ModelConfig:
   param_dtype: str = "float32"
   # "auto": bfloat16 on a GPU, float32 elsewhere (CPU matmuls in bf16 are slow and emulated).
   compute_dtype: str = "auto"
+  # Rematerialisation of each block in the backward pass: one of REMAT_POLICIES.
+  remat: str = "none"
 
   @property
   def padded_vocab_size(self) -> int:

@@ -8,6 +8,8 @@ block-sparse through `pisa_jax.pisa_attention` (PISA, PISA-1, PISA-2, BSA), chos
 Parameters are stored in `param_dtype`; matmuls run in the compute dtype (bfloat16 on a GPU), while
 RMSNorm, RoPE angles, softmax statistics and the logits are float32. Each parameter carries
 `logical_axes` metadata that `pisa_jax.models.sharding.LOGICAL_AXIS_RULES` maps to the mesh.
+Each block can be rematerialised in the backward pass under a named policy (`model.remat`,
+`REMAT_POLICIES`), and training reads `hidden_states` to compute the loss without `[B, T, Vp]`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import math
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
@@ -55,16 +59,53 @@ class RMSNorm(nnx.Module):
     return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
+# Positions are split into base-2^8 digits; 4 digits cover every non-negative int32 position.
+_ROPE_DIGIT_BITS = 8
+_ROPE_DIGITS = 4
+
+
+@functools.cache
+def _rope_digit_tables(head_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
+  """cos, sin float32 `[digits, 256, D/4]` of the angle d * 256^i * inv_freq, made in float64."""
+  inv_freq = base ** (-2.0 * np.arange(head_dim // 4, dtype=np.float64) / head_dim)
+  radix = 1 << _ROPE_DIGIT_BITS
+  place = float(radix) ** np.arange(_ROPE_DIGITS, dtype=np.float64)
+  # [digits, 256, D/4]; reduced mod 2 pi in float64 before cos and sin see it.
+  angle = np.mod(place[:, None, None] * np.arange(radix, dtype=np.float64)[None, :, None]
+                 * inv_freq, 2 * np.pi)
+  return np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+
+
+def rope_at(positions: Int[Array, "*N"], head_dim: int, base: float) -> tuple[Array, Array]:
+  """cos, sin float32 `[*N, D/4]` of RoPE's angles at integer `positions` in [0, 2^31).
+
+  A float32 angle position * inv_freq rounds the position itself past 2^24 (2^24 + 1 and 2^24
+  share one rotation) and, long before that, leaves an absolute error of the angle's own rounding
+  (a sixteenth of a radian at 2^20 for the fastest frequency). Instead the position is split into
+  base-256 digits p = sum_i d_i 256^i, each digit's rotation is looked up in a float64-made table,
+  and the rotations are composed by the angle-sum formula: cos and sin come out within a few float32
+  roundings of their float64 values at every position, the positions stay exact integers.
+  """
+  cos_table, sin_table = _rope_digit_tables(head_dim, base)
+  positions = jnp.asarray(positions, jnp.int32)
+  mask = (1 << _ROPE_DIGIT_BITS) - 1
+  cos = sin = None
+  for i in range(_ROPE_DIGITS):
+    digit = (positions >> (_ROPE_DIGIT_BITS * i)) & mask
+    c, s = jnp.asarray(cos_table[i])[digit], jnp.asarray(sin_table[i])[digit]
+    # cos(a + b) and sin(a + b): the digits' rotations compose.
+    cos, sin = (c, s) if cos is None else (cos * c - sin * s, sin * c + cos * s)
+  return cos, sin
+
+
 def rope_angles(seq_len: int, head_dim: int, base: float) -> tuple[Array, Array]:
   """cos, sin `[T, D/4]` for RoPE on the high-frequency half of a head (Appendix C.1).
 
   A full RoPE over D dims has D/2 frequencies base^(-2i/D); we keep the highest D/4 of them
   (i < D/4) and rotate only the first D/2 dims of each head, leaving the other half position-free.
+  Positions 0 .. T-1, exact at any T (see `rope_at`).
   """
-  i = jnp.arange(head_dim // 4, dtype=jnp.float32)
-  inv_freq = base ** (-2.0 * i / head_dim)
-  angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
-  return jnp.cos(angles), jnp.sin(angles)
+  return rope_at(jnp.arange(seq_len, dtype=jnp.int32), head_dim, base)
 
 
 def apply_rope(x: Float[Array, "B T H D"], cos: Array, sin: Array) -> Float[Array, "B T H D"]:
@@ -106,6 +147,11 @@ def per_batch_shard(fn):
   return checked
 
 
+def _saveable(name: str, projection: Array) -> Array:
+  """A projection's output, batch-sharded and named for the remat policies (`REMAT_POLICIES`)."""
+  return checkpoint_name(constrain_batch(projection), name)
+
+
 class Attention(nnx.Module):
   """GQA self-attention; dense or block-sparse by `cfg.attention`."""
 
@@ -122,9 +168,9 @@ class Attention(nnx.Module):
 
   def __call__(self, x: Float[Array, "B T E"], cos: Array, sin: Array) -> Float[Array, "B T E"]:
     cfg, cdt = self.cfg, x.dtype
-    q = constrain_batch(jnp.einsum("bte,ehd->bthd", x, self.wq[...].astype(cdt)))
-    k = constrain_batch(jnp.einsum("bte,ehd->bthd", x, self.wk[...].astype(cdt)))
-    v = constrain_batch(jnp.einsum("bte,ehd->bthd", x, self.wv[...].astype(cdt)))
+    q = _saveable("query_proj", jnp.einsum("bte,ehd->bthd", x, self.wq[...].astype(cdt)))
+    k = _saveable("key_proj", jnp.einsum("bte,ehd->bthd", x, self.wk[...].astype(cdt)))
+    v = _saveable("value_proj", jnp.einsum("bte,ehd->bthd", x, self.wv[...].astype(cdt)))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if cfg.attention == "dense":
       # cuDNN's fused kernel takes bf16/fp16 only; the XLA path keeps float32 softmax statistics.
@@ -147,7 +193,9 @@ class Attention(nnx.Module):
     else:
       raise ValueError(f"model.attention={cfg.attention!r} is unknown")
     chex.assert_shape(out, q.shape)  # [B, T, HQ, D]
-    return constrain_batch(jnp.einsum("bthd,hde->bte", out.astype(cdt), self.wo[...].astype(cdt)))
+    return _saveable("out_proj",
+                     jnp.einsum("bthd,hde->bte", out.astype(cdt), self.wo[...].astype(cdt)))
+
 
 
 class GatedMLP(nnx.Module):
@@ -162,9 +210,9 @@ class GatedMLP(nnx.Module):
 
   def __call__(self, x: Float[Array, "B T E"]) -> Float[Array, "B T E"]:
     cdt = x.dtype
-    gate = constrain_batch(x @ self.w_gate[...].astype(cdt))
-    up = constrain_batch(x @ self.w_up[...].astype(cdt))
-    return constrain_batch((jax.nn.silu(gate) * up) @ self.w_down[...].astype(cdt))
+    gate = _saveable("mlp_gate", x @ self.w_gate[...].astype(cdt))
+    up = _saveable("mlp_up", x @ self.w_up[...].astype(cdt))
+    return _saveable("mlp_down", (jax.nn.silu(gate) * up) @ self.w_down[...].astype(cdt))
 
 
 class Block(nnx.Module):
@@ -182,6 +230,7 @@ class Block(nnx.Module):
     return x + self.mlp(self.mlp_norm(x))
 
 
+
 class Decoder(nnx.Module):
   """The language model: tokens `[B, T]` -> float32 logits `[B, T, V_padded]`."""
 
@@ -195,21 +244,70 @@ class Decoder(nnx.Module):
     self.lm_head = _normal(rngs, (cfg.d_model, vp), cfg.init_std, pdt, ("embed", "vocab"))
 
   def __call__(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T Vp"]:
+    return output_logits(self.hidden_states(tokens), self.lm_head[...], self.cfg.vocab_size)
+
+  def hidden_states(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T E"]:
+    """The final-normed activations that the output projection turns into logits.
+
+    Training takes these rather than `__call__`'s logits, to compute the loss over chunks of
+    tokens without ever holding `[B, T, Vp]` (`pisa_jax.train.loss`).
+    """
     cfg = self.cfg
     chex.assert_rank(tokens, 2)  # [B, T]
     cdt = compute_dtype(cfg)
     # Activations stay batch-sharded under an fsdp mesh (see `constrain_batch`).
     x = constrain_batch(jnp.take(self.embed[...], tokens, axis=0).astype(cdt))
     cos, sin = rope_angles(tokens.shape[1], cfg.head_dim, cfg.rope_base)
+    forward = block_forward(cfg.remat)
     for block in self.blocks:
-      x = constrain_batch(block(x, cos, sin))
-    x = self.final_norm(x)
-    logits = constrain_batch(jnp.einsum(
-        "bte,ev->btv", x, self.lm_head[...].astype(cdt), preferred_element_type=jnp.float32
-    ))
-    # Padding rows are not tokens: keep the softmax exactly over the real vocabulary.
-    real = jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size
-    return jnp.where(real, logits, _PAD_LOGIT)
+      x = constrain_batch(forward(block, x, cos, sin))
+    return self.final_norm(x)
+
+
+def output_logits(x: Float[Array, "B T E"], lm_head: Float[Array, "E Vp"],
+                  vocab_size: int) -> Float[Array, "B T Vp"]:
+  """float32 logits of the output projection; the padding rows (>= vocab_size) get -1e9."""
+  logits = constrain_batch(jnp.einsum(
+      "bte,ev->btv", x, lm_head.astype(x.dtype), preferred_element_type=jnp.float32
+  ))
+  # Padding rows are not tokens: keep the softmax exactly over the real vocabulary.
+  real = jnp.arange(lm_head.shape[-1]) < vocab_size
+  return jnp.where(real, logits, _PAD_LOGIT)
+
+
+_ATTENTION_PROJECTIONS = ("query_proj", "key_proj", "value_proj", "out_proj")
+_MLP_PROJECTIONS = ("mlp_gate", "mlp_up", "mlp_down")
+
+# What a block's forward pass keeps for the backward (`model.remat`); the rest is recomputed there,
+# from the block's input. Sparse attention's block selection has no gradient (its indices are
+# held fixed, Appendix B): under every policy but "none" the backward selects again from the
+# recomputed q and k, then runs the attention forward for its residuals, then the backward.
+REMAT_POLICIES = {
+    # Every intermediate the backward reads: no recomputation, the most memory.
+    "none": None,
+    # The seven projections' outputs (q, k, v, attention out, MLP gate, up and down): the matmuls
+    # do not run again; the norms, RoPE, SiLU and attention do.
+    "dots": jax.checkpoint_policies.save_only_these_names(
+        *_ATTENTION_PROJECTIONS, *_MLP_PROJECTIONS),
+    # The four attention projections only: the MLP (its [B, T, mlp_dim] gate and up are the
+    # block's largest activations) is recomputed as well.
+    "dots_except_mlp": jax.checkpoint_policies.save_only_these_names(*_ATTENTION_PROJECTIONS),
+    # Nothing but the block's input `[B, T, E]`: the whole block runs again in the backward.
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
+
+
+def block_forward(remat: str):
+  """`forward(block, x, cos, sin)`: one block's forward under the named remat policy."""
+  if remat not in REMAT_POLICIES:
+    raise ValueError(f"model.remat={remat!r} must be one of {tuple(REMAT_POLICIES)}")
+
+  def forward(block: Block, x, cos, sin):
+    return block(x, cos, sin)
+
+  if remat == "none":
+    return forward
+  return nnx.remat(forward, policy=REMAT_POLICIES[remat])
 
 
 def count_params(cfg: ModelConfig) -> int:
