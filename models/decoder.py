@@ -14,6 +14,7 @@ Each block can be rematerialised in the backward pass under a named policy (`mod
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -27,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 import pisa_jax
+from pisa_jax.decode import DecodeCache, bucket_capacity, decode_step
 from pisa_jax.models.config import SPARSE_ATTENTION_KINDS, ModelConfig
 from pisa_jax.models.sharding import axes_size, batch_axes_of, constrain_batch
 
@@ -197,6 +199,47 @@ class Attention(nnx.Module):
                      jnp.einsum("bthd,hde->bte", out.astype(cdt), self.wo[...].astype(cdt)))
 
 
+  # Decoding (`pisa_jax.generate`): the projections and RoPE of `__call__`, with a cache.
+
+  def init_cache(self, batch: int, capacity: int, dtype) -> DecodeCache | KVCache:
+    """An empty cache of this layer for `batch` rows of `capacity` tokens."""
+    cfg = self.cfg
+    if cfg.attention == "dense":
+      return KVCache.create(batch, capacity, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
+    return DecodeCache.create(batch, capacity, cfg.num_kv_heads, cfg.head_dim,
+                              block_size=cfg.block_size, branching=cfg.branching, dtype=dtype)
+
+  def _project_kv(self, x: Float[Array, "B T E"]) -> tuple[Array, Array]:
+    cdt = x.dtype
+    k = jnp.einsum("bte,ehd->bthd", x, self.wk[...].astype(cdt))
+    v = jnp.einsum("bte,ehd->bthd", x, self.wv[...].astype(cdt))
+    return k, v
+
+  def prefill(self, x: Float[Array, "B T E"], cos: Array, sin: Array, lengths: Int[Array, "B"],
+              cache: DecodeCache | KVCache) -> tuple[Float[Array, "B T E"], DecodeCache | KVCache]:
+    """`__call__` on right-padded rows, and the cache filled with each row's first lengths[b]
+    keys and values (causal attention: the padding after a row never reaches its tokens)."""
+    # k and v are projected again beside `__call__` (with few KV heads, a few percent of its
+    # matmuls), so that the prefill is the training forward pass itself.
+    k, v = self._project_kv(x)
+    return self(x, cos, sin), cache.prefill(apply_rope(k, cos, sin), v, lengths)
+
+  def decode(self, x: Float[Array, "B 1 E"], cos: Array, sin: Array,
+             cache: DecodeCache | KVCache) -> tuple[Float[Array, "B 1 E"], DecodeCache | KVCache]:
+    """One token per row at its own position (the cache's length), cos and sin `[B, D/4]`."""
+    cfg, cdt = self.cfg, x.dtype
+    q = jnp.einsum("bte,ehd->bthd", x, self.wq[...].astype(cdt))
+    k, v = self._project_kv(x)
+    # apply_rope takes one angle per time step; here each row has its own.
+    rope = jax.vmap(lambda y, c, s: apply_rope(y[None], c[None], s[None])[0])
+    q, k = rope(q, cos, sin), rope(k, cos, sin)
+    if cfg.attention == "dense":
+      out, cache = dense_decode_attention(q, k, v, cache)
+    else:
+      out, cache = decode_step(q, k, v, cache, top_k=cfg.top_k, selector=cfg.attention,
+                               beam=cfg.beam, implementation=cfg.attention_implementation)
+    return jnp.einsum("bthd,hde->bte", out.astype(cdt), self.wo[...].astype(cdt)), cache
+
 
 class GatedMLP(nnx.Module):
   """down(silu(gate(x)) * up(x))."""
@@ -230,6 +273,16 @@ class Block(nnx.Module):
     return x + self.mlp(self.mlp_norm(x))
 
 
+  def prefill(self, x, cos, sin, lengths, cache):
+    h, cache = self.attn.prefill(self.attn_norm(x), cos, sin, lengths, cache)
+    x = x + h
+    return x + self.mlp(self.mlp_norm(x)), cache
+
+  def decode(self, x, cos, sin, cache):
+    h, cache = self.attn.decode(self.attn_norm(x), cos, sin, cache)
+    x = x + h
+    return x + self.mlp(self.mlp_norm(x)), cache
+
 
 class Decoder(nnx.Module):
   """The language model: tokens `[B, T]` -> float32 logits `[B, T, V_padded]`."""
@@ -262,6 +315,52 @@ class Decoder(nnx.Module):
     for block in self.blocks:
       x = constrain_batch(forward(block, x, cos, sin))
     return self.final_norm(x)
+
+  # Decoding: `pisa_jax.generate.DecodeModel`. The state holds one cache per layer (sparse
+  # layers a `DecodeCache`, dense ones a `KVCache`); a row's next position is its length.
+
+  @property
+  def vocab_size(self) -> int:
+    return self.cfg.vocab_size
+
+  def init_decode_state(self, batch: int, capacity: int) -> tuple[DecodeCache | KVCache, ...]:
+    """Empty caches, one per layer, for `batch` rows of `capacity` tokens in the compute dtype."""
+    dtype = compute_dtype(self.cfg)
+    return tuple(block.attn.init_cache(batch, capacity, dtype) for block in self.blocks)
+
+  def grow_decode_state(self, state: tuple, capacity: int) -> tuple:
+    """The same caches with room for at least `capacity` tokens per row (outside `jit`)."""
+    return tuple(cache.grow(capacity) for cache in state)
+
+  def prefill(self, tokens: Int[Array, "B T"], lengths: Int[Array, "B"],
+              state: tuple) -> tuple[Float[Array, "B Vp"], tuple]:
+    """The forward pass over right-padded prompts (row b: tokens[b, :lengths[b]], lengths >= 1)
+    filling the empty `state`; returns the float32 logits of each row's last prompt token."""
+    cfg = self.cfg
+    chex.assert_rank(tokens, 2)  # [B, T]
+    x = jnp.take(self.embed[...], tokens, axis=0).astype(compute_dtype(cfg))
+    cos, sin = rope_angles(tokens.shape[1], cfg.head_dim, cfg.rope_base)
+    caches = []
+    for block, cache in zip(self.blocks, state, strict=True):
+      x, cache = block.prefill(x, cos, sin, lengths, cache)
+      caches.append(cache)
+    last = x[jnp.arange(x.shape[0]), jnp.maximum(lengths - 1, 0)]  # [B, E]
+    return self._next_logits(last), tuple(caches)
+
+  def decode(self, tokens: Int[Array, "B"], state: tuple) -> tuple[Float[Array, "B Vp"], tuple]:
+    """Appends one token per row at its length; returns the float32 logits of the next token."""
+    cfg = self.cfg
+    chex.assert_rank(tokens, 1)  # [B]
+    x = jnp.take(self.embed[...], tokens[:, None], axis=0).astype(compute_dtype(cfg))
+    cos, sin = rope_at(state[0].lengths, cfg.head_dim, cfg.rope_base)  # [B, D/4]
+    caches = []
+    for block, cache in zip(self.blocks, state, strict=True):
+      x, cache = block.decode(x, cos, sin, cache)
+      caches.append(cache)
+    return self._next_logits(x[:, 0]), tuple(caches)
+
+  def _next_logits(self, x: Float[Array, "B E"]) -> Float[Array, "B Vp"]:
+    return output_logits(self.final_norm(x)[:, None], self.lm_head[...], self.cfg.vocab_size)[:, 0]
 
 
 def output_logits(x: Float[Array, "B T E"], lm_head: Float[Array, "E Vp"],
@@ -331,3 +430,80 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     attended = min(attended, cfg.top_k * cfg.block_size)
   attention = cfg.num_layers * 4 * cfg.num_heads * cfg.head_dim * attended
   return 6 * matmul_params + 3 * attention
+
+
+# ----------------------------------------------------------------------------- dense decoding
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "lengths"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+  """Keys and values of a batch of rows with per-row lengths: dense attention's decode cache.
+
+  Row b holds tokens 0 .. lengths[b] - 1; positions at or past its length are zero or stale and
+  never attended. `create`, `prefill` and `grow` behave as `pisa_jax.decode.DecodeCache`'s.
+  """
+
+  k: Float[Array, "B N HKV D"]
+  v: Float[Array, "B N HKV D"]
+  lengths: Int[Array, "B"]
+
+  @classmethod
+  def create(cls, batch: int, capacity: int, num_kv_heads: int, head_dim: int, *,
+             dtype) -> "KVCache":
+    shape = (batch, capacity, num_kv_heads, head_dim)
+    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+               lengths=jnp.zeros((batch,), jnp.int32))
+
+  @property
+  def capacity(self) -> int:
+    return self.k.shape[1]
+
+  def prefill(self, k: Float[Array, "B T HKV D"], v: Float[Array, "B T HKV D"],
+              lengths: Int[Array, "B"]) -> "KVCache":
+    """A cache holding each row's first lengths[b] of these keys and values."""
+    t = k.shape[1]
+    if t > self.capacity:
+      raise ValueError(f"k.shape[1]={t} tokens exceed the cache capacity {self.capacity}")
+    keep = (jnp.arange(t)[None, :] < lengths[:, None])[:, :, None, None]
+    pad = ((0, 0), (0, self.capacity - t), (0, 0), (0, 0))
+
+    def fill(x):
+      return jnp.pad(jnp.where(keep, x, jnp.zeros((), x.dtype)).astype(self.k.dtype), pad)
+
+    return KVCache(k=fill(k), v=fill(v), lengths=lengths.astype(jnp.int32))
+
+  def grow(self, min_capacity: int) -> "KVCache":
+    """Room for at least `min_capacity` tokens: at least double, a power of two (self if it
+    already has that many), so a jitted step sees O(log N) shapes."""
+    if min_capacity <= self.capacity:
+      return self
+    capacity = bucket_capacity(max(int(min_capacity), 2 * self.capacity), 1)
+    pad = ((0, 0), (0, capacity - self.capacity), (0, 0), (0, 0))
+    return KVCache(k=jnp.pad(self.k, pad), v=jnp.pad(self.v, pad), lengths=self.lengths)
+
+
+def dense_decode_attention(q: Float[Array, "B 1 HQ D"], k: Float[Array, "B 1 HKV D"],
+                           v: Float[Array, "B 1 HKV D"],
+                           cache: KVCache) -> tuple[Float[Array, "B 1 HQ D"], KVCache]:
+  """Appends each row's key and value at its length, then attends causally over the row's
+  keys 0 .. length (its own included): softmax statistics in float32. A row with no room left
+  (only possible under `jit`) drops its token and outputs NaN."""
+  b, n, hkv, d = cache.k.shape
+  hq = q.shape[2]
+  positions = cache.lengths
+  rows = jnp.arange(b)
+  write = jnp.where(positions < n, positions, n)  # out of bounds: dropped
+  k_cache = cache.k.at[rows, write].set(k[:, 0].astype(cache.k.dtype), mode="drop")
+  v_cache = cache.v.at[rows, write].set(v[:, 0].astype(cache.v.dtype), mode="drop")
+  # Query head h reads KV head h // (HQ / HKV), as jax.nn.dot_product_attention does.
+  qg = q[:, 0].astype(jnp.float32).reshape(b, hkv, hq // hkv, d)
+  logits = jnp.einsum("bhgd,bnhd->bhgn", qg, k_cache.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST) / math.sqrt(d)
+  visible = (jnp.arange(n)[None, :] <= positions[:, None])[:, None, None, :]
+  p = jax.nn.softmax(jnp.where(visible, logits, -jnp.inf), axis=-1)
+  out = jnp.einsum("bhgn,bnhd->bhgd", p, v_cache.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST).reshape(b, 1, hq, d)
+  out = jnp.where((positions >= n)[:, None, None, None], jnp.nan, out)
+  return out.astype(q.dtype), KVCache(k=k_cache, v=v_cache, lengths=positions + 1)
