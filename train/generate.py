@@ -1,0 +1,196 @@
+"""`pisa-generate`: continue a prompt with the latest checkpoint of a `pisa-train` run.
+
+  pisa-generate --workdir runs/s --prompt "The pyramid"
+  pisa-generate --workdir runs/s --prompt "Once upon a time" --max-new-tokens 200 \\
+      --temperature 0.8 --top-p 0.95 --seed 1
+
+The newest checkpoint that passes its checksums is restored (its parameters on the default
+device, the optimizer state it also holds in host memory), the prompt is tokenised with the GPT-2
+tokenizer, and the continuation is written to stdout token by token as it is generated (greedy
+with --temperature 0, the default). Generation stops at <|endoftext|> when the vocabulary has it.
+The prompt and the new tokens must fit in the context the run was trained with (train.seq_len)
+unless --context says otherwise.
+
+A mistake ends in one line on stderr: exit status 2 for a bad argument (one that names it), 1 for
+a checkpoint or tokenizer that cannot be read, 130 for Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import json
+import math
+import sys
+from pathlib import Path
+
+PROG = "pisa-generate"
+DEFAULT_NEW_TOKENS = 64
+
+
+class _ArgumentError(Exception):
+  """A bad argument: the message starts with its name."""
+
+
+class _Parser(argparse.ArgumentParser):
+  def error(self, message: str):
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _number(kind, check, requirement: str):
+  def parse(text: str):
+    try:
+      value = kind(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{text!r} is not {'an int' if kind is int else 'a number'}"
+                                       ) from None
+    if not check(value):
+      raise argparse.ArgumentTypeError(f"{text} must be {requirement}")
+    return value
+
+  parse.__name__ = kind.__name__
+  return parse
+
+
+def restore_model(workdir: str | Path):
+  """(config, model, step): the newest checkpoint of the run `workdir` that passes its checksums,
+  as a `pisa_jax.models.Decoder` with the config it was trained with.
+
+  Raises _ArgumentError when `workdir` holds no checkpoint, and the checkpoint module's
+  CorruptCheckpointError / IncompatibleCheckpointError when none can be restored.
+  """
+  import jax
+  from flax import nnx
+  from jax.sharding import SingleDeviceSharding
+
+  from pisa_jax.configs.base import Config
+  from pisa_jax.models.decoder import Decoder
+  from pisa_jax.train import checkpoint as ckpt_lib
+  from pisa_jax.train.trainer import build_optimizer
+
+  workdir = Path(workdir)
+  directory = (workdir / "checkpoints").absolute()
+  hint = f"train one first (pisa-train --workdir {workdir})"
+  try:
+    saved = Config.from_dict(json.loads((workdir / "config.json").read_text()))
+  except FileNotFoundError:
+    raise _ArgumentError(f"--workdir: {workdir} has no config.json and no checkpoint: it is not a "
+                         f"pisa-train run folder; {hint}") from None
+  except ValueError as e:
+    raise _ArgumentError(f"--workdir: {workdir}/config.json is unreadable ({e})") from None
+  # The attention of the newest checkpoint may differ from config.json's: the shapes may not.
+  point = ckpt_lib.find_resume_point(directory, saved.model, allow_attention_change=True)
+  if point is None:
+    raise _ArgumentError(f"--workdir: {directory} holds no checkpoint; {hint}")
+  config = Config.from_dict(point.meta["config"])
+
+  abstract = nnx.eval_shape(lambda: Decoder(config.model, rngs=nnx.Rngs(0)))
+  graphdef, params = nnx.split(abstract, nnx.Param)
+  shapes = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx.to_pure_dict(params))
+  optimizer = jax.eval_shape(build_optimizer(config.train).init, shapes)
+  device, host = jax.devices()[0], jax.devices("cpu")[0]
+
+  def placed(tree, where):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                       sharding=SingleDeviceSharding(where)), tree)
+
+  # The train state's layout (`trainer.build_trainer`): the Adam moments are restored too, as
+  # the checkpoint holds them, but into host memory, where they cost the device nothing.
+  abstract_state = {
+      "params": placed(shapes, device), "opt_state": placed(optimizer, host),
+      "step": placed(jax.ShapeDtypeStruct((), jax.numpy.int32), host),
+      "rng": placed(jax.ShapeDtypeStruct((2,), jax.numpy.uint32), host),
+  }
+  reader = ckpt_lib.Checkpointer(directory, read_only=True)
+  try:
+    state = reader.restore(point.step, abstract_state, config, verified=True)
+  finally:
+    reader.close()
+  nnx.replace_by_pure_dict(params, state["params"])
+  return config, nnx.merge(graphdef, params), point.step
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = _Parser(prog=PROG, description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--workdir", required=True, help="the run folder of pisa-train")
+  parser.add_argument("--prompt", required=True, help="the text to continue")
+  parser.add_argument("--max-new-tokens", type=_number(int, lambda n: n >= 1, ">= 1"),
+                      default=None, help=f"default: {DEFAULT_NEW_TOKENS}, or what the context "
+                                         "leaves after the prompt if that is less")
+  parser.add_argument("--temperature", type=_number(float, lambda t: math.isfinite(t) and t >= 0,
+                                                    "a finite number >= 0"), default=0.0,
+                      help="0 (the default) is greedy")
+  parser.add_argument("--top-p", type=_number(float, lambda p: 0 < p <= 1, "in (0, 1]"),
+                      default=1.0, help="nucleus sampling with --temperature > 0")
+  parser.add_argument("--seed", type=_number(int, lambda s: True, "an int"), default=0)
+  parser.add_argument("--context", type=_number(int, lambda n: n >= 1, ">= 1"), default=None,
+                      help="tokens (prompt and new ones) the model may see; default: the run's "
+                           "train.seq_len")
+  args = parser.parse_args(argv)
+  if not args.prompt:
+    parser.error("--prompt: empty: give the text to continue")
+
+  try:
+    return _generate(args)
+  except _ArgumentError as e:
+    parser.error(str(e))
+  except KeyboardInterrupt:
+    print(f"\n{PROG}: interrupted", file=sys.stderr)
+    return 130
+  except (ValueError, OSError) as e:
+    # The tokenizer's missing file, and corrupt or incompatible checkpoints.
+    print(f"{PROG}: error: {e}", file=sys.stderr)
+    return 1
+
+
+def _generate(args) -> int:
+  # Imported once the arguments are known good: a mistake costs no JAX start-up.
+  from pisa_jax.generate import generate_stream
+  from pisa_jax.models.decoder import count_params
+  from pisa_jax.train.tokenizer import EOT_TOKEN, gpt2_encoding
+
+  encoding = gpt2_encoding()
+  tokens = encoding.encode_ordinary(args.prompt)
+  config, model, step = restore_model(args.workdir)
+  vocab = config.model.vocab_size
+  context = config.train.seq_len if args.context is None else args.context
+  where = "train.seq_len of the run; --context raises it" if args.context is None else "--context"
+  if len(tokens) >= context:
+    raise _ArgumentError(f"--prompt: {len(tokens)} tokens exceed the model's context of "
+                         f"{context} ({where}) or leave no room for a new one")
+  new_tokens = args.max_new_tokens
+  if new_tokens is None:
+    new_tokens = min(DEFAULT_NEW_TOKENS, context - len(tokens))
+  elif len(tokens) + new_tokens > context:
+    raise _ArgumentError(f"--max-new-tokens={new_tokens}: the prompt's {len(tokens)} tokens and "
+                         f"{new_tokens} new ones exceed the model's context of {context} "
+                         f"({where})")
+  for token in tokens:
+    if token >= vocab:
+      text = encoding.decode_single_token_bytes(token).decode("utf-8", "replace")
+      raise _ArgumentError(f"--prompt: token {text!r} (id {token}) is outside the model's "
+                           f"vocabulary of {vocab} tokens (model.vocab_size)")
+  stop = (EOT_TOKEN,) if EOT_TOKEN < vocab else ()
+  print(f"{PROG}: step {step} of {args.workdir} ({config.model.attention} attention, "
+        f"{count_params(config.model):,} parameters): {len(tokens)} prompt tokens, up to "
+        f"{new_tokens} new", file=sys.stderr)
+  # A token may end inside a UTF-8 character: bytes wait for the rest of it.
+  text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+  out = sys.stdout
+  for step in generate_stream(model, [tokens], max_new_tokens=new_tokens,
+                              temperature=args.temperature, top_p=args.top_p, stop_tokens=stop,
+                              seed=args.seed):
+    token = int(step[0])
+    if token < 0 or token in stop:
+      break
+    out.write(text.decode(encoding.decode_single_token_bytes(token)))
+    out.flush()
+  out.write(text.decode(b"", final=True) + "\n")
+  out.flush()
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
