@@ -2,7 +2,8 @@
 
 Every check raises ValueError (bad value or shape) or TypeError (bad dtype) with a message that
 names the argument and the value expected. Shapes are static under `jit`, so all shape checks also
-run on tracers; checks of index *values* run only when the indices are concrete.
+run on tracers; checks of index *values* raise when the indices are concrete, and under `jit`
+report through `jax.experimental.checkify` when the caller wraps the call in `checkify.checkify`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
 from pisa_jax import _dispatch
 
@@ -49,6 +51,8 @@ def check_qk(q, k) -> tuple[int, int, int, int, int]:
         f"(q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)})")
   if dk != d:
     raise ValueError(f"k head dim {dk} must equal q head dim {d}")
+  if k.dtype != q.dtype:
+    raise TypeError(f"q and k must have the same dtype, got q {q.dtype} and k {k.dtype}")
   if t < 1:
     raise ValueError(f"sequence length T={t} must be >= 1")
   if hkv < 1 or hq % hkv != 0:
@@ -61,6 +65,20 @@ def check_v(v, k) -> None:
   check_rank4("v", v, "[B, T, HKV, D]")
   if v.shape != k.shape:
     raise ValueError(f"v.shape={tuple(v.shape)} must equal k.shape={tuple(k.shape)}")
+  if v.dtype != k.dtype:
+    raise TypeError(f"k and v must have the same dtype, got k {k.dtype} and v {v.dtype}")
+
+
+def check_static(function: str, **options) -> None:
+  """Options that fix shapes or code (sizes, names, the scale) must be Python values, never
+  tracers: a traced one means `function` went through `jax.jit` with it as an argument."""
+  for name, value in options.items():
+    if isinstance(value, jax.core.Tracer):
+      raise TypeError(
+          f"{name} is traced: {function} was called under jax.jit with {name} as an argument, "
+          f"but it fixes shapes or compiled code and must be a Python value. Mark it static, "
+          f"jax.jit({function}, static_argnames={tuple(options)}), or bind it before jitting, "
+          f"functools.partial({function}, {name}=...)")
 
 
 def _is_int(x) -> bool:
@@ -140,9 +158,19 @@ def check_block_indices(block_indices, *, batch: int, seq_len: int, num_kv_heads
     raise ValueError(
         f"block_indices.shape={tuple(block_indices.shape)} must be [B, T, HKV, K] = "
         f"[{batch}, {seq_len}, {num_kv_heads}, K] with K >= 1")
-  if isinstance(block_indices, jax.core.Tracer):
-    return
   num_blocks = -(-seq_len // block_size)
+  if isinstance(block_indices, jax.core.Tracer):
+    # Under jit the values are unknown here; these checks report through
+    # `jax.experimental.checkify.checkify` and are no-ops without it.
+    checkify.debug_check(
+        jnp.all((block_indices >= -1) & (block_indices < num_blocks)),
+        f"block_indices must lie in [-1, {num_blocks}) for T={seq_len} and {block_size=}: found "
+        "values in [{}, {}]", jnp.min(block_indices), jnp.max(block_indices))
+    srt = jnp.sort(block_indices, axis=-1)
+    checkify.debug_check(
+        ~jnp.any((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)),
+        "block_indices must not repeat a block index within one [b, t, h] row (-1 may repeat)")
+    return
   idx = np.asarray(block_indices)
   if idx.size and (idx.min() < -1 or idx.max() >= num_blocks):
     raise ValueError(
