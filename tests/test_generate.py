@@ -1,0 +1,276 @@
+"""Generation (`pisa_jax.generate`) against the full forward pass, and the `pisa-generate` CLI.
+
+The contract: greedy generation with the cache gives exactly the tokens that a full forward pass
+over the whole sequence would choose at every step (the argmax of its last position), and the
+logits of the prefill and of every decode step equal that forward pass's to float32 rounding:
+for a sparse (both implementations) and a dense model, on a batch of prompts of different
+lengths, across a growth of the cache from one capacity bucket to the next.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import pisa_jax
+from pisa_jax.configs import apply_overrides, get_config, validate
+from pisa_jax.generate import PAD, DecodeModel, _sample, _step
+from pisa_jax.models.config import ModelConfig
+from pisa_jax.models.decoder import Decoder
+
+from tolerances import OUTPUT_ATOL, OUTPUT_RTOL
+
+# Two layers (each with its own cache), GQA groups of 2, leaves of 4 tokens and K = 4 (three
+# forced blocks and one scored): from 16 tokens on, selection decides what a query sees.
+MODEL = ModelConfig(vocab_size=64, vocab_pad_multiple=64, num_layers=2, d_model=64, mlp_dim=128,
+                    num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, top_k=4, branching=2,
+                    init_std=0.1, param_dtype="float32", compute_dtype="float32")
+# Prompts of 27, 3 and 12 tokens (padded to 32), 30 new tokens each: the cache starts at 32 and
+# grows to 64 when the longest row passes 32 tokens.
+PROMPTS = [[(7 * i + 3) % 64 for i in range(27)], [5, 9, 1], [(11 * i) % 64 for i in range(12)]]
+NEW_TOKENS = 30
+INITIAL_CAPACITY = 32
+CASES = [("pisa", "xla"), ("pisa", "pallas"), ("dense", "xla")] + [
+    pytest.param(selector, "xla", marks=pytest.mark.slow) for selector in ("pisa1", "pisa2", "bsa")]
+
+
+def _model(attention: str, implementation: str = "xla", **fields) -> Decoder:
+  cfg = dataclasses.replace(MODEL, attention=attention, attention_implementation=implementation,
+                            **fields)
+  # One seed: every variant of a kind holds the same parameters.
+  return Decoder(cfg, rngs=nnx.Rngs(0))
+
+
+@jax.jit
+def _forward(model, tokens):
+  return model(tokens)
+
+
+def _full_forward_per_step(model, prompts, generated: np.ndarray) -> np.ndarray:
+  """float32 `[B, S, V]`: at step s, the forward pass over each whole sequence (prompt and the s
+  tokens generated before) and the logits of its last position."""
+  batch, steps = generated.shape
+  width = max(map(len, prompts)) + steps
+  out = []
+  for s in range(steps):
+    tokens = np.zeros((batch, width), np.int32)
+    for b, prompt in enumerate(prompts):
+      tokens[b, :len(prompt) + s] = list(prompt) + generated[b, :s].tolist()
+    last = np.array([len(p) + s - 1 for p in prompts])
+    out.append(np.asarray(_forward(model, jnp.asarray(tokens)))[np.arange(batch), last])
+  return np.stack(out, axis=1)
+
+
+@pytest.mark.parametrize("attention,implementation", CASES,
+                         ids=lambda value: value)
+def test_greedy_generation_is_the_full_forward_argmax(attention, implementation):
+  model = _model(attention, implementation)
+  compiled = _step._cache_size()
+  out = pisa_jax.generate(model, PROMPTS, max_new_tokens=NEW_TOKENS,
+                          initial_capacity=INITIAL_CAPACITY, return_logits=True)
+  # One compile of the step per capacity bucket (32, then 64), none per token.
+  assert _step._cache_size() - compiled == 2
+  assert out.tokens.shape == (3, NEW_TOKENS) and out.lengths.tolist() == [NEW_TOKENS] * 3
+  # The reference runs the jnp implementation on the same parameters.
+  full = _full_forward_per_step(_model(attention, "xla"), PROMPTS, out.tokens)
+  np.testing.assert_allclose(out.logits, full, atol=OUTPUT_ATOL[jnp.float32],
+                             rtol=OUTPUT_RTOL[jnp.float32])
+  np.testing.assert_array_equal(out.tokens, full.argmax(axis=-1))
+  # Greedy choices are decided by more than rounding: no near-tie could have flipped one.
+  top2 = np.sort(full, axis=-1)[..., -2:]
+  assert (top2[..., 1] - top2[..., 0]).min() > 1e-4
+  if attention != "dense":
+    # The sparse model does select: the same parameters under dense attention, which sees every
+    # key, give other logits (rows of up to 56 tokens: 14 blocks, K = 4).
+    dense = _full_forward_per_step(_model("dense"), PROMPTS, out.tokens)
+    assert np.abs(full - dense).max() > 1e-2
+
+
+@pytest.fixture(scope="module")
+def dense_greedy() -> pisa_jax.Generation:
+  """The dense case's greedy generation (its compiled prefill and steps are shared)."""
+  return pisa_jax.generate(_model("dense"), PROMPTS, max_new_tokens=NEW_TOKENS,
+                           initial_capacity=INITIAL_CAPACITY)
+
+
+def test_stop_tokens_end_their_rows_and_the_others_go_on(dense_greedy):
+  model, free = _model("dense"), dense_greedy
+  stop = int(free.tokens[1, 4])
+  out = pisa_jax.generate(model, PROMPTS, max_new_tokens=NEW_TOKENS,
+                          initial_capacity=INITIAL_CAPACITY, stop_tokens=(stop,))
+  assert out.tokens.shape[1] <= NEW_TOKENS
+  for b in range(3):
+    hits = np.flatnonzero(free.tokens[b] == stop)
+    end = int(hits[0]) + 1 if hits.size else NEW_TOKENS
+    assert out.lengths[b] == end and bool(out.stopped[b]) == bool(hits.size)
+    np.testing.assert_array_equal(out.tokens[b, :end], free.tokens[b, :end])
+    assert (out.tokens[b, end:] == PAD).all()
+    assert out.sequences()[b] == free.tokens[b, :end].tolist()
+  # Every row stops at its first token: one step, nothing after.
+  first = tuple(sorted({int(t) for t in free.tokens[:, 0]}))
+  out = pisa_jax.generate(model, PROMPTS, max_new_tokens=NEW_TOKENS,
+                          initial_capacity=INITIAL_CAPACITY, stop_tokens=first)
+  assert out.tokens.shape == (3, 1) and out.stopped.all()
+  np.testing.assert_array_equal(out.tokens[:, 0], free.tokens[:, 0])
+
+
+def test_an_array_of_prompts_with_lengths_generates_as_the_list(dense_greedy):
+  model, free = _model("dense"), dense_greedy
+  padded = np.full((3, 29), 63, np.int32)
+  for b, prompt in enumerate(PROMPTS):
+    padded[b, :len(prompt)] = prompt
+  out = pisa_jax.generate(model, padded, prompt_lengths=[27, 3, 12], max_new_tokens=NEW_TOKENS,
+                          initial_capacity=INITIAL_CAPACITY)
+  np.testing.assert_array_equal(out.tokens, free.tokens)
+
+
+def test_sampling_is_deterministic_from_its_seed_and_a_tiny_top_p_is_greedy(dense_greedy):
+  model = _model("dense")
+  # Temperature and top_p are traced: these four runs share one compiled prefill and step.
+  kw = dict(max_new_tokens=NEW_TOKENS, initial_capacity=64, temperature=1.5)
+  a = pisa_jax.generate(model, PROMPTS, seed=3, **kw)
+  b = pisa_jax.generate(model, PROMPTS, seed=3, **kw)
+  c = pisa_jax.generate(model, PROMPTS, seed=4, **kw)
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  assert (a.tokens != c.tokens).any() and (a.tokens != dense_greedy.tokens).any()
+  # Only the most likely token is in the nucleus: sampling picks it whatever the seed.
+  nucleus = pisa_jax.generate(model, PROMPTS, seed=5, top_p=1e-6, **kw)
+  np.testing.assert_array_equal(nucleus.tokens, dense_greedy.tokens)
+
+
+def test_nucleus_sampling_draws_from_the_renormalised_head_of_the_distribution():
+  probs = np.array([0.5, 0.3, 0.15, 0.05])
+  draws = 20_000
+  logits = jnp.tile(jnp.log(jnp.asarray(probs, jnp.float32)), (draws, 1))
+  key = jax.random.key(0)
+  for top_p, kept in ((0.7, 2), (0.85, 3), (1.0, 4)):
+    tokens = np.asarray(_sample(logits, key, jnp.float32(1.0), jnp.float32(top_p),
+                                greedy=False))
+    freq = np.bincount(tokens, minlength=4) / draws
+    want = np.where(np.arange(4) < kept, probs, 0.0)
+    want /= want.sum()
+    # Five standard deviations of a binomial frequency: a wrong nucleus is off by >= 0.05.
+    np.testing.assert_allclose(freq, want, atol=5 * np.sqrt(0.25 / draws))
+  # Temperature 0.5 squares the probabilities before renormalising.
+  tokens = np.asarray(_sample(logits, key, jnp.float32(0.5), jnp.float32(1.0), greedy=False))
+  want = probs ** 2 / (probs ** 2).sum()
+  np.testing.assert_allclose(np.bincount(tokens, minlength=4) / draws, want,
+                             atol=5 * np.sqrt(0.25 / draws))
+
+
+@pytest.mark.parametrize("prompts,kw,pattern", [
+    ([], {}, "prompt_tokens is empty"),
+    (np.zeros((0, 4), np.int32), {}, "prompt_tokens is empty"),
+    ([[1, 2], []], {}, r"prompt_tokens\[1\] is empty"),
+    ([1, 2, 3], {}, "list of token sequences"),
+    ([[1, 64]], {}, r"prompt_tokens\[0\]\[1\]=64 is not a token id"),
+    ([[1, -1]], {}, r"prompt_tokens\[0\]\[1\]=-1"),
+    ([[1.5]], {}, r"prompt_tokens\[0\] must be a sequence of ints"),
+    (np.ones((2, 4), np.int32), {"prompt_lengths": [4, 5]}, "prompt_lengths"),
+    (np.ones((2, 4), np.int32), {"prompt_lengths": [4, 0]}, r"prompt_tokens\[1\] is empty"),
+    ([[1]], {"max_new_tokens": 0}, "max_new_tokens=0"),
+    ([[1]], {"max_new_tokens": 2.0}, "max_new_tokens=2.0"),
+    ([[1]], {"temperature": -0.5}, "temperature=-0.5"),
+    ([[1]], {"temperature": float("nan")}, "temperature=nan"),
+    ([[1]], {"top_p": 0.0}, "top_p=0.0"),
+    ([[1]], {"top_p": 1.5}, "top_p=1.5"),
+    ([[1]], {"stop_tokens": 3}, "stop_tokens=3"),
+    ([[1]], {"stop_tokens": (64,)}, "stop_tokens"),
+    ([[1]], {"seed": 1.0}, "seed=1.0"),
+    ([[1]], {"initial_capacity": 0}, "initial_capacity=0"),
+])
+def test_bad_arguments_name_themselves(prompts, kw, pattern):
+  kw = {"max_new_tokens": 4, **kw}
+  with pytest.raises(ValueError, match=pattern):
+    pisa_jax.generate(_model("dense"), prompts, **kw)
+
+
+def test_a_model_without_the_protocol_is_a_type_error():
+  with pytest.raises(TypeError, match="DecodeModel: object has no vocab_size, init_decode_state"):
+    pisa_jax.generate(object(), [[1]], max_new_tokens=1)
+  assert isinstance(_model("dense"), DecodeModel)
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+# A one-layer model trained for two steps: enough for a checkpoint that restores. Dense, as its
+# training step compiles in a fraction of a sparse one's; generation is the same code for both.
+TINY_RUN = [
+    "model.attention=dense",
+    "model.num_layers=1", "model.d_model=32", "model.mlp_dim=64", "model.num_heads=4",
+    "model.num_kv_heads=2", "model.head_dim=16", "model.block_size=4", "model.top_k=4",
+    "data.mqar_num_pairs=4", "train.seq_len=32", "train.per_device_batch=2", "train.grad_accum=1",
+    "train.steps=2", "train.warmup_steps=1", "train.decay_steps=1", "train.checkpoint_every=2",
+    "train.log_every=1", "train.eval_every=2", "train.eval_batches=1",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+  from pisa_jax.train.trainer import train
+
+  workdir = tmp_path_factory.mktemp("run")
+  config = validate(apply_overrides(get_config("tiny"), TINY_RUN))
+  train(config, workdir, progress=False, quiet=True)
+  return workdir
+
+
+class _Stdout(io.StringIO):
+  """stdout that records what had been written at each flush."""
+
+  def __init__(self):
+    super().__init__()
+    self.flushed: list[str] = []
+
+  def flush(self):
+    self.flushed.append(self.getvalue())
+
+
+def test_the_cli_streams_the_greedy_continuation(tiny_run, monkeypatch):
+  from pisa_jax.train import generate as cli
+  from pisa_jax.train.tokenizer import gpt2_encoding
+
+  # "1+1=" is GPT-2 tokens [16, 10, 16, 28], all inside the tiny model's 64-token vocabulary.
+  prompt = "1+1="
+  stdout = _Stdout()
+  monkeypatch.setattr(sys, "stdout", stdout)
+  assert cli.main(["--workdir", str(tiny_run), "--prompt", prompt, "--max-new-tokens", "6"]) == 0
+  _, model, _ = cli.restore_model(tiny_run)
+  want = pisa_jax.generate(model, [gpt2_encoding().encode_ordinary(prompt)], max_new_tokens=6)
+  text = gpt2_encoding().decode(want.sequences()[0])
+  assert stdout.getvalue() == text + "\n"
+  # Streamed: a flush after every token, each showing the text so far.
+  assert len(stdout.flushed) >= 6
+  assert all(text.startswith(flushed.rstrip("\n")) for flushed in stdout.flushed)
+
+
+def test_cli_mistakes_are_one_line_naming_the_argument(tiny_run, tmp_path, capsys):
+  from pisa_jax.train import generate as cli
+
+  def fails(argv, pattern, status=2):
+    with pytest.raises(SystemExit) as e:
+      cli.main(argv)
+    assert e.value.code == status
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("pisa-generate: error: "), err
+    assert re.search(pattern, err), err
+
+  run = ["--workdir", str(tiny_run)]
+  fails(["--workdir", str(tmp_path), "--prompt", "1+1="], "--workdir: .* no checkpoint")
+  fails(run + ["--prompt", ""], "--prompt: empty")
+  fails(run + ["--prompt", "1+" * 20], r"--prompt: 40 tokens exceed the model's context of 32")
+  fails(run + ["--prompt", "1+1=", "--max-new-tokens", "40"],
+        r"--max-new-tokens=40: .* exceed the model's context of 32")
+  fails(run + ["--prompt", "hello"], r"--prompt: token 'hello' \(id \d+\) is outside")
+  fails(run + ["--prompt", "1", "--temperature", "-1"], "argument --temperature")
+  fails(run + ["--prompt", "1", "--top-p", "0"], "argument --top-p")
+  fails(run + ["--prompt", "1", "--max-new-tokens", "0"], "argument --max-new-tokens")
+  fails(["--prompt", "1"], "--workdir")
