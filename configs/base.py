@@ -20,6 +20,7 @@ from pisa_jax.models.config import (
     ATTENTION_KINDS,
     COMPUTE_DTYPES,
     PARAM_DTYPES,
+    REMAT_POLICIES,
     SPARSE_ATTENTION_KINDS,
     ModelConfig,
 )
@@ -74,6 +75,9 @@ class TrainConfig:
   log_every: int = 50
   eval_every: int = 1_000
   eval_batches: int = 8
+  # Tokens per chunk of the output projection and loss (`pisa_jax.train.loss`): the [T, vocab]
+  # logits are never held whole. Must divide seq_len; 0 or None computes all tokens at once.
+  loss_chunk: int | None = None
   # Dense bf16 peak of one device for MFU; 0 means look it up from the device kind.
   peak_tflops_per_device: float = 0.0
   # Continued pretraining: a workdir whose latest checkpoint gives parameters and Adam moments
@@ -184,6 +188,8 @@ def validate(config: Config) -> Config:
     raise ValueError(f"model.param_dtype={m.param_dtype!r} must be one of {PARAM_DTYPES}")
   if m.compute_dtype not in COMPUTE_DTYPES:
     raise ValueError(f"model.compute_dtype={m.compute_dtype!r} must be one of {COMPUTE_DTYPES}")
+  if m.remat not in REMAT_POLICIES:
+    raise ValueError(f"model.remat={m.remat!r} must be one of {REMAT_POLICIES}")
   if m.attention in SPARSE_ATTENTION_KINDS:
     # The library's own argument checks, naming the config fields.
     _validation.check_block_size(m.block_size, name="model.block_size")
@@ -223,6 +229,11 @@ def validate(config: Config) -> Config:
                "keep_checkpoints", "log_every", "eval_every"):
     if getattr(t, name) < 1:
       raise ValueError(f"train.{name}={getattr(t, name)} must be >= 1")
+  if t.loss_chunk is not None and t.loss_chunk < 0:
+    raise ValueError(f"train.loss_chunk={t.loss_chunk} must be None or 0 (no chunks), or >= 1 "
+                     f"tokens per chunk")
+  if t.loss_chunk and t.seq_len % t.loss_chunk:
+    raise ValueError(f"train.loss_chunk={t.loss_chunk} must divide train.seq_len={t.seq_len}")
   if t.eval_batches < 0:
     raise ValueError(f"train.eval_batches={t.eval_batches} must be >= 0")
   if t.lr_schedule not in LR_SCHEDULES:

@@ -1,4 +1,5 @@
-"""Named presets: tiny (CPU, MQAR), small (~105M, one H200), the paper's models and their CPT runs.
+"""Named presets: tiny (CPU, MQAR), small (~105M, one H200), small-1m (small at 1M tokens of
+context), the paper's models and their CPT runs.
 
 The 418M / 1.47B / 2.67B presets are Table 5 exactly: the 24/24/32 layers, model and MLP widths,
 32 query / 2 KV heads, head dims, 4096 tokens, per-device batch / accumulation, 100K steps with a 1K
@@ -94,9 +95,22 @@ def _small() -> Config:
   return Config(model=model, data=DataConfig(source="tokens", path="data/corpus"), train=train)
 
 
+def _small_1m() -> Config:
+  # `small` at 2^20 tokens of context on one H200, batch 1: each block keeps only its input for
+  # the backward (remat "full": the whole step's saved activations are 16 x [2^20, 512] bf16,
+  # 16 GiB) and the loss runs over chunks of 8,192 tokens (a chunk's float32 logits are 1.5 GiB;
+  # whole they would be 197 GiB). Dense attention at this length is O(T^2): the preset is PISA.
+  base = _small()
+  model = dataclasses.replace(base.model, attention="pisa", remat="full")
+  train = dataclasses.replace(base.train, seq_len=1_048_576, per_device_batch=1, grad_accum=1,
+                              loss_chunk=8192)
+  return dataclasses.replace(base, model=model, train=train)
+
+
 PRESETS = {
     "tiny": _tiny,
     "small": _small,
+    "small-1m": _small_1m,
     "418m": lambda: _paper(24, 1024, 2816, 64, 8),
     "1.47b": lambda: _paper(24, 2048, 5632, 128, 4),
     "2.67b": lambda: _paper(32, 2560, 6912, 128, 4),
@@ -107,7 +121,7 @@ PRESETS = {
 
 
 def get_config(name: str) -> Config:
-  """Returns the named preset (`tiny`, `small`, `418m`, `1.47b`, `2.67b`, `cpt-*`)."""
+  """Returns the named preset (`tiny`, `small`, `small-1m`, `418m`, `1.47b`, `2.67b`, `cpt-*`)."""
   if name not in PRESETS:
     raise ValueError(f"config={name!r} is unknown: expected one of {sorted(PRESETS)}")
   return PRESETS[name]()

@@ -276,6 +276,57 @@ def test_the_memory_report_names_temporaries_peak_and_bytes_per_token(micro_trai
                   r"\([\d.]+ KiB per token of a micro-batch\)", line), line
 
 
+def test_a_run_that_cannot_fit_names_the_settings_that_keep_less(micro_trainer, monkeypatch):
+  _, trainer = micro_trainer
+  monkeypatch.setattr(trainer_lib, "device_memory", lambda device: (2**20, "one test device"))
+  with pytest.raises(trainer_lib.InsufficientMemoryError,
+                     match=r"; or keep less for the backward: model.remat=full \(now none\)$"):
+    trainer_lib.check_memory(trainer)
+
+
+def test_memory_json_records_the_compiled_step(micro_reference):
+  full, _ = micro_reference
+  memory = json.loads((full.workdir / "memory.json").read_text())
+  assert memory["temp_size_in_bytes"] > 0 and memory["peak_bytes"] > memory["temp_size_in_bytes"]
+  assert memory["temp_bytes_per_token"] == memory["temp_size_in_bytes"] / (4 * 64)
+  assert (memory["remat"], memory["loss_chunk"], memory["seq_len"]) == ("none", None, 64)
+
+
+def test_remat_and_chunked_loss_train_as_the_plain_step(micro_trainer):
+  # One step of each from the same state: the same loss, gradients (through Adam's first moment)
+  # and eval sums to float32 rounding, with every block rematerialised and the loss in 4 chunks.
+  cfg, plain = micro_trainer
+  lean_cfg = micro_config("model.remat=full", "train.loss_chunk=16")
+  lean = build_trainer(lean_cfg)
+  from pisa_jax.train.data import make_batches
+
+  batch = make_batches(cfg, "train", global_batch=plain.global_batch, accum=2).batch(0)
+  outs = []
+  for trainer in (plain, lean):
+    state, metrics = trainer.train_step(trainer.init_state(),
+                                        trainer.place_batch(batch, trainer.batch_shardings))
+    evals = trainer.eval_step(state["params"], trainer.place_batch(
+        {k: v[0] for k, v in batch.items()}, trainer.eval_batch_shardings))
+    outs.append((metrics, state["opt_state"][1].mu, evals))
+  (m0, mu0, e0), (m1, mu1, e1) = outs
+  for k in ("loss", "accuracy", "grad_norm"):
+    assert float(m1[k]) == pytest.approx(float(m0[k]), rel=1e-6), k
+  for a, b in zip(jax.tree.leaves(mu1), jax.tree.leaves(mu0)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(b))))
+  for k in e0:
+    assert float(e1[k]) == pytest.approx(float(e0[k]), rel=1e-6), k
+
+
+def test_the_1m_preset_validates_and_prints(capsys):
+  from pisa_jax.train.cli import main
+
+  assert main(["--config", "small-1m", "--set", "data.path=data/corpus", "--print-config"]) == 0
+  printed = json.loads(capsys.readouterr().out)
+  assert printed["train"]["seq_len"] == 2**20 and printed["train"]["per_device_batch"] == 1
+  assert printed["train"]["loss_chunk"] == 8192 and printed["model"]["remat"] == "full"
+  assert printed["model"]["attention"] == "pisa" and printed["model"]["num_layers"] == 16
+
+
 def test_missing_data_fails_before_compiling_and_writes_nothing(tmp_path, monkeypatch):
   cfg = micro_config("data.source=tokens", f"data.path={tmp_path / 'nowhere'}")
   monkeypatch.setattr(trainer_lib, "build_trainer", lambda *a: pytest.fail("compiled"))
@@ -380,6 +431,10 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, micr
     ("model.attention=flash", "model.attention"),
     ("train.steps=ten", "train.steps"),
     ("train.warmup_fraction=0.1", "train.warmup_fraction"),
+    ("model.remat=dot", "model.remat='dot' must be one of ('none', 'dots', 'dots_except_mlp', "
+                        "'full')"),
+    ("train.loss_chunk=-8", "train.loss_chunk=-8 must be None or 0"),
+    ("train.loss_chunk=48", "train.loss_chunk=48 must divide train.seq_len=128"),
 ])
 def test_bad_config_fails_naming_the_field(override, field):
   with pytest.raises(ValueError, match=re.escape(field)):

@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--config", default="tiny", choices=sorted(PRESETS))
   parser.add_argument("--set", dest="overrides", action="append", default=[],
                       metavar="SECTION.FIELD=VALUE", help="override a config field (repeatable)")
-  parser.add_argument("--workdir", help="checkpoints, config.json and metrics.jsonl go here")
+  parser.add_argument("--workdir",
+                      help="checkpoints, config.json, memory.json and metrics.jsonl go here")
   parser.add_argument("--run-steps", type=_positive(int), default=None,
                       help="stop (with a checkpoint) after this many steps of this invocation")
   parser.add_argument("--max-seconds", type=_positive(float), default=None,

@@ -38,6 +38,7 @@ from pisa_jax.models.decoder import Decoder, count_params, flops_per_token
 from pisa_jax.models.sharding import batch_sharding, make_mesh, param_shardings
 from pisa_jax.train import checkpoint as ckpt_lib
 from pisa_jax.train.data import make_batches
+from pisa_jax.train.loss import token_loss_sums
 from pisa_jax.train.schedule import make_schedule
 
 log = logging.getLogger(__name__)
@@ -64,18 +65,18 @@ def build_optimizer(t: TrainConfig) -> optax.GradientTransformation:
   )
 
 
-def loss_sums(graphdef, params, inputs, targets, weights):
+def loss_sums(graphdef, params, inputs, targets, weights, *, chunk: int | None = None):
   """Summed token NLL, summed weight and summed argmax hits, all float32.
 
   inputs, targets int32 `[B, T]`; weights float32 `[B, T]` (0 where the loss does not count).
+  chunk: tokens per chunk of the output projection and its loss (`train.loss_chunk`; None or 0:
+  all at once), see `pisa_jax.train.loss`.
   """
   model = nnx.merge(graphdef, params)
-  logits = model(inputs)
-  logz = jax.nn.logsumexp(logits, axis=-1)
-  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-  nll = logz - target_logit
-  hits = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
-  return jnp.sum(nll * weights), (jnp.sum(weights), jnp.sum(hits * weights))
+  nll, weight, hits = token_loss_sums(
+      model.hidden_states(inputs), model.lm_head[...], targets, weights,
+      vocab_size=model.cfg.vocab_size, chunk=chunk)
+  return nll, (weight, hits)
 
 
 @dataclasses.dataclass
@@ -166,7 +167,8 @@ def build_trainer(config: Config, mesh: Mesh | None = None) -> Trainer:
   def train_step(state, batch):
     params = state["params"]
     grad_fn = jax.value_and_grad(
-        lambda p, mb: loss_sums(graphdef, p, mb["inputs"], mb["targets"], mb["weights"]),
+        lambda p, mb: loss_sums(graphdef, p, mb["inputs"], mb["targets"], mb["weights"],
+                                chunk=t.loss_chunk),
         has_aux=True,
     )
 
@@ -196,7 +198,7 @@ def build_trainer(config: Config, mesh: Mesh | None = None) -> Trainer:
 
   def eval_step(params, batch):
     loss, (weight, hits) = loss_sums(
-        graphdef, params, batch["inputs"], batch["targets"], batch["weights"]
+        graphdef, params, batch["inputs"], batch["targets"], batch["weights"], chunk=t.loss_chunk
     )
     return {"loss_sum": loss, "weight": weight, "hits": hits}
 
@@ -295,6 +297,13 @@ def check_memory(trainer: Trainer) -> str:
   have = device_memory(trainer.mesh.devices.flat[0])
   temp, args = mem.get("temp_size_in_bytes", 0), mem.get("argument_size_in_bytes", 0)
   if have is not None and need > have[0]:
+    # What keeps less for the backward at the same batch and length, where not set already.
+    keep_less = []
+    if cfg.model.remat != "full":
+      keep_less.append(f"model.remat=full (now {cfg.model.remat})")
+    chunk = math.gcd(t.seq_len, 8192)
+    if not t.loss_chunk and 256 <= chunk < t.seq_len:
+      keep_less.append(f"train.loss_chunk={chunk} (now {t.loss_chunk})")
     raise InsufficientMemoryError(
         f"the compiled train step needs {_fmt_bytes(need)} per device (temporaries "
         f"{_fmt_bytes(temp)}, state and batch {_fmt_bytes(args)}) but {have[1]} has "
@@ -302,12 +311,30 @@ def check_memory(trainer: Trainer) -> str:
         f"train.grad_accum={t.grad_accum} to keep the tokens per step), train.seq_len={t.seq_len}, "
         f"or the model size (model.num_layers={cfg.model.num_layers}, "
         f"model.d_model={cfg.model.d_model}, model.mlp_dim={cfg.model.mlp_dim})"
+        + (f"; or keep less for the backward: {', '.join(keep_less)}" if keep_less else "")
     )
   per_token = temp / (t.per_device_batch * t.seq_len)
   return (f"train step memory per device: peak {_fmt_bytes(need)}"
           f"{f' of {_fmt_bytes(have[0])} ({have[1]})' if have else ''}; temporaries "
           f"{_fmt_bytes(temp)} ({_fmt_bytes(per_token)} per token of a micro-batch); state and "
           f"batch {_fmt_bytes(args)}")
+
+
+def memory_record(trainer: Trainer) -> dict:
+  """The compiled train step's memory per device as `memory.json` records it, in bytes.
+
+  XLA's analysis fields (`*_size_in_bytes`), `peak_bytes` (`step_memory`), the temporaries per
+  token of a micro-batch, the device's capacity where the backend gives it, and the settings that
+  decide the temporaries at long context (remat policy, loss chunk, tokens).
+  """
+  cfg, t, mem = trainer.config, trainer.config.train, trainer.memory
+  have = device_memory(trainer.mesh.devices.flat[0])
+  temp = mem.get("temp_size_in_bytes")
+  return {**mem, "peak_bytes": step_memory(mem),
+          "temp_bytes_per_token": None if temp is None else temp / (t.per_device_batch * t.seq_len),
+          "device_bytes": have[0] if have else None, "device": have[1] if have else None,
+          "remat": cfg.model.remat, "loss_chunk": t.loss_chunk, "seq_len": t.seq_len,
+          "per_device_batch": t.per_device_batch}
 
 
 @dataclasses.dataclass
@@ -502,6 +529,7 @@ def train(config: Config, workdir: str | Path, *, run_steps: int | None = None,
           f"skipped checkpoint {checkpoint_dir}/{step} ({reason}): moved it to {target}"
           for (step, reason), target in zip(begin.point.skipped, moved)))
     (workdir / "config.json").write_text(cfg.to_json() + "\n")
+    (workdir / "memory.json").write_text(json.dumps(memory_record(begin.trainer), indent=1) + "\n")
     dropped = _truncate_metrics(workdir / "metrics.jsonl", start)
     checkpoints = ckpt_lib.Checkpointer(checkpoint_dir, keep=t.keep_checkpoints,
                                         use_async=t.async_checkpointing)
