@@ -85,6 +85,54 @@ def test_loader_is_deterministic_from_seed_and_step(tmp_path):
   np.testing.assert_array_equal(x["inputs"][..., 1:], x["targets"][..., :-1])
 
 
+def test_loader_windows_at_two_million_tokens(tmp_path):
+  # Windows of T + 1 = 2^21 + 2 consecutive tokens: token i of the file is i mod 65,521, so each
+  # target is its input + 1 (mod 65,521) and no window is cut or stitched.
+  n, seq_len = 2**21 + 5000, 2**21 + 1
+  (np.arange(n) % 65_521).astype(np.uint16).tofile(tmp_path / "train.bin")
+  (tmp_path / "meta.json").write_text(json.dumps(
+      {"format": FORMAT, "vocab_size": 65_521, "train_tokens": n, "val_tokens": 0}))
+  b = _windows(tmp_path, seq_len=seq_len, global_batch=2, accum=1, vocab_size=65_521).batch(5)
+  assert b["inputs"].shape == b["targets"].shape == b["weights"].shape == (1, 2, seq_len)
+  assert b["inputs"].dtype == np.int32
+  np.testing.assert_array_equal((b["targets"] - b["inputs"]) % 65_521, 1)
+  np.testing.assert_array_equal(np.diff(b["inputs"], axis=-1) % 65_521, 1)
+
+
+def test_loader_reads_windows_past_2_31_tokens(tmp_path):
+  # A sparse file of 2^32 + 4096 tokens (8 GiB apparent, a few pages written): the windows the
+  # seeded draw picks get distinct patterns, and the loader must return exactly those.
+  n, seq_len, batch, step = 2**32 + 4096, 1000, 4, 2
+  with open(tmp_path / "train.bin", "wb") as f:
+    f.truncate(2 * n)
+  (tmp_path / "meta.json").write_text(json.dumps(
+      {"format": FORMAT, "vocab_size": 50_257, "train_tokens": n, "val_tokens": 0}))
+  starts = np.random.default_rng([3, 0, step]).integers(0, n - seq_len, size=(1, batch))[0]
+  assert starts.max() > 2**31, starts  # the draw reaches past int32's range
+  tokens = np.memmap(tmp_path / "train.bin", dtype=np.uint16, mode="r+")
+  for i, start in enumerate(starts):
+    tokens[start:start + seq_len + 1] = (np.arange(seq_len + 1) + 7000 * i) % 50_257
+  tokens.flush()
+  del tokens
+  b = _windows(tmp_path, seq_len=seq_len, global_batch=batch, accum=1).batch(step)
+  for i in range(batch):
+    want = (np.arange(seq_len + 1) + 7000 * i) % 50_257
+    np.testing.assert_array_equal(b["inputs"][0, i], want[:-1])
+    np.testing.assert_array_equal(b["targets"][0, i], want[1:])
+
+
+def test_mqar_at_two_million_tokens():
+  # The answers sit at the query positions of a 2^21-token sequence (int64 index arithmetic).
+  seq_len = 2**21
+  ex = mqar_examples(np.random.default_rng(0), 1, seq_len=seq_len, vocab_size=512, num_pairs=64)
+  assert ex["inputs"].shape == ex["targets"].shape == (1, seq_len)
+  queries = np.flatnonzero(ex["weights"][0])
+  assert queries.size == 64 and queries.max() < seq_len
+  keys, values = ex["inputs"][0, 0:128:2], ex["inputs"][0, 1:128:2]
+  answer = dict(zip(keys.tolist(), values.tolist()))
+  assert [answer[k] for k in ex["inputs"][0, queries]] == ex["targets"][0, queries].tolist()
+
+
 def test_loader_hosts_split_the_global_batch(tmp_path):
   folder = _packed(tmp_path)
   whole = _windows(folder).batch(9)

@@ -65,10 +65,13 @@ class TokenWindows:
 
   def batch(self, step: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng([self.seed, self.split_id, step])
-    starts = rng.integers(0, len(self.tokens) - self.seq_len, size=(self.accum, self.global_batch))
+    # int64 offsets: a file past 2^31 tokens is read where it should be.
+    starts = rng.integers(0, len(self.tokens) - self.seq_len, size=(self.accum, self.global_batch),
+                          dtype=np.int64)
     starts = starts[:, self.rows]
-    offsets = np.arange(self.seq_len + 1)
-    windows = self.tokens[starts[..., None] + offsets].astype(np.int32)
+    # Contiguous slices of seq_len + 1 tokens: inputs are the first T, targets the last T.
+    windows = np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts.ravel()])
+    windows = windows.reshape(*starts.shape, self.seq_len + 1).astype(np.int32)
     return {
         "inputs": windows[..., :-1],
         "targets": windows[..., 1:],
