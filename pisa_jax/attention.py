@@ -1,4 +1,11 @@
-"""Block-sparse attention over selected leaf blocks (Eq. 6), and the full PISA layer."""
+"""Block-sparse attention over selected leaf blocks (Eq. 6), and the full PISA layer.
+
+The jnp reference computes in float32 whatever the input dtype and rounds its output (and each
+gradient) once. It has two forms of Eq. 6: gathered (each query's K * C selected keys, chunked
+over queries, under a `custom_vjp` whose dk and dv go key block by key block through an inverted
+index, so that no gradient is a scatter-add) and masked (dense `[T, T]` products under the
+selection's mask, for short sequences with finite inputs).
+"""
 
 from __future__ import annotations
 
@@ -16,69 +23,248 @@ from pisa_jax.selection import select_blocks
 _HIGHEST = lax.Precision.HIGHEST
 
 
-def _sparse_attention_chunk(positions, q, block_indices, k, v, *, block_size, scale):
-  """Eq. 6 for one chunk of queries: q `[B, Tc, HQ, D]`, block_indices `[B, Tc, HKV, K]`."""
+def _selected_keys(positions, q, block_indices, k, v, *, block_size):
+  """The keys and values of the blocks each query selected, and which of them it sees.
+
+  Args:
+    positions: int32 `[Tc]`, the sequence position of each query.
+    q: float32 `[B, Tc, HQ, D]`; block_indices: int32 `[B, Tc, HKV, K]`.
+    k, v: float32 `[B, T, HKV, D]`, every key.
+
+  Returns:
+    qg `[B, Tc, HKV, G, D]`, k_sel and v_sel `[B, Tc, HKV, K, C, D]` and visible
+    `[B, Tc, HKV, K, C]`. A query sees key j of a selected block when j <= t and j < T; -1
+    padding and entries outside [0, t // C] select nothing. Keys and values the query does not see
+    are zeroed, so that a NaN among them cannot reach it through a zero weight (0 * NaN = NaN).
+  """
   b, tc, hq, d = q.shape
   seq_len, hkv = k.shape[1], k.shape[2]
-  qg = q.astype(jnp.float32).reshape(b, tc, hkv, hq // hkv, d)
-  # Key positions of every selected block: [B, Tc, HKV, K, C].
   key_pos = jnp.maximum(block_indices, 0)[..., None] * block_size + jnp.arange(block_size)
-  # Keys after the query inside the current block, past the end of the sequence, and in -1
-  # padding slots are invisible.
   visible = ((block_indices >= 0)[..., None] & (key_pos < seq_len)
              & (key_pos <= positions[None, :, None, None, None]))
   gather_pos = jnp.minimum(key_pos, seq_len - 1)
   b_idx = jnp.arange(b)[:, None, None, None, None]
   h_idx = jnp.arange(hkv)[None, None, :, None, None]
-  k_sel = k[b_idx, gather_pos, h_idx].astype(jnp.float32)
-  v_sel = v[b_idx, gather_pos, h_idx].astype(jnp.float32)
+  k_sel = jnp.where(visible[..., None], k[b_idx, gather_pos, h_idx], 0.0)
+  v_sel = jnp.where(visible[..., None], v[b_idx, gather_pos, h_idx], 0.0)
+  return q.reshape(b, tc, hkv, hq // hkv, d), k_sel, v_sel, visible
+
+
+def _log_sum_exp(logits, visible, axes):
+  """Log of the softmax denominator over the visible logits (reduced over `axes`); -inf for a
+  row that sees no key. A NaN logit makes it NaN: nothing here hides a non-finite input."""
+  masked = jnp.where(visible, logits, -jnp.inf)
+  has_key = jnp.any(visible, axis=axes)
+  row_max = jnp.where(has_key, jnp.max(masked, axis=axes), 0.0)
+  shifted = masked - jnp.expand_dims(row_max, axes)
+  return jnp.where(has_key, row_max + jnp.log(jnp.sum(jnp.exp(shifted), axis=axes)), -jnp.inf)
+
+
+def _weights(logits, lse, visible):
+  """Softmax weights exp(logit - lse) of the visible keys, exactly zero elsewhere."""
+  return jnp.where(visible, jnp.exp(logits - lse), 0.0)
+
+
+def _forward_chunk(positions, q, block_indices, k, v, *, block_size, scale):
+  """Eq. 6 for one chunk of queries: out `[B, Tc, HQ, D]` and its log-sum-exp `[B, Tc, HKV, G]`."""
+  qg, k_sel, v_sel, visible = _selected_keys(positions, q, block_indices, k, v,
+                                             block_size=block_size)
+  visible = visible[:, :, :, None]  # [B, Tc, HKV, 1, K, C]: shared by the group's heads
   logits = scale * jnp.einsum("bthgd,bthkcd->bthgkc", qg, k_sel, precision=_HIGHEST)
-  p, denom = _masked_exp(logits, visible[:, :, :, None], axes=(-2, -1))
+  lse = _log_sum_exp(logits, visible, axes=(-2, -1))
+  p = _weights(logits, lse[..., None, None], visible)
   out = jnp.einsum("bthgkc,bthkcd->bthgd", p, v_sel, precision=_HIGHEST)
-  return _normalise(out, denom).reshape(b, tc, hq, d).astype(q.dtype)
+  return out.reshape(q.shape), lse
 
 
-def _masked_exp(logits, visible, axes):
-  """Unnormalised softmax weights over the visible keys (reduced over `axes`) and their sum.
+def _dq_chunk(positions, q, block_indices, do, lse, delta, k, v, *, block_size, scale):
+  """dq of Eq. 6 for one chunk of queries, from the forward's lse and delta = rowsum(out * do)."""
+  qg, k_sel, v_sel, visible = _selected_keys(positions, q, block_indices, k, v,
+                                             block_size=block_size)
+  visible = visible[:, :, :, None]
+  logits = scale * jnp.einsum("bthgd,bthkcd->bthgkc", qg, k_sel, precision=_HIGHEST)
+  p = _weights(logits, lse[..., None, None], visible)
+  dp = jnp.einsum("bthgd,bthkcd->bthgkc", do.reshape(qg.shape), v_sel, precision=_HIGHEST)
+  ds = jnp.where(visible, p * (dp - delta[..., None, None]), 0.0)
+  dq = scale * jnp.einsum("bthgkc,bthkcd->bthgd", ds, k_sel, precision=_HIGHEST)
+  return dq.reshape(q.shape)
 
-  exp of the masked logits, not a masked exp: a hidden logit far above the visible ones would
-  overflow to inf, and the backward pass would multiply it by the mask's zero (NaN).
+
+def _inverted_index(block_indices, *, num_blocks: int, block_size: int, item_size: int):
+  """Which queries selected each key block, for one KV head: block_indices int32 `[T, K]`.
+
+  The valid entries (0 <= index <= t // C) are grouped by block, queries ascending (a stable
+  sort), and each block's run is cut into items of at most `item_size` entries, so that block 0,
+  which every query selects, is spread over many items instead of one long one.
+
+  Returns:
+    entry_query: int32 `[T * K]`, the query of each entry, grouped by block.
+    item_block, item_start, item_end: int32 `[NI]`; item i covers entries [item_start,
+      item_end) of block item_block (an empty item has start == end).
+    item_offsets: int32 `[M + 1]`; the items of block n are [item_offsets[n], item_offsets[n + 1]).
   """
-  row_max = jnp.max(jnp.where(visible, logits, -jnp.inf), axis=axes, keepdims=True)
-  row_max = lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-  p = jnp.exp(jnp.where(visible, logits, -jnp.inf) - row_max)
-  return p, p.sum(axis=axes)
+  seq_len, top_k = block_indices.shape
+  cur = jnp.arange(seq_len)[:, None] // block_size
+  valid = (block_indices >= 0) & (block_indices <= cur)
+  entry_block = jnp.where(valid, block_indices, num_blocks).reshape(-1)
+  order = jnp.argsort(entry_block, stable=True)
+  # Entries of block n are [offsets[n], offsets[n + 1]) of the sorted order. (An integer count:
+  # exact in any order.)
+  counts = jnp.bincount(entry_block, length=num_blocks + 1)[:num_blocks]
+  offsets = _exclusive_cumsum(counts)
+  item_offsets = _exclusive_cumsum(-(-counts // item_size))
+  num_items = -(-seq_len * top_k // item_size) + num_blocks
+  item = jnp.arange(num_items, dtype=jnp.int32)
+  # [NI]: the block of each item, the number of blocks whose items all come before it ([NI, M]
+  # compares, M = T / C: small beside the items' work).
+  block = jnp.minimum(jnp.sum(item_offsets[None, 1:] <= item[:, None], axis=1, dtype=jnp.int32),
+                      num_blocks - 1)
+  start = offsets[block] + (item - item_offsets[block]) * item_size
+  end = jnp.minimum(start + item_size, offsets[block + 1])
+  end = jnp.where(item < item_offsets[-1], end, start)  # items past the last block's are empty
+  return (order // top_k).astype(jnp.int32), block, start, end, item_offsets
 
 
-def _normalise(out, denom):
-  """out / denom per row; a query with no visible key gets zeros, never NaN."""
-  return jnp.where(denom[..., None] > 0, out / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
+def _exclusive_cumsum(x):
+  """[N] -> int32 [N + 1]: 0, x[0], x[0] + x[1], ..."""
+  return jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(x, dtype=jnp.int32)])
+
+
+def _sum_items(parts, item_block, item_offsets):
+  """Each block's item partials summed, `[NI, C, D]` -> `[M, C, D]`.
+
+  A segmented sum by `lax.associative_scan`: a fixed tree of float32 additions (no scatter-add,
+  whose atomics on a GPU add in a different order each run), and no loop (so it stays inside
+  `vmap` and `checkify`). The items of a block are contiguous, in order.
+  """
+  starts = jnp.concatenate([jnp.ones(1, bool), item_block[1:] != item_block[:-1]])
+
+  def combine(a, b):
+    (a_sum, a_start), (b_sum, b_start) = a, b
+    return jnp.where(b_start[:, None, None], b_sum, a_sum + b_sum), a_start | b_start
+
+  running, _ = lax.associative_scan(combine, (parts, starts))
+  # A block's sum is the running sum at its last item; a block that nobody selected gets zeros.
+  last = running[jnp.maximum(item_offsets[1:] - 1, 0)]
+  return jnp.where((item_offsets[1:] > item_offsets[:-1])[:, None, None], last, 0.0)
+
+
+def _dkv_one_head(q, k, v, block_indices, do, lse, delta, *, block_size, scale):
+  """dk, dv `[T, D]` of Eq. 6 for one (batch, KV head), block by block through the inverted
+  index: q, do `[T, G, D]`; k, v `[T, D]`; block_indices `[T, K]`; lse, delta `[T, G]`."""
+  seq_len, group, d = q.shape
+  top_k = block_indices.shape[-1]
+  num_blocks = -(-seq_len // block_size)
+  # An item holds as many entries as a block has on average (T * K / M).
+  item_size = top_k * block_size
+  entry_query, item_block, item_start, item_end, item_offsets = _inverted_index(
+      block_indices, num_blocks=num_blocks, block_size=block_size, item_size=item_size)
+  pad = ((0, num_blocks * block_size - seq_len), (0, 0))
+  k_blocks = jnp.pad(k, pad).reshape(num_blocks, block_size, d)
+  v_blocks = jnp.pad(v, pad).reshape(num_blocks, block_size, d)
+
+  def item_partials(item):
+    block, start, end = item
+    entry = start + jnp.arange(item_size)
+    real = entry < end
+    t = entry_query[jnp.minimum(entry, entry_query.shape[0] - 1)]
+    # [E, G, D]: padding entries are zeroed (0 * NaN would otherwise reach the block's sums).
+    q_e = jnp.where(real[:, None, None], q[t], 0.0)
+    do_e = jnp.where(real[:, None, None], do[t], 0.0)
+    key_pos = block * block_size + jnp.arange(block_size)
+    visible = (real[:, None] & (key_pos[None, :] <= t[:, None]))[:, None, :]  # [E, 1, C]
+    logits = scale * jnp.einsum("egd,cd->egc", q_e, k_blocks[block], precision=_HIGHEST)
+    p = _weights(logits, lse[t][..., None], visible)
+    dp = jnp.einsum("egd,cd->egc", do_e, v_blocks[block], precision=_HIGHEST)
+    ds = jnp.where(visible, p * (dp - delta[t][..., None]), 0.0)
+    dk = scale * jnp.einsum("egc,egd->cd", ds, q_e, precision=_HIGHEST)
+    dv = jnp.einsum("egc,egd->cd", p, do_e, precision=_HIGHEST)
+    return dk, dv
+
+  dk_parts, dv_parts = lax.map(item_partials, (item_block, item_start, item_end))
+  dk = _sum_items(dk_parts, item_block, item_offsets).reshape(-1, d)[:seq_len]
+  dv = _sum_items(dv_parts, item_block, item_offsets).reshape(-1, d)[:seq_len]
+  return dk, dv
+
+
+def _chunk_size(q, k, top_k, block_size):
+  """Queries per chunk: a chunk's gathered keys and values and its four `[G, K, C]` weight arrays
+  (logits, p, dp, ds in the backward) stay near CHUNK_ELEMENTS."""
+  b, seq_len, hq, d = q.shape
+  hkv = k.shape[2]
+  return _chunking.query_chunk_size(seq_len, b * hkv * top_k * block_size * (2 * d + 4 * hq // hkv))
+
+
+def _forward(q, k, v, block_indices, block_size, scale):
+  fn = functools.partial(_forward_chunk, block_size=block_size, scale=scale)
+  chunk = _chunk_size(q, k, block_indices.shape[-1], block_size)
+  return _chunking.map_query_chunks(fn, chunk, (q, block_indices), (k, v))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _sparse_attention_f32(q, k, v, block_indices, block_size, scale):
+  """Eq. 6 on float32 q, k, v, with a backward pass free of scatter-adds: dq per query chunk,
+  dk and dv per key block through `_inverted_index`, every sum in a fixed order."""
+  return _forward(q, k, v, block_indices, block_size, scale)[0]
+
+
+def _sparse_attention_fwd(q, k, v, block_indices, block_size, scale):
+  out, lse = _forward(q, k, v, block_indices, block_size, scale)
+  return out, (q, k, v, block_indices, out, lse)
+
+
+def _sparse_attention_bwd(block_size, scale, residuals, do):
+  q, k, v, block_indices, out, lse = residuals
+  delta = jnp.sum(out * do, axis=-1).reshape(lse.shape)
+  fn = functools.partial(_dq_chunk, block_size=block_size, scale=scale)
+  chunk = _chunk_size(q, k, block_indices.shape[-1], block_size)
+  dq = _chunking.map_query_chunks(fn, chunk, (q, block_indices, do, lse, delta), (k, v))
+  b, seq_len, hkv, group = lse.shape
+  per_head = functools.partial(_dkv_one_head, block_size=block_size, scale=scale)
+  # Over the batch (axis 0), then the KV heads (axis 1 of each batch entry's arrays).
+  per_head = jax.vmap(per_head, in_axes=1, out_axes=1)
+  dk, dv = jax.vmap(per_head)(q.reshape(b, seq_len, hkv, group, -1), k, v, block_indices,
+                              do.reshape(b, seq_len, hkv, group, -1), lse, delta)
+  # The indices are integers: no cotangent.
+  return dq, dk, dv, None
+
+
+_sparse_attention_f32.defvjp(_sparse_attention_fwd, _sparse_attention_bwd)
 
 
 def _sparse_attention_masked(q, k, v, block_indices, *, block_size, scale):
-  """Eq. 6 as dense attention under the selection's mask: `[B, T, HQ, D]`.
+  """Eq. 6 as dense attention under the selection's mask, on float32 `[B, T, HQ, D]`.
 
-  The same softmax over the same visible keys as `_sparse_attention_chunk`, written with a
+  The same softmax over the same visible keys as the gathered form, written with a
   `[B, HKV, G, T, T]` mask instead of gathered blocks: cheaper when the selected keys are a large
-  share of T (short sequences: the README's main job), whose gathers and their scatter-add
-  gradients dominate on a CPU.
+  share of T (short sequences: the README's main job), whose gathers dominate on a CPU. Its
+  products run over every (query, key) pair, hidden ones included, so it takes finite inputs
+  only: 0 * NaN = NaN would carry a non-finite key or value to queries that do not see it.
   """
   b, seq_len, hq, d = q.shape
   hkv = k.shape[2]
   num_blocks = -(-seq_len // block_size)
-  # [B, T, HKV, M]: which leaf blocks each (query, KV head) selected; -1 matches none.
-  chosen = jnp.any(block_indices[..., None] == jnp.arange(num_blocks), axis=-2)
-  key_block = jnp.arange(seq_len) // block_size
   pos = jnp.arange(seq_len)
-  # [B, HKV, T, T]: key j visible to query t.
-  visible = (jnp.take(chosen, key_block, axis=-1) & (pos[None, :] <= pos[:, None])[None, :, None])
-  visible = jnp.moveaxis(visible, 2, 1)[:, :, None]
-  qg = q.astype(jnp.float32).reshape(b, seq_len, hkv, hq // hkv, d)
-  logits = scale * jnp.einsum("bthgd,bshd->bhgts", qg, k.astype(jnp.float32), precision=_HIGHEST)
-  p, denom = _masked_exp(logits, visible, axes=-1)
-  out = jnp.einsum("bhgts,bshd->bthgd", p, v.astype(jnp.float32), precision=_HIGHEST)
-  denom = jnp.moveaxis(denom, 3, 1)  # [B, T, HKV, G]
-  return _normalise(out, denom).reshape(b, seq_len, hq, d).astype(q.dtype)
+  # [B, T, HKV, M]: how often each (query, KV head) selected each leaf block; -1 and out-of-range
+  # entries match none.
+  copies = jnp.sum(block_indices[..., None] == jnp.arange(num_blocks), axis=-2)
+  # [B, HKV, 1, T, T]: the weight of key j for query t, 0 when j > t or its block is not selected.
+  weight = jnp.where((pos[None, :] <= pos[:, None])[None, :, None],
+                     jnp.take(copies, pos // block_size, axis=-1), 0)
+  weight = jnp.moveaxis(weight, 2, 1)[:, :, None].astype(jnp.float32)
+  visible = weight > 0
+  has_key = jnp.any(visible, axis=-1)
+  qg = q.reshape(b, seq_len, hkv, hq // hkv, d)
+  logits = scale * jnp.einsum("bthgd,bshd->bhgts", qg, k, precision=_HIGHEST)
+  # exp of the masked logits, not a masked exp: a hidden logit far above the visible ones would
+  # overflow to inf, and the backward pass would multiply it by the mask's zero (NaN).
+  masked = jnp.where(visible, logits, -jnp.inf)
+  row_max = lax.stop_gradient(jnp.where(has_key, jnp.max(masked, axis=-1), 0.0))
+  p = weight * jnp.exp(masked - row_max[..., None])
+  # A query with no visible key gets zeros.
+  denom = jnp.moveaxis(jnp.where(has_key, p.sum(axis=-1), 1.0), 3, 1)  # [B, T, HKV, G]
+  out = jnp.einsum("bhgts,bshd->bthgd", p, v, precision=_HIGHEST) / denom[..., None]
+  return out.reshape(b, seq_len, hq, d)
 
 
 def uses_masked_formulation(batch: int, seq_len: int, num_heads: int, top_k: int,
@@ -95,19 +281,33 @@ def sparse_attention_reference(q, k, v, block_indices, *, block_size: int, scale
                                masked: bool | None = None):
   """jnp reference of `sparse_attention`; arguments are already validated.
 
+  Float32 throughout: q, k and v are upcast, every sum (logits, softmax, the dk and dv of keys
+  that many queries selected) is a float32 sum in a fixed order, and the output, like each
+  gradient, is rounded to the input dtype once. Gradients are bit-identical run to run on every
+  backend: the gathered form's backward has no scatter-add, the masked form's transposes are
+  plain matmuls.
+
   masked: None picks by `uses_masked_formulation`; True / False force the masked or the gathered
-  form (both are Eq. 6; the tests pin them equal).
+  form (both are Eq. 6; the tests pin them equal). Inputs with a non-finite value always take
+  the gathered form, which computes each output from exactly the keys and values its query sees.
   """
-  b, seq_len, hq, d = q.shape
-  hkv, top = k.shape[2], block_indices.shape[-1]
+  b, seq_len, hq, _ = q.shape
   block_indices = lax.stop_gradient(block_indices.astype(jnp.int32))
   if masked is None:
-    masked = uses_masked_formulation(b, seq_len, hq, top, block_size)
+    masked = uses_masked_formulation(b, seq_len, hq, block_indices.shape[-1], block_size)
+  q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
+
+  def gathered(q, k, v):
+    return _sparse_attention_f32(q, k, v, block_indices, block_size, scale)
+
   if masked:
-    return _sparse_attention_masked(q, k, v, block_indices, block_size=block_size, scale=scale)
-  chunk = _chunking.query_chunk_size(seq_len, b * hkv * top * block_size * (2 * d + 2 * hq // hkv))
-  fn = functools.partial(_sparse_attention_chunk, block_size=block_size, scale=scale)
-  return _chunking.map_query_chunks(fn, chunk, (q, block_indices), (k, v))
+    dense = functools.partial(_sparse_attention_masked, block_indices=block_indices,
+                              block_size=block_size, scale=scale)
+    finite = jnp.all(jnp.isfinite(q32)) & jnp.all(jnp.isfinite(k32)) & jnp.all(jnp.isfinite(v32))
+    out = lax.cond(finite, dense, gathered, q32, k32, v32)
+  else:
+    out = gathered(q32, k32, v32)
+  return out.astype(q.dtype)
 
 
 def sparse_attention(
@@ -124,21 +324,31 @@ def sparse_attention(
 
   Query t, head hq attends to key positions j <= t inside the blocks `block_indices[b, t, hkv]`
   of its KV head `hkv = hq // (HQ // HKV)`; -1 entries are ignored and a query with no visible key
-  gets zeros.
+  gets zeros. Nothing is masked away from a non-finite input: an output row is NaN exactly when
+  its query, or a key or value that it sees, is NaN (a value only in its own column), in both
+  implementations.
 
   Args:
     q: queries `[B, T, HQ, D]`.
-    k: keys `[B, T, HKV, D]`.
-    v: values `[B, T, HKV, D]`.
+    k: keys `[B, T, HKV, D]`, q's dtype.
+    v: values `[B, T, HKV, D]`, q's dtype.
     block_indices: int32 `[B, T, HKV, K]`, entries in [-1, ceil(T / block_size)), no repeats in a
-      row. Values are checked when concrete; under `jit`, out-of-range entries are not detected.
+      row. Concrete indices are checked (ValueError). Traced ones (under `jit`) are checked inside
+      `jax.experimental.checkify.checkify` only; an unchecked call ignores out-of-range entries
+      like -1 and attends a repeated block once per repetition (its keys weigh double).
     block_size: C, keys per leaf block.
     scale: logit scale, default 1/sqrt(D).
     implementation: "xla" (jnp reference), "pallas" (kernel) or None (pallas on GPU, else xla).
 
+  Options (block_size, scale, implementation) fix shapes or compiled code: under `jax.jit` pass
+  them as static arguments or bind them first, e.g. `jax.jit(sparse_attention,
+  static_argnames=("block_size",))`.
+
   Returns:
     `[B, T, HQ, D]` in q's dtype. Differentiable in q, k and v; the indices get no gradient.
   """
+  _validation.check_static("sparse_attention", block_size=block_size, scale=scale,
+                           implementation=implementation)
   b, t, _, hkv, d = _validation.check_qk(q, k)
   _validation.check_v(v, k)
   _validation.check_block_size(block_size)
@@ -170,11 +380,18 @@ def pisa_attention(
   """PISA attention: select blocks (no gradient through the choice), then attend to them.
 
   Appendix B: during backpropagation the selected indices are held fixed; gradients flow through
-  attention on the selected entries only. Arguments as in `select_blocks` and `sparse_attention`.
+  attention on the selected entries only. Arguments as in `select_blocks` and `sparse_attention`
+  (options static under `jax.jit`). Selection ranks a NaN score right after the forced blocks, so
+  the block of a NaN key stays selected wherever there is room, and the NaN reaches those
+  queries' outputs instead of being dropped.
 
   Returns:
     `[B, T, HQ, D]` in q's dtype, differentiable in q, k and v.
   """
+  _validation.check_static("pisa_attention", block_size=block_size, top_k=top_k,
+                           branching=branching, selector=selector, scale=scale, beam=beam,
+                           implementation=implementation)
+  _validation.check_qk(q, k)
   _validation.check_v(v, k)
   block_indices = select_blocks(
       lax.stop_gradient(q), lax.stop_gradient(k), block_size=block_size, top_k=top_k,

@@ -498,3 +498,61 @@ def test_masked_and_gathered_reference_agree(seq_len, hq, hkv, d, block_size, to
 
   for a, b in zip(grads(True), grads(False)):
     np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+# The reference in low precision: float32 sums, one rounding, bit-identical gradients.
+def equations(jaxpr):
+  """Every equation of a jaxpr, those of its sub-jaxprs (cond branches, scans, custom rules) too."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          yield from equations(sub)
+
+
+@pytest.mark.parametrize("seq_len,c", [(2048, 64), (512, 32)], ids=["gathered", "masked"])
+def test_bf16_gradients_are_float32_sums_rounded_once(seq_len, c):
+  # PISA's own indices at 16 / 2 heads, d 64, K 8: block 0 is selected by every query, so its dk
+  # and dv sum T queries' contributions. Against float32 gradients of the same bf16-rounded
+  # inputs, the bf16 run may differ only by the final rounding of each output.
+  from pisa_jax.attention import sparse_attention_reference, uses_masked_formulation
+  hq, hkv, d, top_k = 16, 2, 64, 8
+  assert uses_masked_formulation(1, seq_len, hq, top_k, c) == (seq_len == 512)
+  q, k, v = make_qkv(seq_len, hq, hkv, d, seed=21, dtype=jnp.bfloat16)
+  do = jax.random.normal(jax.random.key(22), q.shape, jnp.bfloat16)
+  idx = pisa_jax.select_blocks(q, k, block_size=c, top_k=top_k, implementation="xla")
+
+  @jax.jit
+  def value_and_grads(q, k, v, do):
+    out, vjp = jax.vjp(lambda q, k, v: sparse_attention_reference(
+        q, k, v, idx, block_size=c, scale=d ** -0.5), q, k, v)
+    return (out,) + vjp(do)
+
+  low = value_and_grads(q, k, v, do)
+  again = value_and_grads(q, k, v, do)
+  f32 = lambda x: x.astype(jnp.float32)
+  high = value_and_grads(f32(q), f32(k), f32(v), f32(do))
+  for name, a, b, w in zip(("o", "dq", "dk", "dv"), low, again, high):
+    assert a.dtype == jnp.bfloat16, name
+    np.testing.assert_array_equal(np.asarray(f32(a)), np.asarray(f32(b)), err_msg=name)
+    rel = float(jnp.linalg.norm(f32(a) - w) / jnp.linalg.norm(w))
+    assert rel < tolerances.REFERENCE_LOW_PRECISION_REL_RMS, (name, rel)
+
+
+def test_reference_gradients_have_no_float_scatter():
+  # A float scatter-add (the transpose of a gather) is non-deterministic on a GPU, whose atomics
+  # add in a different order each run: neither formulation's backward may contain one.
+  from pisa_jax.attention import sparse_attention_reference
+  q, k, v = make_qkv(200, 4, 2, 16, seed=23, dtype=jnp.bfloat16)
+  idx = pisa_jax.select_blocks(q, k, block_size=8, top_k=4, implementation="xla")
+  for masked in (True, False):
+    grad = jax.grad(lambda q, k, v: jnp.sum(sparse_attention_reference(
+        q, k, v, idx, block_size=8, scale=0.25, masked=masked).astype(jnp.float32)),
+        argnums=(0, 1, 2))
+    scatters = [e for e in equations(jax.make_jaxpr(grad)(q, k, v).jaxpr)
+                if e.primitive.name.startswith("scatter")]
+    assert scatters  # the walk reaches the backward: the inverted index counts with an int scatter
+    for eqn in scatters:
+      assert jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.integer), (masked, eqn)
