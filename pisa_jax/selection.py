@@ -11,6 +11,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jaxtyping import Array, Float, Int
 
@@ -20,6 +21,10 @@ from pisa_jax.kernels import selection as selection_kernels
 from pisa_jax.pyramid import build_pyramid_reference
 
 _HIGHEST = lax.Precision.HIGHEST
+# Select_K's ranking keys: a NaN score ranks as the largest float32, every other score is clamped
+# strictly below it (and above -inf, the mark of an ineligible candidate).
+_NAN_RANK = float(np.finfo(np.float32).max)
+_SCORE_LIMIT = float(np.nextafter(np.float32(_NAN_RANK), np.float32(0)))
 
 
 def reduce_scores(z: Float[Array, "... R"], valid, selector: str) -> Float[Array, "..."]:
@@ -67,9 +72,13 @@ def _keep(cand, valid, forced, scores, keep: int):
   """
   # If the eligible candidates number <= keep, all are kept without scoring.
   keep_all = valid.sum(axis=-1, keepdims=True) <= keep
-  # Forced nodes first, then the highest scores; lax.top_k breaks ties by array position, and
-  # candidates are ordered by node id, so ties go to the lower index.
-  key = jnp.where(forced, jnp.inf, scores)
+  # Forced nodes first (+inf), then NaN scores (the largest float), then the highest scores
+  # (clamped inside the float range, so -inf still marks only the ineligible). A NaN score comes
+  # from a NaN query or key: ranking it first keeps that key's block in the selection, where
+  # attention turns it into a NaN output instead of dropping it silently. lax.top_k breaks ties
+  # by array position, and candidates are ordered by node id, so ties go to the lower index.
+  key = jnp.where(jnp.isnan(scores), _NAN_RANK, jnp.clip(scores, -_SCORE_LIMIT, _SCORE_LIMIT))
+  key = jnp.where(forced, jnp.inf, key)
   key = jnp.where(keep_all, 0.0, key)
   key = jnp.where(valid, key, -jnp.inf)
   n = key.shape[-1]
@@ -300,10 +309,21 @@ def select_blocks(
       level always keeps top_k. Hierarchical selectors only.
     implementation: "xla" (jnp reference), "pallas" (kernel) or None (pallas on GPU, else xla).
 
+  Options (everything but q and k) fix shapes or compiled code: under `jax.jit` pass them as
+  static arguments or bind them first, e.g. `jax.jit(select_blocks, static_argnames=("top_k",))`.
+
+  Non-finite inputs: a NaN query or key makes the scores it enters NaN, and Select_K ranks a NaN
+  score after the forced blocks and before every number (ties to the lower index), so the block
+  of a NaN key is kept wherever there is room and attention shows the NaN. A query whose scores
+  are all NaN keeps its forced blocks, then the lowest block indices.
+
   Returns:
     int32 `[B, T, HKV, top_k]`: leaf block indices ascending, -1 padded when fewer than top_k
     blocks are eligible (min(top_k, t // block_size + 1) are valid).
   """
+  _validation.check_static("select_blocks", block_size=block_size, top_k=top_k,
+                           branching=branching, selector=selector, scale=scale, beam=beam,
+                           implementation=implementation)
   _, _, _, _, d = _validation.check_qk(q, k)
   _validation.check_block_size(block_size)
   _validation.check_branching(branching)
