@@ -6,7 +6,11 @@ Public API (shapes follow `jax.nn.dot_product_attention`: q `[B, T, HQ, D]`, k/v
   sparse_attention   causal attention over selected blocks (Eq. 6)
   pisa_attention     selection under stop_gradient, then sparse attention
   selection_quality  Recall@K, captured mass and mass ratio against full attention (App. D.2)
-Each takes `implementation="xla" | "pallas" | None`.
+Each takes `implementation="xla" | "pallas" | None` (selection_quality has only "xla": "pallas"
+raises). Under `jax.jit` the arrays are traced and the options (sizes, names, scale) must be
+static: `jax.jit(pisa_jax.pisa_attention, static_argnames=("block_size", "top_k"))`, or bind them
+with `functools.partial` first; a traced option raises a TypeError that says so. Block indices
+passed in are checked eagerly, and under `jit` inside `jax.experimental.checkify.checkify`.
 
 Decoding (Section 3.3 "Decoding", Appendix B "Decode cache"):
   DecodeCache        keys, values and the summary pyramid of a batch of rows of different lengths

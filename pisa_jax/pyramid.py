@@ -54,9 +54,14 @@ def build_pyramid(
     branching: g, children merged into each upper node.
     implementation: "xla" (jnp reference), "pallas" (kernel) or None (pallas on GPU, else xla).
 
+  Options (block_size, branching, implementation) fix shapes or compiled code: under `jax.jit`
+  pass them as static arguments or bind them first.
+
   Returns:
     A `Pyramid` with levels `[B, M_l, HKV, D]` from the leaves to a single root.
   """
+  _validation.check_static("build_pyramid", block_size=block_size, branching=branching,
+                           implementation=implementation)
   _validation.check_float("k", k)
   _validation.check_rank4("k", k, "[B, T, HKV, D]")
   if k.shape[1] < 1:

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from pisa_jax import _chunking, _validation
+from pisa_jax import _chunking, _dispatch, _validation
 from pisa_jax.selection import block_log_mass, flat_top_k
 
 
@@ -41,8 +41,10 @@ def _quality_chunk(positions, q, block_indices, k, *, block_size, scale):
   recall = jnp.sum(in_reference & selected_valid, axis=-1) / top_k
 
   def mass_of(idx):
-    picked = jnp.take_along_axis(mass, jnp.maximum(idx, 0), axis=-1)
-    return jnp.sum(jnp.where(idx >= 0, picked, 0.0), axis=-1)
+    # Entries outside [0, M) (padding; out-of-range indices of an unchecked call) pick nothing.
+    real = (idx >= 0) & (idx < mass.shape[-1])
+    picked = jnp.take_along_axis(mass, jnp.where(real, idx, 0), axis=-1)
+    return jnp.sum(jnp.where(real, picked, 0.0), axis=-1)
 
   captured = mass_of(block_indices)
   ratio = captured / mass_of(reference)
@@ -74,6 +76,7 @@ def selection_quality(
     *,
     block_size: int = 64,
     scale: float | None = None,
+    implementation: str | None = None,
 ) -> SelectionQuality:
   """Recall@K, captured mass and attention-mass ratio of a selection against full attention.
 
@@ -85,13 +88,26 @@ def selection_quality(
   Args:
     q: queries `[B, T, HQ, D]` (post-RoPE, as the model attends with them).
     k: keys `[B, T, HKV, D]`.
-    block_indices: int32 `[B, T, HKV, K]` from a selector, -1 padded.
+    block_indices: int32 `[B, T, HKV, K]` from a selector, -1 padded. Checked as in
+      `sparse_attention`: concrete indices raise, traced ones report inside
+      `jax.experimental.checkify.checkify`; an unchecked call ignores out-of-range entries like
+      -1 and counts a repeated block once per repetition (recall and mass can then exceed 1).
     block_size: C, keys per leaf block.
     scale: logit scale, default 1/sqrt(D).
+    implementation: "xla" or None: the jnp reference, the only implementation of this
+      diagnostic; "pallas" raises.
+
+  Options (block_size, scale, implementation) are static under `jax.jit`, as in
+  `sparse_attention`.
 
   Returns:
     `SelectionQuality` of scalar fractions, averaged over rows with more than K eligible blocks.
   """
+  _validation.check_static("selection_quality", block_size=block_size, scale=scale,
+                           implementation=implementation)
+  # One implementation, whatever the platform: None means it on a GPU too.
+  quality = _dispatch.lookup("selection_quality",
+                             "xla" if implementation is None else implementation)
   b, t, _, hkv, d = _validation.check_qk(q, k)
   _validation.check_block_size(block_size)
   _validation.check_block_indices(
@@ -100,5 +116,8 @@ def selection_quality(
     raise ValueError(
         f"block_indices.shape[-1]={block_indices.shape[-1]} must be >= 3: the reference set keeps "
         f"the first, previous and current blocks")
-  return _selection_quality(q, k, block_indices, block_size=int(block_size),
-                            scale=_validation.resolve_scale(scale, d))
+  return quality(q, k, block_indices, block_size=int(block_size),
+                 scale=_validation.resolve_scale(scale, d))
+
+
+_dispatch.register("selection_quality", xla=_selection_quality)
