@@ -44,7 +44,7 @@ fi
 "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())"
 if [ "$GPU_TESTS" = 1 ]; then
   "$PY" -m pytest -q -m gpu tests/test_gpu_selection.py tests/test_gpu_attention.py \
-    tests/test_gpu_fla.py
+    tests/test_gpu_fla.py tests/test_gpu_long_context.py
 fi
 "$PY" -m benchmarks.selection --out "$OUT"
 "$PY" -m benchmarks.attention --out "$OUT"

@@ -33,7 +33,7 @@ def pyramid(k: np.ndarray, block_size: int, branching: int) -> list[np.ndarray]:
 
 
 def select_hierarchical(q, k, *, block_size, top_k, branching, selector, scale, beam=None):
-  """q `[T, HQ, D]`, k `[T, HKV, D]` -> int `[T, HKV, top_k]`, the rules of issue 2 literally."""
+  """q `[T, HQ, D]`, k `[T, HKV, D]` -> int `[T, HKV, top_k]`, the paper's selection rules, literally."""
   q = np.asarray(q, np.float64)
   k = np.asarray(k, np.float64)
   seq_len, hq, _ = q.shape
