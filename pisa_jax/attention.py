@@ -177,6 +177,8 @@ def _dkv_one_head(q, k, v, block_indices, do, lse, delta, *, block_size, scale):
     p = _weights(logits, lse[t][..., None], visible)
     dp = jnp.einsum("egd,cd->egc", do_e, v_blocks[block], precision=_HIGHEST)
     ds = jnp.where(visible, p * (dp - delta[t][..., None]), 0.0)
+    # A NaN query also reaches the dk of the keys after it in its own block (ds is 0 there, and
+    # 0 * NaN = NaN): masking that would take a [E, G, C, D] product.
     dk = scale * jnp.einsum("egc,egd->cd", ds, q_e, precision=_HIGHEST)
     dv = jnp.einsum("egc,egd->cd", p, do_e, precision=_HIGHEST)
     return dk, dv
