@@ -1,4 +1,4 @@
-"""The jnp reference against the contract of the core-library issue: one test per rule, oracles,
+"""The jnp reference against the paper's rules: one test per rule, oracles,
 properties, golden cases and bad input."""
 
 from __future__ import annotations
