@@ -170,3 +170,51 @@ def test_multi_gpu_dry_run_on_fake_devices(tmp_path):
   a, b = (port[k]["losses"] for k in ("1x2->1x1", "1x1->1x2"))
   assert a.keys() == b.keys() and all(abs(a[s] - b[s]) < 1e-4 for s in a)
   assert (tmp_path / "out" / "multi_gpu.png").exists()
+
+
+def _long_context_rows():
+  runs = [dict(attention=a, seq_len=n, remat="full", loss_chunk=8192, compile_s=60.0,
+               compiled_temp_gib=temp, compiled_peak_gib=temp + 2, step_s=n / tok_s,
+               tokens_per_s=tok_s, mfu=0.3, allocator_peak_gib=temp + 3, timed_steps=8,
+               last_loss=7.0)
+          for a, n, tok_s, temp in (("pisa", 65536, 3.0e5, 4.0), ("dense", 65536, 0.8e5, 4.5),
+                                    ("pisa", 1048576, 2.0e5, 60.0))]
+  runs[-1]["loss_curve"] = [[5, 9.5], [10, 8.0], [15, 7.2]]
+  runs.append(dict(attention="dense", seq_len=1048576, skipped="dense at 524288 tokens: one "
+                   "step took 70 s, over the 60 s limit"))
+  return runs
+
+
+def test_long_context_goals_replot_and_table(tmp_path, capsys):
+  from benchmarks import _record, long_context
+  rows = _long_context_rows()
+  goals = {g["goal"]: g for g in long_context.goals(rows, 1048576, 65536)}
+  assert [g["met"] for g in goals.values()] == [True, True, True]
+  assert [g["value"] for g in goals.values()] == [63.0, 0.667, 3.75]
+  rec = _record.Recorder(long_context.NAME, {"preset": "small-1m"}, tmp_path / "run")
+  for row in rows + list(goals.values()):
+    rec.add(**row)
+  path = tmp_path / "run" / "long_context_training.json"
+  assert list(_record.load(path)) == list(_record.KEYS)
+  record = long_context.main(["--replot", str(path), "--out", str(tmp_path / "plot")])
+  assert (tmp_path / "plot" / "long_context_training.png").stat().st_size > 0
+  table = long_context.table(record)
+  assert "PISA / dense tokens/s at 65536 | 3.75 | 3 | yes" in table and "over the 60 s" in table
+  with pytest.raises(SystemExit) as exit_:
+    long_context.main(["--help"])
+  assert exit_.value.code == 0 and "benchmarks.long_context" in capsys.readouterr().out
+
+
+def test_long_context_dry_run(tmp_path):
+  # One dense run of the tiny model that also trains the 2-step curve: the whole script, quickly.
+  from benchmarks import long_context
+  record = long_context.main(["--dry-run", "--seq-lens", "64", "--attention", "dense",
+                              "--curve-attention", "dense", "--curve-steps", "2",
+                              "--out", str(tmp_path)])
+  (run,) = [r for r in record["rows"] if "goal" not in r]
+  assert run["tokens_per_s"] > 0 and run["compiled_temp_gib"] > 0 and "error" not in run, run
+  assert (run["remat"], run["loss_chunk"], run["seq_len"]) == ("full", 32, 64)
+  assert [s for s, _ in run["loss_curve"]] == [1, 2]
+  assert len([r for r in record["rows"] if "goal" in r]) == 3
+  assert json.loads((tmp_path / "long_context_training.json").read_text())["rows"] == record["rows"]
+  assert (tmp_path / "long_context_training.png").exists()
