@@ -25,116 +25,11 @@ from pisa_jax.kernels.pyramid import build_pyramid_pallas
 from pisa_jax.kernels.selection import SelectionConfig, layout, scoring, select_blocks_pallas, topk
 from pisa_jax.pyramid import build_pyramid_reference
 from pisa_jax.selection import select_blocks_reference
+from pisa_jax.testing import decision_margin
 
 from tolerances import PYRAMID_ATOL, SELECTION_NEAR_TIE_RTOL
 
 GOLDEN = pathlib.Path(__file__).parent / "data" / "selection_golden.npz"
-
-
-# ---------------------------------------------------------------------------------------------
-# Independent float64 re-walk of one row: the decision margin.
-
-
-def _levels64(k_bh: np.ndarray, block_size: int, branching: int) -> list[np.ndarray]:
-  """float64 pyramid of one (batch, KV head): k_bh `[T, D]` -> levels `[M_l, D]`, leaves first."""
-  t = k_bh.shape[0]
-  m = -(-t // block_size)
-  leaves = np.stack([k_bh[i * block_size:(i + 1) * block_size].mean(0) for i in range(m)])
-  levels = [leaves]
-  while levels[-1].shape[0] > 1:
-    x = levels[-1]
-    levels.append(np.stack([x[i:i + branching].mean(0) for i in range(0, x.shape[0], branching)]))
-  return levels
-
-
-def _rel_gap(a: float, b: float) -> float:
-  return abs(a - b) / max(abs(a), abs(b), 1e-30)
-
-
-def _select64(cand, valid, forced, score, keep):
-  """Select_K in float64; returns (kept ids, margin of the decision or inf if none was made)."""
-  elig = [c for c, v in zip(cand, valid) if v]
-  if len(elig) <= keep:
-    return sorted(elig), np.inf
-  kept = [c for c, v, f in zip(cand, valid, forced) if v and f]
-  rest = sorted([(-s, c) for c, v, f, s in zip(cand, valid, forced, score) if v and not f])
-  slots = keep - len(kept)
-  chosen = rest[:slots]
-  margin = np.inf
-  if 0 < slots < len(rest):
-    margin = _rel_gap(-rest[slots - 1][0], -rest[slots][0])
-  return sorted(kept + [c for _, c in chosen]), margin
-
-
-def _reduce64(z: np.ndarray, selector: str) -> np.ndarray:
-  """Per-head score over the last axis of z (Eq. 21, 33, 34)."""
-  if selector == "pisa":
-    m = z.max(-1, keepdims=True)
-    return (m + np.log(np.exp(z - m).sum(-1, keepdims=True)))[..., 0]
-  mean = z.mean(-1)
-  if selector == "pisa1":
-    return mean
-  return mean + 0.5 * z.var(-1)
-
-
-def decision_margin(q, k, b: int, t: int, h: int, *, block_size: int, top_k: int, branching: int,
-                    selector: str, scale: float, beam: int, cache: dict | None = None) -> float:
-  """Smallest relative score gap at a scored decision of row (b, t, h), walked in float64."""
-  q = np.asarray(q, np.float64)
-  k = np.asarray(k, np.float64)
-  hq, hkv = q.shape[2], k.shape[2]
-  g = hq // hkv
-  qg = q[b, t, h * g:(h + 1) * g]  # [G, D]
-  key = (b, h)
-  if cache is not None and key in cache:
-    levels = cache[key]
-  else:
-    levels = _levels64(k[b, :, h], block_size, branching)
-    if cache is not None:
-      cache[key] = levels
-  seq_len = k.shape[1]
-  cur = t // block_size
-  forced_leaves = [x for x in (0, cur - 1, cur) if x >= 0]
-  if selector == "bsa":
-    m = levels[0].shape[0]
-    cand = list(range(m))
-    valid = [c <= cur for c in cand]
-    forced = [c in forced_leaves for c in cand]
-    # Each head's softmax normalises over the blocks complete at t (the current one too when t is
-    # its last position); the blocks before the current one are scored.
-    done = (t + 1) // block_size
-    z = scale * qg @ levels[0][:done].T  # [G, done]
-    if done:
-      p = np.exp(z - z.max(-1, keepdims=True))
-      p = (p / p.sum(-1, keepdims=True)).sum(0)
-    score = [p[c] if c < cur else 0.0 for c in cand]
-    return _select64(cand, valid, forced, score, top_k)[1]
-  margin = np.inf
-  num_levels = len(levels)
-  cand = [0]
-  for level in range(num_levels, 0, -1):
-    keep = top_k if level == 1 else beam
-    span = block_size * branching ** (level - 1)
-    valid = [c < levels[level - 1].shape[0] and c * span <= t for c in cand]
-    anc = {x // branching ** (level - 1) for x in forced_leaves}
-    forced = [v and c in anc for c, v in zip(cand, valid)]
-    score = []
-    for c, v in zip(cand, valid):
-      if not v:
-        score.append(0.0)
-        continue
-      if level == 1:
-        children = k[b, c * block_size:min((c + 1) * block_size, seq_len), h]
-      else:
-        children = levels[level - 2][c * branching:(c + 1) * branching]
-      score.append(float(_reduce64(scale * qg @ children.T, selector).sum()))
-    kept, lm = _select64(cand, valid, forced, score, keep)
-    margin = min(margin, lm)
-    if level > 1:
-      cand = [c * branching + j for c in kept for j in range(branching)]
-    else:
-      cand = kept
-  return margin
 
 
 def assert_same_or_near_tie(out, ref, q, k, *, block_size, top_k, branching, selector, scale,
