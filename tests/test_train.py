@@ -25,6 +25,7 @@ import pytest
 
 from pisa_jax.configs import apply_overrides, get_config, validate
 from pisa_jax.train import checkpoint as ckpt_lib
+from pisa_jax.train import memory as memory_lib
 from pisa_jax.train import trainer as trainer_lib
 from pisa_jax.train.checkpoint import CorruptCheckpointError, IncompatibleCheckpointError
 from pisa_jax.train.trainer import NonFiniteLossError, build_trainer, train
@@ -261,7 +262,7 @@ def test_a_refused_resume_leaves_the_run_folder_as_it_was(tmp_path, micro_traine
 def test_a_run_that_cannot_fit_stops_before_it_starts(tmp_path, micro_trainer, monkeypatch):
   cfg, trainer = micro_trainer
   assert trainer_lib.step_memory(trainer.memory) > 2**20
-  monkeypatch.setattr(trainer_lib, "device_memory", lambda device: (2**20, "one test device"))
+  monkeypatch.setattr(memory_lib, "device_memory", lambda device: (2**20, "one test device"))
   with pytest.raises(trainer_lib.InsufficientMemoryError,
                      match=r"the compiled train step needs [\d.]+ MiB per device .* but one test "
                            r"device has 1.0 MiB: lower train.per_device_batch=4 .*train.seq_len=64"):
@@ -278,7 +279,7 @@ def test_the_memory_report_names_temporaries_peak_and_bytes_per_token(micro_trai
 
 def test_a_run_that_cannot_fit_names_the_settings_that_keep_less(micro_trainer, monkeypatch):
   _, trainer = micro_trainer
-  monkeypatch.setattr(trainer_lib, "device_memory", lambda device: (2**20, "one test device"))
+  monkeypatch.setattr(memory_lib, "device_memory", lambda device: (2**20, "one test device"))
   with pytest.raises(trainer_lib.InsufficientMemoryError,
                      match=r"; or keep less for the backward: model.remat=full \(now none\)$"):
     trainer_lib.check_memory(trainer)
