@@ -1,14 +1,18 @@
 """What training at a million tokens of context relies on: each block's rematerialisation, the loss
 over chunks of tokens, and RoPE angles exact at positions past float32's integers."""
 
+import contextlib
 import dataclasses
 import functools
+import io
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.ad_checkpoint import print_saved_residuals
 
 from pisa_jax.models import Decoder, ModelConfig
 from pisa_jax.models import config as model_config
@@ -63,6 +67,29 @@ def test_every_block_is_rematerialised_under_the_named_policy(remat):
   jaxpr = jax.make_jaxpr(lambda p: nnx.merge(graphdef, p)(jnp.zeros((1, 16), jnp.int32)))(params)
   policies = [e.params["policy"] for e in jaxpr.jaxpr.eqns if e.primitive.name == "remat2"]
   assert policies == ([] if remat == "none" else [REMAT_POLICIES[remat]] * 2)
+
+
+def _saved_per_token(remat: str, num_layers: int, seq_len: int = 160) -> float:
+  """Elements per token that the forward keeps for the backward (PISA past its masked form)."""
+  cfg = dataclasses.replace(MODEL, attention="pisa", attention_implementation="xla",
+                            remat=remat, num_layers=num_layers)
+  graphdef, params = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+  tokens = jnp.zeros((1, seq_len), jnp.int32)
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):  # one line per saved value: "f32[1,160,32] output of ..."
+    print_saved_residuals(lambda p: nnx.merge(graphdef, p).hidden_states(tokens).sum(), params)
+  shapes = [tuple(int(n) for n in m.group(1).split(",") if n)
+            for m in re.finditer(r"^\w+\[([\d,]*)\]", out.getvalue(), re.MULTILINE)]
+  assert shapes, out.getvalue()
+  return sum(np.prod(shape) for shape in shapes if seq_len in shape) / seq_len
+
+
+def test_each_policy_keeps_less_and_full_keeps_only_the_block_input():
+  # Per layer, what each policy adds to the saved activations: strictly less down the list, and
+  # under "full" one [B, T, E] per block (its input), whatever the attention needs inside.
+  per_layer = [_saved_per_token(r, 2) - _saved_per_token(r, 1) for r in model_config.REMAT_POLICIES]
+  assert all(a > b for a, b in zip(per_layer, per_layer[1:])), per_layer
+  assert per_layer[-1] == MODEL.d_model
 
 
 @pytest.mark.parametrize("attention,implementation,remat", [
