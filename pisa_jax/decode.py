@@ -22,9 +22,8 @@ Typical use (a jitted step recompiles once per capacity bucket, O(log N) times i
 Called outside `jit`, `decode_step` grows the cache itself when a row would pass its capacity.
 
 Implementations ("xla" jnp reference, "pallas" kernels in `pisa_jax.kernels.decode`) are
-registered per op: "decode_append" (the cache update; a scatter of the new token and of the
-recomputed leaf-to-root path in "xla", one kernel in "pallas"), "decode_select" and
-"decode_attention".
+registered per op: "decode_append" (the cache update: in "xla" a scatter of the new token and
+its recomputed leaf-to-root path, in "pallas" one kernel), "decode_select", "decode_attention".
 """
 
 from __future__ import annotations
