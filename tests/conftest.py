@@ -1,9 +1,11 @@
 """Test configuration: float32 matmuls at full precision, and the slow / gpu markers."""
 
 import os
+import types
 
 import jax
 import pytest
+from jax._src.pallas.triton import pallas_call_registration as registration
 
 # The reference is compared at Precision.HIGHEST; make that the default for every jnp op in tests.
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -19,3 +21,21 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(skip_slow)
     if "gpu" in item.keywords and not on_gpu:
       item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def captured(monkeypatch):
+  """Triton IR of every kernel lowered while the fixture is active, as text: Pallas' Triton
+  lowering given a compute capability (sm_90), so kernels lower on a machine without a GPU."""
+  modules = []
+  monkeypatch.setattr(registration, "gpu_info_lib", types.SimpleNamespace(
+      get_gpu_info=lambda: types.SimpleNamespace(compute_capability=90)))
+  lower = registration.lowering.lower_jaxpr_to_triton_module
+
+  def recording(*args, **kwargs):
+    result = lower(*args, **kwargs)
+    modules.append(result.module.operation.get_asm(enable_debug_info=False))
+    return result
+
+  monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", recording)
+  return modules

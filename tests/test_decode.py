@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-import types
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +19,6 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.experimental import checkify
-from jax._src.pallas.triton import pallas_call_registration as registration
 
 import pisa_jax
 from pisa_jax import decode as dec
@@ -364,24 +362,6 @@ def test_bad_cache_arguments_name_the_argument():
 
 # ---------------------------------------------------------------------------------------------
 # The kernels lower to Triton IR for the H200 (sm_90) on any machine.
-
-
-@pytest.fixture
-def captured(monkeypatch):
-  """Triton IR of every kernel lowered while the fixture is active, as text (the patch of
-  tests/test_gpu_lowering.py: a compute capability for Pallas' Triton lowering on the CPU)."""
-  modules = []
-  monkeypatch.setattr(registration, "gpu_info_lib", types.SimpleNamespace(
-      get_gpu_info=lambda: types.SimpleNamespace(compute_capability=90)))
-  lower = registration.lowering.lower_jaxpr_to_triton_module
-
-  def recording(*args, **kwargs):
-    result = lower(*args, **kwargs)
-    modules.append(result.module.operation.get_asm(enable_debug_info=False))
-    return result
-
-  monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", recording)
-  return modules
 
 
 @pytest.mark.parametrize("selector,hq,d,top_k,beam,dtype", [

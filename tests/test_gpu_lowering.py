@@ -12,32 +12,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-import types
 
 import jax
 import jax.numpy as jnp
 import pytest
-from jax._src.pallas.triton import pallas_call_registration as registration
 
 from pisa_jax.kernels import attention as attn
 from pisa_jax.kernels import selection as sel
-
-
-@pytest.fixture
-def captured(monkeypatch):
-  """Triton IR of every kernel lowered while the fixture is active, as text."""
-  modules = []
-  monkeypatch.setattr(registration, "gpu_info_lib", types.SimpleNamespace(
-      get_gpu_info=lambda: types.SimpleNamespace(compute_capability=90)))
-  lower = registration.lowering.lower_jaxpr_to_triton_module
-
-  def recording(*args, **kwargs):
-    result = lower(*args, **kwargs)
-    modules.append(result.module.operation.get_asm(enable_debug_info=False))
-    return result
-
-  monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", recording)
-  return modules
 
 
 def _names(modules):

@@ -20,13 +20,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.pallas.triton import pallas_call_registration as registration
 
 from pisa_jax.geometry import level_sizes
 from pisa_jax.kernels import attention as attn
@@ -113,24 +111,6 @@ def test_two_stage_in_row_ranges_equals_one_launch(monkeypatch):
 
 # ---------------------------------------------------------------------------------------------
 # Lowering for sm_90 at 2M-4M tokens.
-
-
-@pytest.fixture
-def captured(monkeypatch):
-  """Triton IR of every kernel lowered while the fixture is active, by module name (the patch of
-  tests/test_gpu_lowering.py: a compute capability for Pallas' Triton lowering on the CPU)."""
-  modules = []
-  monkeypatch.setattr(registration, "gpu_info_lib", types.SimpleNamespace(
-      get_gpu_info=lambda: types.SimpleNamespace(compute_capability=90)))
-  lower = registration.lowering.lower_jaxpr_to_triton_module
-
-  def recording(*args, **kwargs):
-    result = lower(*args, **kwargs)
-    modules.append(result.module.operation.get_asm(enable_debug_info=False))
-    return result
-
-  monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", recording)
-  return modules
 
 
 def _by_name(modules) -> dict[str, list[str]]:
