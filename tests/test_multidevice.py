@@ -87,6 +87,34 @@ def test_loss_curves_match_across_layouts_and_checkpoints_move_between_them():
     np.testing.assert_allclose(got, want, rtol=2e-5, err_msg=name)
 
 
+COLLECTIVES_SCRIPT = textwrap.dedent("""
+    import json, math, re
+    import jax
+    from pisa_jax.configs import apply_overrides, get_config
+    from pisa_jax.models.sharding import MESH_AXES
+    from pisa_jax.train.trainer import build_trainer
+
+    out = {}
+    for attention in ("pisa", "dense"):
+      mesh = jax.make_mesh((1, 2), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
+      cfg = apply_overrides(get_config("tiny"), MICRO + [
+          "train.per_device_batch=2", "train.grad_accum=1", f"model.attention={attention}"])
+      trainer = build_trainer(cfg, mesh)
+      largest_param = max(math.prod(a.shape) for a in jax.tree.leaves(trainer.abstract_state["params"]))
+      sizes = []
+      for line in trainer.train_step.as_text().splitlines():
+        op = re.search(r"\\b(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(-start)?\\(", line)
+        if op and " = " in line:
+          result = line.split(" = ", 1)[1].split(" " + op.group(1))[0]
+          for dims in re.findall(r"\\[([0-9,]*)\\]", result):
+            sizes.append((math.prod(int(d) for d in dims.split(",") if d), op.group(1), result[:120]))
+      out[attention] = {"largest_param": largest_param, "collectives": sizes}
+    print(json.dumps(out))
+""")
+
+
+
+
 def test_fsdp_moves_parameters_not_activations():
   # Under an fsdp mesh, XLA's sharding propagation left alone shards the activations along the
   # model dimension (following the parameters) and gathers the whole batch every layer; on the
