@@ -36,7 +36,7 @@ setup() {
   [ -x .venv/bin/python ] || "$py" -m venv .venv
   pip_quiet install --upgrade pip
   # pyproject accepts any jax 0.11.x from 0.11.2; the suite runs on the GPU image's release.
-  pip_quiet install -e ".[test,data,bench]" "jax==$PISA_JAX" "jaxlib==$PISA_JAX"
+  pip_quiet install -e ".[test,data,bench,eval]" "jax==$PISA_JAX" "jaxlib==$PISA_JAX"
   # The exact GPT-2 BPE ranks ship inside this source package (see WORKSPACE.md, "Data"); it is
   # installed without its dependencies and never imported.
   pip_quiet install --no-deps "openai-whisper==20250625"

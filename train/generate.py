@@ -24,6 +24,8 @@ import math
 import sys
 from pathlib import Path
 
+from pisa_jax.train import restore
+
 PROG = "pisa-generate"
 DEFAULT_NEW_TOKENS = 64
 
@@ -54,61 +56,11 @@ def _number(kind, check, requirement: str):
 
 
 def restore_model(workdir: str | Path):
-  """(config, model, step): the newest checkpoint of the run `workdir` that passes its checksums,
-  as a `pisa_jax.models.Decoder` with the config it was trained with.
-
-  Raises _ArgumentError when `workdir` holds no checkpoint, and the checkpoint module's
-  CorruptCheckpointError / IncompatibleCheckpointError when none can be restored.
-  """
-  import jax
-  from flax import nnx
-  from jax.sharding import SingleDeviceSharding
-
-  from pisa_jax.configs.base import Config
-  from pisa_jax.models.decoder import Decoder
-  from pisa_jax.train import checkpoint as ckpt_lib
-  from pisa_jax.train.trainer import build_optimizer
-
-  workdir = Path(workdir)
-  directory = (workdir / "checkpoints").absolute()
-  hint = f"train one first (pisa-train --workdir {workdir})"
+  """`pisa_jax.train.restore.restore_model`, its missing-run error as a bad --workdir."""
   try:
-    saved = Config.from_dict(json.loads((workdir / "config.json").read_text()))
-  except FileNotFoundError:
-    raise _ArgumentError(f"--workdir: {workdir} has no config.json and no checkpoint: it is not a "
-                         f"pisa-train run folder; {hint}") from None
-  except ValueError as e:
-    raise _ArgumentError(f"--workdir: {workdir}/config.json is unreadable ({e})") from None
-  # The attention of the newest checkpoint may differ from config.json's: the shapes may not.
-  point = ckpt_lib.find_resume_point(directory, saved.model, allow_attention_change=True)
-  if point is None:
-    raise _ArgumentError(f"--workdir: {directory} holds no checkpoint; {hint}")
-  config = Config.from_dict(point.meta["config"])
-
-  abstract = nnx.eval_shape(lambda: Decoder(config.model, rngs=nnx.Rngs(0)))
-  graphdef, params = nnx.split(abstract, nnx.Param)
-  shapes = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx.to_pure_dict(params))
-  optimizer = jax.eval_shape(build_optimizer(config.train).init, shapes)
-  device, host = jax.devices()[0], jax.devices("cpu")[0]
-
-  def placed(tree, where):
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                                       sharding=SingleDeviceSharding(where)), tree)
-
-  # The train state's layout (`trainer.build_trainer`): the Adam moments are restored too, as
-  # the checkpoint holds them, but into host memory, where they cost the device nothing.
-  abstract_state = {
-      "params": placed(shapes, device), "opt_state": placed(optimizer, host),
-      "step": placed(jax.ShapeDtypeStruct((), jax.numpy.int32), host),
-      "rng": placed(jax.ShapeDtypeStruct((2,), jax.numpy.uint32), host),
-  }
-  reader = ckpt_lib.Checkpointer(directory, read_only=True)
-  try:
-    state = reader.restore(point.step, abstract_state, config, verified=True)
-  finally:
-    reader.close()
-  nnx.replace_by_pure_dict(params, state["params"])
-  return config, nnx.merge(graphdef, params), point.step
+    return restore.restore_model(workdir)
+  except restore.NoCheckpointError as e:
+    raise _ArgumentError(f"--{e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
