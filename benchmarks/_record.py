@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -30,7 +31,10 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 
 def git_commit() -> str:
-  """HEAD's sha of the checkout holding this file, "-dirty" if tracked files differ from it."""
+  """HEAD's sha of the checkout holding this file, "-dirty" if tracked files differ from it;
+  $PISA_COMMIT when set (for a copy of the tree whose .git is not its own)."""
+  if os.environ.get("PISA_COMMIT"):
+    return os.environ["PISA_COMMIT"]
   repo = Path(__file__).resolve().parent
 
   def git(*args):

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs the benchmark suite on your GPU: selection, attention, layer and training, each writing
+# Runs the benchmark suite on your GPU: selection, attention, layer, training, decode and the
+# long-context training ladder, each writing
 # <out>/<name>.json and <out>/<name>.png (default out: benchmarks/results).
 #
 #   benchmarks/run_all.sh [--out DIR] [--wheels DIR] [--gpu-tests] [--multi-gpu]
@@ -50,6 +51,8 @@ fi
 "$PY" -m benchmarks.attention --out "$OUT"
 "$PY" -m benchmarks.layer --out "$OUT"
 "$PY" -m benchmarks.training --out "$OUT"
+"$PY" -m benchmarks.decode --out "$OUT"
+"$PY" -m benchmarks.long_context --out "$OUT"
 if [ "$MULTI" = 1 ]; then
   data=()
   [ -f data/corpus/meta.json ] && data=(--set data.source=tokens --set data.path=data/corpus)

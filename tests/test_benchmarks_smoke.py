@@ -19,7 +19,7 @@ import pytest
 from pisa_jax.testing import random_block_indices
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ("selection", "attention", "layer", "training", "multi_gpu")
+SCRIPTS = ("selection", "attention", "layer", "training", "multi_gpu", "decode")
 
 # One small fake result per script, rows as the script writes them.
 FAKE_ROWS = {
@@ -51,6 +51,14 @@ FAKE_ROWS = {
              losses={"1": 10.9, "2": 10.5}, scaling_efficiency=1.0, max_loss_diff_vs_1x1=0.0)
         for name, d, f, t in (("1x1", 1, 1, 2.9e5), ("2x1", 2, 1, 5.3e5))]
         + [dict(restore="2x1->1x1", ok=True, start_step=3, losses={"3": 10.1})],
+    "decode": [
+        dict(part="step", case=f"{n // 1024}K B1 d128 K32", n=n, batch=1, hq=32, hkv=2, d=128,
+             top_k=32, side=side, ms=ms, tokens_per_s=1e3 / ms, x_ours=x)
+        for n, scale in ((32768, 1), (1048576, 32))
+        for side, ms, x in (("pisa-jax", 0.1, 1.0), ("dense", 0.05 * scale, 0.5 * scale))]
+        + [dict(part="generation", preset="small", attention=a, batch=1, prompt=32768,
+                new_tokens=256, first_token_s=2.0, tokens_per_s=t, ms_per_step=1e3 / t)
+           for a, t in (("pisa", 300.0), ("dense", 120.0))],
 }
 SETTINGS = {
     "selection": dict(hq=32, hkv=2, d=64, block_size=64, top_k=8, branching=2, dtype="bfloat16"),
@@ -58,6 +66,7 @@ SETTINGS = {
     "layer": {},
     "training": dict(preset="small", seconds=60.0),
     "multi_gpu": dict(preset="small", attention="pisa", global_batch=8, seq_len=4096),
+    "decode": dict(block_size=64, dtype="bfloat16", selector="pisa"),
 }
 
 
@@ -119,6 +128,28 @@ def test_attention_runs_on_the_reference(tmp_path):
   assert {(r["side"], r["phase"]) for r in record["rows"]} == {("pisa-jax", "fwd"),
                                                                ("pisa-jax", "fwd+bwd")}
   assert all(r["ms"] > 0 and "error" not in r for r in record["rows"])
+
+
+def test_decode_steps_run_on_the_reference(tmp_path):
+  # Both sides thread a donated cache through their step.
+  from benchmarks import decode
+  record = decode.main(["--lengths", "128", "--batches", "1", "--heads", "4:2:16:4",
+                        "--implementation", "xla", "--no-generation", "--out", str(tmp_path)])
+  steps = {r["side"]: r for r in record["rows"] if r["part"] == "step"}
+  assert steps["pisa-jax"]["ms"] > 0 and steps["dense"]["ms"] > 0, steps
+  assert steps["dense"]["implementation"] in ("cudnn", "xla")
+  assert (tmp_path / "decode.png").exists()
+
+
+@pytest.mark.slow
+def test_decode_generation_runs_on_the_reference(tmp_path):
+  # The generation part: the tiny preset's decoder with each attention.
+  from benchmarks import decode
+  record = decode.main(["--lengths", "128", "--batches", "1", "--heads", "4:2:16:4",
+                        "--implementation", "xla", "--gen-preset", "tiny", "--gen-prompt", "16",
+                        "--gen-tokens", "3", "--out", str(tmp_path)])
+  gen = {r["attention"]: r for r in record["rows"] if r["part"] == "generation"}
+  assert set(gen) == {"pisa", "dense"} and all(r["tokens_per_s"] > 0 for r in gen.values()), gen
 
 
 def test_timing_returns_a_median_per_call():

@@ -1,0 +1,297 @@
+"""How fast is one decode step at long context? PISA's cached pyramid against dense decoding.
+
+One step appends a token per row and attends over its whole past: N cached tokens (the cache
+filled by prefill with random keys and values), B rows, bf16. Sides:
+  pisa-jax     `pisa_jax.decode_step` (cache update O(log N), fused selection walk, attention
+               over top_k blocks), selector pisa with the default beam
+  dense        the same step with a plain KV cache: write the token's key and value at position N,
+               then `jax.nn.dot_product_attention` of the one query over the N + 1 keys
+               (`key_value_seq_lengths`), cuDNN where it takes the shape, XLA otherwise (the row
+               says which)
+Both threads the cache through the jitted step with donation, as a generation loop does, so
+neither side pays a copy of the cache per step. Rows: median ms per step (a batch of back-to-back
+steps ended by one synchronisation, as benchmarks/timing.py; the length grows by one per step,
+well inside the cache), tokens/s (B / step time) and x_ours (dense over ours).
+
+Goals: at N = 1M, dense / ours >= 10 at B = 1 and >= 50 at B = 16; our step at 1M within 1.5x
+of our step at 32K (O(log N) work plus the K C keys attended).
+
+The second part times generation end to end (`pisa_jax.generate`, greedy) with the `small`
+preset's decoder, its attention pisa against dense, randomly initialised: prefill of a prompt
+of --gen-prompt tokens, then --gen-tokens new tokens; tokens/s counts the new tokens after the
+first (the prefill and compilation are timed apart).
+
+  python -m benchmarks.decode                              # the default cases, benchmarks/results/
+  python -m benchmarks.decode --lengths 32768,131072 --batches 1 --no-generation --out /tmp/d
+  python -m benchmarks.decode --lengths 512 --batches 2 --heads 4:2:16:4 --gen-preset tiny \\
+      --gen-prompt 256 --gen-tokens 8 --implementation xla --out /tmp/d     # any CPU
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pisa_jax
+from benchmarks import _record
+
+NAME = "decode"
+C = 64
+LENGTHS = (32768, 131072, 524288, 1048576)
+BATCHES = (1, 16)
+# (HQ, HKV, D, K): the anchors' two settings.
+HEADS = ((32, 2, 128, 32), (32, 2, 64, 8))
+
+
+def parse_ints(text: str) -> tuple[int, ...]:
+  try:
+    values = tuple(int(x) for x in text.split(","))
+  except ValueError:
+    raise SystemExit(f"{text!r} must be comma-separated ints") from None
+  if not values or min(values) < 1:
+    raise SystemExit(f"{text!r} must hold ints >= 1")
+  return values
+
+
+def parse_heads(text: str) -> tuple[int, int, int, int]:
+  try:
+    hq, hkv, d, k = (int(x) for x in text.split(":"))
+  except ValueError:
+    raise SystemExit(f"--heads {text!r} must be HQ:HKV:D:K, e.g. 32:2:128:32") from None
+  if hq % hkv:
+    raise SystemExit(f"--heads {text!r}: HQ must be a multiple of HKV")
+  return hq, hkv, d, k
+
+
+def case_name(n, b, hq, hkv, d, k) -> str:
+  size = f"{n // 1024}K" if n % 1024 == 0 else str(n)
+  return f"{size} B{b} d{d} K{k}"
+
+
+def time_threaded(step, state, reps: int = 7, batch_s: float = 0.2) -> float:
+  """Median ms per call of `state = step(state)`: the state (a donated cache) is threaded
+  through the calls, so each call consumes the previous call's output."""
+  state = jax.block_until_ready(step(state))
+  t0 = time.perf_counter()
+  state = jax.block_until_ready(step(state))
+  calls = max(1, min(50, int(batch_s / max(time.perf_counter() - t0, 1e-6))))
+  samples = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    for _ in range(calls):
+      state = step(state)
+    jax.block_until_ready(state)
+    samples.append((time.perf_counter() - t0) / calls)
+  return round(statistics.median(samples) * 1e3, 4)
+
+
+def step_inputs(b, hq, hkv, d, seed=1):
+  keys = jax.random.split(jax.random.key(seed), 3)
+  return (jax.random.normal(keys[0], (b, 1, hq, d), jnp.bfloat16),
+          jax.random.normal(keys[1], (b, 1, hkv, d), jnp.bfloat16),
+          jax.random.normal(keys[2], (b, 1, hkv, d), jnp.bfloat16))
+
+
+def filled(n, b, hkv, d, seed=0):
+  """Random bf16 keys and values `[B, N, HKV, D]` (generated on the device, one row at a time to
+  bound the float32 temporaries)."""
+  def one(key):
+    return jax.random.normal(key, (1, n, hkv, d), jnp.bfloat16)
+  keys = jax.random.split(jax.random.key(seed), 2 * b)
+  k = jnp.concatenate([one(keys[i]) for i in range(b)])
+  v = jnp.concatenate([one(keys[b + i]) for i in range(b)])
+  return k, v
+
+
+def time_pisa(n, b, hq, hkv, d, top_k, implementation, steps_room: int):
+  k, v = filled(n, b, hkv, d)
+  cache = pisa_jax.DecodeCache.create(b, n + steps_room, hkv, d, block_size=C)
+  cache = cache.prefill(k, v)
+  del k, v
+  q, k1, v1 = step_inputs(b, hq, hkv, d)
+  step = jax.jit(functools.partial(pisa_jax.decode_step, top_k=top_k,
+                                   implementation=implementation), donate_argnames="cache")
+
+  def call(state):
+    out, cache = step(q, k1, v1, state[1])
+    return out, cache
+
+  return time_threaded(call, (None, cache))
+
+
+def dense_step(q, k1, v1, kv, length, *, implementation):
+  """Writes the token at `length` and attends over keys 0..length (the plain KV-cache step)."""
+  k_cache, v_cache = kv
+  k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k1, length, axis=1)
+  v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v1, length, axis=1)
+  lengths = jnp.full((q.shape[0],), length + 1, jnp.int32)
+  out = jax.nn.dot_product_attention(q, k_cache, v_cache, key_value_seq_lengths=lengths,
+                                     implementation=implementation)
+  return out, (k_cache, v_cache), length + 1
+
+
+def time_dense(n, b, hq, hkv, d, steps_room: int):
+  """(ms, implementation): cuDNN when it takes a one-query step, else XLA's attention."""
+  q, k1, v1 = step_inputs(b, hq, hkv, d)
+  errors = []
+  for implementation in ("cudnn", "xla"):
+    k, v = filled(n + steps_room, b, hkv, d)
+    step = jax.jit(functools.partial(dense_step, implementation=implementation),
+                   donate_argnums=(3,))
+
+    def call(state):
+      return step(q, k1, v1, state[1], state[2])
+
+    try:
+      return time_threaded(call, (None, (k, v), jnp.int32(n))), implementation, errors
+    except Exception as e:  # cuDNN refuses some one-query shapes: XLA then runs the step
+      errors.append(f"{implementation}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+      del k, v
+  return None, None, errors
+
+
+def generation_rows(args, rec: _record.Recorder) -> None:
+  from flax import nnx
+
+  from pisa_jax.configs import get_config
+  from pisa_jax.models.decoder import Decoder
+  for attention in ("pisa", "dense"):
+    config = dataclasses.replace(get_config(args.gen_preset).model, attention=attention,
+                                 attention_implementation=args.implementation)
+    model = Decoder(config, rngs=nnx.Rngs(0))
+    prompt = np.random.default_rng(0).integers(0, config.vocab_size,
+                                               (args.gen_batch, args.gen_prompt), dtype=np.int32)
+    base = dict(part="generation", preset=args.gen_preset, attention=attention,
+                batch=args.gen_batch, prompt=args.gen_prompt, new_tokens=args.gen_tokens)
+    try:
+      t0 = time.perf_counter()
+      stream = pisa_jax.generate_stream(model, prompt, max_new_tokens=args.gen_tokens)
+      next(stream)  # prefill, the first token and every compilation
+      first = time.perf_counter() - t0
+      t0 = time.perf_counter()
+      count = sum(1 for _ in stream)
+      rest = time.perf_counter() - t0
+    except Exception as e:
+      rec.add(**base, error=f"{type(e).__name__}: {str(e)[:300]}")
+      continue
+    rec.add(**base, first_token_s=round(first, 3),
+            tokens_per_s=round(args.gen_batch * count / rest, 1) if count else None,
+            ms_per_step=round(1e3 * rest / max(count, 1), 3))
+    print(table(rec.record), flush=True)
+
+
+def measure(args, rec: _record.Recorder) -> None:
+  if jax.default_backend() != "gpu":
+    rec.note(f"backend {jax.default_backend()}: a smoke run, not a measurement")
+  room = 4096
+  for hq, hkv, d, top_k in args.heads:
+    for b in args.batches:
+      ours_by_n = {}
+      for n in args.lengths:
+        name = case_name(n, b, hq, hkv, d, top_k)
+        base = dict(part="step", case=name, n=n, batch=b, hq=hq, hkv=hkv, d=d, top_k=top_k)
+        try:
+          ms = time_pisa(n, b, hq, hkv, d, top_k, args.implementation, room)
+          ours_by_n[n] = ms
+          first = ours_by_n[min(ours_by_n)]
+          rec.add(**base, side="pisa-jax", ms=ms, tokens_per_s=round(b / ms * 1e3, 1),
+                  x_ours=1.0, x_own_shortest=round(ms / first, 3))
+        except Exception as e:
+          rec.add(**base, side="pisa-jax", error=f"{type(e).__name__}: {str(e)[:300]}")
+        ms, impl, errors = time_dense(n, b, hq, hkv, d, room)
+        row = dict(base, side="dense", implementation=impl)
+        if errors:
+          row["fallback_reasons"] = errors
+        if ms is None:
+          rec.add(**row, error="; ".join(errors))
+        else:
+          ours = ours_by_n.get(n)
+          rec.add(**row, ms=ms, tokens_per_s=round(b / ms * 1e3, 1),
+                  x_ours=round(ms / ours, 3) if ours else None)
+        print(table(rec.record), flush=True)
+  if args.generation:
+    generation_rows(args, rec)
+
+
+def table(record: dict) -> str:
+  steps = [r for r in record["rows"] if r.get("part") == "step"]
+  by = {(r["case"], r["side"]): r for r in steps}
+  lines = []
+  cases = list(dict.fromkeys(r["case"] for r in steps))
+  if cases:
+    body = []
+    for case in cases:
+      ours, dense = by.get((case, "pisa-jax"), {}), by.get((case, "dense"), {})
+      body.append([case, ours.get("ms"), dense.get("ms"), dense.get("implementation"),
+                   dense.get("x_ours"), ours.get("x_own_shortest")])
+    lines.append(_record.markdown(["case", "pisa-jax ms", "dense ms", "dense via",
+                                   "dense / ours", "ours / ours at shortest N"], body))
+  gen = [r for r in record["rows"] if r.get("part") == "generation"]
+  if gen:
+    body = [[r["preset"], r["attention"], r["batch"], r["prompt"], r.get("first_token_s"),
+             r.get("tokens_per_s"), r.get("ms_per_step"), r.get("error")] for r in gen]
+    lines.append(_record.markdown(["preset", "attention", "B", "prompt", "first token s",
+                                   "tokens/s", "ms/step", "error"], body))
+  return "\n\n".join(lines)
+
+
+def plot(record: dict, path) -> None:
+  plt = _record.pyplot()
+  steps = [r for r in record["rows"] if r.get("part") == "step" and r.get("ms")]
+  groups = list(dict.fromkeys((r["batch"], r["d"], r["top_k"]) for r in steps))
+  fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(4.5 * max(1, len(groups)), 4.2),
+                           squeeze=False)
+  for ax, (b, d, k) in zip(axes[0], groups):
+    for side, style in (("pisa-jax", "o-"), ("dense", "s--")):
+      pts = sorted((r["n"], r["ms"]) for r in steps
+                   if (r["batch"], r["d"], r["top_k"], r["side"]) == (b, d, k, side))
+      if pts:
+        ax.plot(*zip(*pts), style, label=side)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("cached tokens N")
+    ax.set_ylabel("ms per decode step (median)")
+    ax.set_title(f"B={b} d{d} K{k}", fontsize=9)
+    ax.legend(fontsize=7)
+  fig.suptitle(f"one decode step, bf16, {record['device']}", fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def settings(args) -> dict:
+  return dict(block_size=C, dtype="bfloat16", selector="pisa", lengths=list(args.lengths),
+              batches=list(args.batches),
+              heads=[dict(zip(("hq", "hkv", "d", "top_k"), h)) for h in args.heads],
+              implementation=args.implementation, generation=args.generation,
+              gen_preset=args.gen_preset, gen_batch=args.gen_batch, gen_prompt=args.gen_prompt,
+              gen_tokens=args.gen_tokens,
+              timing="median of 7 batches of back-to-back steps, the cache threaded and donated")
+
+
+def main(argv=None) -> dict:
+  p = _record.parser(__doc__)
+  p.add_argument("--lengths", type=parse_ints, default=LENGTHS, help="cached tokens N")
+  p.add_argument("--batches", type=parse_ints, default=BATCHES, help="rows B")
+  p.add_argument("--heads", type=parse_heads, action="append",
+                 help="HQ:HKV:D:K, repeatable (default: 32:2:128:32 and 32:2:64:8)")
+  p.add_argument("--implementation", default="pallas", choices=("pallas", "xla"))
+  p.add_argument("--no-generation", dest="generation", action="store_false",
+                 help="leave out the end-to-end generation part")
+  p.add_argument("--gen-preset", default="small")
+  p.add_argument("--gen-batch", type=int, default=1)
+  p.add_argument("--gen-prompt", type=int, default=32768)
+  p.add_argument("--gen-tokens", type=int, default=256)
+  args = p.parse_args(argv)
+  args.heads = args.heads or list(HEADS)
+  return _record.run(NAME, args, measure, settings, plot, table)
+
+
+if __name__ == "__main__":
+  main()
