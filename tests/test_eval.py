@@ -1,0 +1,372 @@
+"""`pisa-eval` end to end on a tiny trained checkpoint, its numbers checked against independent
+computations: perplexity against a plain forward pass, MQAR accuracy against a count of argmax
+hits, the selection diagnostic's "exact" rows (one query head per KV head: exact LSE ranks blocks
+as full attention does) at recall 1 and its position buckets against the whole; --compare over
+two results; RULER through a stand-in task module (and the real one once it is installed); and
+every bad input as one line on stderr with exit status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import pisa_jax
+from pisa_jax.configs import apply_overrides, get_config, validate
+from pisa_jax.models.decoder import Decoder
+from pisa_jax.train.data import FORMAT, mqar_examples
+from pisa_jax.train.evaluation import cli, needles
+
+# One dense layer, one query head per KV head, leaves of 4 tokens and K = 4: at 32 tokens the
+# queries from position 16 on have more than K eligible blocks. Trained for two steps: enough
+# for a checkpoint that restores.
+TINY_EVAL = [
+    "model.attention=dense", "model.num_layers=1", "model.d_model=32", "model.mlp_dim=64",
+    "model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=16", "model.block_size=4",
+    "model.top_k=4", "data.mqar_num_pairs=4", "train.seq_len=32", "train.per_device_batch=2",
+    "train.grad_accum=1", "train.steps=2", "train.warmup_steps=1", "train.decay_steps=1",
+    "train.checkpoint_every=2", "train.log_every=1", "train.eval_every=2", "train.eval_batches=1",
+]
+SAMPLES = 3
+# Shared by every run below: one compiled forward (batch 3 padded to 4, 32 tokens) for all parts.
+COMMON = ["--lengths", "32", "--samples", str(SAMPLES), "--batch-size", "4", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+  from pisa_jax.train.trainer import train
+
+  workdir = tmp_path_factory.mktemp("run")
+  train(validate(apply_overrides(get_config("tiny"), TINY_EVAL)), workdir, progress=False,
+        quiet=True)
+  return workdir
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+  """A pisa-prepare-data folder of 200 held-out tokens below the tiny vocabulary of 64."""
+  folder = tmp_path_factory.mktemp("text")
+  rng = np.random.default_rng(0)
+  for split, n in (("train", 100), ("val", 200)):
+    rng.integers(0, 64, n).astype(np.uint16).tofile(folder / f"{split}.bin")
+  (folder / "meta.json").write_text(json.dumps(
+      {"format": FORMAT, "vocab_size": 64, "train_tokens": 100, "val_tokens": 200}))
+  return folder
+
+
+@pytest.fixture(scope="module")
+def evaluated(tiny_run, tmp_path_factory):
+  """eval.json of ppl, mqar and selection in RUN/eval, and of ppl on text in another folder."""
+  assert cli.main(["--workdir", str(tiny_run), "--suite", "ppl,mqar,selection",
+                   "--mqar-pairs", "4,8,16", "--beam-factors", "1"] + COMMON) == 0
+  _, model, _ = cli.restore_model(tiny_run)
+  return json.loads((tiny_run / "eval" / "eval.json").read_text()), model
+
+
+@jax.jit
+def _log_probs(model, tokens):
+  return jax.nn.log_softmax(model(tokens), axis=-1)
+
+
+def _nll(model, inputs, targets) -> np.ndarray:
+  logp = np.asarray(_log_probs(model, jnp.asarray(inputs)), np.float64)
+  return -np.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+
+
+def test_eval_json_records_what_produced_it(evaluated, tiny_run):
+  result, _ = evaluated
+  assert result["evaluation"] == "pisa-eval" and result["jax"] == jax.__version__
+  assert result["checkpoint"] == {"workdir": str(tiny_run), "step": 2}
+  assert result["config"]["model"]["num_heads"] == 2 and result["device"].endswith("cpu")
+  assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?|unknown.*", result["commit"])
+  assert list(result["parts"]) == ["ppl", "mqar", "selection"]
+  for part in result["parts"].values():
+    assert part["wall_seconds"] > 0 and part["date"] == result["date"]
+  for name in ("eval.md", "ppl.png", "mqar.png", "selection.png"):
+    assert (tiny_run / "eval" / name).stat().st_size > 0
+  md = (tiny_run / "eval" / "eval.md").read_text()
+  assert "## ppl" in md and "| selector | Recall@4 |" in md
+
+
+def test_ppl_is_exp_of_the_mean_loss_of_a_plain_forward_pass(evaluated):
+  result, model = evaluated
+  (row,) = result["parts"]["ppl"]["rows"]
+  # An MQAR run: its validation examples, the loss on the answers only.
+  ex = mqar_examples(np.random.default_rng(row["data"]["seed_sequence"]), SAMPLES, seq_len=32,
+                     vocab_size=64, num_pairs=4, power_a=0.01, random_filler=False)
+  nll, w = _nll(model, ex["inputs"], ex["targets"]), ex["weights"]
+  want = (nll * w).sum() / w.sum()
+  assert row["tokens"] == int(w.sum()) == 4 * SAMPLES
+  np.testing.assert_allclose(row["loss"], want, rtol=1e-5)
+  np.testing.assert_allclose(row["ppl"], np.exp(want), rtol=1e-5)
+  _check_buckets(row)
+
+
+def _check_buckets(row):
+  buckets = row["buckets"]
+  assert [(b["start"], b["end"]) for b in buckets] == [(0, 16), (16, 32)]
+  assert sum(b["tokens"] for b in buckets) == row["tokens"]
+  counted = [b for b in buckets if b["tokens"]]
+  back = sum(b["loss"] * b["tokens"] for b in counted) / row["tokens"]
+  np.testing.assert_allclose(back, row["loss"], rtol=1e-6)
+
+
+def test_ppl_on_held_out_text(tiny_run, text, tmp_path):
+  assert cli.main(["--workdir", str(tiny_run), "--suite", "ppl", "--data", str(text),
+                   "--out", str(tmp_path)] + COMMON) == 0
+  (row,) = json.loads((tmp_path / "eval.json").read_text())["parts"]["ppl"]["rows"]
+  starts = row["data"]["starts"]
+  assert row["data"]["source"] == "tokens" and starts == [0, 84, 167]  # spread over 200 tokens
+  val = np.fromfile(text / "val.bin", np.uint16).astype(np.int32)
+  windows = np.stack([val[s:s + 33] for s in starts])
+  _, model, _ = cli.restore_model(tiny_run)
+  want = _nll(model, windows[:, :-1], windows[:, 1:]).mean()
+  assert row["tokens"] == 32 * SAMPLES
+  np.testing.assert_allclose(row["ppl"], np.exp(want), rtol=1e-5)
+  _check_buckets(row)
+
+
+def test_mqar_accuracy_is_a_count_of_argmax_hits_on_the_answers(evaluated):
+  result, model = evaluated
+  part = result["parts"]["mqar"]
+  assert [(r["pairs"], r["length"]) for r in part["rows"]] == [(4, 32), (8, 32)]
+  # 16 pairs need 64 tokens: listed as skipped, not dropped.
+  assert part["skipped"] == [{"pairs": 16, "length": 32, "reason": "16 pairs need >= 64 tokens"}]
+  for row in part["rows"]:
+    ex = mqar_examples(np.random.default_rng(row["seed_sequence"]), SAMPLES, seq_len=32,
+                       vocab_size=64, num_pairs=row["pairs"], power_a=0.01,
+                       random_filler=False)
+    hits = np.asarray(_log_probs(model, jnp.asarray(ex["inputs"]))).argmax(-1) == ex["targets"]
+    answers = ex["weights"] > 0
+    assert row["answers"] == answers.sum() == row["pairs"] * SAMPLES
+    assert row["correct"] == (hits & answers).sum()
+    assert row["accuracy"] == row["correct"] / row["answers"]
+
+
+def _check_selection(part, *, layers, windows, length=32, top_k=4):
+  rows = {r["selector"]: r for r in part["rows"]}
+  assert set(rows) == {"bsa", "pisa1", "pisa2", "pisa", "exact"}
+  # Queries 16..31 (more than K = 4 eligible blocks of 4), every layer, window and KV head.
+  counted = layers * windows * (length - 16) * 2
+  for name, row in rows.items():
+    assert row["rows"] == counted and row["top_k"] == top_k and row["length"] == length
+    for metric in ("recall", "captured_mass", "mass_ratio"):
+      assert 0 <= row[metric] <= 1 + 1e-6, (name, metric, row)
+    buckets = [b for b in part["by_position"] if b["selector"] == name]
+    assert [(b["start"], b["end"]) for b in buckets] == [(16, 24), (24, 32)]
+    assert sum(b["rows"] for b in buckets) == row["rows"]
+    for metric in ("recall", "captured_mass", "mass_ratio"):
+      back = sum(b[metric] * b["rows"] for b in buckets) / row["rows"]
+      np.testing.assert_allclose(back, row[metric], rtol=1e-5, atol=1e-6)
+  # One query head per KV head: full attention's block mass ranks as the exact LSE does.
+  np.testing.assert_allclose(rows["exact"]["recall"], 1.0, atol=1e-6)
+  np.testing.assert_allclose(rows["exact"]["mass_ratio"], 1.0, atol=1e-6)
+
+
+def test_selection_on_the_checkpoint(evaluated):
+  result, _ = evaluated
+  part = result["parts"]["selection"]
+  assert part["block_size"] == 4 and part["top_k"] == [4] and part["layers"] == 1
+  _check_selection(part, layers=1, windows=SAMPLES)
+
+
+def _npz(path, **arrays):
+  np.savez(path, **arrays)
+  return str(path)
+
+
+def test_selection_on_arrays_from_an_npz(evaluated, tmp_path):
+  # Two layers of random post-RoPE-like arrays, of the checkpoint's shapes (compiled code reused).
+  rng = np.random.default_rng(1)
+  q = rng.normal(size=(2, SAMPLES, 32, 2, 16)).astype(np.float32)
+  k = rng.normal(size=(2, SAMPLES, 32, 2, 16)).astype(np.float32)
+  out = tmp_path / "arrays"
+  assert cli.main(["--npz", _npz(tmp_path / "qk.npz", q=q, k=k), "--out", str(out),
+                   "--block-size", "4", "--top-k", "4", "--beam-factors", "1",
+                   "--no-progress"]) == 0
+  result = json.loads((out / "eval.json").read_text())
+  assert result["checkpoint"] is None and list(result["parts"]) == ["selection"]
+  part = result["parts"]["selection"]
+  assert part["source"]["kind"] == "npz" and part["source"]["layers"] == 2
+  _check_selection(part, layers=2, windows=SAMPLES)
+  # The row for pisa is selection_quality of pisa's own selection, averaged over the layers
+  # (placed on the device as the suite places them, which reuses its compiled selector).
+  put = lambda a: jax.device_put(a, jax.devices()[0])
+  want = [pisa_jax.selection_quality(
+      put(q[i]), put(k[i]), pisa_jax.select_blocks(put(q[i]), put(k[i]), block_size=4, top_k=4,
+                                                   implementation="xla"),
+      block_size=4).recall for i in range(2)]
+  (pisa,) = [r for r in part["rows"] if r["selector"] == "pisa"]
+  np.testing.assert_allclose(pisa["recall"], np.mean(want), rtol=1e-6)
+
+
+def test_compare_puts_runs_in_one_table(evaluated, tiny_run, tmp_path, capsys):
+  out = tmp_path / "arrays"
+  rng = np.random.default_rng(2)
+  q = rng.normal(size=(1, SAMPLES, 32, 2, 16)).astype(np.float32)
+  assert cli.main(["--npz", _npz(tmp_path / "qk.npz", q=q, k=q), "--out", str(out),
+                   "--block-size", "4", "--top-k", "4", "--beam-factors", "1",
+                   "--no-progress"]) == 0
+  capsys.readouterr()
+  assert cli.main(["--compare", str(tiny_run), str(out / "eval.json"),
+                   "--out", str(tmp_path)]) == 0
+  printed = capsys.readouterr().out
+  table = (tmp_path / "compare.md").read_text()
+  assert table in printed
+  ppl = evaluated[0]["parts"]["ppl"]["rows"][0]["ppl"]
+  assert re.search(rf"\| {tiny_run.name} \| 2 \| dense \| {ppl:.3f} \|", table)
+  assert "| arrays | – | – | – |" in table
+  assert "## Selection, Recall@4 at 32 tokens" in table and "## MQAR" in table
+
+
+def _fake_ruler():
+  """RULER's interface with prompts of 4-12 random GPT-2 tokens and answers that score 1 for
+  "yes": the scores do not depend on the model, so the aggregation can be checked exactly."""
+  def make_samples(task, *, length, num_samples, seed=0, tokenizer=None, haystack=None):
+    assert haystack == "the essays" and tokenizer.encode("Hello world") == [15496, 995]
+    rng = random.Random(f"{task}/{length}/{seed}")
+    samples = []
+    for _ in range(num_samples):
+      tokens = [rng.randrange(50_000) for _ in range(rng.randint(4, 12))]
+      samples.append(types.SimpleNamespace(
+          task=task, length=length, prompt=tokenizer.decode(tokens), prompt_tokens=tokens,
+          answers=(rng.choice(["yes", "no"]),), max_new_tokens=2 if task[0] == "m" else 3))
+    return samples
+
+  return types.SimpleNamespace(
+      FAMILIES={"single_key": ("s1", "s2", "s3"), "multi_key": ("m1", "m2", "m3"),
+                "multi_query": ("q",), "multi_value": ("v",)},
+      make_samples=make_samples, load_haystack=lambda cache_dir=None: "the essays",
+      score=lambda prediction, answers: float(answers[0] == "yes"))
+
+
+@pytest.fixture(scope="module")
+def gpt2_model():
+  """A dense model over GPT-2's vocabulary with random weights (nothing to train for checking
+  the runner), as a run restored at step 7 with a context of 64 tokens. The weights are drawn
+  with numpy into the model's abstract shapes: Decoder's own initialisation compiles each of its
+  random ops for its shape, which takes longer than everything else this fixture feeds."""
+  config = validate(apply_overrides(get_config("tiny"), TINY_EVAL + [
+      "model.vocab_size=50257", "train.seq_len=64", "data.source=tokens",
+      "data.path=unused"]))
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: Decoder(config.model, rngs=nnx.Rngs(0))),
+                               nnx.Param)
+  rng = np.random.default_rng(0)
+  weights = jax.tree_util.tree_map_with_path(
+      lambda path, a: np.ones(a.shape, a.dtype) if "scale" in jax.tree_util.keystr(path)
+      else rng.normal(0, 0.3, a.shape).astype(a.dtype), nnx.to_pure_dict(params))
+  nnx.replace_by_pure_dict(params, weights)
+  return config, nnx.merge(graphdef, params)
+
+
+def test_ruler_through_a_stand_in_module(gpt2_model, tmp_path, monkeypatch):
+  from pisa_jax.train.tokenizer import gpt2_encoding
+
+  config, model = gpt2_model
+  fake = _fake_ruler()
+  monkeypatch.setitem(__import__("sys").modules, needles.RULER_MODULE, fake)
+  monkeypatch.setattr(cli, "restore_model", lambda workdir: (config, model, 7))
+  assert cli.main(["--workdir", str(tmp_path), "--suite", "ruler", "--lengths", "32,64",
+                   "--samples", "2", "--batch-size", "2", "--no-progress"]) == 0
+  part = json.loads((tmp_path / "eval" / "eval.json").read_text())["parts"]["ruler"]
+  encoding = gpt2_encoding()
+  # Each prediction is the greedy continuation of its prompt alone (a batch of two copies).
+  records = [json.loads(line) for line in (tmp_path / "eval" / part["predictions"]).open()]
+  assert len(records) == 2 * 8 * 2
+  for r in records[::5]:
+    (s,) = [s for s in fake.make_samples(r["task"], length=r["length"], num_samples=2,
+                                         tokenizer=encoding, haystack="the essays")
+            [r["index"]:r["index"] + 1]]
+    alone = pisa_jax.generate(model, [s.prompt_tokens] * 2, max_new_tokens=s.max_new_tokens,
+                              stop_tokens=(50256,)).sequences()[0]
+    assert r["prediction"] == encoding.decode([t for t in alone if t != 50256])
+  # Per task the mean score, per family the mean of its tasks, the average over both.
+  want = {}
+  for family, tasks in fake.FAMILIES.items():
+    for length in (32, 64):
+      per_task = [np.mean([a == ("yes",) for a in (s.answers for s in fake.make_samples(
+          t, length=length, num_samples=2, tokenizer=encoding, haystack="the essays"))])
+                  for t in tasks]
+      want[(family, length)] = np.mean(per_task)
+  got = {(r["family"], r["length"]): r["score"] for r in part["families"]}
+  assert got == pytest.approx(want)
+  assert part["average"] == pytest.approx(np.mean(list(want.values())))
+  assert [r["length"] for r in part["by_length"]] == [32, 64]
+  md = (tmp_path / "eval" / "eval.md").read_text()
+  assert "| run | niah_single 32 | niah_single 64 | niah_multikey 32 |" in md
+
+
+def test_ruler_with_the_real_task_module(gpt2_model):
+  ruler = pytest.importorskip(needles.RULER_MODULE)
+  config, model = gpt2_model
+  # The two tasks whose haystack is generated (noise lines, distractor needles), not essays.
+  subset = types.SimpleNamespace(
+      FAMILIES={"single_key": ("niah_single_1",), "multi_key": ("niah_multikey_2",)},
+      make_samples=ruler.make_samples, score=ruler.score, load_haystack=ruler.load_haystack)
+  part, records = needles.run_ruler(model, config, lengths=[256], samples=1, seed=0,
+                                    batch_size=1, progress=False, ruler=subset, haystack="")
+  assert [r["task"] for r in records] == ["niah_single_1", "niah_multikey_2"]
+  for r in records:
+    assert r["prompt_tokens"] + 128 <= 256 and r["new_tokens"] <= 128
+    assert r["score"] == ruler.score(r["prediction"], r["answers"])
+  assert part["average"] == pytest.approx(np.mean([r["score"] for r in records]))
+
+
+def test_bad_input_is_one_line_naming_it(tiny_run, text, tmp_path, capsys):
+  def fails(argv, pattern):
+    with pytest.raises(SystemExit) as e:
+      cli.main(argv + ["--no-progress"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("pisa-eval: error: "), err
+    assert re.search(pattern, err), err
+
+  run = ["--workdir", str(tiny_run)]
+  fails(["--workdir", str(tmp_path), "--suite", "ppl"], r"--workdir: .* no config\.json")
+  fails(run + ["--suite", "ppl,bleu"],
+        r"--suite: unknown suite 'bleu': known ppl, ruler, mqar, selection")
+  fails(run, r"--suite: required")
+  fails(run + ["--suite", "ppl", "--lengths", "32,16"], r"--lengths: 32,16 must be increasing")
+  fails(run + ["--suite", "ppl", "--lengths", "16,16"], r"--lengths: 16,16 must be increasing")
+  fails(run + ["--suite", "ppl", "--lengths", "0"], r"--lengths: 0 must be > 0")
+  fails(run + ["--suite", "ppl", "--lengths", "1k"], r"--lengths: '1k' is not an int")
+  fails(run + ["--suite", "ppl", "--lengths", "64"],
+        r"--lengths: 64 exceeds the model's context of 32 \(train\.seq_len")
+  fails(run + ["--suite", "ppl", "--lengths", "8"], r"--lengths: 8 is too short .* 4 pairs")
+  fails(run + ["--suite", "ppl", "--data", str(tmp_path)], r"--data: .* not a folder written")
+  fails(run + ["--suite", "ppl", "--data", str(text), "--lengths", "256", "--context", "512"],
+        r"--lengths: 256 needs 257 tokens of held-out text")
+  fails(run + ["--suite", "ruler", "--lengths", "32"], r"--suite: ruler prompts are GPT-2 tokens")
+  fails(run + ["--suite", "mqar", "--mqar-pairs", "32"], r"--mqar-pairs: 32 pairs need 32")
+  fails(run + ["--suite", "selection", "--top-k", "2"], r"--top-k=2 must be an int >= 3")
+  fails(run + ["--suite", "selection", "--block-size", "64"], r"--block-size: 64 exceeds")
+  fails(run + ["--suite", "ppl", "--top-k", "4"], r"--top-k: applies to the selection suite only")
+  fails(run + ["--suite", "mqar", "--data", str(text)],
+        r"--data: applies to the ppl and selection suites only")
+  fails(["--compare", str(tmp_path)], r"--compare: .* has no eval\.json")
+  fails(["--compare", str(tmp_path), "--samples", "3"], r"--samples: does not apply to --compare")
+
+  good = np.zeros((1, 1, 16, 2, 8), np.float32)
+  npz = ["--out", str(tmp_path / "out")]
+  fails(["--npz", str(tmp_path / "missing.npz")] + npz, r"--npz: .* not a readable \.npz")
+  fails(["--npz", _npz(tmp_path / "a.npz", q=good)] + npz, r"--npz: .* has no array 'k'")
+  fails(["--npz", _npz(tmp_path / "b.npz", q=good[0], k=good)] + npz,
+        r"--npz: q has shape \(1, 16, 2, 8\), rank 4; expected rank 5")
+  fails(["--npz", _npz(tmp_path / "c.npz", q=good, k=good.astype(np.int32))] + npz,
+        r"--npz: k has dtype int32")
+  fails(["--npz", _npz(tmp_path / "d.npz", q=good, k=good[:, :, :8])] + npz,
+        r"--npz: k has shape \(1, 1, 8, 2, 8\) and q \(1, 1, 16, 2, 8\)")
+  fails(["--npz", _npz(tmp_path / "e.npz", q=good[:, :, :, :1], k=good)] + npz,
+        r"--npz: q has 1 heads, not a multiple of k's 2")
+  fails(["--npz", _npz(tmp_path / "f.npz", q=good, k=good), "--lengths", "32"] + npz,
+        r"--lengths: 32 exceeds the arrays' T = 16")
+  fails(["--npz", str(tmp_path / "f.npz"), "--suite", "ppl"] + npz, r"--suite: ppl: --npz")
+  fails(["--npz", str(tmp_path / "f.npz")], r"--out: required with --npz")

@@ -1,0 +1,351 @@
+"""`pisa-eval`: the evaluation suite of a `pisa-train` run, any attention kind, dense included.
+
+  pisa-eval --workdir runs/s --suite ppl,ruler,mqar,selection
+  pisa-eval --workdir runs/s --suite ppl --lengths 1024,2048,4096 --samples 32 --out eval/s
+  pisa-eval --compare runs/dense runs/pisa runs/bsa --out eval
+  pisa-eval --npz attention.npz --out eval/arrays --block-size 64 --top-k 8
+
+Suites (the newest checkpoint of --workdir that passes its checksums; held-out data only):
+  ppl        loss and perplexity on --samples windows of the validation split of the run's
+             data.path (or --data; an MQAR run: its task's validation examples) at each length,
+             and the loss by log-spaced position bucket
+  ruler      RULER needle-in-a-haystack (Section 4.3): every task of single_key, multi_key,
+             multi_query and multi_value, greedy decoding; Table 3's layout (needs a model whose
+             vocabulary covers GPT-2's)
+  mqar       multi-query associative recall accuracy against key-value pairs and length
+  selection  the block-selection diagnostic of Section 4.4 (Table 7, Figure 2): Recall@K,
+             captured mass and mass ratio of bsa, pisa1, pisa2, pisa (with beams) and exact on
+             the model's own post-RoPE q and k; with --npz on any model's arrays instead
+             (q [L, B, T, HQ, D], k [L, B, T, HKV, D], post-RoPE, floats)
+
+--lengths (increasing) default to the paper's 1K-16K that fit the model's context: the context
+it trained at (train.seq_len); --context raises that limit to measure extrapolation. Writes
+eval.json (scores, wall time per part, commit, jax, device, date, checkpoint step, config),
+eval.md (the tables) and one PNG per part to RUN/eval (or --out), after every part; parts run
+earlier on the same checkpoint are kept. --compare reads the eval.json of runs (a run folder,
+its eval folder or the file) and writes one table across them to stdout and --out/compare.md.
+
+A mistake ends in one line on stderr: exit status 2 for a bad argument or input (one that names
+it), 1 for a checkpoint, tokenizer or haystack that cannot be read, 130 for Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+PROG = "pisa-eval"
+SUITES = ("ppl", "ruler", "mqar", "selection")
+DEFAULT_SAMPLES = 16
+DEFAULT_BATCH = 4
+# --npz without --block-size / --top-k: the paper's C and K (Table 7).
+NPZ_BLOCK_SIZE, NPZ_TOP_K = 64, 8
+DEFAULT_BEAM_FACTORS = (1.0, 2.0)
+# The suites that read each suite-specific option: given without any of them, it is a mistake.
+OPTION_SUITES = {"data": ("ppl", "selection"), "mqar_pairs": ("mqar",),
+                 "top_k": ("selection",), "block_size": ("selection",),
+                 "beam_factors": ("selection",)}
+
+
+class _Parser(argparse.ArgumentParser):
+  def error(self, message: str):
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _ints(text: str, *, increasing: bool = False) -> list[int]:
+  values = []
+  for item in text.split(","):
+    try:
+      value = int(item)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{item!r} is not an int") from None
+    if value < 1:
+      raise argparse.ArgumentTypeError(f"{value} must be > 0")
+    values.append(value)
+  if increasing and any(b <= a for a, b in zip(values, values[1:])):
+    raise argparse.ArgumentTypeError(f"{text} must be increasing (sorted, no repeats)")
+  return values
+
+
+def _lengths(text: str) -> list[int]:
+  return _ints(text, increasing=True)
+
+
+def _floats(text: str) -> list[float]:
+  try:
+    return [float(x) for x in text.split(",")]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+
+
+def _suites(text: str) -> list[str]:
+  names = [s.strip() for s in text.split(",")]
+  for name in names:
+    if name not in SUITES:
+      raise argparse.ArgumentTypeError(f"unknown suite {name!r}: known {', '.join(SUITES)}")
+  if len(set(names)) < len(names):
+    raise argparse.ArgumentTypeError(f"{text}: a suite is listed twice")
+  return [s for s in SUITES if s in names]
+
+
+def _int(text: str) -> int:
+  try:
+    return int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+
+
+def _positive(text: str) -> int:
+  value = _int(text)
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"{value} must be > 0")
+  return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = _Parser(prog=PROG, description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  what = parser.add_mutually_exclusive_group(required=True)
+  what.add_argument("--workdir", type=Path, help="the run folder of pisa-train")
+  what.add_argument("--compare", nargs="+", type=Path, metavar="RUN",
+                    help="runs (or eval folders, or eval.json files) to put in one table")
+  what.add_argument("--npz", type=Path, help="selection on q and k arrays instead of a run")
+  parser.add_argument("--suite", type=_suites, help=f"comma-separated: {','.join(SUITES)}")
+  parser.add_argument("--lengths", type=_lengths, help="window lengths in tokens, increasing")
+  parser.add_argument("--samples", type=_positive, default=None,
+                      help=f"windows (ppl, selection), examples per cell (mqar), samples per task "
+                           f"and length (ruler); default {DEFAULT_SAMPLES}")
+  parser.add_argument("--seed", type=_int, default=None,
+                      help="RULER samples, MQAR examples (and an MQAR run's held-out ones); "
+                           "default 0")
+  parser.add_argument("--out", type=Path, help="default: RUN/eval (--compare: the current folder)")
+  parser.add_argument("--context", type=_positive, default=None,
+                      help="longest length allowed; default: the run's train.seq_len")
+  parser.add_argument("--data", default=None,
+                      help="held-out text for ppl and selection: a pisa-prepare-data folder "
+                           "(default: the run's data.path)")
+  parser.add_argument("--batch-size", type=_positive, default=None,
+                      help=f"windows or prompts per forward pass; default {DEFAULT_BATCH}")
+  parser.add_argument("--mqar-pairs", type=_lengths, default=None,
+                      help="key-value pairs per MQAR example; default: powers of two from 4 "
+                           "that fit the longest length (and the run's own)")
+  parser.add_argument("--top-k", type=_lengths, default=None,
+                      help="selection: K values; default: the run's model.top_k "
+                           f"(--npz: {NPZ_TOP_K})")
+  parser.add_argument("--block-size", type=_positive, default=None,
+                      help=f"selection: C; default: the run's model.block_size (--npz: "
+                           f"{NPZ_BLOCK_SIZE})")
+  parser.add_argument("--beam-factors", type=_floats, default=None,
+                      help="selection: pisa beams as multiples of K; default "
+                           f"{','.join(f'{f:g}' for f in DEFAULT_BEAM_FACTORS)}")
+  parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+  return parser
+
+
+def _only_with(parser, args, mode: str, allowed: set[str]) -> None:
+  """An option that the mode does not read is a mistake, not something to ignore."""
+  fields = ("suite", "lengths", "samples", "seed", "context", "data", "batch_size",
+            "mqar_pairs", "top_k", "block_size", "beam_factors")
+  for field in fields:
+    if field not in allowed and getattr(args, field) is not None:
+      parser.error(f"--{field.replace('_', '-')}: does not apply to {mode}")
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  if args.compare:
+    _only_with(parser, args, "--compare", set())
+  elif args.npz:
+    _only_with(parser, args, "--npz", {"suite", "lengths", "top_k", "block_size",
+                                       "beam_factors"})
+    if args.suite is not None and args.suite != ["selection"]:
+      parser.error(f"--suite: {','.join(args.suite)}: --npz holds attention inputs only; its "
+                   f"suite is selection")
+    if args.out is None:
+      parser.error("--out: required with --npz (there is no run folder to write into)")
+  elif args.suite is None:
+    parser.error(f"--suite: required with --workdir; known {', '.join(SUITES)}")
+  else:
+    for field, readers in OPTION_SUITES.items():
+      if getattr(args, field) is not None and not set(readers) & set(args.suite):
+        parser.error(f"--{field.replace('_', '-')}: applies to the {' and '.join(readers)} "
+                     f"suite{'s' if len(readers) > 1 else ''} only")
+  if args.beam_factors is None:
+    args.beam_factors = list(DEFAULT_BEAM_FACTORS)
+  if args.seed is None:
+    args.seed = 0
+  # Imported once the arguments are known good: a mistake costs no JAX start-up.
+  from pisa_jax.train.evaluation import common, report
+
+  try:
+    if args.compare:
+      return _compare(args, report)
+    return _evaluate(args, common, report)
+  except KeyboardInterrupt:
+    print(f"\n{PROG}: interrupted", file=sys.stderr)
+    return 130
+  except common.EvalArgumentError as e:
+    parser.error(str(e))
+  except (ValueError, OSError) as e:
+    # Corrupt or incompatible checkpoints, a missing tokenizer or haystack file.
+    print(f"{PROG}: error: {e}", file=sys.stderr)
+    return 1
+
+
+def restore_model(workdir: Path):
+  """`pisa_jax.train.restore.restore_model`, its missing-run error as a bad --workdir."""
+  from pisa_jax.train import restore
+  from pisa_jax.train.evaluation.common import EvalArgumentError
+
+  try:
+    return restore.restore_model(workdir)
+  except restore.NoCheckpointError as e:
+    raise EvalArgumentError(f"--{e}") from None
+
+
+def _evaluate(args, common, report) -> int:
+  from pisa_jax.train.evaluation import mqar, needles, perplexity, selection
+
+  progress = not args.no_progress
+  if args.npz:
+    q, k = selection.load_npz(args.npz)
+    seq_len = q.shape[2]
+    lengths = args.lengths or [seq_len]
+    if lengths[-1] > seq_len:
+      raise common.EvalArgumentError(f"--lengths: {lengths[-1]} exceeds the arrays' T = "
+                                     f"{seq_len} (--npz; each length is a prefix)")
+    opts = dict(block_size=args.block_size or NPZ_BLOCK_SIZE, top_ks=args.top_k or [NPZ_TOP_K],
+                beam_factors=args.beam_factors)
+    selection.check_options(lengths=lengths, **opts)
+    result = _new_result(common, None, None)
+    run = {"selection": lambda: selection.run_on_arrays(q, k, path=str(args.npz),
+                                                        lengths=lengths, progress=progress,
+                                                        **opts)}
+    return _run_parts(run, result, args.out, report)
+
+  config, model, step = restore_model(args.workdir)
+  context, where = common.model_context(config, args.context)
+  lengths = args.lengths or common.default_lengths(context)
+  common.check_lengths(lengths, context, where)
+  samples = args.samples or DEFAULT_SAMPLES
+  batch = args.batch_size or DEFAULT_BATCH
+  # Everything is checked before the first part runs: a mistake costs no evaluation.
+  for name in ("ppl", "selection"):
+    if name in args.suite:
+      common.check_data(config, lengths=lengths, data=args.data, what=name)
+  if "ruler" in args.suite:
+    needles.check_vocabulary(config)
+    needles.load_ruler()
+  if "mqar" in args.suite:
+    pairs = args.mqar_pairs or mqar.default_pairs(config, lengths)
+    mqar.check_pairs(pairs, config, lengths)
+  if "selection" in args.suite:
+    opts = dict(block_size=args.block_size or config.model.block_size,
+                top_ks=args.top_k or [config.model.top_k], beam_factors=args.beam_factors)
+    selection.check_options(lengths=lengths, **opts)
+
+  out = args.out or args.workdir / "eval"
+  result = _new_result(common, {"workdir": str(args.workdir), "step": step}, config.to_dict())
+  result["context"] = {"tokens": context, "from": where}
+  kw = dict(lengths=lengths, samples=samples, seed=args.seed, progress=progress)
+
+  def ruler_part():
+    part, records = needles.run_ruler(model, config, batch_size=batch, **kw)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / part["predictions"], "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in records)
+    return part
+
+  run = {
+      "ppl": lambda: perplexity.run_perplexity(model, config, data=args.data,
+                                               batch_size=batch, **kw),
+      "ruler": ruler_part,
+      "mqar": lambda: mqar.run_mqar(model, config, pairs=pairs, batch_size=batch, **kw),
+      "selection": lambda: selection.run_on_checkpoint(model, config, data=args.data, **opts,
+                                                       **kw),
+  }
+  print(f"{PROG}: step {step} of {args.workdir} ({config.model.attention} attention), lengths "
+        f"{','.join(map(str, lengths))}, {samples} samples; writing to {out}", flush=True)
+  return _run_parts({name: run[name] for name in args.suite}, result, out, report)
+
+
+def _new_result(common, checkpoint, config) -> dict:
+  return {"evaluation": PROG, **common.environment(), "checkpoint": checkpoint,
+          "config": config, "parts": {}}
+
+
+def _run_parts(run: dict, result: dict, out: Path, report) -> int:
+  """Runs each part, saving eval.json, eval.md and the plots after each; keeps the parts of an
+  earlier eval.json in `out` made from the same checkpoint."""
+  out.mkdir(parents=True, exist_ok=True)
+  earlier = _read_json(out / "eval.json")
+  if earlier and result["checkpoint"] and earlier.get("checkpoint") == result["checkpoint"]:
+    kept = {k: v for k, v in earlier.get("parts", {}).items() if k not in run}
+    if kept:
+      print(f"kept {', '.join(kept)} from the earlier {out / 'eval.json'} (same checkpoint)")
+    result["parts"].update(kept)
+  for name, part_fn in run.items():
+    part = part_fn()
+    part.update(commit=result["commit"], date=result["date"])
+    result["parts"][name] = part
+    result["parts"] = {k: result["parts"][k] for k in report.PARTS if k in result["parts"]}
+    paths = _save(result, out, report)
+    label = Path(result["checkpoint"]["workdir"]).name if result["checkpoint"] else "arrays"
+    body = (report.ruler_markdown(part, label) if name == "ruler" else
+            {"ppl": report.ppl_markdown, "mqar": report.mqar_markdown,
+             "selection": report.selection_markdown}[name](part))
+    print(f"\n## {name} ({part['wall_seconds']:.1f} s)\n\n{body}\n", flush=True)
+  print(f"wrote {', '.join(str(p) for p in paths)}")
+  return 0
+
+
+def _save(result: dict, out: Path, report) -> list[Path]:
+  (out / "eval.json").write_text(json.dumps(result, indent=1) + "\n")
+  (out / "eval.md").write_text(report.markdown(result))
+  return [out / "eval.json", out / "eval.md"] + report.write_plots(result, out)
+
+
+def _read_json(path: Path) -> dict | None:
+  try:
+    return json.loads(path.read_text())
+  except (OSError, ValueError):
+    return None
+
+
+def _compare(args, report) -> int:
+  from pisa_jax.train.evaluation.common import EvalArgumentError
+
+  labelled = []
+  for given in args.compare:
+    candidates = [given] if given.suffix == ".json" else [given / "eval" / "eval.json",
+                                                          given / "eval.json"]
+    path = next((c for c in candidates if c.is_file()), None)
+    if path is None:
+      raise EvalArgumentError(f"--compare: {given} has no eval.json (looked for "
+                              f"{' and '.join(map(str, candidates))}); run pisa-eval on it first")
+    result = _read_json(path)
+    if not isinstance(result, dict) or result.get("evaluation") != PROG:
+      raise EvalArgumentError(f"--compare: {path} is not an eval.json written by {PROG}")
+    # A run's name; for arrays (no checkpoint) the folder the result is in.
+    workdir = (result.get("checkpoint") or {}).get("workdir")
+    label = Path(workdir).name if workdir else path.parent.resolve().name
+    labelled.append([label, result, str(given)])
+  names = [label for label, _, _ in labelled]
+  for entry in labelled:
+    if names.count(entry[0]) > 1:
+      entry[0] = entry[2]
+  text = report.compare([(label, result) for label, result, _ in labelled])
+  out = args.out or Path(".")
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "compare.md").write_text(text)
+  print(text)
+  print(f"wrote {out / 'compare.md'}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

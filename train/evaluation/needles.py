@@ -1,0 +1,150 @@
+"""RULER needle-in-a-haystack accuracy (Section 4.3, Table 3, Appendix C.2) by greedy generation.
+
+The tasks, their prompts and their scoring are `pisa_jax.train.evaluation.ruler`'s (FAMILIES,
+make_samples, score, load_haystack); this runner decodes every sample greedily through
+`pisa_jax.generate` with the model's own attention and cache, prompts batched by the padded width
+that `generate` compiles for, and aggregates as the paper does: a family averages its tasks
+(single-key and multi-key three templates each), and the average is over the four families and
+every length, before rounding.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections import defaultdict
+
+import numpy as np
+
+import pisa_jax
+from pisa_jax.generate import MIN_BUCKET
+from pisa_jax.train.evaluation import common
+from pisa_jax.train.tokenizer import EOT_TOKEN, VOCAB_SIZE
+
+RULER_MODULE = "pisa_jax.train.evaluation.ruler"
+
+
+def load_ruler():
+  """The RULER task module, imported when the suite runs (a test may put its own in its place)."""
+  try:
+    return importlib.import_module(RULER_MODULE)
+  except ModuleNotFoundError as e:
+    if e.name != RULER_MODULE:
+      raise
+    raise common.EvalArgumentError(f"--suite: ruler needs the module {RULER_MODULE}, which this "
+                                   f"installation lacks") from None
+
+
+def check_vocabulary(config) -> None:
+  """RULER's prompts are GPT-2 text: every id of the tokenizer must be a token of the model."""
+  if config.model.vocab_size < VOCAB_SIZE:
+    raise common.EvalArgumentError(
+        f"--suite: ruler prompts are GPT-2 tokens (ids up to {VOCAB_SIZE - 1}) and the model's "
+        f"vocabulary holds {config.model.vocab_size} (model.vocab_size)")
+
+
+def _bucket(num_tokens: int) -> int:
+  """The padded prompt width `pisa_jax.generate` compiles its prefill for."""
+  return pisa_jax.bucket_capacity(max(num_tokens, MIN_BUCKET), 1)
+
+
+def greedy(model, prompts: list[list[int]], max_new_tokens: list[int], *, batch_size: int,
+           stop: tuple[int, ...], bar=None) -> list[list[int]]:
+  """The greedy continuation of every prompt, its stop token removed.
+
+  Prompts of one prefill bucket and budget run together, `batch_size` at a time; the last batch
+  of a group is filled up with copies of its first prompt (their outputs dropped), so each
+  (bucket, budget) compiles one prefill, whatever the number of samples.
+  """
+  groups = defaultdict(list)
+  for i, (prompt, budget) in enumerate(zip(prompts, max_new_tokens)):
+    groups[(_bucket(len(prompt)), budget)].append(i)
+  out: list[list[int]] = [[] for _ in prompts]
+  for (_, budget), members in sorted(groups.items()):
+    for start in range(0, len(members), batch_size):
+      rows = members[start:start + batch_size]
+      batch = [prompts[i] for i in rows] + [prompts[rows[0]]] * (batch_size - len(rows))
+      generation = pisa_jax.generate(model, batch, max_new_tokens=budget, stop_tokens=stop)
+      for i, seq in zip(rows, generation.sequences()):
+        out[i] = [t for t in seq if t not in stop]
+      if bar is not None:
+        bar.update(len(rows))
+  return out
+
+
+def run_ruler(model, config, *, lengths: list[int], samples: int, seed: int, batch_size: int,
+              progress: bool, ruler=None, haystack: str | None = None,
+              encoding=None) -> tuple[dict, list[dict]]:
+  """Every RULER task of `ruler.FAMILIES` at each length, `samples` samples each.
+
+  Returns the `ruler` part of eval.json (scores are fractions in [0, 1]: tasks, families,
+  by_length and the paper's average) and one record per sample (task, length, index, prompt
+  length, answers, prediction, score) for ruler_predictions.jsonl.
+  """
+  from pisa_jax.train.tokenizer import gpt2_encoding
+
+  start = time.perf_counter()
+  ruler = ruler or load_ruler()
+  encoding = encoding or gpt2_encoding()
+  if haystack is None:
+    haystack = ruler.load_haystack()
+  families = {name: tuple(tasks) for name, tasks in ruler.FAMILIES.items()}
+  tasks = [(family, task) for family, names in families.items() for task in names]
+  stop = (EOT_TOKEN,)
+  records: list[dict] = []
+  bar = common.progress_bar(samples * len(tasks) * len(lengths), "ruler", progress)
+  for length in lengths:
+    bar.set_description(f"ruler {length}")
+    drawn = []
+    for family, task in tasks:
+      try:
+        made = ruler.make_samples(task, length=length, num_samples=samples, seed=seed,
+                                  tokenizer=encoding, haystack=haystack)
+      except ValueError as e:
+        raise common.EvalArgumentError(f"--lengths: RULER's {task} at {length} tokens: {e}"
+                                       ) from None
+      for index, sample in enumerate(made):
+        if len(sample.prompt_tokens) + sample.max_new_tokens > length:
+          raise ValueError(f"{RULER_MODULE}.make_samples({task!r}, length={length}) gave sample "
+                           f"{index} a prompt of {len(sample.prompt_tokens)} tokens and "
+                           f"{sample.max_new_tokens} to generate: more than its length")
+        drawn.append((family, task, index, sample))
+    outputs = greedy(model, [list(s.prompt_tokens) for *_, s in drawn],
+                     [s.max_new_tokens for *_, s in drawn], batch_size=batch_size, stop=stop,
+                     bar=bar)
+    for (family, task, index, sample), tokens in zip(drawn, outputs):
+      prediction = encoding.decode(tokens)
+      records.append({"task": task, "family": family, "length": length, "index": index,
+                      "prompt_tokens": len(sample.prompt_tokens), "new_tokens": len(tokens),
+                      "answers": list(sample.answers), "prediction": prediction,
+                      "score": float(ruler.score(prediction, sample.answers))})
+  bar.close()
+  part = aggregate(records, families, lengths)
+  part.update(samples=samples, seed=seed, predictions="ruler_predictions.jsonl",
+              wall_seconds=time.perf_counter() - start)
+  return part, records
+
+
+def aggregate(records: list[dict], families: dict[str, tuple[str, ...]],
+              lengths: list[int]) -> dict:
+  """Mean score per (task, length); per (family, length) the mean of its tasks; per length the
+  mean of the families; `average` the mean over families and lengths (Table 3's Avg)."""
+  scores = defaultdict(list)
+  for r in records:
+    scores[(r["task"], r["length"])].append(r["score"])
+  task_rows, family_rows, length_rows = [], [], []
+  for length in lengths:
+    family_scores = []
+    for family, names in families.items():
+      per_task = []
+      for task in names:
+        values = scores[(task, length)]
+        per_task.append(float(np.mean(values)))
+        task_rows.append({"task": task, "family": family, "length": length,
+                          "samples": len(values), "score": per_task[-1]})
+      family_scores.append(float(np.mean(per_task)))
+      family_rows.append({"family": family, "length": length, "score": family_scores[-1]})
+    length_rows.append({"length": length, "score": float(np.mean(family_scores))})
+  return {"lengths": lengths, "families": family_rows, "tasks": task_rows,
+          "by_length": length_rows,
+          "average": float(np.mean([r["score"] for r in family_rows]))}
