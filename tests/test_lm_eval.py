@@ -222,7 +222,7 @@ doc_to_text: "{{{{question}}}}"
 doc_to_choice: choices
 doc_to_target: label
 metric_list:
-  - metric: acc
+  - {{metric: acc, aggregation: mean, higher_is_better: true}}
 """
 GEN_TASK = """\
 task: pisa_generate
@@ -239,7 +239,7 @@ generation_kwargs:
   max_gen_toks: 8
   do_sample: false
 metric_list:
-  - metric: exact_match
+  - {{metric: exact_match, aggregation: mean, higher_is_better: true}}
 """
 CHOICES = [("The capital of France is", ["Paris.", "Rome, of course.", "a block"], 0),
            ("Two and two make", ["four.", "five", "the pyramid of keys"], 0),

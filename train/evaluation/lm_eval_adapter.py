@@ -60,7 +60,7 @@ JSON Lines through `datasets` without any hub. A multiple-choice task, DIR/mycho
   doc_to_choice: choices           # a field that holds the list of answers
   doc_to_target: label             # the index of the right one
   metric_list:
-    - metric: acc
+    - {metric: acc, aggregation: mean, higher_is_better: true}
 
 with lines like {"question": "2+2=", "choices": ["3", "4"], "label": 1} (lm-eval puts
 `target_delimiter`, a space by default, between the question and each choice). A generation
