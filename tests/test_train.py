@@ -498,9 +498,12 @@ SHARDED_STEP = textwrap.dedent("""
 
 # The Pallas case runs the kernels in interpret mode inside the model's per-batch-shard shard_map;
 # the remat-chunked one rematerialises every block and scans the loss over batch-sharded chunks.
-@pytest.mark.parametrize("extra", [[], ["model.attention_implementation=pallas"],
-                                   ["model.remat=full", "train.loss_chunk=16"]],
-                         ids=["xla", "pallas", "remat-chunked"])
+# The two variants are slow-marked: the xla case covers the sharding, test_remat_and_chunked_loss_
+# train_as_the_plain_step the remat and chunked loss, the kernel tests the interpret-mode kernels.
+@pytest.mark.parametrize("extra", [
+    [], pytest.param(["model.attention_implementation=pallas"], marks=pytest.mark.slow),
+    pytest.param(["model.remat=full", "train.loss_chunk=16"], marks=pytest.mark.slow)],
+    ids=["xla", "pallas", "remat-chunked"])
 def test_sharded_step_on_4_devices_equals_single_device_step(extra):
   code = f"MICRO = {MICRO!r}\nEXTRA = {extra!r}\n" + SHARDED_STEP
   out = _run_python(code, {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
