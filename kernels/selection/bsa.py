@@ -74,7 +74,9 @@ def bsa_kernel(q_ref, s_ref, out_ref, *, geo: Geometry, q_tile: int, block_tile:
   m, l = lax.fori_loop(0, n_norm_steps, normaliser,
                        (m0, jnp.zeros((tile_rows, 1), jnp.float32)))
   m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-  inv_l = jnp.where(m_r[:, None] & (l > 0), 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
+  # l is 0 for a row without complete blocks; NaN must pass (not `l > 0`): on the GPU the max
+  # skips a NaN logit (maxnum), and the reference's softmax makes the whole row NaN.
+  inv_l = jnp.where(m_r[:, None] & (l != 0), 1.0 / jnp.where(l != 0, l, 1.0), 0.0)
   n_best = geo.top_k - 3
   bp = next_pow2(max(n_best, 1))
   o_best = jnp.arange(bp)[None, :]
@@ -88,7 +90,8 @@ def bsa_kernel(q_ref, s_ref, out_ref, *, geo: Geometry, q_tile: int, block_tile:
     blk2 = jnp.broadcast_to(blk[None, :], ps.shape)
     # Candidates: past blocks that are not forced (0, cur - 1 and cur are kept anyway).
     m_cand = (blk2 < cur_e) & (blk2 != 0) & (blk2 != cur_e - 1)
-    cv = jnp.where(m_cand, ps, -jnp.inf)
+    # Ranked by `topk.rank_key`: a NaN probability above every number (a raw NaN compares false).
+    cv = jnp.where(m_cand, topk.rank_key(ps), -jnp.inf)
 
     # Insert while some row has a candidate strictly better than its worst kept entry: the best
     # candidate (lowest block on ties) replaces the worst entry (highest block on ties; earlier

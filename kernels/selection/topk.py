@@ -10,11 +10,24 @@ on `[N]` and `[rows, N]`.
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from pisa_jax.kernels.selection.layout import Geometry
 
 BIG = 2**30  # larger than any node id; marks an empty slot
+# Select_K's ranking key, the reference's (`pisa_jax.selection._keep`): a NaN score ranks as the
+# largest float32, every other score is clamped strictly below it. Raw scores would compare NaN
+# false against everything, so passes would pick nothing and ranks collide.
+NAN_RANK = float(np.finfo(np.float32).max)
+SCORE_LIMIT = float(np.nextafter(np.float32(NAN_RANK), np.float32(0)))
+
+
+def rank_key(score, first=None):
+  """Scores as ranking keys: `first` (forced nodes, or every node when all are kept) +inf, then
+  NaN (a NaN query or key keeps its block, where attention shows the NaN), then the numbers."""
+  key = jnp.where(jnp.isnan(score), NAN_RANK, jnp.clip(score, -SCORE_LIMIT, SCORE_LIMIT))
+  return key if first is None else jnp.where(first, jnp.inf, key)
 
 
 def ancestors(cur, leaves_per_node, shift=None):
@@ -39,11 +52,11 @@ def forced_nodes(cand, cur, leaves_per_node, shift=None):
 def top_mask(cand, valid, forced, score, keep: int):
   """Select_K of Eq. 17 with the forced-node rule by passes: which candidates are kept, bool.
 
-  If at most `keep` candidates are valid all are kept; otherwise forced ones first, then the highest
-  scores, ties to the lower node id.
+  If at most `keep` candidates are valid all are kept; otherwise forced ones first, then NaN scores,
+  then the highest scores (`rank_key`), ties to the lower node id.
   """
   keep_all = jnp.sum(valid.astype(jnp.int32), axis=-1, keepdims=True) <= keep
-  key = jnp.where(forced | keep_all, jnp.inf, score)
+  key = rank_key(score, forced | keep_all)
 
   # A loop, not an unrolled Python loop: Triton compile time grows with the unrolled code.
   def pick_one(_, taken):
@@ -80,7 +93,7 @@ def keep_and_expand(cand, valid, forced, score, keep: int, branching: int, width
   sorted at the end.
   """
   keep_all = jnp.sum(valid.astype(jnp.int32), axis=-1, keepdims=True) <= keep
-  key = jnp.where(forced | keep_all, jnp.inf, score)
+  key = rank_key(score, forced | keep_all)
   slot = jnp.arange(width)
   o_parent, o_child = slot // branching, slot % branching
 
@@ -108,9 +121,9 @@ def pair_axes(by_column: bool):
 def rank_keep(cand, valid, forced, score, keep: int, by_column: bool = False):
   """Select_K of Eq. 17 with the forced-node rule, by rank: `[..., N]` -> (kept, rank).
 
-  The same set as `top_mask`: the order is score descending (forced nodes, and every node when at
-  most `keep` are valid, count as +inf) with ties to the lower node id, a strict total order on the
-  valid candidates (their ids are distinct). rank_i = #{valid j before i in that order}, from one
+  The same set as `top_mask`: the order is `rank_key` descending (forced nodes, and every node when
+  at most `keep` are valid, count as +inf) with ties to the lower node id, a strict total order on
+  the valid candidates (their ids are distinct). rank_i = #{valid j before i in that order}, from one
   broadcast compare `[..., N, N]` and one sum, so the valid ranks are 0..n_valid-1 and the kept
   nodes are those ranked below `keep`.
 
@@ -120,7 +133,7 @@ def rank_keep(cand, valid, forced, score, keep: int, by_column: bool = False):
   offline SASS of the fused kernel's walk level: 896 -> 669 instructions, 126 -> 91 registers.
   """
   keep_all = jnp.sum(valid.astype(jnp.int32), axis=-1, keepdims=True) <= keep
-  key = jnp.where(forced | keep_all, jnp.inf, score)
+  key = rank_key(score, forced | keep_all)
   as_i, as_j, over_j = pair_axes(by_column)
   k_i, k_j, c_i, c_j = as_i(key), as_j(key), as_i(cand), as_j(cand)
   before = as_j(valid) & ((k_j > k_i) | ((k_j == k_i) & (c_j < c_i)))
