@@ -274,7 +274,9 @@ def _evaluate(args, common, report) -> int:
 
 
 def _new_result(common, checkpoint, config) -> dict:
-  return {"evaluation": PROG, **common.environment(), "checkpoint": checkpoint,
+  from pisa_jax.train import provenance
+
+  return {"evaluation": PROG, **provenance.environment(), "checkpoint": checkpoint,
           "config": config, "parts": {}}
 
 
