@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import pisa_jax
+from pisa_jax.kernels.selection import SelectionConfig, select_blocks_pallas
 
 T, HQ, HKV, D, C, K = 128, 4, 2, 16, 16, 4
 GROUP = HQ // HKV
@@ -63,28 +64,9 @@ POSITIONS = {"q": [(70, 1, 3), (3, 0, 0)], "k": [(53, 1, 5), (2, 0, 0), (T - 1, 
              "v": [(53, 1, 5), (2, 0, 0), (T - 1, 0, 7)]}
 CASES = [(n, p) for n, ps in POSITIONS.items() for p in ps]
 
-# The kernels do not meet this contract yet (they are owned elsewhere; strict, so a fix shows):
-# - attention: `_fwd_kernel` (kernels/attention.py) multiplies the whole loaded block of values
-#   by the weights, 0 for keys after the query and for -1 slots clamped onto block 0, and
-#   0 * NaN = NaN; the values need zeroing where the keys are invisible (as the reference's
-#   `_selected_keys` does), and likewise v in `_dq_kernel`'s dp and q in `_dkv_kernel`'s dk.
-KERNEL_V_MASKING = pytest.mark.xfail(
-    strict=True, reason="kernels/attention.py _fwd_kernel: 0 weight * NaN value of a hidden key")
-# - selection: the in-kernel top-k (kernels/selection/topk.py `top_mask`, `keep_and_expand`,
-#   `rank_keep`; kernels/selection/bsa.py `merge`) compares raw scores: a NaN compares false, so
-#   passes pick nothing or ranks collide, and forced blocks drop out. The ranking key needs the
-#   reference's order (selection.py `_keep`): forced, then NaN, then the scores clamped below it.
-KERNEL_NAN_RANK = pytest.mark.xfail(
-    strict=True, reason="kernels/selection/topk.py: NaN scores are compared raw in the top-k")
-
-
-def kernel_marks(implementation, mark):
-  return [mark] if implementation == "pallas" else []
-
 
 @pytest.mark.parametrize("name,pos,implementation", [
-    pytest.param(n, p, i, id=f"{n}-t{p[0]}-h{p[1]}-{i}",
-                 marks=kernel_marks(i, KERNEL_V_MASKING) if n == "v" else [])
+    pytest.param(n, p, i, id=f"{n}-t{p[0]}-h{p[1]}-{i}")
     for n, p in CASES for i in ("xla", "pallas")])
 def test_sparse_attention_nan_reaches_exactly_its_outputs(name, pos, implementation):
   arrays = make_qkv()
@@ -114,8 +96,8 @@ HIERARCHICAL = ["pisa", "pisa1", "pisa2"]
 
 
 @pytest.mark.parametrize("selector,implementation", [
-    pytest.param(s, i, marks=kernel_marks(i, KERNEL_NAN_RANK))
-    for s in HIERARCHICAL + ["exact"] for i in ("xla", "pallas") if (s, i) != ("exact", "pallas")])
+    (s, i) for s in HIERARCHICAL + ["exact"] for i in ("xla", "pallas")
+    if (s, i) != ("exact", "pallas")])
 def test_selection_keeps_the_block_of_a_nan_key(selector, implementation):
   q, k, _ = make_qkv(1)
   j0, h0 = 53, 1  # block 3
@@ -131,8 +113,7 @@ def test_selection_keeps_the_block_of_a_nan_key(selector, implementation):
 
 
 @pytest.mark.parametrize("selector,implementation", [
-    pytest.param(s, i, marks=kernel_marks(i, KERNEL_NAN_RANK))
-    for s in HIERARCHICAL + ["bsa"] for i in ("xla", "pallas")])
+    (s, i) for s in HIERARCHICAL + ["bsa"] for i in ("xla", "pallas")])
 def test_selection_of_a_nan_query_is_forced_then_lowest(selector, implementation):
   q, k, _ = make_qkv(2)
   t0 = 100  # block 6: forced 0, 5, 6; every other score is NaN, so ties go to block 1
@@ -144,6 +125,21 @@ def test_selection_of_a_nan_query_is_forced_then_lowest(selector, implementation
                                  implementation=implementation)
   others = np.arange(T) != t0
   np.testing.assert_array_equal(np.asarray(idx)[:, others], np.asarray(clean)[:, others])
+
+
+@pytest.mark.parametrize("variant,topk_impl", [
+    ("fused", "passes"), ("two_stage", "rank"), ("two_stage", "passes")])
+def test_every_kernel_top_k_ranks_nan_as_the_reference(variant, topk_impl):
+  # The default config (fused, rank) runs above; the other Select_K forms (`top_mask`,
+  # `keep_and_expand`) and the two-stage kernels rank a NaN score the same way.
+  q, k, _ = make_qkv(1)
+  q = q.at[0, 100, 1, 4].set(jnp.nan)  # KV head 0: every score of query 100 NaN
+  k = k.at[0, 53, 1, 2].set(jnp.nan)  # KV head 1: block 3 NaN for every query that scores it
+  kw = dict(block_size=C, top_k=K, branching=2, selector="pisa", scale=D ** -0.5, beam=K)
+  got = select_blocks_pallas(q, k, interpret=True, **kw,
+                             config=SelectionConfig(variant=variant, topk_impl=topk_impl))
+  want = pisa_jax.select_blocks(q, k, block_size=C, top_k=K, implementation="xla")
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
@@ -164,9 +160,7 @@ def test_pisa_attention_nan_key_reaches_every_later_query(implementation):
   np.testing.assert_array_equal(~np.isfinite(np.asarray(out)), want)
 
 
-@pytest.mark.parametrize("implementation", [
-    "xla", pytest.param("pallas", marks=pytest.mark.xfail(
-        strict=True, reason="kernels/attention.py _dq_kernel: dp = do . v of hidden keys"))])
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
 def test_gradients_of_a_nan_value_reach_exactly_what_depends_on_it(implementation):
   # v[j0] NaN: the rows S0 that see it are NaN, so are their dq and the dk of every key one of
   # them sees (through delta = rowsum(out * do)); dv = p^T do does not involve v at all.
@@ -187,3 +181,24 @@ def test_gradients_of_a_nan_value_reach_exactly_what_depends_on_it(implementatio
   np.testing.assert_array_equal(dq, want_dq)
   np.testing.assert_array_equal(dk, want_dk)
   assert not dv.any()
+
+
+@pytest.mark.parametrize("implementation", [
+    "xla", pytest.param("pallas", marks=pytest.mark.xfail(
+        strict=True, reason="kernels/attention.py _dq_kernel: ds = 0 times a hidden NaN key"))])
+def test_dq_of_a_nan_key_reaches_only_the_queries_that_see_it(implementation):
+  # k[j0] NaN: dq of the rows that see it is NaN (their logits and the dq sum), every other row
+  # exact. The kernel's dq multiplies ds = 0 by the hidden keys of a loaded block (after the
+  # query, or a -1 slot clamped onto block 0); zero-filling them on load costs its hot loop ~60
+  # SASS instructions per block on sm_90 (483 -> 544 at d = 128), so the kernel leaves it.
+  arrays = make_qkv(4)
+  idx = pisa_jax.select_blocks(arrays[0], arrays[1], block_size=C, top_k=K, implementation="xla")
+  j0, h0 = 53, 1
+  q, k, v = poison(arrays, "k", j0, h0, 5)
+  do = jax.random.normal(jax.random.key(5), q.shape)
+  _, vjp = jax.vjp(lambda q: pisa_jax.sparse_attention(
+      q, k, v, idx, block_size=C, implementation=implementation), q)
+  (dq,) = vjp(do)
+  want = np.zeros(dq.shape, bool)
+  want[0, sees(idx, j0, h0), h0 * GROUP:(h0 + 1) * GROUP] = True
+  np.testing.assert_array_equal(~np.isfinite(np.asarray(dq)), want)
