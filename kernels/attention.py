@@ -290,7 +290,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, do_ref, lse_ref, dq_ref, del
 
   def body(i, b_dq):
     start, visible = _block_slot(idx_ref, t, i, block_size)
-    b_k = k_ref[pl.ds(start, block_size), :]
+    # Hidden keys load as zeros: ds = 0 does not cancel a NaN key in ds @ k (0 * NaN = NaN).
+    b_k = plt.load(k_ref.at[pl.ds(start, block_size), :], mask=visible[:, None], other=0.0)
     b_v = v_ref[pl.ds(start, block_size), :]
     # [R, C]
     b_s = jnp.dot(b_q, b_k.T, precision=precision, preferred_element_type=jnp.float32) * qk_scale

@@ -427,7 +427,7 @@ def decode_attention_reference(
   visible = (block_indices >= 0)[..., None] & (key_pos <= t)  # [B, HKV, K, C]
   gather = (jnp.arange(b)[:, None, None, None], jnp.minimum(key_pos, capacity - 1),
             jnp.arange(hkv)[None, :, None, None])
-  # Keys the query does not see are zeroed, so a NaN among them cannot reach it.
+  # Unseen keys are zeroed (their NaN can't reach it); a seen NaN key's NaN denom passes `!= 0`.
   k_sel = jnp.where(visible[..., None], k_cache[gather].astype(jnp.float32), 0.0)
   v_sel = jnp.where(visible[..., None], v_cache[gather].astype(jnp.float32), 0.0)
   qg = q.astype(jnp.float32).reshape(b, hkv, hq // hkv, d)
@@ -438,7 +438,7 @@ def decode_attention_reference(
   p = jnp.where(visible, jnp.exp(logits - jnp.where(has_key, row_max, 0.0)), 0.0)
   denom = p.sum(axis=(-2, -1))
   out = jnp.einsum("bhgkc,bhkcd->bhgd", p, v_sel, precision=_HIGHEST)
-  out = jnp.where(denom[..., None] > 0, out / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
+  out = jnp.where(denom[..., None] != 0, out / jnp.where(denom != 0, denom, 1.0)[..., None], 0.0)
   return out.reshape(b, hq, d).astype(q.dtype)
 
 

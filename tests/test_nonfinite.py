@@ -183,14 +183,11 @@ def test_gradients_of_a_nan_value_reach_exactly_what_depends_on_it(implementatio
   assert not dv.any()
 
 
-@pytest.mark.parametrize("implementation", [
-    "xla", pytest.param("pallas", marks=pytest.mark.xfail(
-        strict=True, reason="kernels/attention.py _dq_kernel: ds = 0 times a hidden NaN key"))])
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
 def test_dq_of_a_nan_key_reaches_only_the_queries_that_see_it(implementation):
   # k[j0] NaN: dq of the rows that see it is NaN (their logits and the dq sum), every other row
-  # exact. The kernel's dq multiplies ds = 0 by the hidden keys of a loaded block (after the
-  # query, or a -1 slot clamped onto block 0); zero-filling them on load costs its hot loop ~60
-  # SASS instructions per block on sm_90 (483 -> 544 at d = 128), so the kernel leaves it.
+  # exact. The kernel's dq would multiply ds = 0 by the hidden keys of a loaded block (after the
+  # query, or a -1 slot clamped onto block 0): it loads them as zeros.
   arrays = make_qkv(4)
   idx = pisa_jax.select_blocks(arrays[0], arrays[1], block_size=C, top_k=K, implementation="xla")
   j0, h0 = 53, 1
@@ -202,3 +199,26 @@ def test_dq_of_a_nan_key_reaches_only_the_queries_that_see_it(implementation):
   want = np.zeros(dq.shape, bool)
   want[0, sees(idx, j0, h0), h0 * GROUP:(h0 + 1) * GROUP] = True
   np.testing.assert_array_equal(~np.isfinite(np.asarray(dq)), want)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("name", ["k", "v"])
+def test_decode_step_shows_a_nan_key_or_value_it_attends_to(name, implementation):
+  # A NaN at position 2 of KV head 1 (block 0, forced for every query): the decode step's output
+  # of that head's query group is NaN (every column for a key, one column for a value); the
+  # other head's stays finite and equal to the clean step's.
+  q, k, v = make_qkv(6)
+  clean, poisoned = [], []
+  for arrays, outs in (((q, k, v), clean), (poison((q, k, v), name, 2, 1, 3), poisoned)):
+    cache = pisa_jax.DecodeCache.create(1, T, HKV, D, block_size=C, dtype=jnp.float32)
+    cache = cache.prefill(arrays[1][:, :T - 1], arrays[2][:, :T - 1])
+    out, _ = pisa_jax.decode_step(q[:, T - 1:], arrays[1][:, T - 1:], arrays[2][:, T - 1:], cache,
+                                  top_k=K, implementation=implementation)
+    outs.append(np.asarray(out))
+  (clean,), (poisoned,) = clean, poisoned
+  want = np.zeros(poisoned.shape, bool)
+  want[0, 0, GROUP:2 * GROUP, :] = True if name == "k" else False
+  if name == "v":
+    want[0, 0, GROUP:2 * GROUP, 3] = True
+  np.testing.assert_array_equal(~np.isfinite(poisoned), want)
+  np.testing.assert_array_equal(poisoned[~want], clean[~want])

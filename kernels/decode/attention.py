@@ -73,7 +73,8 @@ def _merge_splits(o, m, l):
   w = jnp.where(m == -jnp.inf, 0.0, jnp.exp2(m - m_all))
   total = jnp.sum(w * l, axis=1)
   out = jnp.sum(w[..., None] * o, axis=1)
-  return jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
+  # != 0 rather than > 0: a NaN total (a NaN key it saw) must reach the output, not zero it.
+  return jnp.where(total[..., None] != 0, out / jnp.where(total != 0, total, 1.0)[..., None], 0.0)
 
 
 def decode_attention_pallas(
