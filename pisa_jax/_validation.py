@@ -181,3 +181,41 @@ def check_block_indices(block_indices, *, batch: int, seq_len: int, num_kv_heads
   srt = np.sort(idx, axis=-1)
   if np.any((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)):
     raise ValueError("block_indices must not repeat a block index within one [b, t, h] row (-1 may repeat)")
+
+
+def check_segment_ids(segment_ids, *, batch: int, seq_len: int) -> None:
+  """segment_ids: None, or int32 [B, T], non-decreasing within each row (a document is a run of
+  equal ids). The order is checked eagerly on concrete ids; traced ones (under `jit`) report
+  through `jax.experimental.checkify.checkify` and are unchecked without it."""
+  if segment_ids is None:
+    return
+  dtype = getattr(segment_ids, "dtype", type(segment_ids).__name__)
+  if not hasattr(segment_ids, "dtype") or segment_ids.dtype != jnp.int32:
+    raise TypeError(f"segment_ids must be an int32 array [B, T], got {dtype}")
+  if segment_ids.ndim != 2 or tuple(segment_ids.shape) != (batch, seq_len):
+    raise ValueError(f"segment_ids.shape={tuple(segment_ids.shape)} must be [B, T] = "
+                     f"[{batch}, {seq_len}]")
+  message = ("segment_ids must be non-decreasing within each row (a document is a run of equal "
+             "ids)")
+  if isinstance(segment_ids, jax.core.Tracer):
+    checkify.debug_check(jnp.all(segment_ids[:, 1:] >= segment_ids[:, :-1]),
+                         message + ": a row decreases")
+    return
+  ids = np.asarray(segment_ids)
+  bad = np.argwhere(ids[:, 1:] < ids[:, :-1])
+  if bad.size:
+    b, t = (int(x) for x in bad[0])
+    raise ValueError(f"{message}: row {b} goes from {ids[b, t]} at t={t} to {ids[b, t + 1]} "
+                     f"at t={t + 1}")
+
+
+def check_segments_implementation(function: str, implementation, segment_ids) -> None:
+  """Packed documents run on the jnp reference only, for now: asking a kernel for them raises
+  instead of falling back."""
+  if segment_ids is None:
+    return
+  name = _dispatch.resolve_implementation(implementation)
+  if name != "xla":
+    raise NotImplementedError(
+        f"{function} with segment_ids (packed documents) has no {name!r} implementation yet "
+        f"(implementation={implementation!r} resolves to {name!r}): pass implementation='xla'")

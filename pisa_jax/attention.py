@@ -4,7 +4,9 @@ The jnp reference computes in float32 whatever the input dtype and rounds its ou
 gradient) once. It has two forms of Eq. 6: gathered (each query's K * C selected keys, chunked
 over queries, under a `custom_vjp` whose dk and dv go key block by key block through an inverted
 index, so that no gradient is a scatter-add) and masked (dense `[T, T]` products under the
-selection's mask, for short sequences with finite inputs).
+selection's mask, for short sequences with finite inputs). Packed documents (segment_ids) go to
+`pisa_jax.packed_attention`, which shares the gathered form's pieces (`attend_selected`,
+`dq_selected`, `group_entries`, `item_grads`, `sum_items`, `chunk_size`).
 """
 
 from __future__ import annotations
@@ -65,15 +67,33 @@ def _weights(logits, lse, visible):
   return jnp.where(visible, jnp.exp(logits - lse), 0.0)
 
 
-def _forward_chunk(positions, q, block_indices, k, v, *, block_size, scale):
-  """Eq. 6 for one chunk of queries: out `[B, Tc, HQ, D]` and its log-sum-exp `[B, Tc, HKV, G]`."""
-  qg, k_sel, v_sel, visible = _selected_keys(positions, q, block_indices, k, v,
-                                             block_size=block_size)
+def attend_selected(qg, k_sel, v_sel, visible, *, scale):
+  """Eq. 6 over each query's selected keys (`_selected_keys`' outputs): out `[B, Tc, HKV, G, D]`
+  and its log-sum-exp `[B, Tc, HKV, G]`."""
   visible = visible[:, :, :, None]  # [B, Tc, HKV, 1, K, C]: shared by the group's heads
   logits = scale * jnp.einsum("bthgd,bthkcd->bthgkc", qg, k_sel, precision=_HIGHEST)
   lse = _log_sum_exp(logits, visible, axes=(-2, -1))
   p = _weights(logits, lse[..., None, None], visible)
   out = jnp.einsum("bthgkc,bthkcd->bthgd", p, v_sel, precision=_HIGHEST)
+  return out, lse
+
+
+def dq_selected(qg, k_sel, v_sel, visible, do, lse, delta, *, scale):
+  """dq `[B, Tc, HKV, G, D]` of Eq. 6 over each query's selected keys, from the forward's lse and
+  delta = rowsum(out * do)."""
+  visible = visible[:, :, :, None]
+  logits = scale * jnp.einsum("bthgd,bthkcd->bthgkc", qg, k_sel, precision=_HIGHEST)
+  p = _weights(logits, lse[..., None, None], visible)
+  dp = jnp.einsum("bthgd,bthkcd->bthgkc", do.reshape(qg.shape), v_sel, precision=_HIGHEST)
+  ds = jnp.where(visible, p * (dp - delta[..., None, None]), 0.0)
+  return scale * jnp.einsum("bthgkc,bthkcd->bthgd", ds, k_sel, precision=_HIGHEST)
+
+
+def _forward_chunk(positions, q, block_indices, k, v, *, block_size, scale):
+  """Eq. 6 for one chunk of queries: out `[B, Tc, HQ, D]` and its log-sum-exp `[B, Tc, HKV, G]`."""
+  qg, k_sel, v_sel, visible = _selected_keys(positions, q, block_indices, k, v,
+                                             block_size=block_size)
+  out, lse = attend_selected(qg, k_sel, v_sel, visible, scale=scale)
   return out.reshape(q.shape), lse
 
 
@@ -81,13 +101,7 @@ def _dq_chunk(positions, q, block_indices, do, lse, delta, k, v, *, block_size, 
   """dq of Eq. 6 for one chunk of queries, from the forward's lse and delta = rowsum(out * do)."""
   qg, k_sel, v_sel, visible = _selected_keys(positions, q, block_indices, k, v,
                                              block_size=block_size)
-  visible = visible[:, :, :, None]
-  logits = scale * jnp.einsum("bthgd,bthkcd->bthgkc", qg, k_sel, precision=_HIGHEST)
-  p = _weights(logits, lse[..., None, None], visible)
-  dp = jnp.einsum("bthgd,bthkcd->bthgkc", do.reshape(qg.shape), v_sel, precision=_HIGHEST)
-  ds = jnp.where(visible, p * (dp - delta[..., None, None]), 0.0)
-  dq = scale * jnp.einsum("bthgkc,bthkcd->bthgd", ds, k_sel, precision=_HIGHEST)
-  return dq.reshape(q.shape)
+  return dq_selected(qg, k_sel, v_sel, visible, do, lse, delta, scale=scale).reshape(q.shape)
 
 
 def _inverted_index(block_indices, *, num_blocks: int, block_size: int, item_size: int):
@@ -107,13 +121,29 @@ def _inverted_index(block_indices, *, num_blocks: int, block_size: int, item_siz
   cur = jnp.arange(seq_len)[:, None] // block_size
   valid = (block_indices >= 0) & (block_indices <= cur)
   entry_block = jnp.where(valid, block_indices, num_blocks).reshape(-1)
+  order, block, start, end, item_offsets = group_entries(
+      entry_block, num_blocks=num_blocks, item_size=item_size)
+  return (order // top_k).astype(jnp.int32), block, start, end, item_offsets
+
+
+def group_entries(entry_block, *, num_blocks: int, item_size: int):
+  """Groups entries by key block and cuts each block's run into items (`_inverted_index`).
+
+  Args:
+    entry_block: int32 `[E]`, the key block of each entry; `num_blocks` marks an entry that
+      reads no block.
+
+  Returns:
+    order: `[E]`, entry ids grouped by block (ascending within a block: a stable sort).
+    item_block, item_start, item_end, item_offsets: as `_inverted_index` returns them.
+  """
   order = jnp.argsort(entry_block, stable=True)
   # Entries of block n are [offsets[n], offsets[n + 1]) of the sorted order. (An integer count:
   # exact in any order.)
   counts = jnp.bincount(entry_block, length=num_blocks + 1)[:num_blocks]
   offsets = _exclusive_cumsum(counts)
   item_offsets = _exclusive_cumsum(-(-counts // item_size))
-  num_items = -(-seq_len * top_k // item_size) + num_blocks
+  num_items = -(-entry_block.shape[0] // item_size) + num_blocks
   item = jnp.arange(num_items, dtype=jnp.int32)
   # [NI]: the block of each item, the number of blocks whose items all come before it ([NI, M]
   # compares, M = T / C: small beside the items' work).
@@ -122,7 +152,7 @@ def _inverted_index(block_indices, *, num_blocks: int, block_size: int, item_siz
   start = offsets[block] + (item - item_offsets[block]) * item_size
   end = jnp.minimum(start + item_size, offsets[block + 1])
   end = jnp.where(item < item_offsets[-1], end, start)  # items past the last block's are empty
-  return (order // top_k).astype(jnp.int32), block, start, end, item_offsets
+  return order, block, start, end, item_offsets
 
 
 def _exclusive_cumsum(x):
@@ -130,7 +160,7 @@ def _exclusive_cumsum(x):
   return jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(x, dtype=jnp.int32)])
 
 
-def _sum_items(parts, item_block, item_offsets):
+def sum_items(parts, item_block, item_offsets):
   """Each block's item partials summed, `[NI, C, D]` -> `[M, C, D]`.
 
   A segmented sum by `lax.associative_scan`: a fixed tree of float32 additions (no scatter-add,
@@ -173,23 +203,29 @@ def _dkv_one_head(q, k, v, block_indices, do, lse, delta, *, block_size, scale):
     do_e = jnp.where(real[:, None, None], do[t], 0.0)
     key_pos = block * block_size + jnp.arange(block_size)
     visible = (real[:, None] & (key_pos[None, :] <= t[:, None]))[:, None, :]  # [E, 1, C]
-    logits = scale * jnp.einsum("egd,cd->egc", q_e, k_blocks[block], precision=_HIGHEST)
-    p = _weights(logits, lse[t][..., None], visible)
-    dp = jnp.einsum("egd,cd->egc", do_e, v_blocks[block], precision=_HIGHEST)
-    ds = jnp.where(visible, p * (dp - delta[t][..., None]), 0.0)
-    # A NaN query also reaches the dk of the keys after it in its own block (ds is 0 there, and
-    # 0 * NaN = NaN): masking that would take a [E, G, C, D] product.
-    dk = scale * jnp.einsum("egc,egd->cd", ds, q_e, precision=_HIGHEST)
-    dv = jnp.einsum("egc,egd->cd", p, do_e, precision=_HIGHEST)
-    return dk, dv
+    return item_grads(q_e, do_e, t, block, visible, k_blocks, v_blocks, lse, delta, scale=scale)
 
   dk_parts, dv_parts = lax.map(item_partials, (item_block, item_start, item_end))
-  dk = _sum_items(dk_parts, item_block, item_offsets).reshape(-1, d)[:seq_len]
-  dv = _sum_items(dv_parts, item_block, item_offsets).reshape(-1, d)[:seq_len]
+  dk = sum_items(dk_parts, item_block, item_offsets).reshape(-1, d)[:seq_len]
+  dv = sum_items(dv_parts, item_block, item_offsets).reshape(-1, d)[:seq_len]
   return dk, dv
 
 
-def _chunk_size(q, k, top_k, block_size):
+def item_grads(q_e, do_e, t, block, visible, k_blocks, v_blocks, lse, delta, *, scale):
+  """One item's partial dk, dv `[C, D]` of key block `block`: q_e, do_e `[E, G, D]` of the
+  entries' queries t `[E]` (zeros for padding entries), visible `[E, 1, C]`."""
+  logits = scale * jnp.einsum("egd,cd->egc", q_e, k_blocks[block], precision=_HIGHEST)
+  p = _weights(logits, lse[t][..., None], visible)
+  dp = jnp.einsum("egd,cd->egc", do_e, v_blocks[block], precision=_HIGHEST)
+  ds = jnp.where(visible, p * (dp - delta[t][..., None]), 0.0)
+  # A NaN query also reaches the dk of the keys after it in its own block (ds is 0 there, and
+  # 0 * NaN = NaN): masking that would take a [E, G, C, D] product.
+  dk = scale * jnp.einsum("egc,egd->cd", ds, q_e, precision=_HIGHEST)
+  dv = jnp.einsum("egc,egd->cd", p, do_e, precision=_HIGHEST)
+  return dk, dv
+
+
+def chunk_size(q, k, top_k, block_size):
   """Queries per chunk: a chunk's gathered keys and values and its four `[G, K, C]` weight arrays
   (logits, p, dp, ds in the backward) stay near CHUNK_ELEMENTS."""
   b, seq_len, hq, d = q.shape
@@ -199,7 +235,7 @@ def _chunk_size(q, k, top_k, block_size):
 
 def _forward(q, k, v, block_indices, block_size, scale):
   fn = functools.partial(_forward_chunk, block_size=block_size, scale=scale)
-  chunk = _chunk_size(q, k, block_indices.shape[-1], block_size)
+  chunk = chunk_size(q, k, block_indices.shape[-1], block_size)
   return _chunking.map_query_chunks(fn, chunk, (q, block_indices), (k, v))
 
 
@@ -219,7 +255,7 @@ def _sparse_attention_bwd(block_size, scale, residuals, do):
   q, k, v, block_indices, out, lse = residuals
   delta = jnp.sum(out * do, axis=-1).reshape(lse.shape)
   fn = functools.partial(_dq_chunk, block_size=block_size, scale=scale)
-  chunk = _chunk_size(q, k, block_indices.shape[-1], block_size)
+  chunk = chunk_size(q, k, block_indices.shape[-1], block_size)
   dq = _chunking.map_query_chunks(fn, chunk, (q, block_indices, do, lse, delta), (k, v))
   b, seq_len, hkv, group = lse.shape
   per_head = functools.partial(_dkv_one_head, block_size=block_size, scale=scale)
@@ -320,6 +356,7 @@ def sparse_attention(
     *,
     block_size: int = 64,
     scale: float | None = None,
+    segment_ids: Int[Array, "B T"] | None = None,
     implementation: str | None = None,
 ) -> Float[Array, "B T HQ D"]:
   """Causal attention of each query over the keys of its selected blocks (Eq. 6).
@@ -340,6 +377,11 @@ def sparse_attention(
       like -1 and attends a repeated block once per repetition (its keys weigh double).
     block_size: C, keys per leaf block.
     scale: logit scale, default 1/sqrt(D).
+    segment_ids: None, or int32 `[B, T]` non-decreasing within a row: packed documents (runs of
+      equal ids). block_indices are then the block numbers of each query's own document (block i
+      holds its keys i C .. i C + C - 1, counted from its first token), a query sees only keys
+      of its document, and every row of the output and of the gradients is the document's own,
+      run alone from position 0 (`pisa_jax.packed_attention`). xla only for now.
     implementation: "xla" (jnp reference), "pallas" (kernel) or None (pallas on GPU, else xla).
 
   Options (block_size, scale, implementation) fix shapes or compiled code: under `jax.jit` pass
@@ -356,12 +398,19 @@ def sparse_attention(
   _validation.check_block_size(block_size)
   _validation.check_block_indices(
       block_indices, batch=b, seq_len=t, num_kv_heads=hkv, block_size=int(block_size))
-  return _attend(q, k, v, block_indices, block_size=int(block_size),
+  _validation.check_segment_ids(segment_ids, batch=b, seq_len=t)
+  _validation.check_segments_implementation("sparse_attention", implementation, segment_ids)
+  return _attend(q, k, v, block_indices, segment_ids, block_size=int(block_size),
                  scale=_validation.resolve_scale(scale, d), implementation=implementation)
 
 
-def _attend(q, k, v, block_indices, *, block_size: int, scale: float, implementation):
-  """Dispatches validated arguments to the reference or the kernel."""
+def _attend(q, k, v, block_indices, segment_ids, *, block_size: int, scale: float,
+            implementation):
+  """Dispatches validated arguments to the reference or the kernel (packed rows: the
+  "sparse_attention_packed" op of `pisa_jax.packed_attention`)."""
+  if segment_ids is not None:
+    attend = _dispatch.lookup("sparse_attention_packed", implementation)
+    return attend(q, k, v, block_indices, segment_ids, block_size=block_size, scale=scale)
   attend = _dispatch.lookup("sparse_attention", implementation)
   return attend(q, k, v, block_indices, block_size=block_size, scale=scale)
 
@@ -377,6 +426,7 @@ def pisa_attention(
     selector: str = "pisa",
     scale: float | None = None,
     beam: int | None = None,
+    segment_ids: Int[Array, "B T"] | None = None,
     implementation: str | None = None,
 ) -> Float[Array, "B T HQ D"]:
   """PISA attention: select blocks (no gradient through the choice), then attend to them.
@@ -385,7 +435,8 @@ def pisa_attention(
   attention on the selected entries only. Arguments as in `select_blocks` and `sparse_attention`
   (options static under `jax.jit`). Selection ranks a NaN score right after the forced blocks, so
   the block of a NaN key stays selected wherever there is room, and the NaN reaches those
-  queries' outputs instead of being dropped.
+  queries' outputs instead of being dropped. With segment_ids (packed documents, xla only for
+  now), each query selects and attends within its own document, as the document alone would.
 
   Returns:
     `[B, T, HQ, D]` in q's dtype, differentiable in q, k and v.
@@ -397,12 +448,13 @@ def pisa_attention(
   _validation.check_v(v, k)
   block_indices = select_blocks(
       lax.stop_gradient(q), lax.stop_gradient(k), block_size=block_size, top_k=top_k,
-      branching=branching, selector=selector, scale=scale, beam=beam,
+      branching=branching, selector=selector, scale=scale, beam=beam, segment_ids=segment_ids,
       implementation=implementation)
   # select_blocks has validated every argument, and its indices are valid by construction: no
   # second check (which would copy concrete indices to the host on every eager call).
-  return _attend(q, k, v, lax.stop_gradient(block_indices), block_size=int(block_size),
-                 scale=_validation.resolve_scale(scale, q.shape[-1]), implementation=implementation)
+  return _attend(q, k, v, lax.stop_gradient(block_indices), segment_ids,
+                 block_size=int(block_size), scale=_validation.resolve_scale(scale, q.shape[-1]),
+                 implementation=implementation)
 
 
 _dispatch.register(

@@ -9,9 +9,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from pisa_jax import _dispatch, _validation
+from pisa_jax import _dispatch, _validation, segments
 from pisa_jax.geometry import Pyramid, level_sizes, node_span
 from pisa_jax.kernels import pyramid as pyramid_kernels
+from pisa_jax.segments import PackedPyramid
 
 
 def _mean_pool(x: Float[Array, "B N H D"], group: int, num_valid: int):
@@ -39,26 +40,41 @@ def build_pyramid_reference(k, *, block_size: int, branching: int) -> Pyramid:
   return Pyramid(tuple(summaries), tuple(counts), block_size, branching, seq_len)
 
 
+@functools.partial(jax.jit, static_argnames=("block_size", "branching"))
+def build_packed_pyramid_reference(k, segment_ids, *, block_size: int,
+                                   branching: int) -> PackedPyramid:
+  """jnp reference of `build_pyramid` with segment_ids; arguments are already validated."""
+  docs = segments.documents(segment_ids, block_size, branching)
+  return segments.packed_pyramid(k, docs, block_size=block_size, branching=branching)
+
+
 def build_pyramid(
     k: Float[Array, "B T HKV D"],
     *,
     block_size: int = 64,
     branching: int = 2,
+    segment_ids: Int[Array, "B T"] | None = None,
     implementation: str | None = None,
-) -> Pyramid:
+) -> Pyramid | PackedPyramid:
   """Builds the mean-summary pyramid of the keys.
 
   Args:
     k: keys `[B, T, HKV, D]`, any float dtype; summaries are float32.
     block_size: C, keys per leaf block.
     branching: g, children merged into each upper node.
+    segment_ids: None, or int32 `[B, T]` non-decreasing within a row: packed documents (runs of
+      equal ids), each summarised on its own block grid from its first token
+      (`pisa_jax.segments`). xla only for now.
     implementation: "xla" (jnp reference), "pallas" (kernel) or None (pallas on GPU, else xla).
 
   Options (block_size, branching, implementation) fix shapes or compiled code: under `jax.jit`
   pass them as static arguments or bind them first.
 
   Returns:
-    A `Pyramid` with levels `[B, M_l, HKV, D]` from the leaves to a single root.
+    Without segment_ids, a `Pyramid` with levels `[B, M_l, HKV, D]` from the leaves to a single
+    root. With them, a `PackedPyramid`: every document's own pyramid (what `build_pyramid` of
+    the document alone returns), its nodes at consecutive slots of `[B, N_l, HKV, D]` per level
+    from `first_node`.
   """
   _validation.check_static("build_pyramid", block_size=block_size, branching=branching,
                            implementation=implementation)
@@ -68,6 +84,11 @@ def build_pyramid(
     raise ValueError(f"sequence length T={k.shape[1]} must be >= 1")
   _validation.check_block_size(block_size)
   _validation.check_branching(branching)
+  _validation.check_segment_ids(segment_ids, batch=k.shape[0], seq_len=k.shape[1])
+  _validation.check_segments_implementation("build_pyramid", implementation, segment_ids)
+  if segment_ids is not None:
+    build = _dispatch.lookup("build_pyramid_packed", implementation)
+    return build(k, segment_ids, block_size=int(block_size), branching=int(branching))
   build = _dispatch.lookup("build_pyramid", implementation)
   return build(k, block_size=int(block_size), branching=int(branching))
 
@@ -77,3 +98,5 @@ _dispatch.register(
     xla=build_pyramid_reference,
     pallas=_dispatch.with_interpret(pyramid_kernels.build_pyramid_pallas),
 )
+# Packed rows (segment_ids): the reference only, for now.
+_dispatch.register("build_pyramid_packed", xla=build_packed_pyramid_reference)

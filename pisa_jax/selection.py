@@ -15,7 +15,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Float, Int
 
-from pisa_jax import _chunking, _dispatch, _validation
+from pisa_jax import _chunking, _dispatch, _validation, segments
 from pisa_jax.geometry import node_span
 from pisa_jax.kernels import selection as selection_kernels
 from pisa_jax.pyramid import build_pyramid_reference
@@ -151,10 +151,14 @@ def flat_top_k(scores: Float[Array, "B Tc H M"], positions, *, block_size: int, 
 
   Blocks 0..cur are eligible; the first, previous and current blocks are forced; if at most top_k
   are eligible all are kept; the rest go to the highest scores, ties to the lower index.
+  positions: `[Tc]`, or `[B, Tc]` (packed rows: each query's position in its document).
   """
   num_blocks = scores.shape[-1]
   blocks = jnp.arange(num_blocks, dtype=jnp.int32)
-  cur = (positions // block_size)[None, :, None, None]
+  if positions.ndim == 1:
+    cur = (positions // block_size)[None, :, None, None]
+  else:
+    cur = (positions // block_size)[:, :, None, None]
   valid = blocks <= cur
   forced = valid & ((blocks == 0) | (blocks == cur - 1) | (blocks == cur))
   cand = jnp.broadcast_to(blocks, scores.shape)
@@ -281,6 +285,158 @@ def select_blocks_reference_at(q, k, positions, *, block_size: int, top_k: int, 
                                     positions=positions)
 
 
+# Packed documents (`pisa_jax.segments`): a query selects among its own document's blocks, in the
+# document's numbering, with everything (eligibility, the forced blocks, the pyramid) its
+# document's: the rows equal the document's own selection run alone from position 0.
+
+
+def _packed_walk_chunk(positions, q, start, length, first_node, k, summaries, *, block_size,
+                       top_k, beam, branching, selector, scale):
+  """`_hierarchical_chunk` for packed rows: q `[B, Tc, HQ, D]`; start, length `[B, Tc]` and
+  first_node `[B, Tc, L]` from `segments.documents`; summaries the `PackedPyramid` levels.
+
+  The walk starts at the top level a T-token document could have. Above a document's root a
+  level holds one node (`segments.level_node_counts`): at most one eligible candidate, kept
+  without scoring, so from the root down the walk makes the document's own decisions, on the
+  same candidates in the same order (ties still go to the lower node id).
+  """
+  b, tc, hq, d = q.shape
+  seq_len, hkv = k.shape[1], k.shape[2]
+  qg = q.astype(jnp.float32).reshape(b, tc, hkv, hq // hkv, d)
+  b_idx = jnp.arange(b)[:, None, None, None, None]
+  h_idx = jnp.arange(hkv)[None, None, :, None, None]
+  rel = positions[None, :] - start  # [B, Tc]: the query's position in its document
+  leaves, leaf_exists = forced_leaves(rel, block_size)  # [B, Tc, 3]
+  t = rel[:, :, None, None]
+  num_levels = first_node.shape[-1]
+
+  def size(level):  # [B, Tc, 1, 1]: the document's nodes at `level`
+    counts = segments.level_node_counts(first_node, length, level, block_size, branching)
+    return counts[:, :, None, None]
+
+  cand = jnp.zeros((b, tc, hkv, 1), jnp.int32)
+  for level in range(num_levels, 0, -1):
+    keep = top_k if level == 1 else beam
+    span = node_span(level, block_size, branching)
+    valid = (cand >= 0) & (cand < size(level)) & (cand * span <= t)
+    ancestors = leaves // (branching ** (level - 1))
+    forced = valid & jnp.any(
+        (cand[..., :, None] == ancestors[:, :, None, None, :]) & leaf_exists[:, :, None, None, :],
+        axis=-1)
+    n = cand.shape[-1]
+    if n <= keep:
+      kept = _sort_ascending_padded(jnp.where(valid, cand, -1))
+    else:
+      safe = jnp.where(valid, cand, 0)
+      if level == 1:
+        # Eq. 21 with l = 1: the block's raw keys, at the document's start plus their offset.
+        child = safe[..., None] * block_size + jnp.arange(block_size)
+        child_valid = valid[..., None] & (child < length[:, :, None, None, None])
+        key_pos = jnp.minimum(start[:, :, None, None, None] + child, seq_len - 1)
+        child_vecs = k[b_idx, key_pos, h_idx].astype(jnp.float32)
+      else:
+        # The children's summaries, at the document's slots of the level below.
+        below = summaries[level - 2]
+        child = safe[..., None] * branching + jnp.arange(branching)
+        child_valid = valid[..., None] & (child < size(level - 1)[..., None])
+        slot = first_node[:, :, level - 2][:, :, None, None, None] + child
+        child_vecs = below[b_idx, jnp.clip(slot, 0, below.shape[1] - 1), h_idx]
+      z = scale * jnp.einsum("bthgd,bthnrd->bthgnr", qg, child_vecs, precision=_HIGHEST)
+      per_head = reduce_scores(z, child_valid[:, :, :, None], selector)
+      # Eq. 22: the group's heads share the selection, scored by their sum.
+      scores = jnp.where(valid, per_head.sum(axis=3), 0.0)
+      kept = _keep(cand, valid, forced, scores, keep)
+    if level == 1:
+      cand = kept
+    else:
+      # Eq. 18: kept nodes expand to their children.
+      child = kept[..., None] * branching + jnp.arange(branching)
+      cand = jnp.where(kept[..., None] >= 0, child, -1).reshape(b, tc, hkv, -1)
+  if cand.shape[-1] < top_k:
+    cand = jnp.pad(cand, [(0, 0)] * 3 + [(0, top_k - cand.shape[-1])], constant_values=-1)
+  return cand[..., :top_k]
+
+
+def _packed_bsa_chunk(positions, q, start, first_leaf, leaves, *, block_size, top_k, scale,
+                      num_blocks):
+  """`_bsa_chunk` for packed rows: each query scores its document's leaves, the `num_blocks`
+  (= ceil(T / C), the most a document has) packed slots from its first leaf `[B, Tc]`."""
+  b, tc, hq, d = q.shape
+  hkv = leaves.shape[2]
+  qg = q.astype(jnp.float32).reshape(b, tc, hkv, hq // hkv, d)
+  blocks = jnp.arange(num_blocks)
+  slot = jnp.minimum(first_leaf[:, :, None] + blocks, leaves.shape[1] - 1)
+  doc_leaves = leaves[jnp.arange(b)[:, None, None], slot]  # [B, Tc, M, HKV, D]
+  # Eq. 4 with the mean-key summaries of Eq. 2, over the document's blocks.
+  z = scale * jnp.einsum("bthgd,btmhd->bthgm", qg, doc_leaves, precision=_HIGHEST)
+  rel = positions[None, :] - start
+  t = rel[:, :, None, None, None]
+  complete = blocks < (t + 1) // block_size
+  past = blocks < t // block_size
+  probs = jax.nn.softmax(jnp.where(complete, z, -jnp.inf), axis=-1, where=complete)
+  probs = jnp.where(past, probs, 0.0)
+  return flat_top_k(probs.sum(axis=3), rel, block_size=block_size, top_k=top_k)
+
+
+def _packed_exact_chunk(positions, q, start, length, k, *, block_size, top_k, scale):
+  """`_exact_chunk` for packed rows: the exact LSE of each complete past block of the query's
+  document, its keys taken from the document's start."""
+  b, tc, hq, d = q.shape
+  seq_len, hkv = k.shape[1], k.shape[2]
+  num_blocks = -(-seq_len // block_size)
+  qg = q.astype(jnp.float32).reshape(b, tc, hkv, hq // hkv, d)
+  z = scale * jnp.einsum("bthgd,bshd->bthgs", qg, k.astype(jnp.float32), precision=_HIGHEST)
+  offset = jnp.arange(num_blocks * block_size)
+  key_pos = jnp.minimum(start[:, :, None] + offset, seq_len - 1)
+  z = jnp.take_along_axis(z, key_pos[:, :, None, None, :], axis=-1)
+  visible = (offset < length[:, :, None])[:, :, None, None, :]
+  z = jnp.where(visible, z, -jnp.inf).reshape(*z.shape[:4], num_blocks, block_size)
+  lse = jax.nn.logsumexp(z, axis=-1)
+  rel = positions[None, :] - start
+  cur = (rel // block_size)[:, :, None, None]
+  scores = jnp.where(jnp.arange(num_blocks) < cur, lse.sum(axis=3), 0.0)
+  return flat_top_k(scores, rel, block_size=block_size, top_k=top_k)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("block_size", "top_k", "branching", "selector", "scale", "beam"))
+def select_blocks_packed_reference(q, k, segment_ids, *, block_size: int, top_k: int,
+                                   branching: int, selector: str, scale: float, beam: int):
+  """jnp reference of `select_blocks` with segment_ids; arguments are already validated.
+
+  Costs against the one-document reference: the hierarchical walk scores the same candidates per
+  query (its top levels, above a short document's root, are kept unscored); "bsa" gathers each
+  query's document leaves `[M, HKV, D]` (M = ceil(T / C)) beside the same `[M]` scores per head;
+  "exact" takes each query's document window out of the same `[T]` logits. The pyramid is the
+  packed one of `pisa_jax.segments` (N_1 = T leaf slots).
+  """
+  b, seq_len, hq, d = q.shape
+  hkv = k.shape[2]
+  num_blocks = -(-seq_len // block_size)
+  docs = segments.documents(segment_ids, block_size, branching)
+  if selector == "exact":
+    # Twice the unpacked chunk's logits: all T of them, and the document's window of them.
+    chunk = _chunking.query_chunk_size(seq_len, 6 * b * hq * num_blocks * block_size)
+    fn = functools.partial(_packed_exact_chunk, block_size=block_size, top_k=top_k, scale=scale)
+    return _chunking.map_query_chunks(fn, chunk, (q, docs.start, docs.length), (k,))
+  pyramid = segments.packed_pyramid(k, docs, block_size=block_size, branching=branching)
+  if selector == "bsa":
+    # Each query's document's leaves, [M, HKV, D], beside the scores.
+    chunk = _chunking.query_chunk_size(seq_len, b * num_blocks * (3 * hq + hkv * d))
+    fn = functools.partial(_packed_bsa_chunk, block_size=block_size, top_k=top_k, scale=scale,
+                           num_blocks=num_blocks)
+    return _chunking.map_query_chunks(fn, chunk, (q, docs.start, docs.first_node[..., 0]),
+                                      (pyramid.summaries[0],))
+  width = max(top_k, beam) * branching
+  chunk = _chunking.query_chunk_size(
+      seq_len, b * hkv * width * max(block_size, branching) * (d + hq // hkv))
+  fn = functools.partial(
+      _packed_walk_chunk, block_size=block_size, top_k=top_k, beam=beam, branching=branching,
+      selector=selector, scale=scale)
+  return _chunking.map_query_chunks(fn, chunk, (q, docs.start, docs.length, docs.first_node),
+                                    (k, pyramid.summaries))
+
+
 def select_blocks(
     q: Float[Array, "B T HQ D"],
     k: Float[Array, "B T HKV D"],
@@ -291,6 +447,7 @@ def select_blocks(
     selector: str = "pisa",
     scale: float | None = None,
     beam: int | None = None,
+    segment_ids: Int[Array, "B T"] | None = None,
     implementation: str | None = None,
 ) -> Int[Array, "B T HKV K"]:
   """Selects top_k leaf blocks per query position and KV head.
@@ -307,6 +464,11 @@ def select_blocks(
     scale: logit scale, default 1/sqrt(D).
     beam: nodes kept at each level above the leaves (None: top_k, the paper's rule); the leaf
       level always keeps top_k. Hierarchical selectors only.
+    segment_ids: None, or int32 `[B, T]` non-decreasing within a row: packed documents (runs of
+      equal ids). Each query then selects as its document would alone from position 0: the
+      document's own block grid from its first token, its own pyramid, forced blocks and
+      eligibility, and indices are the document's own block numbers (`pisa_jax.segments`).
+      xla only for now: a kernel implementation raises NotImplementedError.
     implementation: "xla" (jnp reference), "pallas" (kernel) or None (pallas on GPU, else xla).
 
   Options (everything but q and k) fix shapes or compiled code: under `jax.jit` pass them as
@@ -319,7 +481,8 @@ def select_blocks(
 
   Returns:
     int32 `[B, T, HKV, top_k]`: leaf block indices ascending, -1 padded when fewer than top_k
-    blocks are eligible (min(top_k, t // block_size + 1) are valid).
+    blocks are eligible (min(top_k, t // block_size + 1) are valid, t the query's position in its
+    document).
   """
   _validation.check_static("select_blocks", block_size=block_size, top_k=top_k,
                            branching=branching, selector=selector, scale=scale, beam=beam,
@@ -331,6 +494,13 @@ def select_blocks(
   _validation.check_selector(selector)
   beam = _validation.resolve_beam(beam, top_k, selector)
   scale = _validation.resolve_scale(scale, d)
+  _validation.check_segment_ids(segment_ids, batch=q.shape[0], seq_len=q.shape[1])
+  _validation.check_segments_implementation("select_blocks", implementation, segment_ids)
+  if segment_ids is not None:
+    select = _dispatch.lookup("select_blocks_packed", implementation)
+    return select(
+        q, k, segment_ids, block_size=int(block_size), top_k=int(top_k),
+        branching=int(branching), selector=selector, scale=scale, beam=beam)
   if selector == "exact" and _dispatch.resolve_implementation(implementation) != "xla":
     raise ValueError(
         f"{selector=} exists only in the reference: pass implementation='xla' for it")
@@ -344,3 +514,5 @@ _dispatch.register(
     xla=select_blocks_reference,
     pallas=_dispatch.with_interpret(selection_kernels.select_blocks_pallas),
 )
+# Packed rows (segment_ids): the reference only, for now.
+_dispatch.register("select_blocks_packed", xla=select_blocks_packed_reference)
