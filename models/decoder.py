@@ -4,6 +4,9 @@ Pre-RMSNorm blocks with GQA attention and a SiLU-gated MLP, no dropout, untied i
 embeddings padded to a multiple of `vocab_pad_multiple` rows (50,257 -> 50,432), RoPE on the
 high-frequency half of each head. The attention is dense (`jax.nn.dot_product_attention`) or
 block-sparse through `pisa_jax.pisa_attention` (PISA, PISA-1, PISA-2, BSA), chosen by the config.
+Packed documents: with `segment_ids` `[B, T]` (a document is a run of equal ids) no token attends
+across a document boundary, in either kind, and RoPE positions restart at 0 with each document,
+so each document's activations are the ones it would have alone.
 
 Parameters are stored in `param_dtype`; matmuls run in the compute dtype (bfloat16 on a GPU), while
 RMSNorm, RoPE angles, softmax statistics and the logits are float32. Each parameter carries
@@ -28,9 +31,11 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 import pisa_jax
+from pisa_jax import _validation
 from pisa_jax.decode import DecodeCache, bucket_capacity, decode_step
 from pisa_jax.models.config import SPARSE_ATTENTION_KINDS, ModelConfig
 from pisa_jax.models.sharding import axes_size, batch_axes_of, constrain_batch
+from pisa_jax.segments import document_bounds
 
 # Logit given to the padding rows of the output embedding: they never win and carry no mass.
 _PAD_LOGIT = -1e9
@@ -111,18 +116,26 @@ def rope_angles(seq_len: int, head_dim: int, base: float) -> tuple[Array, Array]
 
 
 def apply_rope(x: Float[Array, "B T H D"], cos: Array, sin: Array) -> Float[Array, "B T H D"]:
-  """Rotates dims [0, D/2) of each head in rotate-half pairs (j, j + D/4); float32 arithmetic."""
+  """Rotates dims [0, D/2) of each head in rotate-half pairs (j, j + D/4); float32 arithmetic.
+
+  cos, sin: `[T, D/4]` shared by the batch, or `[B, T, D/4]` (per-row positions: packed
+  documents).
+  """
   d = x.shape[-1]
   half, quarter = d // 2, d // 4
   xf = x[..., :half].astype(jnp.float32)
   x1, x2 = xf[..., :quarter], xf[..., quarter:]
-  c, s = cos[None, :, None, :], sin[None, :, None, :]
+  if cos.ndim == 2:
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+  else:
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
   rotated = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
   return jnp.concatenate([rotated.astype(x.dtype), x[..., half:]], axis=-1)
 
 
 def per_batch_shard(fn):
-  """Runs `fn(q, k, v)` on each device's slice of the batch under the ambient mesh.
+  """Runs `fn(q, k, v, ...)` on each device's slice of the batch under the ambient mesh: every
+  argument's leading axis is the batch.
 
   The Pallas kernels are custom calls that XLA's SPMD partitioner cannot split: under a plain
   sharded `jit` it would gather the whole batch onto every device and run the kernel replicated.
@@ -136,15 +149,15 @@ def per_batch_shard(fn):
     return fn
   spec = P(axes)
   ways = axes_size(mesh, axes)
-  # check_vma=False: the kernels' outputs carry no varying-manual-axes annotation.
-  sharded = jax.shard_map(fn, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
-                          check_vma=False)
 
-  def checked(q, k, v):
-    if q.shape[0] % ways:
-      raise ValueError(f"batch size {q.shape[0]} must be divisible by the {ways} devices of mesh "
-                       f"axes {axes}: attention runs on each device's slice of the batch")
-    return sharded(q, k, v)
+  def checked(*arrays):
+    if arrays[0].shape[0] % ways:
+      raise ValueError(f"batch size {arrays[0].shape[0]} must be divisible by the {ways} devices "
+                       f"of mesh axes {axes}: attention runs on each device's slice of the batch")
+    # check_vma=False: the kernels' outputs carry no varying-manual-axes annotation.
+    sharded = jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * len(arrays), out_specs=spec,
+                            check_vma=False)
+    return sharded(*arrays)
 
   return checked
 
@@ -168,7 +181,9 @@ class Attention(nnx.Module):
     # GPT-2's residual-branch scaling of the output projection.
     self.wo = _normal(rngs, (hq, hd, d), out_std, pdt, ("q_heads", "head_dim", "embed"))
 
-  def __call__(self, x: Float[Array, "B T E"], cos: Array, sin: Array) -> Float[Array, "B T E"]:
+  def __call__(self, x: Float[Array, "B T E"], cos: Array, sin: Array,
+               segment_ids: Int[Array, "B T"] | None = None) -> Float[Array, "B T E"]:
+    """Self-attention of x; with segment_ids `[B, T]`, only within each token's document."""
     cfg, cdt = self.cfg, x.dtype
     q = _saveable("query_proj", jnp.einsum("bte,ehd->bthd", x, self.wq[...].astype(cdt)))
     k = _saveable("key_proj", jnp.einsum("bte,ehd->bthd", x, self.wk[...].astype(cdt)))
@@ -184,14 +199,22 @@ class Attention(nnx.Module):
       # Per device too: cuDNN's SPMD partitioner rejects q, k, v whose propagated shardings differ
       # ("Query, key and value should have same sharding"), which they do under an fsdp mesh
       # (seen on 2 H200s, 2026-11-29).
-      out = per_batch_shard(attend)(q, k, v)
+      if segment_ids is None:
+        out = per_batch_shard(attend)(q, k, v)
+      else:
+        out = per_batch_shard(functools.partial(_attend_within_documents, attend))(
+            q, k, v, segment_ids)
     elif cfg.attention in SPARSE_ATTENTION_KINDS:
       attend = functools.partial(
           pisa_jax.pisa_attention, block_size=cfg.block_size, top_k=cfg.top_k,
           branching=cfg.branching, selector=cfg.attention, beam=cfg.beam,
           implementation=cfg.attention_implementation,
       )
-      out = per_batch_shard(attend)(q, k, v)
+      if segment_ids is None:
+        out = per_batch_shard(attend)(q, k, v)
+      else:
+        out = per_batch_shard(lambda q, k, v, ids: attend(q, k, v, segment_ids=ids))(
+            q, k, v, segment_ids)
     else:
       raise ValueError(f"model.attention={cfg.attention!r} is unknown")
     chex.assert_shape(out, q.shape)  # [B, T, HQ, D]
@@ -241,6 +264,12 @@ class Attention(nnx.Module):
     return jnp.einsum("bthd,hde->bte", out.astype(cdt), self.wo[...].astype(cdt)), cache
 
 
+def _attend_within_documents(attend, q, k, v, segment_ids):
+  """Dense causal attention under a `[B, 1, T, T]` mask of same-document pairs."""
+  mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+  return attend(q, k, v, mask=mask)
+
+
 class GatedMLP(nnx.Module):
   """down(silu(gate(x)) * up(x))."""
 
@@ -268,8 +297,8 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pdt)
     self.mlp = GatedMLP(cfg, rngs=rngs)
 
-  def __call__(self, x, cos, sin):
-    x = x + self.attn(self.attn_norm(x), cos, sin)
+  def __call__(self, x, cos, sin, segment_ids=None):
+    x = x + self.attn(self.attn_norm(x), cos, sin, segment_ids)
     return x + self.mlp(self.mlp_norm(x))
 
 
@@ -296,25 +325,48 @@ class Decoder(nnx.Module):
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pdt)
     self.lm_head = _normal(rngs, (cfg.d_model, vp), cfg.init_std, pdt, ("embed", "vocab"))
 
-  def __call__(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T Vp"]:
-    return output_logits(self.hidden_states(tokens), self.lm_head[...], self.cfg.vocab_size)
+  def __call__(self, tokens: Int[Array, "B T"], segment_ids: Int[Array, "B T"] | None = None,
+               positions: Int[Array, "B T"] | None = None) -> Float[Array, "B T Vp"]:
+    return output_logits(self.hidden_states(tokens, segment_ids, positions), self.lm_head[...],
+                         self.cfg.vocab_size)
 
-  def hidden_states(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T E"]:
+  def hidden_states(self, tokens: Int[Array, "B T"], segment_ids: Int[Array, "B T"] | None = None,
+                    positions: Int[Array, "B T"] | None = None) -> Float[Array, "B T E"]:
     """The final-normed activations that the output projection turns into logits.
 
     Training takes these rather than `__call__`'s logits, to compute the loss over chunks of
     tokens without ever holding `[B, T, Vp]` (`pisa_jax.train.loss`).
+
+    segment_ids: int32 `[B, T]`, packed documents (runs of equal ids, non-decreasing): no token
+      attends outside its document. positions: int32 `[B, T]`, RoPE positions; None means each
+      token's position in its document with segment_ids, and 0 .. T-1 without.
     """
     cfg = self.cfg
     chex.assert_rank(tokens, 2)  # [B, T]
     cdt = compute_dtype(cfg)
     # Activations stay batch-sharded under an fsdp mesh (see `constrain_batch`).
     x = constrain_batch(jnp.take(self.embed[...], tokens, axis=0).astype(cdt))
-    cos, sin = rope_angles(tokens.shape[1], cfg.head_dim, cfg.rope_base)
+    cos, sin = self._rope(tokens.shape, segment_ids, positions)
     forward = block_forward(cfg.remat)
     for block in self.blocks:
-      x = constrain_batch(forward(block, x, cos, sin))
+      x = constrain_batch(forward(block, x, cos, sin, segment_ids))
     return self.final_norm(x)
+
+  def _rope(self, shape: tuple[int, int], segment_ids, positions) -> tuple[Array, Array]:
+    """RoPE's cos, sin: `[T, D/4]` at 0 .. T-1, or `[B, T, D/4]` at per-token positions."""
+    cfg = self.cfg
+    _validation.check_segment_ids(segment_ids, batch=shape[0], seq_len=shape[1])
+    if positions is None and segment_ids is None:
+      return rope_angles(shape[1], cfg.head_dim, cfg.rope_base)
+    if positions is None:
+      start, _ = document_bounds(segment_ids)
+      positions = jnp.arange(shape[1], dtype=jnp.int32) - start
+    elif (getattr(positions, "dtype", None) != jnp.int32
+          or tuple(getattr(positions, "shape", ())) != tuple(shape)):
+      raise ValueError(f"positions must be an int32 array [B, T] = {list(shape)}, got "
+                       f"{getattr(positions, 'dtype', type(positions).__name__)} "
+                       f"{tuple(getattr(positions, 'shape', ()))}")
+    return rope_at(positions, cfg.head_dim, cfg.rope_base)
 
   # Decoding: `pisa_jax.generate.DecodeModel`. The state holds one cache per layer (sparse
   # layers a `DecodeCache`, dense ones a `KVCache`); a row's next position is its length.
@@ -397,12 +449,13 @@ REMAT_POLICIES = {
 
 
 def block_forward(remat: str):
-  """`forward(block, x, cos, sin)`: one block's forward under the named remat policy."""
+  """`forward(block, x, cos, sin[, segment_ids])`: one block's forward under the named remat
+  policy."""
   if remat not in REMAT_POLICIES:
     raise ValueError(f"model.remat={remat!r} must be one of {tuple(REMAT_POLICIES)}")
 
-  def forward(block: Block, x, cos, sin):
-    return block(x, cos, sin)
+  def forward(block: Block, x, cos, sin, segment_ids=None):
+    return block(x, cos, sin, segment_ids)
 
   if remat == "none":
     return forward

@@ -4,8 +4,19 @@ Every batch is a dict of numpy arrays for THIS host:
   inputs  int32   `[A, B_local, T]`   (A = gradient-accumulation micro-batches)
   targets int32   `[A, B_local, T]`   the next token of each input position
   weights float32 `[A, B_local, T]`   1 where the loss counts (all positions for text, answers for MQAR)
+and with `data.packing` (token files only) the documents of each window:
+  segment_ids int32 `[A, B_local, T]`  the document of each input position, counted from 0
+  positions   int32 `[A, B_local, T]`  its position in that document (RoPE restarts per document)
 The global batch of step s is drawn from `np.random.default_rng([seed, split, s])` and each host
 keeps its rows, so a resumed run (or one on another host count) sees exactly the same batches.
+
+Packing. The token files hold documents each closed by <|endoftext|> (`meta.json`'s "eot", GPT-2's
+50256). An EOT belongs to the document it ends: a new document starts at the token after it (a
+window's first token starts a document too, usually a piece of one). The model attends only
+within documents, and the loss follows: the target of an EOT position, the next document's first
+token, gets weight 0, as nothing of that document is visible from the EOT; predicting it would be
+the one thing that crosses a boundary. So each document's EOT is a target (the model learns
+where documents end) and its first token is not (Megatron's `eod_mask_loss`).
 """
 
 from __future__ import annotations
@@ -26,12 +37,29 @@ def _host_rows(global_batch: int, process_index: int, process_count: int) -> sli
   return slice(process_index * n, (process_index + 1) * n)
 
 
+def document_layout(inputs: np.ndarray, eot: int) -> dict[str, np.ndarray]:
+  """Segment ids, positions and loss weights of token windows `[..., T]` whose documents end at
+  `eot` (the module docstring gives the rule)."""
+  is_eot = inputs == eot
+  # The EOTs strictly before each position: an EOT closes its own document.
+  segment_ids = np.cumsum(is_eot, axis=-1, dtype=np.int32) - is_eot
+  first = np.concatenate([np.ones_like(is_eot[..., :1]), is_eot[..., :-1]], axis=-1)
+  index = np.arange(inputs.shape[-1], dtype=np.int32)
+  start = np.maximum.accumulate(np.where(first, index, 0), axis=-1)
+  return {
+      "segment_ids": segment_ids.astype(np.int32),
+      "positions": (index - start).astype(np.int32),
+      "weights": np.where(is_eot, 0.0, 1.0).astype(np.float32),
+  }
+
+
 class TokenWindows:
-  """Random windows of seq_len + 1 tokens from a packed uint16 file written by pisa-prepare-data."""
+  """Random windows of seq_len + 1 tokens from a packed uint16 file written by pisa-prepare-data;
+  with `packing`, their documents' segment ids and positions (the module docstring)."""
 
   def __init__(self, folder: str | Path, split: str, *, seq_len: int, global_batch: int,
                accum: int, seed: int, vocab_size: int, process_index: int = 0,
-               process_count: int = 1):
+               process_count: int = 1, packing: bool = False):
     folder = Path(folder)
     meta_path = folder / "meta.json"
     if not meta_path.is_file():
@@ -57,6 +85,10 @@ class TokenWindows:
       raise ValueError(f"{path} is corrupt: {size} bytes, meta.json promises {expected} uint16 tokens")
     if expected < seq_len + 1:
       raise ValueError(f"{path} has {expected} tokens, fewer than train.seq_len + 1 = {seq_len + 1}")
+    if packing and not isinstance(meta.get("eot"), int):
+      raise ValueError(f"data.packing=true needs the end-of-text token: {meta_path} has no integer "
+                       f"\"eot\" (got {meta.get('eot')!r}); write the folder with pisa-prepare-data")
+    self.packing = packing
     self.tokens = np.memmap(path, dtype=np.uint16, mode="r")
     self.meta = meta
     self.split_id = TRAIN if split == "train" else VAL
@@ -72,11 +104,14 @@ class TokenWindows:
     # Contiguous slices of seq_len + 1 tokens: inputs are the first T, targets the last T.
     windows = np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts.ravel()])
     windows = windows.reshape(*starts.shape, self.seq_len + 1).astype(np.int32)
-    return {
+    batch = {
         "inputs": windows[..., :-1],
         "targets": windows[..., 1:],
         "weights": np.ones(windows[..., 1:].shape, np.float32),
     }
+    if self.packing:
+      batch.update(document_layout(batch["inputs"], self.meta["eot"]))
+    return batch
 
 
 def mqar_examples(rng: np.random.Generator, n: int, *, seq_len: int, vocab_size: int,
@@ -155,4 +190,5 @@ def make_batches(config, split: str, *, global_batch: int, accum: int, process_i
   return TokenWindows(
       d.path, split, seq_len=t.seq_len, global_batch=global_batch, accum=accum, seed=t.seed,
       vocab_size=m.vocab_size, process_index=process_index, process_count=process_count,
+      packing=d.packing,
   )

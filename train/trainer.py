@@ -67,16 +67,18 @@ def build_optimizer(t: TrainConfig) -> optax.GradientTransformation:
   )
 
 
-def loss_sums(graphdef, params, inputs, targets, weights, *, chunk: int | None = None):
+def loss_sums(graphdef, params, inputs, targets, weights, *, chunk: int | None = None,
+              segment_ids=None, positions=None):
   """Summed token NLL, summed weight and summed argmax hits, all float32.
 
   inputs, targets int32 `[B, T]`; weights float32 `[B, T]` (0 where the loss does not count).
   chunk: tokens per chunk of the output projection and its loss (`train.loss_chunk`; None or 0:
-  all at once), see `pisa_jax.train.loss`.
+  all at once), see `pisa_jax.train.loss`. segment_ids, positions: int32 `[B, T]` of packed
+  documents (`data.packing`), or None.
   """
   model = nnx.merge(graphdef, params)
   nll, weight, hits = token_loss_sums(
-      model.hidden_states(inputs), model.lm_head[...], targets, weights,
+      model.hidden_states(inputs, segment_ids, positions), model.lm_head[...], targets, weights,
       vocab_size=model.cfg.vocab_size, chunk=chunk)
   return nll, (weight, hits)
 
@@ -161,7 +163,8 @@ def build_trainer(config: Config, mesh: Mesh | None = None) -> Trainer:
     params = state["params"]
     grad_fn = jax.value_and_grad(
         lambda p, mb: loss_sums(graphdef, p, mb["inputs"], mb["targets"], mb["weights"],
-                                chunk=t.loss_chunk),
+                                chunk=t.loss_chunk, segment_ids=mb.get("segment_ids"),
+                                positions=mb.get("positions")),
         has_aux=True,
     )
 
@@ -191,18 +194,20 @@ def build_trainer(config: Config, mesh: Mesh | None = None) -> Trainer:
 
   def eval_step(params, batch):
     loss, (weight, hits) = loss_sums(
-        graphdef, params, batch["inputs"], batch["targets"], batch["weights"], chunk=t.loss_chunk
+        graphdef, params, batch["inputs"], batch["targets"], batch["weights"], chunk=t.loss_chunk,
+        segment_ids=batch.get("segment_ids"), positions=batch.get("positions"),
     )
     return {"loss_sum": loss, "weight": weight, "hits": hits}
 
   a, s = t.grad_accum, t.seq_len
-  batch_sh = {k: batch_sharding(mesh, 3, 1) for k in ("inputs", "targets", "weights")}
-  eval_sh = {k: batch_sharding(mesh, 2, 0) for k in ("inputs", "targets", "weights")}
-  abstract_batch = {
-      "inputs": jax.ShapeDtypeStruct((a, global_batch, s), jnp.int32, sharding=batch_sh["inputs"]),
-      "targets": jax.ShapeDtypeStruct((a, global_batch, s), jnp.int32, sharding=batch_sh["targets"]),
-      "weights": jax.ShapeDtypeStruct((a, global_batch, s), jnp.float32, sharding=batch_sh["weights"]),
-  }
+  # The arrays of a batch (`pisa_jax.train.data`): packed documents add their ids and positions.
+  dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "weights": jnp.float32}
+  if cfg.data.packing:
+    dtypes.update(segment_ids=jnp.int32, positions=jnp.int32)
+  batch_sh = {k: batch_sharding(mesh, 3, 1) for k in dtypes}
+  eval_sh = {k: batch_sharding(mesh, 2, 0) for k in dtypes}
+  abstract_batch = {k: jax.ShapeDtypeStruct((a, global_batch, s), dtype, sharding=batch_sh[k])
+                    for k, dtype in dtypes.items()}
   abstract_eval = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype, sharding=eval_sh[k])
                    for k, v in abstract_batch.items()}
   with jax.set_mesh(mesh):
