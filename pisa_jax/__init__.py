@@ -14,8 +14,9 @@ Packed documents: build_pyramid, select_blocks, sparse_attention and pisa_attent
 Every query then selects and attends as its document would alone from position 0, on the
 document's own block grid, with document-relative block indices; build_pyramid returns a
 `PackedPyramid` (`pisa_jax.segments` describes the layout and its static capacities). The jnp
-reference ("xla") only for now: "pallas" with segment_ids raises NotImplementedError. Under `jax.jit` the arrays are traced and the options (sizes, names, scale) must be
-static: `jax.jit(pisa_jax.pisa_attention, static_argnames=("block_size", "top_k"))`, or bind them
+reference ("xla") only for now: "pallas" with segment_ids raises NotImplementedError.
+
+Under `jax.jit` the arrays are traced and the options (sizes, names, scale) must be static: `jax.jit(pisa_jax.pisa_attention, static_argnames=("block_size", "top_k"))`, or bind them
 with `functools.partial` first; a traced option raises a TypeError that says so. Block indices
 passed in are checked eagerly, and under `jit` inside `jax.experimental.checkify.checkify`.
 
