@@ -16,6 +16,7 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import test_train
 
@@ -67,6 +68,9 @@ def _run(layouts: dict, portability: tuple[str, str], devices: int) -> dict:
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+# Slow-marked: CI checks one 4-device step against one device (test_train), the 2-device curves
+# and checkpoint moves (the multi_gpu dry run) and dense attention under a mesh (the fsdp test).
+@pytest.mark.slow
 def test_loss_curves_match_across_layouts_and_checkpoints_move_between_them():
   # Dense attention too: it runs per device under the mesh like the Pallas kernels (cuDNN's own
   # partitioner rejects the q, k, v shardings an fsdp mesh produces).
