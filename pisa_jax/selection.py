@@ -90,6 +90,31 @@ def _keep(cand, valid, forced, scores, keep: int):
   return _sort_ascending_padded(jnp.where(values == -jnp.inf, -1, kept))
 
 
+def _score_and_keep(qg, child_vecs, child_valid, cand, valid, forced, *, keep: int, scale: float,
+                    selector: str):
+  """One level of the walk: score each candidate from its children (Eq. 21, 33, 34; Eq. 22 sums
+  the group's heads) and keep `keep` of them (Select_K). qg `[B, Tc, HKV, G, D]`, child_vecs
+  `[B, Tc, HKV, n, R, D]`, child_valid `[B, Tc, HKV, n, R]`, cand / valid / forced `[B, Tc, HKV, n]`."""
+  # [B, Tc, HKV, G, n, R] logits of every query head against every child.
+  z = scale * jnp.einsum("bthgd,bthnrd->bthgnr", qg, child_vecs, precision=_HIGHEST)
+  per_head = reduce_scores(z, child_valid[:, :, :, None], selector)
+  scores = jnp.where(valid, per_head.sum(axis=3), 0.0)
+  return _keep(cand, valid, forced, scores, keep)
+
+
+def _expand(kept: Int[Array, "B Tc H n"], branching: int) -> Int[Array, "B Tc H m"]:
+  """Eq. 18: kept nodes expand to their children (-1 stays -1)."""
+  child = kept[..., None] * branching + jnp.arange(branching)
+  return jnp.where(kept[..., None] >= 0, child, -1).reshape(*kept.shape[:3], -1)
+
+
+def _first_top_k(cand: Int[Array, "B Tc H n"], top_k: int) -> Int[Array, "B Tc H K"]:
+  """The leaf candidates as top_k slots, -1 padded."""
+  if cand.shape[-1] < top_k:
+    cand = jnp.pad(cand, [(0, 0)] * 3 + [(0, top_k - cand.shape[-1])], constant_values=-1)
+  return cand[..., :top_k]
+
+
 def _hierarchical_chunk(positions, q, k, summaries, *, block_size, top_k, beam, branching,
                         selector, scale, level_sizes):
   """PISA selection for one chunk of queries: q `[B, Tc, HQ, D]` -> int32 `[B, Tc, HKV, top_k]`."""
@@ -128,21 +153,10 @@ def _hierarchical_chunk(positions, q, k, summaries, *, block_size, top_k, beam, 
         child = safe[..., None] * branching + jnp.arange(branching)
         child_valid = valid[..., None] & (child < level_sizes[level - 2])
         child_vecs = summaries[level - 2][b_idx, jnp.minimum(child, level_sizes[level - 2] - 1), h_idx]
-      # [B, Tc, HKV, G, n, R] logits of every query head against every child.
-      z = scale * jnp.einsum("bthgd,bthnrd->bthgnr", qg, child_vecs, precision=_HIGHEST)
-      per_head = reduce_scores(z, child_valid[:, :, :, None], selector)
-      # Eq. 22: the query heads of one KV head share the selection, scored by their sum.
-      scores = jnp.where(valid, per_head.sum(axis=3), 0.0)
-      kept = _keep(cand, valid, forced, scores, keep)
-    if level == 1:
-      cand = kept
-    else:
-      # Eq. 18: kept nodes expand to their children.
-      child = kept[..., None] * branching + jnp.arange(branching)
-      cand = jnp.where(kept[..., None] >= 0, child, -1).reshape(b, tc, hkv, -1)
-  if cand.shape[-1] < top_k:
-    cand = jnp.pad(cand, [(0, 0)] * 3 + [(0, top_k - cand.shape[-1])], constant_values=-1)
-  return cand[..., :top_k]
+      kept = _score_and_keep(qg, child_vecs, child_valid, cand, valid, forced, keep=keep,
+                             scale=scale, selector=selector)
+    cand = kept if level == 1 else _expand(kept, branching)
+  return _first_top_k(cand, top_k)
 
 
 def flat_top_k(scores: Float[Array, "B Tc H M"], positions, *, block_size: int, top_k: int):
@@ -341,20 +355,10 @@ def _packed_walk_chunk(positions, q, start, length, first_node, k, summaries, *,
         child_valid = valid[..., None] & (child < size(level - 1)[..., None])
         slot = first_node[:, :, level - 2][:, :, None, None, None] + child
         child_vecs = below[b_idx, jnp.clip(slot, 0, below.shape[1] - 1), h_idx]
-      z = scale * jnp.einsum("bthgd,bthnrd->bthgnr", qg, child_vecs, precision=_HIGHEST)
-      per_head = reduce_scores(z, child_valid[:, :, :, None], selector)
-      # Eq. 22: the group's heads share the selection, scored by their sum.
-      scores = jnp.where(valid, per_head.sum(axis=3), 0.0)
-      kept = _keep(cand, valid, forced, scores, keep)
-    if level == 1:
-      cand = kept
-    else:
-      # Eq. 18: kept nodes expand to their children.
-      child = kept[..., None] * branching + jnp.arange(branching)
-      cand = jnp.where(kept[..., None] >= 0, child, -1).reshape(b, tc, hkv, -1)
-  if cand.shape[-1] < top_k:
-    cand = jnp.pad(cand, [(0, 0)] * 3 + [(0, top_k - cand.shape[-1])], constant_values=-1)
-  return cand[..., :top_k]
+      kept = _score_and_keep(qg, child_vecs, child_valid, cand, valid, forced, keep=keep,
+                             scale=scale, selector=selector)
+    cand = kept if level == 1 else _expand(kept, branching)
+  return _first_top_k(cand, top_k)
 
 
 def _packed_bsa_chunk(positions, q, start, first_leaf, leaves, *, block_size, top_k, scale,
