@@ -194,8 +194,25 @@ def measure(args, rec) -> None:
               peak_tflops=args.peak_tflops)
   seq_lens = sorted(args.seq_lens)
   dense_stop = None
+  done = set()
+  if args.resume:
+    # A ladder is long: keep the runs of an earlier result and measure only the missing ones.
+    from benchmarks import _record
+
+    earlier = _record.load(args.resume)
+    runs = [r for r in earlier["rows"] if "goal" not in r]
+    rec.note(f"{len(runs)} runs kept from {args.resume} (commit {earlier['commit']}, "
+             f"{earlier['date']}); the rest measured here")
+    for r in runs:
+      rec.add(**r)
+      done.add((r["attention"], r["seq_len"]))
+      if r["attention"] == "dense" and ("error" in r or "skipped" in r):
+        dense_stop = r.get("skipped") or f"dense at {r['seq_len']} tokens: {r['error'][:200]}"
+    seq_lens = sorted(set(seq_lens) | {r["seq_len"] for r in runs})
   for seq_len in seq_lens:
     for attention in args.attention:
+      if (attention, seq_len) in done:
+        continue
       one = dict(spec, attention=attention, seq_len=seq_len)
       if attention == "dense":
         if dense_stop:
@@ -279,7 +296,7 @@ def settings(args) -> dict:
               steps=args.steps, warmup=args.warmup, curve_steps=args.curve_steps,
               curve_attention=args.curve_attention,
               dense_max_step_s=args.dense_max_step_s, data=args.data, overrides=args.set,
-              dry_run=args.dry_run)
+              dry_run=args.dry_run, resume=args.resume and str(args.resume))
 
 
 def _csv(kind):
@@ -311,6 +328,8 @@ def main(argv=None) -> dict:
   p.add_argument("--data", default="data/corpus", help="a pisa-prepare-data folder")
   p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                  help="more config overrides, as pisa-train takes them")
+  p.add_argument("--resume", metavar="JSON", type=Path,
+                 help="keep the runs of this earlier result and measure only the missing ones")
   p.add_argument("--dry-run", action="store_true",
                  help="the tiny preset with 1 layer at 128 and 256 tokens in this process, 2 "
                       "steps each, a 4-step curve: checks the script on any CPU")
