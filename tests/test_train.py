@@ -547,3 +547,29 @@ def test_a_trainer_built_for_another_config_is_refused(tmp_path, micro_trainer):
   _, trainer = micro_trainer
   with pytest.raises(ValueError, match="trainer was built for a different config"):
     train(micro_config("train.peak_lr=1e-3"), tmp_path, progress=False, quiet=True, trainer=trainer)
+
+
+def _tokens_folder(path, n_train, n_val, vocab=64):
+  from pisa_jax.train.data import FORMAT
+
+  path.mkdir()
+  rng = np.random.default_rng(0)
+  rng.integers(0, vocab, n_train).astype(np.uint16).tofile(path / "train.bin")
+  rng.integers(0, vocab, n_val).astype(np.uint16).tofile(path / "val.bin")
+  (path / "meta.json").write_text(json.dumps({
+      "format": FORMAT, "vocab_size": vocab, "train_tokens": n_train, "val_tokens": n_val}))
+  return path
+
+
+def test_a_validation_split_shorter_than_a_window_matters_only_to_evaluation(tmp_path):
+  # A 1M-token run on a corpus whose validation split is shorter than one window must train
+  # when it evaluates nothing, and say which file is short when it does evaluate.
+  data = _tokens_folder(tmp_path / "corpus", n_train=4000, n_val=40)
+  common = ["data.source=tokens", f"data.path={data}", "train.steps=4",
+            "train.checkpoint_every=100", "train.grad_accum=1"]
+  result = train(micro_config(*common, "train.eval_batches=0"), tmp_path / "no_eval",
+                 progress=False, quiet=True, print_config=False)
+  assert result.end_step == 4 and np.isfinite(list(result.losses.values())).all()
+  with pytest.raises(ValueError, match=r"val.bin has 40 tokens, fewer than train.seq_len \+ 1"):
+    train(micro_config(*common), tmp_path / "eval", progress=False, quiet=True,
+          print_config=False)

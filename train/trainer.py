@@ -394,8 +394,9 @@ def _set_up(cfg: Config, checkpoint_dir: Path, *, mesh, trainer, say, print_conf
   pi, pc = jax.process_index(), jax.process_count()
   train_batches = make_batches(cfg, "train", global_batch=global_batch, accum=t.grad_accum,
                                process_index=pi, process_count=pc)
-  val_batches = make_batches(cfg, "val", global_batch=global_batch, accum=1,
-                             process_index=pi, process_count=pc)
+  # No evaluation, no validation windows: a run longer than the validation split still trains.
+  val_batches = None if t.eval_batches == 0 else make_batches(
+      cfg, "val", global_batch=global_batch, accum=1, process_index=pi, process_count=pc)
 
   point = ckpt_lib.find_resume_point(checkpoint_dir, cfg.model,
                                      allow_attention_change=allow_attention_change)
