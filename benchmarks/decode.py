@@ -11,7 +11,9 @@ filled by prefill with random keys and values), B rows, bf16. Sides:
 Both threads the cache through the jitted step with donation, as a generation loop does, so
 neither side pays a copy of the cache per step. Rows: median ms per step (a batch of back-to-back
 steps ended by one synchronisation, as benchmarks/timing.py; the length grows by one per step,
-well inside the cache), tokens/s (B / step time) and x_ours (dense over ours).
+well inside the cache), tokens/s (B / step time) and x_ours (dense over ours). `loop_ms` is the
+same step run LOOP times inside one jitted `fori_loop`, per step: the device's time without the
+host's dispatch of every step (what a compiled generation loop pays).
 
 Goals: at N = 1M, dense / ours >= 10 at B = 1 and >= 50 at B = 16; our step at 1M within 1.5x
 of our step at 32K (O(log N) work plus the K C keys attended).
@@ -43,6 +45,7 @@ from benchmarks import _record
 
 NAME = "decode"
 C = 64
+LOOP = 32  # steps per jitted loop for loop_ms
 LENGTHS = (32768, 131072, 524288, 1048576)
 BATCHES = (1, 16)
 # (HQ, HKV, D, K): the anchors' two settings.
@@ -91,6 +94,12 @@ def time_threaded(step, state, reps: int = 7, batch_s: float = 0.2) -> float:
   return round(statistics.median(samples) * 1e3, 4)
 
 
+def time_in_loop(step, state) -> float:
+  """Median ms per step of `state = step(state)` run LOOP times in one jitted `fori_loop`."""
+  run = jax.jit(lambda s: jax.lax.fori_loop(0, LOOP, lambda i, s: step(s), s), donate_argnums=0)
+  return round(time_threaded(run, state, reps=5, batch_s=0.1) / LOOP, 4)
+
+
 def step_inputs(b, hq, hkv, d, seed=1):
   keys = jax.random.split(jax.random.key(seed), 3)
   return (jax.random.normal(keys[0], (b, 1, hq, d), jnp.bfloat16),
@@ -110,19 +119,17 @@ def filled(n, b, hkv, d, seed=0):
 
 
 def time_pisa(n, b, hq, hkv, d, top_k, implementation, steps_room: int):
-  k, v = filled(n, b, hkv, d)
-  cache = pisa_jax.DecodeCache.create(b, n + steps_room, hkv, d, block_size=C)
-  cache = cache.prefill(k, v)
-  del k, v
+  """(ms, loop_ms) of `pisa_jax.decode_step` over a cache of N random tokens per row."""
+  def fresh_cache():
+    cache = pisa_jax.DecodeCache.create(b, n + steps_room, hkv, d, block_size=C)
+    return cache.prefill(*filled(n, b, hkv, d))
+
   q, k1, v1 = step_inputs(b, hq, hkv, d)
-  step = jax.jit(functools.partial(pisa_jax.decode_step, top_k=top_k,
-                                   implementation=implementation), donate_argnames="cache")
-
-  def call(state):
-    out, cache = step(q, k1, v1, state[1])
-    return out, cache
-
-  return time_threaded(call, (None, cache))
+  one = functools.partial(pisa_jax.decode_step, top_k=top_k, implementation=implementation)
+  step = jax.jit(one, donate_argnames="cache")
+  ms = time_threaded(lambda s: step(q, k1, v1, s[1]), (None, fresh_cache()))
+  loop_ms = time_in_loop(lambda s: one(q, k1, v1, s[1]), (jnp.zeros_like(q), fresh_cache()))
+  return ms, loop_ms
 
 
 def dense_step(q, k1, v1, kv, length, *, implementation):
@@ -149,7 +156,12 @@ def time_dense(n, b, hq, hkv, d, steps_room: int):
       return step(q, k1, v1, state[1], state[2])
 
     try:
-      return time_threaded(call, (None, (k, v), jnp.int32(n))), implementation, errors
+      ms = time_threaded(call, (None, (k, v), jnp.int32(n)))
+      k, v = filled(n + steps_room, b, hkv, d)
+      plain = functools.partial(dense_step, implementation=implementation)
+      loop_ms = time_in_loop(lambda s: plain(q, k1, v1, s[1], s[2]),
+                             (jnp.zeros_like(q), (k, v), jnp.int32(n)))
+      return (ms, loop_ms), implementation, errors
     except Exception as e:  # cuDNN refuses some one-query shapes: XLA then runs the step
       errors.append(f"{implementation}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
       del k, v
@@ -189,7 +201,8 @@ def generation_rows(args, rec: _record.Recorder) -> None:
 def measure(args, rec: _record.Recorder) -> None:
   if jax.default_backend() != "gpu":
     rec.note(f"backend {jax.default_backend()}: a smoke run, not a measurement")
-  room = 4096
+  # Room for every timed step: LOOP steps per call, at most 50 calls per batch, 7 batches.
+  room = 16384
   for hq, hkv, d, top_k in args.heads:
     for b in args.batches:
       ours_by_n = {}
@@ -197,11 +210,13 @@ def measure(args, rec: _record.Recorder) -> None:
         name = case_name(n, b, hq, hkv, d, top_k)
         base = dict(part="step", case=name, n=n, batch=b, hq=hq, hkv=hkv, d=d, top_k=top_k)
         try:
-          ms = time_pisa(n, b, hq, hkv, d, top_k, args.implementation, room)
-          ours_by_n[n] = ms
+          ms, loop_ms = time_pisa(n, b, hq, hkv, d, top_k, args.implementation, room)
+          ours_by_n[n] = ms, loop_ms
           first = ours_by_n[min(ours_by_n)]
-          rec.add(**base, side="pisa-jax", ms=ms, tokens_per_s=round(b / ms * 1e3, 1),
-                  x_ours=1.0, x_own_shortest=round(ms / first, 3))
+          rec.add(**base, side="pisa-jax", ms=ms, loop_ms=loop_ms,
+                  tokens_per_s=round(b / ms * 1e3, 1), x_ours=1.0,
+                  x_own_shortest=round(ms / first[0], 3),
+                  loop_x_own_shortest=round(loop_ms / first[1], 3))
         except Exception as e:
           rec.add(**base, side="pisa-jax", error=f"{type(e).__name__}: {str(e)[:300]}")
         ms, impl, errors = time_dense(n, b, hq, hkv, d, room)
@@ -211,9 +226,10 @@ def measure(args, rec: _record.Recorder) -> None:
         if ms is None:
           rec.add(**row, error="; ".join(errors))
         else:
-          ours = ours_by_n.get(n)
-          rec.add(**row, ms=ms, tokens_per_s=round(b / ms * 1e3, 1),
-                  x_ours=round(ms / ours, 3) if ours else None)
+          (ms, loop_ms), ours = ms, ours_by_n.get(n)
+          rec.add(**row, ms=ms, loop_ms=loop_ms, tokens_per_s=round(b / ms * 1e3, 1),
+                  x_ours=round(ms / ours[0], 3) if ours else None,
+                  loop_x_ours=round(loop_ms / ours[1], 3) if ours else None)
         print(table(rec.record), flush=True)
   if args.generation:
     generation_rows(args, rec)
@@ -229,9 +245,13 @@ def table(record: dict) -> str:
     for case in cases:
       ours, dense = by.get((case, "pisa-jax"), {}), by.get((case, "dense"), {})
       body.append([case, ours.get("ms"), dense.get("ms"), dense.get("implementation"),
-                   dense.get("x_ours"), ours.get("x_own_shortest")])
-    lines.append(_record.markdown(["case", "pisa-jax ms", "dense ms", "dense via",
-                                   "dense / ours", "ours / ours at shortest N"], body))
+                   dense.get("x_ours"), ours.get("x_own_shortest"), ours.get("loop_ms"),
+                   dense.get("loop_ms"), dense.get("loop_x_ours"),
+                   ours.get("loop_x_own_shortest")])
+    lines.append(_record.markdown(
+        ["case", "pisa-jax ms", "dense ms", "dense via", "dense / ours",
+         "ours / ours at shortest N", "in-loop ours ms", "in-loop dense ms",
+         "in-loop dense / ours", "in-loop ours / at shortest N"], body))
   gen = [r for r in record["rows"] if r.get("part") == "generation"]
   if gen:
     body = [[r["preset"], r["attention"], r["batch"], r["prompt"], r.get("first_token_s"),
@@ -248,11 +268,13 @@ def plot(record: dict, path) -> None:
   fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(4.5 * max(1, len(groups)), 4.2),
                            squeeze=False)
   for ax, (b, d, k) in zip(axes[0], groups):
-    for side, style in (("pisa-jax", "o-"), ("dense", "s--")):
-      pts = sorted((r["n"], r["ms"]) for r in steps
-                   if (r["batch"], r["d"], r["top_k"], r["side"]) == (b, d, k, side))
+    for side, key, style in (("pisa-jax", "ms", "o-"), ("dense", "ms", "s--"),
+                             ("pisa-jax", "loop_ms", "o:"), ("dense", "loop_ms", "s:")):
+      pts = sorted((r["n"], r[key]) for r in steps if r.get(key)
+                   and (r["batch"], r["d"], r["top_k"], r["side"]) == (b, d, k, side))
       if pts:
-        ax.plot(*zip(*pts), style, label=side)
+        ax.plot(*zip(*pts), style, label=side + (", in one jitted loop" if key == "loop_ms"
+                                                 else ""))
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("cached tokens N")
@@ -272,7 +294,8 @@ def settings(args) -> dict:
               implementation=args.implementation, generation=args.generation,
               gen_preset=args.gen_preset, gen_batch=args.gen_batch, gen_prompt=args.gen_prompt,
               gen_tokens=args.gen_tokens,
-              timing="median of 7 batches of back-to-back steps, the cache threaded and donated")
+              timing="median of 7 batches of back-to-back steps, the cache threaded and donated",
+              loop_steps=LOOP)
 
 
 def main(argv=None) -> dict:

@@ -137,6 +137,7 @@ def test_decode_steps_run_on_the_reference(tmp_path):
                         "--implementation", "xla", "--no-generation", "--out", str(tmp_path)])
   steps = {r["side"]: r for r in record["rows"] if r["part"] == "step"}
   assert steps["pisa-jax"]["ms"] > 0 and steps["dense"]["ms"] > 0, steps
+  assert steps["pisa-jax"]["loop_ms"] > 0 and steps["dense"]["loop_x_ours"] > 0, steps
   assert steps["dense"]["implementation"] in ("cudnn", "xla")
   assert (tmp_path / "decode.png").exists()
 
