@@ -570,6 +570,7 @@ def test_a_validation_split_shorter_than_a_window_matters_only_to_evaluation(tmp
   result = train(micro_config(*common, "train.eval_batches=0"), tmp_path / "no_eval",
                  progress=False, quiet=True, print_config=False)
   assert result.end_step == 4 and np.isfinite(list(result.losses.values())).all()
-  with pytest.raises(ValueError, match=r"val.bin has 40 tokens, fewer than train.seq_len \+ 1"):
+  with pytest.raises(ValueError, match=r"val.bin has 40 tokens, fewer than train.seq_len \+ 1 = 65; "
+                     r"set train.eval_batches=0 .* --val-fraction above 0.0161"):
     train(micro_config(*common), tmp_path / "eval", progress=False, quiet=True,
           print_config=False)

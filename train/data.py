@@ -84,7 +84,15 @@ class TokenWindows:
     if size != 2 * expected:
       raise ValueError(f"{path} is corrupt: {size} bytes, meta.json promises {expected} uint16 tokens")
     if expected < seq_len + 1:
-      raise ValueError(f"{path} has {expected} tokens, fewer than train.seq_len + 1 = {seq_len + 1}")
+      hint = ""
+      if split == "val":
+        total = expected + int(meta.get("train_tokens", 0))
+        need = (seq_len + 1) / max(total, 1)
+        hint = (f"; set train.eval_batches=0 to train without evaluating, or prepare it with "
+                f"pisa-prepare-data --val-fraction above {need:.3g}" if need < 0.5 else
+                "; the corpus is too small for windows this long")
+      raise ValueError(
+          f"{path} has {expected} tokens, fewer than train.seq_len + 1 = {seq_len + 1}{hint}")
     if packing and not isinstance(meta.get("eot"), int):
       raise ValueError(f"data.packing=true needs the end-of-text token: {meta_path} has no integer "
                        f"\"eot\" (got {meta.get('eot')!r}); write the folder with pisa-prepare-data")
