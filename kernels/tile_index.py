@@ -1,0 +1,117 @@
+"""Index pre-passes of the query-tile attention kernels (`pisa_jax.kernels.tile_attention`).
+
+Neighbouring queries select nearly the same leaf blocks (the forced first, previous and current
+blocks of Eq. 6's selection are shared by every query of a block, and the scored ones overlap),
+so a program that owns a tile of TQ consecutive queries can read each distinct block once and
+mask per query. These jnp pre-passes give it the blocks to read, and give the dk/dv kernel the
+tiles that read each block. Everything here is integer work ordered by stable sorts: the results
+are deterministic.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Int
+
+# The tile kernel is expected to win while a tile's union is a small share of the TQ * K block
+# reads of the per-query kernel: it reads union / (TQ * K) of the bytes at about union / K times
+# the FLOPs. Not yet measured on a GPU: a placeholder until the benchmark on real indices sets it.
+TILE_UNION_FRACTION_MAX = 0.25
+
+
+def union_length(tile_queries: int, top_k: int, num_blocks: int) -> int:
+  """Static length of a tile's union list: no tile can read more than TQ * K or M blocks."""
+  return min(tile_queries * top_k, num_blocks)
+
+
+def tile_unions(block_indices: Int[Array, "B T HKV K"], *, block_size: int, tile_queries: int,
+                num_blocks: int):
+  """The sorted union of the blocks each tile of `tile_queries` consecutive queries selected.
+
+  Only valid entries count (0 <= index <= t // C for query t, the rule of Eq. 6); -1 padding,
+  future blocks and repeats add nothing. The last tile may be partial (T not a multiple of TQ).
+
+  Returns:
+    union: int32 `[B, NT, HKV, U]`, NT = ceil(T / TQ), U = `union_length`: each tile's distinct
+      blocks ascending, then -1.
+    count: int32 `[B, NT, HKV]`, the number of blocks in each union.
+  """
+  b, t, hkv, top_k = block_indices.shape
+  num_tiles = -(-t // tile_queries)
+  length = union_length(tile_queries, top_k, num_blocks)
+  cur = (jnp.arange(t, dtype=jnp.int32) // block_size)[None, :, None, None]
+  idx = block_indices.astype(jnp.int32)
+  # Invalid entries and the padding queries of the last tile sort after every block.
+  key = jnp.where((idx >= 0) & (idx <= cur), idx, num_blocks)
+  key = jnp.pad(key, ((0, 0), (0, num_tiles * tile_queries - t), (0, 0), (0, 0)),
+                constant_values=num_blocks)
+  # [B, NT, HKV, TQ * K]: every entry of a tile, sorted.
+  key = key.reshape(b, num_tiles, tile_queries, hkv, top_k).transpose(0, 1, 3, 2, 4)
+  key = jnp.sort(key.reshape(b, num_tiles, hkv, tile_queries * top_k), axis=-1)
+  first = jnp.concatenate([jnp.ones_like(key[..., :1], bool), key[..., 1:] != key[..., :-1]],
+                          axis=-1)
+  new = first & (key < num_blocks)
+  # A second sort moves the first copy of each block to the front, still ascending.
+  union = jnp.sort(jnp.where(new, key, num_blocks), axis=-1)[..., :length]
+  union = jnp.where(union < num_blocks, union, -1)
+  count = jnp.sum(new, axis=-1, dtype=jnp.int32)
+  return union, count
+
+
+def union_fraction(count: Int[Array, "B NT HKV"], *, tile_queries: int, top_k: int) -> Array:
+  """Mean union size over TQ * K: the tile kernel's share of the per-query kernel's block reads."""
+  return jnp.mean(count.astype(jnp.float32)) / (tile_queries * top_k)
+
+
+def prefers_tile_kernel(count: Int[Array, "B NT HKV"], *, tile_queries: int, top_k: int) -> Array:
+  """Scalar bool: whether the tile kernel should run on these indices (union fraction at most
+  `TILE_UNION_FRACTION_MAX`). The threshold is not yet measured on a GPU."""
+  return union_fraction(count, tile_queries=tile_queries, top_k=top_k) <= TILE_UNION_FRACTION_MAX
+
+
+def default_items_tiles(num_tiles: int, length: int, num_blocks: int) -> int:
+  """Tiles per dk/dv work item: the static entry count NT * U spread over about 2 M items, so
+  the float32 partials stay about twice dk and dv, and block 0 (in every tile's union) is split
+  over several programs instead of one long one."""
+  return max(1, -(-num_tiles * length // (2 * num_blocks)))
+
+
+def tile_inverted_index(union: Int[Array, "B NT HKV U"], *, num_blocks: int, items_tiles: int):
+  """For each (batch, KV head, key block), the tiles whose union holds it, cut into work items.
+
+  The analogue of `attention.inverted_index` with tiles for queries: a stable argsort keeps the
+  tiles of a block ascending, so the dk/dv partials are summed in a fixed order.
+
+  Returns:
+    entry_tile: int32 `[B, HKV, NT * U]`, the tile of each entry, grouped by block (padding last).
+    item_block, item_start, item_end: int32 `[B, HKV, NI]`; item i covers entries
+      [item_start, item_end) of block item_block (empty items: start == end).
+    item_offsets: int32 `[B, HKV, M + 1]`; the items of block n are [item_offsets[n],
+      item_offsets[n + 1]).
+  """
+  b, num_tiles, hkv, length = union.shape
+  entries = num_tiles * length
+  num_items = -(-entries // items_tiles) + num_blocks
+  key = jnp.where(union >= 0, union, num_blocks).transpose(0, 2, 1, 3).reshape(b, hkv, entries)
+  order = jnp.argsort(key, axis=-1, stable=True).astype(jnp.int32)
+  entry_tile = order // length
+
+  def per_head(key_h):
+    counts = jnp.zeros((num_blocks + 1,), jnp.int32).at[key_h].add(1)[:num_blocks]
+    offsets = _exclusive_cumsum(counts)
+    item_offsets = _exclusive_cumsum(-(-counts // items_tiles))
+    item = jnp.arange(num_items, dtype=jnp.int32)
+    blk = jnp.searchsorted(item_offsets[1:], item, side="right").astype(jnp.int32)
+    in_range = blk < num_blocks
+    blk = jnp.minimum(blk, num_blocks - 1)
+    start = offsets[blk] + (item - item_offsets[blk]) * items_tiles
+    end = jnp.minimum(start + items_tiles, offsets[blk + 1])
+    return blk, jnp.where(in_range, start, 0), jnp.where(in_range, end, 0), item_offsets
+
+  item_block, item_start, item_end, item_offsets = jax.vmap(jax.vmap(per_head))(key)
+  return entry_tile, item_block, item_start, item_end, item_offsets
+
+
+def _exclusive_cumsum(x):
+  return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(x, dtype=jnp.int32)])
