@@ -116,10 +116,11 @@ def _finite_or_zero(x):
 # ----------------------------------------------------------------------------- forward kernel
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, union_ref, count_ref, o_ref, lse_ref, *,
+def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, union_ref, count_ref, v_bad_ref, o_ref, lse_ref, *,
                 block_size: int, scale: float, group: int):
   """One program: query tile i, KV head h. q_ref `[TQ, G', D]`, k_ref/v_ref `[Tk, D]`,
-  idx_ref `[TQ, K']`, union_ref `[NT, U]`, count_ref `[NT]`."""
+  idx_ref `[TQ, K']`, union_ref `[NT, U]`, count_ref `[NT]`, v_bad_ref `[M]` (whether a block's
+  values hold a non-finite entry)."""
   i = pl.program_id(0)
   tile_q, gp, d = q_ref.shape
   rows = tile_q * gp
@@ -149,15 +150,16 @@ def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, union_ref, count_ref, o_ref, lse_r
     alpha = jnp.exp2(b_m - m_use)
     b_p = jnp.exp2(b_s - m_use[:, None])
     b_l = b_l * alpha + jnp.sum(b_p, axis=1)
-    # A non-finite value would reach every row through p = 0 (0 * NaN = NaN): zeroed here, and
-    # the rows that see it are counted by a dot that runs only when the block holds one.
-    v_bad = ~jnp.isfinite(b_v)
-    b_bad = lax.cond(
-        jnp.max(jnp.where(v_bad, 1, 0)) > 0,
-        lambda bad: bad + jnp.dot(visible.astype(b_v.dtype), v_bad.astype(b_v.dtype),
-                                  precision=precision, preferred_element_type=jnp.float32),
-        lambda bad: bad, b_bad)
-    b_v = jnp.where(v_bad, jnp.zeros_like(b_v), b_v)
+    # A non-finite value would reach every row through p = 0 (0 * NaN = NaN): in a block that
+    # holds one (a flag from outside, so finite blocks pay one scalar load) it is zeroed, and
+    # the rows that see it are counted by a second dot.
+    def clean(b_bad, b_v):
+      v_bad = ~jnp.isfinite(b_v)
+      b_bad = b_bad + jnp.dot(visible.astype(b_v.dtype), v_bad.astype(b_v.dtype),
+                              precision=precision, preferred_element_type=jnp.float32)
+      return b_bad, jnp.where(v_bad, jnp.zeros_like(b_v), b_v)
+
+    b_bad, b_v = lax.cond(v_bad_ref[n] > 0, clean, lambda *a: a, b_bad, b_v)
     b_acc = b_acc * alpha[:, None] + jnp.dot(
         b_p.astype(b_v.dtype), b_v, precision=precision, preferred_element_type=jnp.float32)
     return m_new, b_l, b_acc, b_bad
@@ -192,12 +194,17 @@ def _forward(q5, k, v, idx, union, count, *, block_size, scale, group, interpret
   b, tp, hkv, gp, d = q5.shape
   num_tiles, length = union.shape[1], union.shape[3]
   tile_q = tp // num_tiles
+  num_blocks = k.shape[1] // block_size
+  # [B, M, HKV]: 1 where a block's values hold a non-finite entry.
+  v_bad = jnp.any(~jnp.isfinite(v.reshape(b, num_blocks, block_size, hkv, d)), axis=(2, 4))
+  v_bad = v_bad.astype(jnp.int32)
   q_spec, lse_spec, idx_spec, kv_spec, union_spec, count_spec = _tile_specs(
       tile_q, gp, d, idx.shape[-1], k.shape[1], num_tiles, length)
   call = pl.pallas_call(
       functools.partial(_fwd_kernel, block_size=block_size, scale=scale, group=group),
       grid=(num_tiles, hkv, b),
-      in_specs=[q_spec, kv_spec, kv_spec, idx_spec, union_spec, count_spec],
+      in_specs=[q_spec, kv_spec, kv_spec, idx_spec, union_spec, count_spec,
+                pl.BlockSpec((None, num_blocks, None), lambda i, h, bb: (bb, 0, h))],
       out_specs=[q_spec, lse_spec],
       out_shape=[jax.ShapeDtypeStruct(q5.shape, q5.dtype),
                  jax.ShapeDtypeStruct((b, tp, hkv, gp), jnp.float32)],
@@ -206,7 +213,7 @@ def _forward(q5, k, v, idx, union, count, *, block_size, scale, group, interpret
       interpret=interpret,
       name="pisa_tile_attention_fwd",
   )
-  return per_query._call_kernel(call, q5, k, v, idx, union, count)
+  return per_query._call_kernel(call, q5, k, v, idx, union, count, v_bad)
 
 
 # ----------------------------------------------------------------------------- dq kernel
