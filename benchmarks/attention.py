@@ -5,8 +5,15 @@ Every side gets the same bf16 inputs (B=1) and, for the sparse sides, the same b
                     ascending, -1 while fewer are eligible (the peers' usual benchmark)
   --indices pisa    PISA's own selection of these q/k (`pisa_jax.select_blocks`): the first,
                     previous and current blocks are shared by the queries of a block
+  --indices real    PISA's selection (K of the case) on a trained model's post-RoPE q/k, read
+                    from --qk-npz (written by `benchmarks.dump_qk`; its first N tokens); its KV
+                    heads are repeated over the case's HKV. Neighbouring queries select nearly
+                    the same blocks here, unlike random indices.
 Sides, each forward and forward + backward (dq, dk, dv):
   pisa-jax      `pisa_jax.sparse_attention(implementation="pallas")`
+  pisa-jax tile the query-tile kernels (`kernels.tile_attention`, default config; pallas only),
+                with union_fraction: the tiles' mean union over TQ * K (their share of the
+                per-query kernel's block reads), the input of `tile_index.prefers_tile_kernel`
   fla           `fla.ops.nsa`'s ParallelNSAFunction (Triton; its backward needs a GQA group of at
                 least 16; skipped, with a note, when fla is not importable)
   cudnn dense   causal `jax.nn.dot_product_attention(implementation="cudnn")` over all keys
@@ -17,6 +24,7 @@ compared with ours (max_abs_vs_ours). The plot is bars per case, log time.
 
   python -m benchmarks.attention                     # the default cases, benchmarks/results/
   python -m benchmarks.attention --case 65536:32:2:128:32 --indices pisa --out /tmp/att
+  python -m benchmarks.attention --indices real --qk-npz /tmp/qk64k.npz --case 65536:32:2:128:32
   python -m benchmarks.attention --replot benchmarks/results/attention.json
   python -m benchmarks.attention --case 256:4:2:64:4 --implementation xla --out /tmp/a  # any CPU
 
@@ -32,6 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import pisa_jax
+from pisa_jax import _dispatch
+from pisa_jax.kernels import tile_attention, tile_index
 from pisa_jax.testing import random_block_indices
 from benchmarks import _fla, _record
 from benchmarks.timing import time_jax, time_torch
@@ -106,6 +116,33 @@ def time_ours(q, k, v, do, idx, d, implementation):
           fwd(q, k, v, idx))
 
 
+def time_tile(q, k, v, do, idx, d):
+  """The tile kernels' forward and forward + backward, and the indices' union fraction."""
+  hq, hkv, top_k = q.shape[2], k.shape[2], idx.shape[-1]
+  config = tile_attention.TileAttentionConfig.default(head_dim=d, group=hq // hkv)
+  tq = tile_attention.effective_tile_queries(config, hq // hkv)
+  fn = functools.partial(tile_attention.sparse_attention_tile, block_size=C, scale=d ** -0.5,
+                         interpret=_dispatch.interpret_mode(), config=config)
+  _, count = tile_index.tile_unions(idx, block_size=C, tile_queries=tq,
+                                    num_blocks=-(-q.shape[1] // C))
+  fraction = float(tile_index.union_fraction(count, tile_queries=tq, top_k=top_k))
+  return ({"fwd": time_jax(jax.jit(fn), q, k, v, idx),
+           "fwd+bwd": time_jax(with_grads(fn), q, k, v, idx, do)},
+          dict(tile_queries=tq, union_fraction=round(fraction, 4)))
+
+
+def real_indices(qk, n, hkv, top_k, implementation):
+  """PISA's selection (K = top_k) on the first n tokens of a trained model's q/k, its KV heads
+  repeated over hkv: int32 `[1, n, hkv, K]`."""
+  if qk is None:
+    raise SystemExit("--indices real needs --qk-npz (write one with benchmarks.dump_qk)")
+  if qk["q"].shape[1] < n:
+    raise SystemExit(f"--qk-npz holds {qk['q'].shape[1]} tokens, fewer than the case's N={n}")
+  q, k = (jnp.asarray(qk[name][:, :n]).astype(jnp.bfloat16) for name in ("q", "k"))
+  idx = pisa_jax.select_blocks(q, k, block_size=C, top_k=top_k, implementation=implementation)
+  return idx[:, :, jnp.arange(hkv) % idx.shape[2]]
+
+
 def time_fla(q, k, v, do, idx, d, ours_out):
   """fla's forward and forward + backward; the forward's largest difference from ours."""
   import torch
@@ -134,12 +171,20 @@ def measure(args, rec: _record.Recorder) -> None:
   if dense_reason:
     rec.note(dense_reason)
   dense_done = {}
+  qk = None
+  if args.qk_npz:
+    with np.load(args.qk_npz) as f:
+      qk = {name: f[name] for name in ("q", "k")}
+      rec.note(f"real indices: {args.qk_npz} (layer {int(f['layer'])}, step {int(f['step'])}, "
+               f"q {list(f['q'].shape)}, k {list(f['k'].shape)})")
   for n, hq, hkv, d, top_k in args.cases:
     name = case_name(n, hq, hkv, d, top_k)
     base = dict(case=name, n=n, hq=hq, hkv=hkv, d=d, top_k=top_k)
     q, k, v, do = inputs(n, hq, hkv, d)
     if args.indices == "random":
       idx = jnp.asarray(random_block_indices(0, n, hkv, top_k, C))
+    elif args.indices == "real":
+      idx = real_indices(qk, n, hkv, top_k, args.implementation)
     else:
       idx = pisa_jax.select_blocks(q, k, block_size=C, top_k=top_k,
                                    implementation=args.implementation)
@@ -152,6 +197,19 @@ def measure(args, rec: _record.Recorder) -> None:
     for phase, ms in ours.items():
       rec.add(**base, side="pisa-jax", phase=phase, ms=ms,
               tflops=tflops(fl * (1 if phase == "fwd" else 3.5), ms), x_ours=1.0)
+    if args.implementation == "pallas":
+      try:
+        tile, extra = time_tile(q, k, v, do, idx, d)
+      except Exception as e:
+        tile, extra = {}, {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+      for phase in ("fwd", "fwd+bwd"):
+        row = dict(base, side="pisa-jax tile", phase=phase, **extra)
+        if phase in tile:
+          row.update(ms=tile[phase],
+                     tflops=tflops(fl * (1 if phase == "fwd" else 3.5), tile[phase]))
+          if phase in ours:
+            row["x_ours"] = round(tile[phase] / ours[phase], 3)
+        rec.add(**row)
     if not fla_reason and ours_out is not None:
       try:
         res = time_fla(q, k, v, do, idx, d, ours_out)
@@ -191,7 +249,7 @@ def measure(args, rec: _record.Recorder) -> None:
     del q, k, v, do, idx, ours_out
 
 
-SIDES = ("pisa-jax", "fla", "cudnn dense")
+SIDES = ("pisa-jax", "pisa-jax tile", "fla", "cudnn dense")
 
 
 def table(record: dict) -> str:
@@ -199,12 +257,15 @@ def table(record: dict) -> str:
   cases = list(dict.fromkeys(r["case"] for r in record["rows"]))
   cols, body = ["case"], []
   for phase in ("fwd", "fwd+bwd"):
-    cols += [f"{side} {phase} ms" for side in SIDES] + [f"fla / ours {phase}"]
+    cols += [f"{side} {phase} ms" for side in SIDES] + [f"fla / ours {phase}",
+                                                         f"fla / tile {phase}"]
   for case in cases:
     line = [case]
     for phase in ("fwd", "fwd+bwd"):
       line += [by.get((case, side, phase), {}).get("ms") for side in SIDES]
       line.append(by.get((case, "fla", phase), {}).get("x_ours"))
+      fla, tile = (by.get((case, side, phase), {}).get("ms") for side in ("fla", "pisa-jax tile"))
+      line.append(round(fla / tile, 3) if fla and tile else None)
     body.append(line)
   return _record.markdown(cols, body)
 
@@ -219,7 +280,7 @@ def plot(record: dict, path) -> None:
   for ax, phase in zip(axes, ("fwd", "fwd+bwd")):
     for j, side in enumerate(SIDES):
       vals = [by.get((case, side, phase)) or np.nan for case in cases]
-      ax.bar(x + (j - 1) * width, vals, width, label=side)
+      ax.bar(x + (j - (len(SIDES) - 1) / 2) * width, vals, width, label=side)
     for i, case in enumerate(cases):
       ours, fla = by.get((case, "pisa-jax", phase)), by.get((case, "fla", phase))
       if ours and fla:
@@ -240,6 +301,7 @@ def plot(record: dict, path) -> None:
 
 def settings(args) -> dict:
   return dict(batch=1, block_size=C, dtype="bfloat16", seed=0, indices=args.indices,
+              qk_npz=args.qk_npz,
               cases=[dict(zip(("n", "hq", "hkv", "d", "top_k"), c)) for c in args.cases],
               implementation=args.implementation,
               timing="median of 7 batches of back-to-back calls (benchmarks/timing.py)")
@@ -249,7 +311,9 @@ def main(argv=None) -> dict:
   p = _record.parser(__doc__)
   p.add_argument("--case", dest="cases", type=parse_case, action="append",
                  help="N:HQ:HKV:D:K, repeatable (default: the ten cases of CASES)")
-  p.add_argument("--indices", choices=("random", "pisa"), default="random")
+  p.add_argument("--indices", choices=("random", "pisa", "real"), default="random")
+  p.add_argument("--qk-npz", default=None,
+                 help="q/k of a trained run for --indices real (benchmarks.dump_qk)")
   p.add_argument("--implementation", default="pallas", choices=("pallas", "xla"),
                  help="ours: the Pallas kernels (default) or the jnp reference (a CPU smoke run)")
   p.add_argument("--no-fla", dest="fla", action="store_false", help="leave fla out")

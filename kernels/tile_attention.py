@@ -419,7 +419,7 @@ def _core_bwd(block_size, scale, group, interpret, config, residuals, do5):
 _tile_attention_core.defvjp(_core_fwd, _core_bwd)
 
 
-def _tile_queries(config: TileAttentionConfig, group: int) -> int:
+def effective_tile_queries(config: TileAttentionConfig, group: int) -> int:
   """TQ of a call: the config's, raised so that TQ * G' >= 16."""
   return max(config.tile_queries, 16 // next_pow2(group))
 
@@ -447,7 +447,7 @@ def sparse_attention_tile(
   top_k = block_indices.shape[-1]
   if config is None:
     config = TileAttentionConfig.default(head_dim=d, group=g)
-  tile_q = _tile_queries(config, g)
+  tile_q = effective_tile_queries(config, g)
   num_blocks = -(-t // block_size)
   block_indices = lax.stop_gradient(block_indices.astype(jnp.int32))
   union, count = tile_index.tile_unions(block_indices, block_size=block_size, tile_queries=tile_q,

@@ -250,3 +250,36 @@ def test_long_context_dry_run(tmp_path):
   assert len([r for r in record["rows"] if "goal" in r]) == 3
   assert json.loads((tmp_path / "long_context_training.json").read_text())["rows"] == record["rows"]
   assert (tmp_path / "long_context_training.png").exists()
+
+
+def test_attention_real_indices_from_a_dumped_layer(tmp_path):
+  # benchmarks.dump_qk's q/k of a (here untrained) tiny decoder, then --indices real on them:
+  # the q/k are the layer's own (equal to what its attention computes), and the benchmark
+  # selects on their first N tokens with the case's K and repeats their KV heads over its HKV.
+  from flax import nnx
+
+  from benchmarks import attention, dump_qk
+  from pisa_jax.configs.presets import get_config
+  from pisa_jax.models.decoder import Decoder, apply_rope, rope_angles
+
+  cfg = get_config("tiny").model
+  model = Decoder(cfg, rngs=nnx.Rngs(0))
+  tokens = jnp.arange(160, dtype=jnp.int32)[None] % cfg.vocab_size
+  q, k = dump_qk.layer_qk(model, tokens, 1)
+  x = model.blocks[0](jnp.take(model.embed[...], tokens, axis=0).astype(q.dtype),
+                      *rope_angles(160, cfg.head_dim, cfg.rope_base))
+  h = model.blocks[1].attn_norm(x)
+  want = apply_rope(jnp.einsum("bte,ehd->bthd", h, model.blocks[1].attn.wk[...].astype(q.dtype)),
+                    *rope_angles(160, cfg.head_dim, cfg.rope_base))
+  np.testing.assert_allclose(np.asarray(k), np.asarray(want), atol=1e-5)
+  path = tmp_path / "qk.npz"
+  np.savez(path, q=np.asarray(q, np.float16), k=np.asarray(k, np.float16), layer=1, step=0)
+  record = attention.main(["--case", "130:4:2:32:3", "--indices", "real", "--qk-npz", str(path),
+                           "--implementation", "xla", "--no-fla", "--out", str(tmp_path)])
+  assert {(r["side"], r["phase"]) for r in record["rows"]} == {("pisa-jax", "fwd"),
+                                                               ("pisa-jax", "fwd+bwd")}
+  assert record["settings"]["qk_npz"] == str(path)
+  assert any("real indices" in n for n in record["notes"])
+  with pytest.raises(SystemExit, match="fewer than"):
+    attention.main(["--case", "256:4:2:32:3", "--indices", "real", "--qk-npz", str(path),
+                    "--implementation", "xla", "--no-fla", "--out", str(tmp_path)])
