@@ -123,8 +123,8 @@ def time_tile(q, k, v, do, idx, d):
   tq = tile_attention.effective_tile_queries(config, hq // hkv)
   fn = functools.partial(tile_attention.sparse_attention_tile, block_size=C, scale=d ** -0.5,
                          interpret=_dispatch.interpret_mode(), config=config)
-  _, count = tile_index.tile_unions(idx, block_size=C, tile_queries=tq,
-                                    num_blocks=-(-q.shape[1] // C))
+  _, _, count = tile_index.tile_unions(idx, block_size=C, tile_queries=tq,
+                                       num_blocks=-(-q.shape[1] // C))
   fraction = float(tile_index.union_fraction(count, tile_queries=tq, top_k=top_k))
   return ({"fwd": time_jax(jax.jit(fn), q, k, v, idx),
            "fwd+bwd": time_jax(with_grads(fn), q, k, v, idx, do)},

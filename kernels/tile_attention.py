@@ -52,13 +52,16 @@ class TileAttentionConfig:
   """Tile size and launch parameters of the query-tile kernels.
 
   Attributes:
-    tile_queries: TQ, consecutive queries per program, a power of two; raised to 16 / G' when
-      smaller, so that a program has at least 16 rows (the smallest tensor-core dot).
+    tile_queries: TQ, consecutive queries per program, a power of two <= 32; raised to 16 / G'
+      when smaller, so that a program has at least 16 rows (the smallest tensor-core dot).
     kernel: "tile" always runs these kernels; "auto" runs them when
       `tile_index.prefers_tile_kernel` holds for the indices, else the per-query kernels (with
       their default config).
     fwd_num_warps, fwd_num_stages, dq_num_warps, dq_num_stages, dkv_num_warps, dkv_num_stages,
       reduce_num_warps: kernel launches.
+    dkv_rows: rows per step of the dk/dv kernel, a power of two: a tile is taken in runs of
+      dkv_rows / G' queries (at least 16 rows, at most a tile), each skipped when none of its
+      queries selected the block.
     items_tiles: most tiles one dk/dv program handles for one key block; 0 picks
       `tile_index.default_items_tiles`.
   """
@@ -69,14 +72,19 @@ class TileAttentionConfig:
   fwd_num_stages: int = 2
   dq_num_warps: int = 4
   dq_num_stages: int = 2
+  dkv_rows: int = 64
   dkv_num_warps: int = 4
   dkv_num_stages: int = 2
   items_tiles: int = 0
   reduce_num_warps: int = 4
 
   def __post_init__(self):
-    if self.tile_queries < 1 or self.tile_queries & (self.tile_queries - 1):
-      raise ValueError(f"tile_queries={self.tile_queries} must be a power of two >= 1")
+    if (self.tile_queries < 1 or self.tile_queries & (self.tile_queries - 1)
+        or self.tile_queries > tile_index.MAX_TILE_QUERIES):
+      raise ValueError(f"tile_queries={self.tile_queries} must be a power of two in [1, "
+                       f"{tile_index.MAX_TILE_QUERIES}] (a tile's queries are the bits of an int32)")
+    if self.dkv_rows < 1 or self.dkv_rows & (self.dkv_rows - 1):
+      raise ValueError(f"dkv_rows={self.dkv_rows} must be a power of two >= 1")
     if self.kernel not in KERNELS:
       raise ValueError(f"kernel={self.kernel!r} must be one of {KERNELS}")
     if self.items_tiles < 0:
@@ -84,29 +92,30 @@ class TileAttentionConfig:
 
   @classmethod
   def default(cls, *, head_dim: int, group: int) -> "TileAttentionConfig":
-    """Heuristic defaults, not yet measured on a GPU: about 128 rows per program at d <= 64 and
-    64 at d = 128 (the float32 accumulator is rows x d), 4 warps per 64 rows."""
-    rows = 128 if next_pow2(max(16, head_dim)) <= 64 else 64
-    tile_queries = max(1, min(64, rows // next_pow2(group)))
-    warps = max(4, min(8, rows // 16))
-    return cls(tile_queries=tile_queries, fwd_num_warps=warps, dq_num_warps=warps)
+    """Heuristic defaults, not yet measured on a GPU; chosen from ptxas' register counts for
+    sm_90 (the float32 accumulator is rows x d): 128 rows per program at d <= 64 and 64 at
+    d = 128, 8 warps for them (forward 127-214 registers, dq 143-198, no spills; 4 warps spill
+    or sit at 255), 64-row dk/dv steps in 4 warps at d <= 64 and 8 at d = 128 (4 spill)."""
+    dp = next_pow2(max(16, head_dim))
+    gp = next_pow2(group)
+    rows = 128 if dp <= 64 else 64
+    tile_queries = max(1, min(tile_index.MAX_TILE_QUERIES, rows // gp))
+    warps = 8 if max(16, tile_queries * gp) * dp >= 8192 else 4
+    return cls(tile_queries=tile_queries, fwd_num_warps=warps, dq_num_warps=warps,
+               dkv_num_warps=8 if dp >= 128 else 4)
 
 
-def _tile_rows(tile, tile_q: int, group: int, gp: int):
-  """[R] query position of each row of a tile, and [R] whether its head is a real one."""
+def _tile_rows(tile, tile_q: int, gp: int):
+  """[R] query position of each row of a tile."""
+  return tile * tile_q + jnp.arange(tile_q * gp) // gp
+
+
+def _selects(word, tile_q: int, group: int, gp: int):
+  """[R] whether each row's query selected the block whose query bits are `word` (bit q: query
+  q of the tile), for the real heads only. Two scalar-vector ops per block: no per-query index
+  list is held in registers."""
   o_r = jnp.arange(tile_q * gp)
-  return tile * tile_q + o_r // gp, o_r % gp < group
-
-
-def _rows_of(x, gp: int):
-  """`[TQ, ...]` per query -> `[TQ * G', ...]` per row (each query's value for its G' heads)."""
-  tq = x.shape[0]
-  return jnp.broadcast_to(x[:, None], (tq, gp) + x.shape[1:]).reshape((tq * gp,) + x.shape[1:])
-
-
-def _selects(b_idx, n, head_ok):
-  """[R] whether each row's query selected block n (b_idx `[R, K']`, -1 padded)."""
-  return (jnp.max(jnp.where(b_idx == n, 1, 0), axis=1) > 0) & head_ok
+  return (lax.shift_right_logical(word, o_r // gp) & 1 == 1) & (o_r % gp < group)
 
 
 def _finite_or_zero(x):
@@ -116,32 +125,31 @@ def _finite_or_zero(x):
 # ----------------------------------------------------------------------------- forward kernel
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, union_ref, count_ref, v_bad_ref, o_ref, lse_ref, *,
+def _fwd_kernel(q_ref, k_ref, v_ref, union_ref, bits_ref, count_ref, v_bad_ref, o_ref, lse_ref, *,
                 block_size: int, scale: float, group: int):
   """One program: query tile i, KV head h. q_ref `[TQ, G', D]`, k_ref/v_ref `[Tk, D]`,
-  idx_ref `[TQ, K']`, union_ref `[NT, U]`, count_ref `[NT]`, v_bad_ref `[M]` (whether a block's
-  values hold a non-finite entry)."""
+  union_ref/bits_ref `[NT, U]`, count_ref `[NT]`, v_bad_ref `[M]` (whether a block's values
+  hold a non-finite entry)."""
   i = pl.program_id(0)
   tile_q, gp, d = q_ref.shape
   rows = tile_q * gp
   # [R, D]
   b_q = q_ref[...].reshape(rows, d)
-  # [R, K']
-  b_idx = _rows_of(idx_ref[...], gp)
-  o_t, head_ok = _tile_rows(i, tile_q, group, gp)
+  o_t = _tile_rows(i, tile_q, gp)
   precision = per_query._dot_precision(b_q.dtype)
   qk_scale = scale * _LOG2E
 
   def body(u, carry):
-    b_m, b_l, b_acc, b_bad = carry
+    b_m, b_l, b_acc = carry
     n = union_ref[i, u]
+    selects = _selects(bits_ref[i, u], tile_q, group, gp)
     start = pl.multiple_of(n * block_size, block_size)
     # [C, D]: each block of the union is read once for all R rows.
     b_k = k_ref[pl.ds(start, block_size), :]
     b_v = v_ref[pl.ds(start, block_size), :]
     key_pos = start + jnp.arange(block_size)
     # [R, C]: Eq. 6's mask, per row: its query selected block n, and key <= query.
-    visible = (_selects(b_idx, n, head_ok)[:, None] & (key_pos[None, :] <= o_t[:, None]))
+    visible = selects[:, None] & (key_pos[None, :] <= o_t[:, None])
     b_s = jnp.dot(b_q, b_k.T, precision=precision, preferred_element_type=jnp.float32) * qk_scale
     b_s = jnp.where(visible, b_s, -jnp.inf)
     m_new = jnp.maximum(b_m, jnp.max(b_s, axis=1))
@@ -150,46 +158,45 @@ def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, union_ref, count_ref, v_bad_ref, o
     alpha = jnp.exp2(b_m - m_use)
     b_p = jnp.exp2(b_s - m_use[:, None])
     b_l = b_l * alpha + jnp.sum(b_p, axis=1)
-    # A non-finite value would reach every row through p = 0 (0 * NaN = NaN): in a block that
-    # holds one (a flag from outside, so finite blocks pay one scalar load) it is zeroed, and
-    # the rows that see it are counted by a second dot.
-    def clean(b_bad, b_v):
-      v_bad = ~jnp.isfinite(b_v)
-      b_bad = b_bad + jnp.dot(visible.astype(b_v.dtype), v_bad.astype(b_v.dtype),
-                              precision=precision, preferred_element_type=jnp.float32)
-      return b_bad, jnp.where(v_bad, jnp.zeros_like(b_v), b_v)
-
-    b_bad, b_v = lax.cond(v_bad_ref[n] > 0, clean, lambda *a: a, b_bad, b_v)
+    # A non-finite value would reach every row through p = 0 (0 * NaN = NaN). In a block that
+    # holds one (a flag from outside: finite blocks pay one scalar load) it is zeroed, and the
+    # accumulator entries of the rows that see it are set to NaN (they stay NaN).
+    has_bad = v_bad_ref[n] > 0
+    b_v_use = lax.cond(has_bad, _finite_or_zero, lambda x: x, b_v)
     b_acc = b_acc * alpha[:, None] + jnp.dot(
-        b_p.astype(b_v.dtype), b_v, precision=precision, preferred_element_type=jnp.float32)
-    return m_new, b_l, b_acc, b_bad
+        b_p.astype(b_v.dtype), b_v_use, precision=precision, preferred_element_type=jnp.float32)
+
+    def poison(b_acc):
+      hits = jnp.dot(visible.astype(b_v.dtype), (~jnp.isfinite(b_v)).astype(b_v.dtype),
+                     precision=precision, preferred_element_type=jnp.float32)
+      return jnp.where(hits > 0, jnp.nan, b_acc)
+
+    return m_new, b_l, lax.cond(has_bad, poison, lambda x: x, b_acc)
 
   init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
-          jnp.zeros((rows, d), jnp.float32), jnp.zeros((rows, d), jnp.float32))
-  b_m, b_l, b_acc, b_bad = lax.fori_loop(0, count_ref[i], body, init)
+          jnp.zeros((rows, d), jnp.float32))
+  b_m, b_l, b_acc = lax.fori_loop(0, count_ref[i], body, init)
   # A row with no visible key has l = 0 and acc = 0: it gets zeros and lse = -inf.
   has_key = b_l > 0
   b_o = b_acc / jnp.where(has_key, b_l, 1.0)[:, None]
-  b_o = jnp.where(b_bad > 0, jnp.nan, b_o)
   b_lse = jnp.where(has_key, (b_m + jnp.log2(jnp.where(has_key, b_l, 1.0))) * _LN2, -jnp.inf)
   o_ref[...] = b_o.reshape(tile_q, gp, d).astype(o_ref.dtype)
   lse_ref[...] = b_lse.reshape(tile_q, gp)
 
 
-def _tile_specs(tile_q, gp, d, kp, tk, num_tiles, length):
+def _tile_specs(tile_q, gp, d, tk, num_tiles, length):
   """BlockSpecs of the (tile, KV head, batch) grid: a program sees its tile's rows of q/o/do
-  `[TQ, G', D]`, lse/delta `[TQ, G']` and indices `[TQ, K']`, its KV head's whole k/v `[Tk, D]`,
-  and the union lists `[NT, U]` and counts `[NT]` of its (batch, KV head)."""
+  `[TQ, G', D]` and lse/delta `[TQ, G']`, its KV head's whole k/v `[Tk, D]`, and the union
+  lists and query bits `[NT, U]` and counts `[NT]` of its (batch, KV head)."""
   q_spec = pl.BlockSpec((None, tile_q, None, gp, d), lambda i, h, bb: (bb, i, h, 0, 0))
   lse_spec = pl.BlockSpec((None, tile_q, None, gp), lambda i, h, bb: (bb, i, h, 0))
-  idx_spec = pl.BlockSpec((None, tile_q, None, kp), lambda i, h, bb: (bb, i, h, 0))
   kv_spec = pl.BlockSpec((None, tk, None, d), lambda i, h, bb: (bb, 0, h, 0))
   union_spec = pl.BlockSpec((None, num_tiles, None, length), lambda i, h, bb: (bb, 0, h, 0))
   count_spec = pl.BlockSpec((None, num_tiles, None), lambda i, h, bb: (bb, 0, h))
-  return q_spec, lse_spec, idx_spec, kv_spec, union_spec, count_spec
+  return q_spec, lse_spec, kv_spec, union_spec, count_spec
 
 
-def _forward(q5, k, v, idx, union, count, *, block_size, scale, group, interpret, config):
+def _forward(q5, k, v, union, bits, count, *, block_size, scale, group, interpret, config):
   """q5 `[B, Tp, HKV, G', D]` (Tp = NT * TQ) -> (o5 like q5, lse float32 `[B, Tp, HKV, G']`)."""
   b, tp, hkv, gp, d = q5.shape
   num_tiles, length = union.shape[1], union.shape[3]
@@ -198,12 +205,12 @@ def _forward(q5, k, v, idx, union, count, *, block_size, scale, group, interpret
   # [B, M, HKV]: 1 where a block's values hold a non-finite entry.
   v_bad = jnp.any(~jnp.isfinite(v.reshape(b, num_blocks, block_size, hkv, d)), axis=(2, 4))
   v_bad = v_bad.astype(jnp.int32)
-  q_spec, lse_spec, idx_spec, kv_spec, union_spec, count_spec = _tile_specs(
-      tile_q, gp, d, idx.shape[-1], k.shape[1], num_tiles, length)
+  q_spec, lse_spec, kv_spec, union_spec, count_spec = _tile_specs(
+      tile_q, gp, d, k.shape[1], num_tiles, length)
   call = pl.pallas_call(
       functools.partial(_fwd_kernel, block_size=block_size, scale=scale, group=group),
       grid=(num_tiles, hkv, b),
-      in_specs=[q_spec, kv_spec, kv_spec, idx_spec, union_spec, count_spec,
+      in_specs=[q_spec, kv_spec, kv_spec, union_spec, union_spec, count_spec,
                 pl.BlockSpec((None, num_blocks, None), lambda i, h, bb: (bb, 0, h))],
       out_specs=[q_spec, lse_spec],
       out_shape=[jax.ShapeDtypeStruct(q5.shape, q5.dtype),
@@ -213,13 +220,13 @@ def _forward(q5, k, v, idx, union, count, *, block_size, scale, group, interpret
       interpret=interpret,
       name="pisa_tile_attention_fwd",
   )
-  return per_query._call_kernel(call, q5, k, v, idx, union, count, v_bad)
+  return per_query._call_kernel(call, q5, k, v, union, bits, count, v_bad)
 
 
 # ----------------------------------------------------------------------------- dq kernel
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, idx_ref, union_ref, count_ref, o_ref, do_ref, lse_ref,
+def _dq_kernel(q_ref, k_ref, v_ref, union_ref, bits_ref, count_ref, o_ref, do_ref, lse_ref,
                dq_ref, delta_ref, *, block_size: int, scale: float, group: int):
   """One program: query tile i, KV head h. Writes dq and delta = rowsum(o * do) for dk/dv."""
   i = pl.program_id(0)
@@ -233,8 +240,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, idx_ref, union_ref, count_ref, o_ref, do_ref
   b_delta = jnp.sum(b_o.astype(jnp.float32) * b_do.astype(jnp.float32), axis=1)
   # Rows without a visible key carry lse = -inf; every entry of theirs is masked below.
   b_lse2 = lse_ref[...].reshape(rows) * _LOG2E
-  b_idx = _rows_of(idx_ref[...], gp)
-  o_t, head_ok = _tile_rows(i, tile_q, group, gp)
+  o_t = _tile_rows(i, tile_q, gp)
   precision = per_query._dot_precision(b_q.dtype)
   qk_scale = scale * _LOG2E
 
@@ -244,7 +250,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, idx_ref, union_ref, count_ref, o_ref, do_ref
     b_k = k_ref[pl.ds(start, block_size), :]
     b_v = v_ref[pl.ds(start, block_size), :]
     key_pos = start + jnp.arange(block_size)
-    visible = (_selects(b_idx, n, head_ok)[:, None] & (key_pos[None, :] <= o_t[:, None]))
+    selects = _selects(bits_ref[i, u], tile_q, group, gp)
+    visible = selects[:, None] & (key_pos[None, :] <= o_t[:, None])
     # [R, C]
     b_s = jnp.dot(b_q, b_k.T, precision=precision, preferred_element_type=jnp.float32) * qk_scale
     b_p = jnp.where(visible, jnp.exp2(b_s - b_lse2[:, None]), 0.0)
@@ -260,16 +267,16 @@ def _dq_kernel(q_ref, k_ref, v_ref, idx_ref, union_ref, count_ref, o_ref, do_ref
   delta_ref[...] = b_delta.reshape(tile_q, gp)
 
 
-def _backward_dq(q5, k, v, idx, union, count, o5, do5, lse, *, block_size, scale, group,
+def _backward_dq(q5, k, v, union, bits, count, o5, do5, lse, *, block_size, scale, group,
                  interpret, config):
   b, tp, hkv, gp, d = q5.shape
   num_tiles, length = union.shape[1], union.shape[3]
-  q_spec, lse_spec, idx_spec, kv_spec, union_spec, count_spec = _tile_specs(
-      tp // num_tiles, gp, d, idx.shape[-1], k.shape[1], num_tiles, length)
+  q_spec, lse_spec, kv_spec, union_spec, count_spec = _tile_specs(
+      tp // num_tiles, gp, d, k.shape[1], num_tiles, length)
   call = pl.pallas_call(
       functools.partial(_dq_kernel, block_size=block_size, scale=scale, group=group),
       grid=(num_tiles, hkv, b),
-      in_specs=[q_spec, kv_spec, kv_spec, idx_spec, union_spec, count_spec, q_spec, q_spec,
+      in_specs=[q_spec, kv_spec, kv_spec, union_spec, union_spec, count_spec, q_spec, q_spec,
                 lse_spec],
       out_specs=[q_spec, lse_spec],
       out_shape=[jax.ShapeDtypeStruct(q5.shape, q5.dtype),
@@ -279,25 +286,27 @@ def _backward_dq(q5, k, v, idx, union, count, o5, do5, lse, *, block_size, scale
       interpret=interpret,
       name="pisa_tile_attention_dq",
   )
-  return per_query._call_kernel(call, q5, k, v, idx, union, count, o5, do5, lse)
+  return per_query._call_kernel(call, q5, k, v, union, bits, count, o5, do5, lse)
 
 
 # ----------------------------------------------------------------------------- dk/dv kernel
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, idx_ref, entry_ref, blk_ref,
-                start_ref, end_ref, dk_ref, dv_ref, *, block_size: int, scale: float, group: int,
-                tile_q: int):
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entry_ref, entry_bits_ref,
+                blk_ref, start_ref, end_ref, dk_ref, dv_ref, *, block_size: int, scale: float,
+                group: int, tile_q: int, step_q: int):
   """One program: one work item (a key block and a run of the tiles whose union holds it).
 
-  Each step loads one tile's R rows as the N dimension of `[C, R]` dots (Appendix B gradients
-  for the keys of one block). Writes float32 partials, scale not yet applied to dk."""
+  Each step loads `step_q` queries of a tile (R = step_q * G' rows) as the N dimension of
+  `[C, R]` dots (Appendix B gradients for the keys of one block), and is skipped when none of
+  them selected the block. Writes float32 partials, scale not yet applied to dk."""
   it = pl.program_id(0)
   n = blk_ref[it]
   first = start_ref[it]
   last = end_ref[it]
   gp, d = q_ref.shape[1], q_ref.shape[2]
-  rows = tile_q * gp
+  rows = step_q * gp
+  splits = tile_q // step_q
   start = pl.multiple_of(n * block_size, block_size)
   # [C, D]
   b_k = k_ref[pl.ds(start, block_size), :]
@@ -306,19 +315,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, idx_ref, entry_
   qk_scale = scale * _LOG2E
   key_pos = start + jnp.arange(block_size)
 
-  def body(e, carry):
+  def step(t0, word, carry):
     b_dk, b_dv = carry
-    tile = entry_ref[e]
-    t0 = pl.multiple_of(tile * tile_q, tile_q)
-    # [R, D] and [R]: the tile's rows.
-    b_q = q_ref[pl.ds(t0, tile_q)].reshape(rows, d)
-    b_do = do_ref[pl.ds(t0, tile_q)].reshape(rows, d)
-    b_lse2 = lse_ref[pl.ds(t0, tile_q)].reshape(rows) * _LOG2E
-    b_delta = delta_ref[pl.ds(t0, tile_q)].reshape(rows)
-    b_idx = _rows_of(idx_ref[pl.ds(t0, tile_q)], gp)
-    o_t, head_ok = _tile_rows(tile, tile_q, group, gp)
+    # [R, D] and [R]: rows of queries t0 .. t0 + step_q - 1.
+    b_q = q_ref[pl.ds(t0, step_q)].reshape(rows, d)
+    b_do = do_ref[pl.ds(t0, step_q)].reshape(rows, d)
+    b_lse2 = lse_ref[pl.ds(t0, step_q)].reshape(rows) * _LOG2E
+    b_delta = delta_ref[pl.ds(t0, step_q)].reshape(rows)
+    o_t = t0 + jnp.arange(rows) // gp
     # [C, R]
-    visible = _selects(b_idx, n, head_ok)[None, :] & (key_pos[:, None] <= o_t[None, :])
+    visible = _selects(word, step_q, group, gp)[None, :] & (key_pos[:, None] <= o_t[None, :])
     b_s = jnp.dot(b_k, b_q.T, precision=precision, preferred_element_type=jnp.float32) * qk_scale
     b_dp = jnp.dot(b_v, b_do.T, precision=precision, preferred_element_type=jnp.float32)
     b_p = jnp.where(visible, jnp.exp2(b_s - b_lse2[None, :]), 0.0)
@@ -332,38 +338,47 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, idx_ref, entry_
                           preferred_element_type=jnp.float32)
     return b_dk, b_dv
 
+  def body(s, carry):
+    # Entry first + s // splits, its (s % splits)-th run of step_q queries; truncating div / rem.
+    e, j = (first + s, 0) if splits == 1 else (first + lax.div(s, splits), lax.rem(s, splits))
+    t0 = pl.multiple_of(entry_ref[e] * tile_q + j * step_q, step_q)
+    word = lax.shift_right_logical(entry_bits_ref[e], j * step_q)
+    if step_q < 32:
+      word = word & ((1 << step_q) - 1)
+    return lax.cond(word != 0, functools.partial(step, t0, word), lambda c: c, carry)
+
   zeros = jnp.zeros((block_size, d), jnp.float32)
-  b_dk, b_dv = lax.fori_loop(first, last, body, (zeros, zeros))
+  b_dk, b_dv = lax.fori_loop(0, (last - first) * splits, body, (zeros, zeros))
   dk_ref[...] = b_dk
   dv_ref[...] = b_dv
 
 
-def _backward_dkv(q5, k, v, idx, union, do5, lse, delta, *, block_size, scale, group, interpret,
-                  config):
+def _backward_dkv(q5, k, v, union, bits, do5, lse, delta, *, block_size, scale, group,
+                  interpret, config):
   b, tp, hkv, gp, d = q5.shape
   tk = k.shape[1]
   num_blocks = tk // block_size
   num_tiles, length = union.shape[1], union.shape[3]
   tile_q = tp // num_tiles
-  kp = idx.shape[-1]
   items_tiles = config.items_tiles or tile_index.default_items_tiles(num_tiles, length, num_blocks)
-  entry_tile, item_block, item_start, item_end, item_offsets = tile_index.tile_inverted_index(
-      union, num_blocks=num_blocks, items_tiles=items_tiles)
+  entry_tile, entry_bits, item_block, item_start, item_end, item_offsets = (
+      tile_index.tile_inverted_index(union, bits, num_blocks=num_blocks, items_tiles=items_tiles))
   num_items = item_block.shape[-1]
   q_spec = pl.BlockSpec((None, tp, None, gp, d), lambda i, h, bb: (bb, 0, h, 0, 0))
   kv_spec = pl.BlockSpec((None, tk, None, d), lambda i, h, bb: (bb, 0, h, 0))
   lse_spec = pl.BlockSpec((None, tp, None, gp), lambda i, h, bb: (bb, 0, h, 0))
-  idx_spec = pl.BlockSpec((None, tp, None, kp), lambda i, h, bb: (bb, 0, h, 0))
   entry_spec = pl.BlockSpec((None, None, num_tiles * length), lambda i, h, bb: (bb, h, 0))
   item_spec = pl.BlockSpec((None, None, num_items), lambda i, h, bb: (bb, h, 0))
   part_spec = pl.BlockSpec((None, None, None, block_size, d), lambda i, h, bb: (bb, h, i, 0, 0))
   part_shape = jax.ShapeDtypeStruct((b, hkv, num_items, block_size, d), jnp.float32)
+  # Queries per step: dkv_rows rows, at least 16 (the smallest tensor-core dot), at most a tile.
+  step_q = min(tile_q, max(config.dkv_rows // gp, 16 // gp, 1))
   kernel = functools.partial(_dkv_kernel, block_size=block_size, scale=scale, group=group,
-                             tile_q=tile_q)
+                             tile_q=tile_q, step_q=step_q)
   dk_part, dv_part = per_query._call_kernel(pl.pallas_call(
       kernel,
       grid=(num_items, hkv, b),
-      in_specs=[q_spec, kv_spec, kv_spec, q_spec, lse_spec, lse_spec, idx_spec, entry_spec,
+      in_specs=[q_spec, kv_spec, kv_spec, q_spec, lse_spec, lse_spec, entry_spec, entry_spec,
                 item_spec, item_spec, item_spec],
       out_specs=[part_spec, part_spec],
       out_shape=[part_shape, part_shape],
@@ -371,7 +386,7 @@ def _backward_dkv(q5, k, v, idx, union, do5, lse, delta, *, block_size, scale, g
                                          num_stages=config.dkv_num_stages),
       interpret=interpret,
       name="pisa_tile_attention_dkv",
-  ), q5, k, v, do5, lse, delta, idx, entry_tile, item_block, item_start, item_end)
+  ), q5, k, v, do5, lse, delta, entry_tile, entry_bits, item_block, item_start, item_end)
 
   offsets_spec = pl.BlockSpec((None, None, num_blocks + 1), lambda n, h, bb: (bb, h, 0))
   parts_spec = pl.BlockSpec((None, None, num_items, block_size, d),
@@ -393,25 +408,25 @@ def _backward_dkv(q5, k, v, idx, union, do5, lse, delta, *, block_size, scale, g
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def _tile_attention_core(q5, k, v, idx, union, count, block_size, scale, group, interpret,
+def _tile_attention_core(q5, k, v, union, bits, count, block_size, scale, group, interpret,
                          config):
-  o5, _ = _forward(q5, k, v, idx, union, count, block_size=block_size, scale=scale, group=group,
+  o5, _ = _forward(q5, k, v, union, bits, count, block_size=block_size, scale=scale, group=group,
                    interpret=interpret, config=config)
   return o5
 
 
-def _core_fwd(q5, k, v, idx, union, count, block_size, scale, group, interpret, config):
-  o5, lse = _forward(q5, k, v, idx, union, count, block_size=block_size, scale=scale,
+def _core_fwd(q5, k, v, union, bits, count, block_size, scale, group, interpret, config):
+  o5, lse = _forward(q5, k, v, union, bits, count, block_size=block_size, scale=scale,
                      group=group, interpret=interpret, config=config)
-  return o5, (q5, k, v, idx, union, count, o5, lse)
+  return o5, (q5, k, v, union, bits, count, o5, lse)
 
 
 def _core_bwd(block_size, scale, group, interpret, config, residuals, do5):
-  q5, k, v, idx, union, count, o5, lse = residuals
+  q5, k, v, union, bits, count, o5, lse = residuals
   do5 = do5.astype(q5.dtype)
   kw = dict(block_size=block_size, scale=scale, group=group, interpret=interpret, config=config)
-  dq5, delta = _backward_dq(q5, k, v, idx, union, count, o5, do5, lse, **kw)
-  dk, dv = _backward_dkv(q5, k, v, idx, union, do5, lse, delta, **kw)
+  dq5, delta = _backward_dq(q5, k, v, union, bits, count, o5, do5, lse, **kw)
+  dk, dv = _backward_dkv(q5, k, v, union, bits, do5, lse, delta, **kw)
   # Integer indices get no cotangent.
   return dq5, dk, dv, None, None, None
 
@@ -450,23 +465,19 @@ def sparse_attention_tile(
   tile_q = effective_tile_queries(config, g)
   num_blocks = -(-t // block_size)
   block_indices = lax.stop_gradient(block_indices.astype(jnp.int32))
-  union, count = tile_index.tile_unions(block_indices, block_size=block_size, tile_queries=tile_q,
-                                        num_blocks=num_blocks)
+  union, bits, count = tile_index.tile_unions(block_indices, block_size=block_size,
+                                              tile_queries=tile_q, num_blocks=num_blocks)
+  tile = functools.partial(_tile_path, union=union, bits=bits, count=count,
+                           block_size=block_size, scale=scale, interpret=interpret, config=config)
   if config.kernel == "auto":
-    tile = functools.partial(_tile_path, block_indices=block_indices, union=union, count=count,
-                             block_size=block_size, scale=scale, interpret=interpret,
-                             config=config, tile_q=tile_q)
     query = functools.partial(per_query.sparse_attention_pallas, block_indices=block_indices,
                               block_size=block_size, scale=scale, interpret=interpret)
     prefers = tile_index.prefers_tile_kernel(count, tile_queries=tile_q, top_k=top_k)
     return lax.cond(prefers, tile, query, q, k, v)
-  return _tile_path(q, k, v, block_indices=block_indices, union=union, count=count,
-                    block_size=block_size, scale=scale, interpret=interpret, config=config,
-                    tile_q=tile_q)
+  return tile(q, k, v)
 
 
-def _tile_path(q, k, v, *, block_indices, union, count, block_size, scale, interpret, config,
-               tile_q):
+def _tile_path(q, k, v, *, union, bits, count, block_size, scale, interpret, config):
   b, t, hq, d = q.shape
   hkv = k.shape[2]
   g = hq // hkv
@@ -474,16 +485,13 @@ def _tile_path(q, k, v, *, block_indices, union, count, block_size, scale, inter
   dp = max(16, next_pow2(d))
   dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
   q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
-  tp = union.shape[1] * tile_q
+  tp = union.shape[1] * effective_tile_queries(config, g)
   tk = -(-t // block_size) * block_size
   # Autodiff carries the pads and slices below; the kernels see whole tiles, groups and blocks.
   q5 = jnp.pad(q.reshape(b, t, hkv, g, d), ((0, 0), (0, tp - t), (0, 0), (0, gp - g), (0, dp - d)))
   kv_pad = ((0, 0), (0, tk - t), (0, 0), (0, dp - d))
   k, v = jnp.pad(k, kv_pad), jnp.pad(v, kv_pad)
-  kp = next_pow2(block_indices.shape[-1])
-  idx = jnp.pad(block_indices, ((0, 0), (0, tp - t), (0, 0), (0, kp - block_indices.shape[-1])),
-                constant_values=-1)
-  o5 = _tile_attention_core(q5, k, v, idx, union, count, int(block_size), float(scale), g,
+  o5 = _tile_attention_core(q5, k, v, union, bits, count, int(block_size), float(scale), g,
                             bool(interpret), config)
   return o5[:, :t, :, :g, :d].reshape(b, t, hq, d)
 

@@ -18,6 +18,8 @@ from jaxtyping import Array, Int
 # reads of the per-query kernel: it reads union / (TQ * K) of the bytes at about union / K times
 # the FLOPs. Not yet measured on a GPU: a placeholder until the benchmark on real indices sets it.
 TILE_UNION_FRACTION_MAX = 0.25
+# A tile's queries are the bits of one int32 per union entry.
+MAX_TILE_QUERIES = 32
 
 
 def union_length(tile_queries: int, top_k: int, num_blocks: int) -> int:
@@ -27,36 +29,57 @@ def union_length(tile_queries: int, top_k: int, num_blocks: int) -> int:
 
 def tile_unions(block_indices: Int[Array, "B T HKV K"], *, block_size: int, tile_queries: int,
                 num_blocks: int):
-  """The sorted union of the blocks each tile of `tile_queries` consecutive queries selected.
+  """The sorted union of the blocks each tile of `tile_queries` consecutive queries selected, and
+  which of the tile's queries selected each.
 
   Only valid entries count (0 <= index <= t // C for query t, the rule of Eq. 6); -1 padding,
   future blocks and repeats add nothing. The last tile may be partial (T not a multiple of TQ).
+  One sort per tile of its TQ * K (block, query) pairs; the bits are an integer scatter-add of
+  distinct powers of two (exact, so deterministic).
 
   Returns:
     union: int32 `[B, NT, HKV, U]`, NT = ceil(T / TQ), U = `union_length`: each tile's distinct
       blocks ascending, then -1.
+    bits: int32 `[B, NT, HKV, U]`: bit q of entry u of tile i is set when query i * TQ + q
+      selected union[u] (TQ <= 32; bit 31 is the sign bit).
     count: int32 `[B, NT, HKV]`, the number of blocks in each union.
   """
   b, t, hkv, top_k = block_indices.shape
+  if not 1 <= tile_queries <= MAX_TILE_QUERIES:
+    raise ValueError(f"tile_queries={tile_queries} must be in [1, {MAX_TILE_QUERIES}] (one bit "
+                     "per query of a tile in an int32)")
   num_tiles = -(-t // tile_queries)
   length = union_length(tile_queries, top_k, num_blocks)
   cur = (jnp.arange(t, dtype=jnp.int32) // block_size)[None, :, None, None]
+  local = (jnp.arange(t, dtype=jnp.int32) % tile_queries)[None, :, None, None]
   idx = block_indices.astype(jnp.int32)
-  # Invalid entries and the padding queries of the last tile sort after every block.
-  key = jnp.where((idx >= 0) & (idx <= cur), idx, num_blocks)
+  # (block, query in tile) as one key; invalid entries and the last tile's padding sort last.
+  end = num_blocks * tile_queries
+  key = jnp.where((idx >= 0) & (idx <= cur), idx * tile_queries + local, end)
   key = jnp.pad(key, ((0, 0), (0, num_tiles * tile_queries - t), (0, 0), (0, 0)),
-                constant_values=num_blocks)
-  # [B, NT, HKV, TQ * K]: every entry of a tile, sorted.
+                constant_values=end)
   key = key.reshape(b, num_tiles, tile_queries, hkv, top_k).transpose(0, 1, 3, 2, 4)
-  key = jnp.sort(key.reshape(b, num_tiles, hkv, tile_queries * top_k), axis=-1)
-  first = jnp.concatenate([jnp.ones_like(key[..., :1], bool), key[..., 1:] != key[..., :-1]],
-                          axis=-1)
-  new = first & (key < num_blocks)
-  # A second sort moves the first copy of each block to the front, still ascending.
-  union = jnp.sort(jnp.where(new, key, num_blocks), axis=-1)[..., :length]
-  union = jnp.where(union < num_blocks, union, -1)
-  count = jnp.sum(new, axis=-1, dtype=jnp.int32)
-  return union, count
+  key = jnp.sort(key.reshape(b * num_tiles * hkv, tile_queries * top_k), axis=-1)
+  block, query = key // tile_queries, key % tile_queries
+  real = key < end
+  new_pair = jnp.concatenate([real[:, :1], real[:, 1:] & (key[:, 1:] != key[:, :-1])], axis=1)
+  new_block = jnp.concatenate([real[:, :1], real[:, 1:] & (block[:, 1:] != block[:, :-1])],
+                              axis=1)
+  # The union slot of each entry: how many blocks start at or before it, minus one.
+  slot = jnp.cumsum(new_block, axis=1, dtype=jnp.int32) - 1
+
+  def per_tile(slot, block, query, new_pair, new_block):
+    union = jnp.full((length,), -1, jnp.int32).at[jnp.where(new_block, slot, length)].set(
+        block, mode="drop")
+    bit = jnp.where(new_pair, jnp.left_shift(jnp.int32(1), query), 0)
+    bits = jnp.zeros((length,), jnp.int32).at[jnp.where(new_pair, slot, length)].add(
+        bit, mode="drop")
+    return union, bits
+
+  union, bits = jax.vmap(per_tile)(slot, block, query, new_pair, new_block)
+  count = jnp.sum(new_block, axis=1, dtype=jnp.int32)
+  shape = (b, num_tiles, hkv)
+  return union.reshape(shape + (length,)), bits.reshape(shape + (length,)), count.reshape(shape)
 
 
 def union_fraction(count: Int[Array, "B NT HKV"], *, tile_queries: int, top_k: int) -> Array:
@@ -77,7 +100,8 @@ def default_items_tiles(num_tiles: int, length: int, num_blocks: int) -> int:
   return max(1, -(-num_tiles * length // (2 * num_blocks)))
 
 
-def tile_inverted_index(union: Int[Array, "B NT HKV U"], *, num_blocks: int, items_tiles: int):
+def tile_inverted_index(union: Int[Array, "B NT HKV U"], bits: Int[Array, "B NT HKV U"], *,
+                        num_blocks: int, items_tiles: int):
   """For each (batch, KV head, key block), the tiles whose union holds it, cut into work items.
 
   The analogue of `attention.inverted_index` with tiles for queries: a stable argsort keeps the
@@ -85,6 +109,7 @@ def tile_inverted_index(union: Int[Array, "B NT HKV U"], *, num_blocks: int, ite
 
   Returns:
     entry_tile: int32 `[B, HKV, NT * U]`, the tile of each entry, grouped by block (padding last).
+    entry_bits: int32 `[B, HKV, NT * U]`, which queries of that tile selected the block (`bits`).
     item_block, item_start, item_end: int32 `[B, HKV, NI]`; item i covers entries
       [item_start, item_end) of block item_block (empty items: start == end).
     item_offsets: int32 `[B, HKV, M + 1]`; the items of block n are [item_offsets[n],
@@ -96,6 +121,8 @@ def tile_inverted_index(union: Int[Array, "B NT HKV U"], *, num_blocks: int, ite
   key = jnp.where(union >= 0, union, num_blocks).transpose(0, 2, 1, 3).reshape(b, hkv, entries)
   order = jnp.argsort(key, axis=-1, stable=True).astype(jnp.int32)
   entry_tile = order // length
+  entry_bits = jnp.take_along_axis(bits.transpose(0, 2, 1, 3).reshape(b, hkv, entries), order,
+                                   axis=-1)
 
   def per_head(key_h):
     counts = jnp.zeros((num_blocks + 1,), jnp.int32).at[key_h].add(1)[:num_blocks]
@@ -110,7 +137,7 @@ def tile_inverted_index(union: Int[Array, "B NT HKV U"], *, num_blocks: int, ite
     return blk, jnp.where(in_range, start, 0), jnp.where(in_range, end, 0), item_offsets
 
   item_block, item_start, item_end, item_offsets = jax.vmap(jax.vmap(per_head))(key)
-  return entry_tile, item_block, item_start, item_end, item_offsets
+  return entry_tile, entry_bits, item_block, item_start, item_end, item_offsets
 
 
 def _exclusive_cumsum(x):

@@ -40,7 +40,7 @@ def test_tile_unions_match_python_sets():
   idx[0, 9, 0, 1] = 5  # a future block of query 9 (current block 1): not read by its tile
   idx[1, 40, 1, :] = [2, 2, -1]  # a repeat counts once
   num_blocks = -(-t // c)
-  union, count = jax.tree.map(np.asarray, tile_index.tile_unions(
+  union, bits, count = jax.tree.map(np.asarray, tile_index.tile_unions(
       jnp.asarray(idx), block_size=c, tile_queries=tq, num_blocks=num_blocks))
   length = tile_index.union_length(tq, top_k, num_blocks)
   assert union.shape == (2, -(-t // tq), hkv, length) and count.shape == union.shape[:3]
@@ -51,16 +51,23 @@ def test_tile_unions_match_python_sets():
                        for n in idx[b, ti, h] if 0 <= n <= ti // c})
         assert count[b, i, h] == len(want)
         assert list(union[b, i, h]) == want + [-1] * (length - len(want)), (b, i, h)
+        for u, n in enumerate(want):
+          queries = {ti - i * tq for ti in range(i * tq, min(t, (i + 1) * tq))
+                     if n in idx[b, ti, h] and n <= ti // c}
+          assert {j for j in range(tq) if bits[b, i, h, u] >> j & 1} == queries, (b, i, h, u)
+        assert np.all(bits[b, i, h, len(want):] == 0)
 
 
 def test_tile_inverted_index_lists_every_tile_once():
   t, hkv, top_k, c, tq, items = 100, 2, 4, 8, 8, 3
   idx = random_indices(4, 1, t, hkv, top_k, c)
   num_blocks = -(-t // c)
-  union, _ = tile_index.tile_unions(idx, block_size=c, tile_queries=tq, num_blocks=num_blocks)
-  entry_tile, item_block, item_start, item_end, item_offsets = jax.tree.map(
-      np.asarray, tile_index.tile_inverted_index(union, num_blocks=num_blocks, items_tiles=items))
-  union = np.asarray(union)
+  union, bits, _ = tile_index.tile_unions(idx, block_size=c, tile_queries=tq,
+                                          num_blocks=num_blocks)
+  entry_tile, entry_bits, item_block, item_start, item_end, item_offsets = jax.tree.map(
+      np.asarray, tile_index.tile_inverted_index(union, bits, num_blocks=num_blocks,
+                                                 items_tiles=items))
+  union, bits = np.asarray(union), np.asarray(bits)
   for h in range(hkv):
     for n in range(num_blocks):
       want = [i for i in range(union.shape[1]) if n in union[0, i, h]]
@@ -68,7 +75,10 @@ def test_tile_inverted_index_lists_every_tile_once():
       for it in range(item_offsets[0, h, n], item_offsets[0, h, n + 1]):
         assert item_block[0, h, it] == n
         assert 0 < item_end[0, h, it] - item_start[0, h, it] <= items
-        got += list(entry_tile[0, h, item_start[0, h, it]:item_end[0, h, it]])
+        entries = slice(item_start[0, h, it], item_end[0, h, it])
+        got += list(entry_tile[0, h, entries])
+        for i, word in zip(entry_tile[0, h, entries], entry_bits[0, h, entries]):
+          assert word == bits[0, i, h, list(union[0, i, h]).index(n)]
       assert got == want, (h, n)
     # Items past the last block's are empty.
     last = item_offsets[0, h, -1]
@@ -145,12 +155,13 @@ def test_matches_reference_selected_indices_default_config():
 
 
 def test_split_work_items_and_bitwise_repeat():
-  """items_tiles=1: every (tile, block) pair is its own dk/dv program, summed in tile order;
-  the result matches the reference, and two runs are bit-identical."""
-  t, hq, hkv, d, c, top_k = 96, 2, 1, 16, 8, 5
+  """items_tiles=1: every (tile, block) pair is its own dk/dv program, summed in tile order,
+  and dkv_rows=16 takes a tile of 32 queries in two steps; the result matches the reference,
+  and two runs are bit-identical."""
+  t, hq, hkv, d, c, top_k = 96, 2, 2, 16, 8, 5
   q, k, v, do = make_inputs(3, 1, t, hq, hkv, d, jnp.float32)
   idx = random_indices(3, 1, t, hkv, top_k, c)
-  config = ta.TileAttentionConfig(tile_queries=8, items_tiles=1)
+  config = ta.TileAttentionConfig(tile_queries=32, items_tiles=1, dkv_rows=16)
   first = run_tile(q, k, v, idx, do, c, 0.25, config)
   second = run_tile(q, k, v, idx, do, c, 0.25, config)
   for a, b in zip(first, second):
@@ -212,7 +223,8 @@ def test_auto_kernel_matches_reference_either_way(window, hq, tq):
     idx = random_indices(5, 1, t, hkv, top_k, c)
   idx = idx.astype(jnp.int32)
   num_blocks = -(-t // c)
-  _, count = tile_index.tile_unions(idx, block_size=c, tile_queries=tq, num_blocks=num_blocks)
+  _, _, count = tile_index.tile_unions(idx, block_size=c, tile_queries=tq,
+                                       num_blocks=num_blocks)
   assert bool(tile_index.prefers_tile_kernel(count, tile_queries=tq, top_k=top_k)) == window
   config = ta.TileAttentionConfig(tile_queries=tq, kernel="auto")
   got = run_tile(q, k, v, idx, do, c, 0.2, config)
@@ -220,7 +232,8 @@ def test_auto_kernel_matches_reference_either_way(window, hq, tq):
 
 
 def test_config_validation_and_dispatch():
-  for kw, field in ((dict(tile_queries=24), "tile_queries"), (dict(kernel="rows"), "kernel"),
+  for kw, field in ((dict(tile_queries=24), "tile_queries"), (dict(tile_queries=64), "int32"),
+                    (dict(kernel="rows"), "kernel"), (dict(dkv_rows=48), "dkv_rows"),
                     (dict(items_tiles=-1), "items_tiles")):
     with pytest.raises(ValueError, match=field):
       ta.TileAttentionConfig(**kw)
