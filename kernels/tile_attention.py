@@ -4,8 +4,9 @@ The same op as `pisa_jax.kernels.attention` (same `custom_vjp` contract, same ou
 differently: a program owns TQ consecutive queries and the G query heads of one KV head, so its
 rows are R = TQ * G' (G' the group padded to a power of two), and it walks the sorted union of the
 blocks its queries selected (`tile_index.tile_unions`) loading each key/value block once. Each
-(query, key) pair is masked by that query's own selection (the block is among its K indices) and
-by causality (key position <= query position), the rule of Eq. 6. Neighbouring queries select
+(query, key) pair is masked by that query's own selection (the block is among its K indices: one
+bit of the union entry's int32 of query bits) and by causality (key position <= query position),
+the rule of Eq. 6. Neighbouring queries select
 nearly the same blocks, so the union is a small share of the TQ * K reads of the per-query kernel,
 at up to union / K times its FLOPs, on `[R, C]` score tiles with many rows.
 
@@ -16,13 +17,12 @@ reduction. No atomics: reruns are bit-identical.
 
 Non-finite inputs: a key or value that a row does not see must not reach it, but the rows of a
 tile share every dot. Scores are masked by a select (not a product); values with a non-finite
-entry are zeroed before the PV dot, and the rows that see such an entry are marked by a second
-dot that runs only for a block holding one (they output NaN, also where the reference's value
-would be an infinity). dq multiplies by finite-zeroed keys and dk by finite-zeroed queries: a row
+entry are zeroed before the PV dot, and the rows that see such an entry are set to NaN from a
+second dot, both only in a block flagged (outside the kernel) as holding one (NaN also where the
+reference's value would be an infinity). dq multiplies by finite-zeroed keys and dk by finite-zeroed queries: a row
 that sees a NaN key or has a NaN query still gets it through its own scores.
 
-Padding: q, o, do and the indices are padded to whole tiles and groups (padded rows select
-nothing), keys to whole blocks (after every query, masked by causality), head dims to a power of
+Padding: q, o and do are padded to whole tiles and groups (padded rows select nothing), keys to whole blocks (after every query, masked by causality), head dims to a power of
 two >= 16 (zero columns change no dot product).
 """
 
@@ -82,7 +82,7 @@ class TileAttentionConfig:
     if (self.tile_queries < 1 or self.tile_queries & (self.tile_queries - 1)
         or self.tile_queries > tile_index.MAX_TILE_QUERIES):
       raise ValueError(f"tile_queries={self.tile_queries} must be a power of two in [1, "
-                       f"{tile_index.MAX_TILE_QUERIES}] (a tile's queries are the bits of an int32)")
+                       f"{tile_index.MAX_TILE_QUERIES}] (a tile's queries are an int32's bits)")
     if self.dkv_rows < 1 or self.dkv_rows & (self.dkv_rows - 1):
       raise ValueError(f"dkv_rows={self.dkv_rows} must be a power of two >= 1")
     if self.kernel not in KERNELS:
