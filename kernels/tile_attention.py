@@ -122,6 +122,18 @@ def _finite_or_zero(x):
   return jnp.where(jnp.isfinite(x), x, jnp.zeros_like(x))
 
 
+def _nonfinite_flags(x, run: int):
+  """int32 `[B, L / run, HKV]`: 1 where a run of `run` positions of x `[B, L, HKV, ...]` holds a
+  non-finite entry. A kernel reads one flag per block or tile and cleans only flagged ones."""
+  b, length, hkv = x.shape[:3]
+  bad = ~jnp.isfinite(x.reshape(b, length // run, run, hkv, -1))
+  return jnp.any(bad, axis=(2, 4)).astype(jnp.int32)
+
+
+def _flag_spec(length: int):
+  return pl.BlockSpec((None, length, None), lambda i, h, bb: (bb, 0, h))
+
+
 # ----------------------------------------------------------------------------- forward kernel
 
 
@@ -203,15 +215,14 @@ def _forward(q5, k, v, union, bits, count, *, block_size, scale, group, interpre
   tile_q = tp // num_tiles
   num_blocks = k.shape[1] // block_size
   # [B, M, HKV]: 1 where a block's values hold a non-finite entry.
-  v_bad = jnp.any(~jnp.isfinite(v.reshape(b, num_blocks, block_size, hkv, d)), axis=(2, 4))
-  v_bad = v_bad.astype(jnp.int32)
+  v_bad = _nonfinite_flags(v, block_size)
   q_spec, lse_spec, kv_spec, union_spec, count_spec = _tile_specs(
       tile_q, gp, d, k.shape[1], num_tiles, length)
   call = pl.pallas_call(
       functools.partial(_fwd_kernel, block_size=block_size, scale=scale, group=group),
       grid=(num_tiles, hkv, b),
       in_specs=[q_spec, kv_spec, kv_spec, union_spec, union_spec, count_spec,
-                pl.BlockSpec((None, num_blocks, None), lambda i, h, bb: (bb, 0, h))],
+                _flag_spec(num_blocks)],
       out_specs=[q_spec, lse_spec],
       out_shape=[jax.ShapeDtypeStruct(q5.shape, q5.dtype),
                  jax.ShapeDtypeStruct((b, tp, hkv, gp), jnp.float32)],
@@ -226,8 +237,8 @@ def _forward(q5, k, v, union, bits, count, *, block_size, scale, group, interpre
 # ----------------------------------------------------------------------------- dq kernel
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, union_ref, bits_ref, count_ref, o_ref, do_ref, lse_ref,
-               dq_ref, delta_ref, *, block_size: int, scale: float, group: int):
+def _dq_kernel(q_ref, k_ref, v_ref, union_ref, bits_ref, count_ref, k_bad_ref, o_ref, do_ref,
+               lse_ref, dq_ref, delta_ref, *, block_size: int, scale: float, group: int):
   """One program: query tile i, KV head h. Writes dq and delta = rowsum(o * do) for dk/dv."""
   i = pl.program_id(0)
   tile_q, gp, d = q_ref.shape
@@ -258,8 +269,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, union_ref, bits_ref, count_ref, o_ref, do_re
     b_dp = jnp.dot(b_do, b_v.T, precision=precision, preferred_element_type=jnp.float32)
     # A hidden key's dp is NaN when its value is, and p = 0 does not cancel it (0 * NaN = NaN).
     b_ds = b_p * jnp.where(visible, b_dp - b_delta[:, None], 0.0)
-    # ds = 0 does not cancel a NaN key either: the rows that see it get it through their ds.
-    return b_dq + jnp.dot(b_ds.astype(b_k.dtype), _finite_or_zero(b_k), precision=precision,
+    # ds = 0 does not cancel a NaN key either: a flagged block's keys are zeroed here, and the
+    # rows that see a NaN key get it through their ds.
+    b_k = lax.cond(k_bad_ref[n] > 0, _finite_or_zero, lambda x: x, b_k)
+    return b_dq + jnp.dot(b_ds.astype(b_k.dtype), b_k, precision=precision,
                           preferred_element_type=jnp.float32)
 
   b_dq = lax.fori_loop(0, count_ref[i], body, jnp.zeros((rows, d), jnp.float32))
@@ -276,8 +289,8 @@ def _backward_dq(q5, k, v, union, bits, count, o5, do5, lse, *, block_size, scal
   call = pl.pallas_call(
       functools.partial(_dq_kernel, block_size=block_size, scale=scale, group=group),
       grid=(num_tiles, hkv, b),
-      in_specs=[q_spec, kv_spec, kv_spec, union_spec, union_spec, count_spec, q_spec, q_spec,
-                lse_spec],
+      in_specs=[q_spec, kv_spec, kv_spec, union_spec, union_spec, count_spec,
+                _flag_spec(k.shape[1] // block_size), q_spec, q_spec, lse_spec],
       out_specs=[q_spec, lse_spec],
       out_shape=[jax.ShapeDtypeStruct(q5.shape, q5.dtype),
                  jax.ShapeDtypeStruct((b, tp, hkv, gp), jnp.float32)],
@@ -286,15 +299,16 @@ def _backward_dq(q5, k, v, union, bits, count, o5, do5, lse, *, block_size, scal
       interpret=interpret,
       name="pisa_tile_attention_dq",
   )
-  return per_query._call_kernel(call, q5, k, v, union, bits, count, o5, do5, lse)
+  return per_query._call_kernel(call, q5, k, v, union, bits, count,
+                                _nonfinite_flags(k, block_size), o5, do5, lse)
 
 
 # ----------------------------------------------------------------------------- dk/dv kernel
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entry_ref, entry_bits_ref,
-                blk_ref, start_ref, end_ref, dk_ref, dv_ref, *, block_size: int, scale: float,
-                group: int, tile_q: int, step_q: int):
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_bad_ref, entry_ref,
+                entry_bits_ref, blk_ref, start_ref, end_ref, dk_ref, dv_ref, *, block_size: int,
+                scale: float, group: int, tile_q: int, step_q: int):
   """One program: one work item (a key block and a run of the tiles whose union holds it).
 
   Each step loads `step_q` queries of a tile (R = step_q * G' rows) as the N dimension of
@@ -315,7 +329,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entry_ref, entr
   qk_scale = scale * _LOG2E
   key_pos = start + jnp.arange(block_size)
 
-  def step(t0, word, carry):
+  def step(t0, word, q_bad, carry):
     b_dk, b_dv = carry
     # [R, D] and [R]: rows of queries t0 .. t0 + step_q - 1.
     b_q = q_ref[pl.ds(t0, step_q)].reshape(rows, d)
@@ -333,19 +347,23 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entry_ref, entr
     b_ds = b_p * jnp.where(visible, b_dp - b_delta[None, :], 0.0)
     b_dv = b_dv + jnp.dot(b_p.astype(b_do.dtype), b_do, precision=precision,
                           preferred_element_type=jnp.float32)
-    # A NaN query reaches the keys it sees through its ds, not the others through ds = 0.
-    b_dk = b_dk + jnp.dot(b_ds.astype(b_q.dtype), _finite_or_zero(b_q), precision=precision,
+    # A NaN query reaches the keys it sees through its ds, not the others through ds = 0: a
+    # flagged tile's queries are zeroed for this dot.
+    b_q = lax.cond(q_bad, _finite_or_zero, lambda x: x, b_q)
+    b_dk = b_dk + jnp.dot(b_ds.astype(b_q.dtype), b_q, precision=precision,
                           preferred_element_type=jnp.float32)
     return b_dk, b_dv
 
   def body(s, carry):
     # Entry first + s // splits, its (s % splits)-th run of step_q queries; truncating div / rem.
     e, j = (first + s, 0) if splits == 1 else (first + lax.div(s, splits), lax.rem(s, splits))
-    t0 = pl.multiple_of(entry_ref[e] * tile_q + j * step_q, step_q)
+    tile = entry_ref[e]
+    t0 = pl.multiple_of(tile * tile_q + j * step_q, step_q)
     word = lax.shift_right_logical(entry_bits_ref[e], j * step_q)
     if step_q < 32:
       word = word & ((1 << step_q) - 1)
-    return lax.cond(word != 0, functools.partial(step, t0, word), lambda c: c, carry)
+    return lax.cond(word != 0, functools.partial(step, t0, word, q_bad_ref[tile] > 0),
+                    lambda c: c, carry)
 
   zeros = jnp.zeros((block_size, d), jnp.float32)
   b_dk, b_dv = lax.fori_loop(0, (last - first) * splits, body, (zeros, zeros))
@@ -378,15 +396,16 @@ def _backward_dkv(q5, k, v, union, bits, do5, lse, delta, *, block_size, scale, 
   dk_part, dv_part = per_query._call_kernel(pl.pallas_call(
       kernel,
       grid=(num_items, hkv, b),
-      in_specs=[q_spec, kv_spec, kv_spec, q_spec, lse_spec, lse_spec, entry_spec, entry_spec,
-                item_spec, item_spec, item_spec],
+      in_specs=[q_spec, kv_spec, kv_spec, q_spec, lse_spec, lse_spec, _flag_spec(num_tiles),
+                entry_spec, entry_spec, item_spec, item_spec, item_spec],
       out_specs=[part_spec, part_spec],
       out_shape=[part_shape, part_shape],
       compiler_params=plt.CompilerParams(num_warps=config.dkv_num_warps,
                                          num_stages=config.dkv_num_stages),
       interpret=interpret,
       name="pisa_tile_attention_dkv",
-  ), q5, k, v, do5, lse, delta, entry_tile, entry_bits, item_block, item_start, item_end)
+  ), q5, k, v, do5, lse, delta, _nonfinite_flags(q5, tile_q), entry_tile, entry_bits, item_block,
+     item_start, item_end)
 
   offsets_spec = pl.BlockSpec((None, None, num_blocks + 1), lambda n, h, bb: (bb, h, 0))
   parts_spec = pl.BlockSpec((None, None, num_items, block_size, d),

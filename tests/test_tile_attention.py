@@ -189,8 +189,8 @@ def test_row_without_visible_key_gives_zeros():
 def test_nan_reaches_exactly_what_the_reference_shows(name, pos):
   """A NaN in q, k or v (block 0, forced for everyone, or mid-block) makes the same outputs and
   gradients non-finite as in the reference, though the rows of a tile share every dot: dq and dk
-  of a NaN key or value, dv of any (a NaN query's dk differs: the reference's also reaches keys
-  after it in its block)."""
+  of a NaN key or value, dv of any. A NaN query's dk is NaN at exactly the keys it sees (the
+  reference's also reaches the keys after it in its block)."""
   t, hq, hkv, d, c, top_k = 128, 4, 2, 16, 16, 4
   q, k, v, do = make_inputs(4, 1, t, hq, hkv, d, jnp.float32)
   idx = pisa_jax.select_blocks(q, k, block_size=c, top_k=top_k, implementation="xla")
@@ -201,6 +201,13 @@ def test_nan_reaches_exactly_what_the_reference_shows(name, pos):
   got = run_tile(q, k, v, idx, do, c, d ** -0.5, ta.TileAttentionConfig(tile_queries=16))
   want = reference_value_and_grads(q, k, v, idx, do, c, d ** -0.5)
   checked = ("o", "dq", "dv") if name == "q" else ("o", "dq", "dk", "dv")
+  if name == "q":
+    # The tile kernels' dk: NaN at exactly the keys the NaN query sees.
+    h = h0 // (hq // hkv)
+    sees = np.isin(np.arange(t) // c, np.asarray(idx)[0, t0, h]) & (np.arange(t) <= t0)
+    want_dk = np.zeros((1, t, hkv, d), bool)
+    want_dk[0, sees, h] = True
+    np.testing.assert_array_equal(~np.isfinite(np.asarray(got[2])), want_dk)
   for label, g, w in zip(("o", "dq", "dk", "dv"), got, want):
     if label in checked:
       bad = ~np.isfinite(np.asarray(w))
