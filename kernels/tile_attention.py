@@ -11,7 +11,7 @@ nearly the same blocks, so the union is a small share of the TQ * K reads of the
 at up to union / K times its FLOPs, on `[R, C]` score tiles with many rows.
 
 Backward (Appendix B: the selection is held fixed): dq and delta = rowsum(o * do) by the same
-tile walk; dk/dv per key block over the tiles whose union holds it (`tile_inverted_index`),
+tile walk; dk/dv per key block over the (sub-)tiles that select it (`tile_inverted_index`),
 cut into work items whose float32 partials are summed in item order by the per-query kernel's
 reduction. No atomics: reruns are bit-identical.
 
@@ -59,9 +59,9 @@ class TileAttentionConfig:
       their default config).
     fwd_num_warps, fwd_num_stages, dq_num_warps, dq_num_stages, dkv_num_warps, dkv_num_stages,
       reduce_num_warps: kernel launches.
-    dkv_rows: rows per step of the dk/dv kernel, a power of two: a tile is taken in runs of
-      dkv_rows / G' queries (at least 16 rows, at most a tile), each skipped when none of its
-      queries selected the block.
+    dkv_rows: rows per step of the dk/dv kernel, a power of two: a tile is taken in sub-tiles
+      of dkv_rows / G' queries (at least 16 rows, at most a tile), and a sub-tile none of whose
+      queries selected a block is no work for it (`tile_index.split_tiles`).
     items_tiles: most tiles one dk/dv program handles for one key block; 0 picks
       `tile_index.default_items_tiles`.
   """
@@ -93,16 +93,18 @@ class TileAttentionConfig:
   @classmethod
   def default(cls, *, head_dim: int, group: int) -> "TileAttentionConfig":
     """Heuristic defaults, not yet measured on a GPU; chosen from ptxas' register counts for
-    sm_90 (the float32 accumulator is rows x d): 128 rows per program at d <= 64 and 64 at
-    d = 128, 8 warps for them (forward 127-214 registers, dq 143-198, no spills; 4 warps spill
-    or sit at 255), 64-row dk/dv steps in 4 warps at d <= 64 and 8 at d = 128 (4 spill)."""
+    sm_90 at groups 2 and 16 (the float32 accumulator is rows x d): 128 rows per program at
+    d <= 64 and 64 at d = 128, 8 warps for them (forward 127-214 registers, dq 149-216, no
+    spills; 4 warps spill or sit at 255); dk/dv steps of 64 rows in 4 warps at d <= 64 and of
+    32 rows in 8 warps at d = 128 (205 registers; 64 rows spill 56-64 bytes in 8 warps, 4 warps
+    spill more)."""
     dp = next_pow2(max(16, head_dim))
     gp = next_pow2(group)
     rows = 128 if dp <= 64 else 64
     tile_queries = max(1, min(tile_index.MAX_TILE_QUERIES, rows // gp))
     warps = 8 if max(16, tile_queries * gp) * dp >= 8192 else 4
     return cls(tile_queries=tile_queries, fwd_num_warps=warps, dq_num_warps=warps,
-               dkv_num_warps=8 if dp >= 128 else 4)
+               dkv_rows=32 if dp >= 128 else 64, dkv_num_warps=8 if dp >= 128 else 4)
 
 
 def _tile_rows(tile, tile_q: int, gp: int):
@@ -308,19 +310,16 @@ def _backward_dq(q5, k, v, union, bits, count, o5, do5, lse, *, block_size, scal
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_bad_ref, entry_ref,
                 entry_bits_ref, blk_ref, start_ref, end_ref, dk_ref, dv_ref, *, block_size: int,
-                scale: float, group: int, tile_q: int, step_q: int):
-  """One program: one work item (a key block and a run of the tiles whose union holds it).
+                scale: float, group: int, step_q: int):
+  """One program: one work item (a key block and a run of the sub-tiles that select it).
 
-  Each step loads `step_q` queries of a tile (R = step_q * G' rows) as the N dimension of
-  `[C, R]` dots (Appendix B gradients for the keys of one block), and is skipped when none of
-  them selected the block. Writes float32 partials, scale not yet applied to dk."""
+  Each step loads one sub-tile of `step_q` queries (R = step_q * G' rows) as the N dimension of
+  `[C, R]` dots (Appendix B gradients for the keys of one block). The loads sit outside any
+  branch, so Triton pipelines them. Writes float32 partials, scale not yet applied to dk."""
   it = pl.program_id(0)
   n = blk_ref[it]
-  first = start_ref[it]
-  last = end_ref[it]
   gp, d = q_ref.shape[1], q_ref.shape[2]
   rows = step_q * gp
-  splits = tile_q // step_q
   start = pl.multiple_of(n * block_size, block_size)
   # [C, D]
   b_k = k_ref[pl.ds(start, block_size), :]
@@ -329,8 +328,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_bad_ref, entr
   qk_scale = scale * _LOG2E
   key_pos = start + jnp.arange(block_size)
 
-  def step(t0, word, q_bad, carry):
+  def body(e, carry):
     b_dk, b_dv = carry
+    sub = entry_ref[e]
+    t0 = pl.multiple_of(sub * step_q, step_q)
     # [R, D] and [R]: rows of queries t0 .. t0 + step_q - 1.
     b_q = q_ref[pl.ds(t0, step_q)].reshape(rows, d)
     b_do = do_ref[pl.ds(t0, step_q)].reshape(rows, d)
@@ -338,7 +339,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_bad_ref, entr
     b_delta = delta_ref[pl.ds(t0, step_q)].reshape(rows)
     o_t = t0 + jnp.arange(rows) // gp
     # [C, R]
-    visible = _selects(word, step_q, group, gp)[None, :] & (key_pos[:, None] <= o_t[None, :])
+    visible = (_selects(entry_bits_ref[e], step_q, group, gp)[None, :]
+               & (key_pos[:, None] <= o_t[None, :]))
     b_s = jnp.dot(b_k, b_q.T, precision=precision, preferred_element_type=jnp.float32) * qk_scale
     b_dp = jnp.dot(b_v, b_do.T, precision=precision, preferred_element_type=jnp.float32)
     b_p = jnp.where(visible, jnp.exp2(b_s - b_lse2[None, :]), 0.0)
@@ -348,25 +350,14 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_bad_ref, entr
     b_dv = b_dv + jnp.dot(b_p.astype(b_do.dtype), b_do, precision=precision,
                           preferred_element_type=jnp.float32)
     # A NaN query reaches the keys it sees through its ds, not the others through ds = 0: a
-    # flagged tile's queries are zeroed for this dot.
-    b_q = lax.cond(q_bad, _finite_or_zero, lambda x: x, b_q)
+    # flagged sub-tile's queries are zeroed for this dot.
+    b_q = lax.cond(q_bad_ref[sub] > 0, _finite_or_zero, lambda x: x, b_q)
     b_dk = b_dk + jnp.dot(b_ds.astype(b_q.dtype), b_q, precision=precision,
                           preferred_element_type=jnp.float32)
     return b_dk, b_dv
 
-  def body(s, carry):
-    # Entry first + s // splits, its (s % splits)-th run of step_q queries; truncating div / rem.
-    e, j = (first + s, 0) if splits == 1 else (first + lax.div(s, splits), lax.rem(s, splits))
-    tile = entry_ref[e]
-    t0 = pl.multiple_of(tile * tile_q + j * step_q, step_q)
-    word = lax.shift_right_logical(entry_bits_ref[e], j * step_q)
-    if step_q < 32:
-      word = word & ((1 << step_q) - 1)
-    return lax.cond(word != 0, functools.partial(step, t0, word, q_bad_ref[tile] > 0),
-                    lambda c: c, carry)
-
   zeros = jnp.zeros((block_size, d), jnp.float32)
-  b_dk, b_dv = lax.fori_loop(0, (last - first) * splits, body, (zeros, zeros))
+  b_dk, b_dv = lax.fori_loop(start_ref[it], end_ref[it], body, (zeros, zeros))
   dk_ref[...] = b_dk
   dv_ref[...] = b_dv
 
@@ -376,8 +367,11 @@ def _backward_dkv(q5, k, v, union, bits, do5, lse, delta, *, block_size, scale, 
   b, tp, hkv, gp, d = q5.shape
   tk = k.shape[1]
   num_blocks = tk // block_size
+  tile_q = tp // union.shape[1]
+  # Queries per step: dkv_rows rows, at least 16 (the smallest tensor-core dot), at most a tile.
+  step_q = min(tile_q, max(config.dkv_rows // gp, 16 // gp, 1))
+  union, bits = tile_index.split_tiles(union, bits, tile_queries=tile_q, sub_queries=step_q)
   num_tiles, length = union.shape[1], union.shape[3]
-  tile_q = tp // num_tiles
   items_tiles = config.items_tiles or tile_index.default_items_tiles(num_tiles, length, num_blocks)
   entry_tile, entry_bits, item_block, item_start, item_end, item_offsets = (
       tile_index.tile_inverted_index(union, bits, num_blocks=num_blocks, items_tiles=items_tiles))
@@ -389,10 +383,8 @@ def _backward_dkv(q5, k, v, union, bits, do5, lse, delta, *, block_size, scale, 
   item_spec = pl.BlockSpec((None, None, num_items), lambda i, h, bb: (bb, h, 0))
   part_spec = pl.BlockSpec((None, None, None, block_size, d), lambda i, h, bb: (bb, h, i, 0, 0))
   part_shape = jax.ShapeDtypeStruct((b, hkv, num_items, block_size, d), jnp.float32)
-  # Queries per step: dkv_rows rows, at least 16 (the smallest tensor-core dot), at most a tile.
-  step_q = min(tile_q, max(config.dkv_rows // gp, 16 // gp, 1))
   kernel = functools.partial(_dkv_kernel, block_size=block_size, scale=scale, group=group,
-                             tile_q=tile_q, step_q=step_q)
+                             step_q=step_q)
   dk_part, dv_part = per_query._call_kernel(pl.pallas_call(
       kernel,
       grid=(num_items, hkv, b),
@@ -404,7 +396,7 @@ def _backward_dkv(q5, k, v, union, bits, do5, lse, delta, *, block_size, scale, 
                                          num_stages=config.dkv_num_stages),
       interpret=interpret,
       name="pisa_tile_attention_dkv",
-  ), q5, k, v, do5, lse, delta, _nonfinite_flags(q5, tile_q), entry_tile, entry_bits, item_block,
+  ), q5, k, v, do5, lse, delta, _nonfinite_flags(q5, step_q), entry_tile, entry_bits, item_block,
      item_start, item_end)
 
   offsets_spec = pl.BlockSpec((None, None, num_blocks + 1), lambda n, h, bb: (bb, h, 0))

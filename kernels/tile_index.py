@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jaxtyping import Array, Int
 
 # The tile kernel is expected to win while a tile's union is a small share of the TQ * K block
@@ -91,6 +92,26 @@ def prefers_tile_kernel(count: Int[Array, "B NT HKV"], *, tile_queries: int, top
   """Scalar bool: whether the tile kernel should run on these indices (union fraction at most
   `TILE_UNION_FRACTION_MAX`). The threshold is not yet measured on a GPU."""
   return union_fraction(count, tile_queries=tile_queries, top_k=top_k) <= TILE_UNION_FRACTION_MAX
+
+
+def split_tiles(union: Int[Array, "B NT HKV U"], bits: Int[Array, "B NT HKV U"], *,
+                tile_queries: int, sub_queries: int):
+  """The union lists of sub-tiles of `sub_queries` consecutive queries: sub-tile i * S + j
+  (S = TQ / sub_queries) holds union[i] where its run j of the bits is not zero (else -1, which
+  the inverted index drops), and those bits shifted down. `[B, NT * S, HKV, U]` each.
+
+  The dk/dv kernel takes sub-tiles of fewer rows than a tile (registers), and the pairs whose
+  sub-tile selected nothing never become work."""
+  splits = tile_queries // sub_queries
+  if splits == 1:
+    return union, bits
+  b, num_tiles, hkv, length = union.shape
+  shift = (jnp.arange(splits, dtype=jnp.int32) * sub_queries)[None, None, :, None, None]
+  mask = (1 << sub_queries) - 1  # sub_queries < 32 here (it is less than TQ <= 32)
+  sub_bits = lax.shift_right_logical(bits[:, :, None], shift) & mask
+  sub_union = jnp.where(sub_bits != 0, union[:, :, None], -1)
+  shape = (b, num_tiles * splits, hkv, length)
+  return sub_union.reshape(shape), sub_bits.reshape(shape)
 
 
 def default_items_tiles(num_tiles: int, length: int, num_blocks: int) -> int:

@@ -85,6 +85,29 @@ def test_tile_inverted_index_lists_every_tile_once():
     assert np.all(item_start[0, h, last:] == item_end[0, h, last:])
 
 
+def test_split_tiles_keep_the_selecting_sub_tiles():
+  t, hkv, top_k, c, tq, sub = 70, 2, 3, 8, 16, 4
+  idx = np.asarray(random_indices(6, 1, t, hkv, top_k, c))
+  num_blocks = -(-t // c)
+  union, bits, _ = tile_index.tile_unions(jnp.asarray(idx), block_size=c, tile_queries=tq,
+                                          num_blocks=num_blocks)
+  sub_union, sub_bits = jax.tree.map(np.asarray, tile_index.split_tiles(
+      union, bits, tile_queries=tq, sub_queries=sub))
+  # Each sub-tile against its own union, computed directly (a sub-tile's union drops no block
+  # of the tile's that one of its queries selected).
+  want_union, want_bits, _ = jax.tree.map(np.asarray, tile_index.tile_unions(
+      jnp.asarray(idx), block_size=c, tile_queries=sub, num_blocks=num_blocks))
+  # The last tile's padding queries make whole sub-tiles that select nothing.
+  assert np.all(sub_union[0, want_union.shape[1]:] == -1)
+  for i in range(want_union.shape[1]):
+    for h in range(hkv):
+      kept = sub_union[0, i, h] >= 0
+      n = int(kept.sum())
+      np.testing.assert_array_equal(sub_union[0, i, h][kept], want_union[0, i, h, :n])
+      np.testing.assert_array_equal(sub_bits[0, i, h][kept], want_bits[0, i, h, :n])
+      assert np.all(sub_bits[0, i, h][~kept] == 0)
+
+
 def test_union_fraction_and_rule():
   count = jnp.array([[[4], [12]]], jnp.int32)
   assert float(tile_index.union_fraction(count, tile_queries=16, top_k=8)) == 8 / 128
