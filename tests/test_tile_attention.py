@@ -280,3 +280,20 @@ def test_config_validation_and_dispatch():
   same = pallas(q, k, k, idx, block_size=4, scale=1.0, config=attn.SparseAttentionConfig())
   np.testing.assert_array_equal(np.asarray(per_query), np.asarray(tile))
   np.testing.assert_array_equal(np.asarray(per_query), np.asarray(same))
+
+
+def test_vmap_through_the_registered_pallas_implementation():
+  t, hq, hkv, d, c, top_k = 33, 4, 2, 16, 8, 3
+  qs, ks, vs, dos = zip(*(make_inputs(s, 1, t, hq, hkv, d, jnp.float32) for s in range(2)))
+  q, k, v, do = (jnp.stack(x) for x in (qs, ks, vs, dos))
+  idx = jnp.stack([random_indices(s, 1, t, hkv, top_k, c) for s in range(2)])
+  pallas = _dispatch.lookup("sparse_attention", "pallas")
+
+  def fn(q, k, v, idx):
+    return pallas(q, k, v, idx, block_size=c, scale=d ** -0.5,
+                  config=ta.TileAttentionConfig(tile_queries=8))
+
+  batched = jax.jit(jax.vmap(lambda *a: value_and_grads(fn, *a)))(q, k, v, idx, do)
+  for i in range(2):
+    want = reference_value_and_grads(q[i], k[i], v[i], idx[i], do[i], c, d ** -0.5)
+    assert_matches([x[i] for x in batched], want, jnp.float32)
