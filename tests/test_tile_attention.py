@@ -34,8 +34,9 @@ def run_tile(q, k, v, idx, do, block_size, scale, config):
       q, k, v, idx, do)
 
 
-def test_tile_unions_match_python_sets():
-  t, hkv, top_k, c, tq = 77, 2, 3, 8, 16
+@pytest.mark.parametrize("tq", [16, 32])  # 32: the last query of a tile is the sign bit
+def test_tile_unions_match_python_sets(tq):
+  t, hkv, top_k, c = 77, 2, 3, 8
   idx = np.array(random_indices(2, 2, t, hkv, top_k, c))
   idx[0, 9, 0, 1] = 5  # a future block of query 9 (current block 1): not read by its tile
   idx[1, 40, 1, :] = [2, 2, -1]  # a repeat counts once
