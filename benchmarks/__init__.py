@@ -1,7 +1,10 @@
 """Benchmarks: one script per question, each `python -m benchmarks.<name> --out DIR` on your GPU.
 
   selection   block-selection time against N: PISA, our BSA, fla's BSA
-  attention   selected-block attention forward and forward + backward: ours, fla, cuDNN dense
+  attention   selected-block attention forward and forward + backward: ours (per-query and
+              query-tile kernels), fla, cuDNN dense; random, PISA or real-model indices
+  dump_qk     a helper, not a benchmark: post-RoPE q/k of a trained run for `attention
+              --indices real`
   layer       the whole PISA layer (selection + attention, forward + backward) against cuDNN dense
   training    tokens/s of the `small` preset, dense against PISA attention
   multi_gpu   the `small` preset over the local GPUs: scaling, memory, equivalence, restores
