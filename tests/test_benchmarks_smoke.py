@@ -138,6 +138,7 @@ def test_decode_steps_run_on_the_reference(tmp_path):
   steps = {r["side"]: r for r in record["rows"] if r["part"] == "step"}
   assert steps["pisa-jax"]["ms"] > 0 and steps["dense"]["ms"] > 0, steps
   assert steps["pisa-jax"]["loop_ms"] > 0 and steps["dense"]["loop_x_ours"] > 0, steps
+  assert all(steps["pisa-jax"][f"loop_ms_{s}"] > 0 for s in decode.STAGES), steps
   assert steps["dense"]["implementation"] in ("cudnn", "xla")
   assert (tmp_path / "decode.png").exists()
 
