@@ -154,6 +154,23 @@ def test_decode_generation_runs_on_the_reference(tmp_path):
   assert set(gen) == {"pisa", "dense"} and all(r["tokens_per_s"] > 0 for r in gen.values()), gen
 
 
+def test_training_keeps_runs_that_evaluation_restores(tmp_path):
+  # --keep-runs leaves each run's checkpoint for `pisa-eval --workdir`.
+  from benchmarks import training
+  from pisa_jax.train.restore import restore_model
+  record = training.main(["--preset", "tiny", "--attention", "pisa", "--seq-lens", "128",
+                          "--tokens-per-step", "512", "--seconds", "2", "--data", "/none",
+                          "--set", "model.num_layers=1", "--keep-runs", str(tmp_path / "runs"),
+                          "--out", str(tmp_path)])
+  (row,) = record["rows"]
+  assert row["workdir"] == str(tmp_path / "runs" / "pisa-128"), row
+  config, _, step = restore_model(row["workdir"])
+  assert config.model.attention == "pisa" and step == row["steps"]
+  with pytest.raises(SystemExit, match="must be empty or new"):
+    training.main(["--preset", "tiny", "--keep-runs", str(tmp_path / "runs"),
+                   "--out", str(tmp_path / "again")])
+
+
 def test_timing_returns_a_median_per_call():
   from benchmarks.timing import time_jax
   x = jnp.ones((64, 64))
