@@ -14,11 +14,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, PartitionSpec as P
 
 from pisa_jax.context_parallel import dense_attention_at, pisa_attention_at, sequence_sharded
 from pisa_jax.models.config import ModelConfig
-from pisa_jax.models.sharding import axes_size, batch_axes_of, seq_axis_of
+from pisa_jax.models.sharding import LOGICAL_AXIS_RULES, axes_size, batch_axes_of, seq_axis_of
 
 
 def sequence_axis() -> str | None:
@@ -31,7 +31,11 @@ def sequence_sharded_attention(cfg: ModelConfig, q, k, v, segment_ids=None):
   over the ambient mesh's "seq" axis (which must exist: see `sequence_axis`)."""
   mesh = jax.sharding.get_abstract_mesh()
   seq = seq_axis_of(mesh)
-  batch = batch_axes_of(mesh)
+  batch_axes_of(mesh)  # raises for a mesh without the batch axes, or with Explicit ones
+  # Every Auto batch axis is named, those of length 1 too: an axis left out of the specs is one
+  # the backward pass all-reduces over (size-1 groups, but collectives all the same).
+  types = dict(zip(mesh.axis_names, mesh.axis_types))
+  batch = tuple(n for n in LOGICAL_AXIS_RULES["batch"] if types[n] == AxisType.Auto) or None
   if segment_ids is not None:
     raise ValueError("packed documents (segment_ids, data.packing=true) are not supported with "
                      "the sequence split over devices: set train.context_parallel=1")
