@@ -232,21 +232,44 @@ def _exact_chunk(positions, q, k, *, block_size, top_k, scale):
 def select_blocks_reference(q, k, *, block_size: int, top_k: int, branching: int, selector: str,
                             scale: float, beam: int):
   """jnp reference of `select_blocks`; arguments are already validated and resolved."""
-  b, seq_len, hq, _ = q.shape
-  num_blocks = -(-seq_len // block_size)
+  return _select(q, k, None, block_size=block_size, top_k=top_k, branching=branching,
+                 selector=selector, scale=scale, beam=beam)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("block_size", "top_k", "branching", "selector", "scale", "beam"))
+def select_blocks_reference_offset(q, k, query_offset, *, block_size: int, top_k: int,
+                                   branching: int, selector: str, scale: float, beam: int):
+  """`select_blocks_reference` for a run of queries inside a longer sequence (every selector).
+
+  q: the queries at positions query_offset .. query_offset + Tq - 1, `[B, Tq, HQ, D]`; k: every
+  key of the sequence `[B, T, HKV, D]`; query_offset: int32 scalar, may be traced (a device's
+  place in a sharded sequence). The pyramid is built from all of k, and eligibility and the
+  forced blocks read each query's position in the sequence, so the result is the rows
+  query_offset .. query_offset + Tq - 1 of `select_blocks_reference(q_all, k, ...)`.
+  """
+  positions = query_offset + jnp.arange(q.shape[1], dtype=jnp.int32)
+  return _select(q, k, positions, block_size=block_size, top_k=top_k, branching=branching,
+                 selector=selector, scale=scale, beam=beam)
+
+
+def _select(q, k, positions, *, block_size, top_k, branching, selector, scale, beam):
+  """The selection of the queries q at positions (None: q holds all T, at 0 .. T-1)."""
+  b, n_queries, hq, _ = q.shape
+  num_blocks = -(-k.shape[1] // block_size)
   if selector == "bsa":
     leaves = build_pyramid_reference(k, block_size=block_size, branching=branching).summaries[0]
-    chunk = _chunking.query_chunk_size(seq_len, 3 * b * hq * num_blocks)
+    chunk = _chunking.query_chunk_size(n_queries, 3 * b * hq * num_blocks)
     fn = functools.partial(_bsa_chunk, block_size=block_size, top_k=top_k, scale=scale)
-    return _chunking.map_query_chunks(fn, chunk, (q,), (leaves,))
+    return _chunking.map_query_chunks(fn, chunk, (q,), (leaves,), positions=positions)
   if selector == "exact":
-    chunk = _chunking.query_chunk_size(seq_len, 3 * b * hq * num_blocks * block_size)
+    chunk = _chunking.query_chunk_size(n_queries, 3 * b * hq * num_blocks * block_size)
     fn = functools.partial(_exact_chunk, block_size=block_size, top_k=top_k, scale=scale)
-    return _chunking.map_query_chunks(fn, chunk, (q,), (k,))
+    return _chunking.map_query_chunks(fn, chunk, (q,), (k,), positions=positions)
   fn, chunk, summaries = _hierarchical_setup(
       q, k, block_size=block_size, top_k=top_k, beam=beam, branching=branching, selector=selector,
       scale=scale)
-  return _chunking.map_query_chunks(fn, chunk, (q,), (k, summaries))
+  return _chunking.map_query_chunks(fn, chunk, (q,), (k, summaries), positions=positions)
 
 
 def _hierarchical_setup(q, k, *, block_size, top_k, beam, branching, selector, scale):

@@ -19,7 +19,8 @@ import pytest
 from pisa_jax.testing import random_block_indices
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ("selection", "attention", "layer", "training", "multi_gpu", "decode")
+SCRIPTS = ("selection", "attention", "layer", "training", "multi_gpu", "decode",
+           "context_parallel")
 
 # One small fake result per script, rows as the script writes them.
 FAKE_ROWS = {
@@ -59,6 +60,17 @@ FAKE_ROWS = {
         + [dict(part="generation", preset="small", attention=a, batch=1, prompt=32768,
                 new_tokens=256, first_token_s=2.0, tokens_per_s=t, ms_per_step=1e3 / t)
            for a, t in (("pisa", 300.0), ("dense", 120.0))],
+    "context_parallel": [
+        dict(run=f"{d}x{n}", devices=d, seq_len=n, context_parallel=d, tokens_per_s=t,
+             tokens_per_s_per_device=t / d, compiled_step_memory_gib_per_device={"temp": 40.0},
+             allocator_peak_gib_per_device_since_start=[50.0] * d,
+             device_busy_ms_per_step={"compute": 900.0, "communication": 30.0, "memcpy": 0.0},
+             **extra)
+        for d, n, t, extra in ((1, 2**20, 1e5, {}),
+                               (2, 2**21, 1.9e5, {"weak_scaling_efficiency": 0.95}),
+                               (2, 2**20, 1.8e5, {"strong_scaling_speedup": 1.8}))]
+        + [dict(shard=i, shards=2, seq_len=2**21, query_offset=i * 2**20, ms=5.0, vs_fastest=1.0)
+           for i in range(2)],
 }
 SETTINGS = {
     "selection": dict(hq=32, hkv=2, d=64, block_size=64, top_k=8, branching=2, dtype="bfloat16"),
@@ -67,6 +79,7 @@ SETTINGS = {
     "training": dict(preset="small", seconds=60.0),
     "multi_gpu": dict(preset="small", attention="pisa", global_batch=8, seq_len=4096),
     "decode": dict(block_size=64, dtype="bfloat16", selector="pisa"),
+    "context_parallel": dict(preset="small-1m", runs="1:1048576,2:2097152,2:1048576"),
 }
 
 
@@ -220,6 +233,20 @@ def test_multi_gpu_dry_run_on_fake_devices(tmp_path):
   a, b = (port[k]["losses"] for k in ("1x2->1x1", "1x1->1x2"))
   assert a.keys() == b.keys() and all(abs(a[s] - b[s]) < 1e-4 for s in a)
   assert (tmp_path / "out" / "multi_gpu.png").exists()
+
+
+def test_context_parallel_dry_run_on_one_device(tmp_path):
+  # One device: the 1-device run, the 2-device runs noted as skipped, and the balance proxy (two
+  # shards' attention on the one device). The 2-device runs: test_context_parallel's fake devices.
+  from benchmarks import context_parallel
+  record = context_parallel.main(["--dry-run", "--runs", "1:64,2:128", "--out", str(tmp_path)])
+  runs = [r for r in record["rows"] if "run" in r]
+  assert [r["run"] for r in runs] == ["1x64"] and runs[0]["tokens_per_s"] > 0, runs
+  assert "temp" in runs[0]["compiled_step_memory_gib_per_device"]
+  assert any("2x128" in n for n in record["notes"]), record["notes"]
+  shards = [r for r in record["rows"] if "shard" in r]
+  assert [(r["shard"], r["query_offset"]) for r in shards] == [(0, 0), (1, 32)], shards
+  assert (tmp_path / "context_parallel.png").exists()
 
 
 def _long_context_rows():
