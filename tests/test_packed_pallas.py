@@ -229,3 +229,124 @@ def test_packed_kernels_lower_for_sm90(captured):
   names = {re.search(r"module @([A-Za-z0-9_]+)", m).group(1) for m in captured}
   assert {"pisa_sparse_attention_fwd_packed", "pisa_sparse_attention_dq_packed",
           "pisa_sparse_attention_dkv_packed", "pisa_sparse_attention_dkv_reduce"} <= names
+
+
+# Pyramid and selection. T = 111: documents of 1, 3, 5, 13 and 50 tokens, in two orders.
+ROWS = ([1, 3, 5, 13, 3, 50, 1, 13, 5, 1, 3, 13], [13, 1, 1, 50, 5, 3, 13, 5, 3, 13, 1, 3])
+
+
+@pytest.mark.parametrize("rows,block_size,branching", [(ROWS, 4, 2), (MANY_ROWS, 2, 3),
+                                                       (SHORT_ROWS, 16, 4)])
+def test_pyramid_kernel_equals_reference_and_each_document_alone(rows, block_size, branching):
+  seg = segment_ids(rows)
+  k = jax.random.normal(jax.random.key(13), (seg.shape[0], seg.shape[1], 3, 12))
+  got = pisa_jax.build_pyramid(k, block_size=block_size, branching=branching, segment_ids=seg,
+                               implementation="pallas")
+  want = pisa_jax.build_pyramid(k, block_size=block_size, branching=branching, segment_ids=seg,
+                                implementation="xla")
+  assert isinstance(got, pisa_jax.PackedPyramid)
+  np.testing.assert_array_equal(got.first_node, want.first_node)
+  for level in range(want.num_levels):
+    np.testing.assert_allclose(got.summaries[level], want.summaries[level], atol=tol.PYRAMID_ATOL)
+    np.testing.assert_array_equal(got.counts[level], want.counts[level])
+  for b, s, n in documents(rows):
+    alone = pisa_jax.build_pyramid(k[b:b + 1, s:s + n], block_size=block_size,
+                                   branching=branching, implementation="xla")
+    for level in range(alone.num_levels):
+      first = int(got.first_node[b, s, level])
+      m = alone.summaries[level].shape[1]
+      np.testing.assert_allclose(got.summaries[level][b, first:first + m],
+                                 alone.summaries[level][0], atol=tol.PYRAMID_ATOL)
+
+
+def assert_selection_matches(got, want, q, k, proof):
+  """Index rows equal, or differ only at a float32 near-tie proven by the float64 re-walk."""
+  margins = testing.mismatch_margins(got, want, q, k, **proof)
+  assert all(m < tol.SELECTION_NEAR_TIE_RTOL for *_, m in margins), margins
+
+
+def selection_case(selector, block_size, top_k, branching, beam, *marks):
+  return pytest.param(selector, block_size, top_k, branching, beam, marks=marks,
+                      id=f"{selector}-C{block_size}-K{top_k}-g{branching}-beam{beam}")
+
+
+# The first "pisa" and the "bsa" case cover both scoring kernels in CI.
+SELECTION_CASES = [
+    selection_case("pisa", 4, 3, 2, None),
+    selection_case("bsa", 4, 3, 2, None),
+    selection_case("pisa", 4, 3, 2, 6, pytest.mark.slow),
+    selection_case("pisa1", 8, 4, 3, None, pytest.mark.slow),
+    selection_case("pisa2", 4, 4, 2, 5, pytest.mark.slow),
+    selection_case("pisa", 16, 3, 4, None, pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("selector,block_size,top_k,branching,beam", SELECTION_CASES)
+def test_selection_kernels_equal_reference_and_each_document_alone(selector, block_size, top_k,
+                                                                    branching, beam):
+  seg = segment_ids(ROWS)
+  q, k, _, _ = make_inputs(111, batch=2, hq=4, hkv=2, d=8, dtype=jnp.float32, seed=14)
+  selection = dict(block_size=block_size, top_k=top_k, branching=branching, selector=selector)
+  got = pisa_jax.select_blocks(q, k, beam=beam, segment_ids=seg, implementation="pallas",
+                               **selection)
+  want = pisa_jax.select_blocks(q, k, beam=beam, segment_ids=seg, implementation="xla",
+                                **selection)
+  proof = dict(selection, scale=1 / np.sqrt(8), beam=beam or top_k)
+  assert_selection_matches(got, want, q, k, proof)
+  for b, s, n in documents(ROWS):
+    qd, kd = q[b:b + 1, s:s + n], k[b:b + 1, s:s + n]
+    alone = pisa_jax.select_blocks(qd, kd, beam=beam, implementation="xla", **selection)
+    assert_selection_matches(got[b:b + 1, s:s + n], alone, qd, kd, proof)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("selector", ["pisa", "bsa"])
+def test_selection_kernels_on_a_row_of_many_documents(selector):
+  lengths = list(np.random.default_rng(2).integers(1, 4, 140))
+  lengths[-1] += 300 - sum(lengths)
+  rows = (lengths,)
+  seg = segment_ids(rows)
+  q, k, _, _ = make_inputs(300, batch=1, hq=4, hkv=2, d=8, dtype=jnp.float32, seed=2)
+  selection = dict(block_size=2, top_k=3, branching=2, selector=selector)
+  got = pisa_jax.select_blocks(q, k, segment_ids=seg, implementation="pallas", **selection)
+  want = pisa_jax.select_blocks(q, k, segment_ids=seg, implementation="xla", **selection)
+  assert_selection_matches(got, want, q, k, dict(selection, scale=1 / np.sqrt(8), beam=3))
+
+
+@pytest.mark.slow
+def test_pisa_attention_on_pallas_equals_each_document_alone():
+  """Every stage on the kernels (pyramid, selection, attention and its backward) against each
+  document alone on the reference, output and gradients."""
+  seg = segment_ids(SHORT_ROWS)
+  q, k, v, do = make_inputs(63, batch=2, hq=4, hkv=2, d=8, dtype=jnp.float32, seed=15)
+
+  def attend(q, k, v, *seg):
+    return pisa_jax.pisa_attention(q, k, v, block_size=4, top_k=3,
+                                   segment_ids=seg[0] if seg else None,
+                                   implementation="pallas" if seg else "xla")
+
+  got = jax.jit(lambda *a: value_and_grads(attend, *a))(q, k, v, do, seg)
+  run_alone = jax.jit(lambda *a: value_and_grads(attend, *a))
+  for b, s, n in documents(SHORT_ROWS):
+    want = run_alone(*(x[b:b + 1, s:s + n] for x in (q, k, v, do)))
+    assert_close([x[b:b + 1, s:s + n] for x in got], want, jnp.float32, f"document {b, s, n}")
+
+
+def test_exact_selector_stays_reference_only():
+  seg = segment_ids(SHORT_ROWS)
+  q, k, _, _ = make_inputs(63, batch=2, hq=4, hkv=2, d=8, dtype=jnp.float32, seed=16)
+  with pytest.raises(ValueError, match="selector='exact' exists only in the reference"):
+    pisa_jax.select_blocks(q, k, block_size=4, top_k=3, selector="exact", segment_ids=seg,
+                           implementation="pallas")
+
+
+def test_packed_selection_kernels_lower_for_sm90(captured):
+  seg = segment_ids(SHORT_ROWS)
+  q, k, _, _ = make_inputs(63, batch=2, hq=32, hkv=2, d=64, dtype=jnp.bfloat16, seed=17)
+  for selector in ("pisa", "bsa"):
+    jax.jit(lambda q, k: pisa_jax.selection.select_blocks_packed_pallas(
+        q, k, seg, block_size=4, top_k=3, branching=2, selector=selector, scale=0.125, beam=3,
+        interpret=False)).trace(q, k).lower(lowering_platforms=("cuda",))
+  names = {re.search(r"module @([A-Za-z0-9_]+)", m).group(1) for m in captured}
+  assert {"pisa_pool_runs_g4", "pisa_pool_runs_g2", "pisa_select_packed_pisa_w4",
+          "pisa_select_packed_pisa_w2", "pisa_select_packed_bsa"} <= names, names
