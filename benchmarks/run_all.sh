@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs the benchmark suite on your GPU: selection, attention, layer, training, decode and the
-# long-context training ladder, each writing
+# Runs the benchmark suite on your GPU: selection, attention, packed documents, layer, training,
+# decode and the long-context training ladder, each writing
 # <out>/<name>.json and <out>/<name>.png (default out: benchmarks/results).
 #
 #   benchmarks/run_all.sh [--out DIR] [--wheels DIR] [--gpu-tests] [--multi-gpu]
@@ -49,6 +49,7 @@ if [ "$GPU_TESTS" = 1 ]; then
 fi
 "$PY" -m benchmarks.selection --out "$OUT"
 "$PY" -m benchmarks.attention --out "$OUT"
+"$PY" -m benchmarks.packed --out "$OUT"
 "$PY" -m benchmarks.layer --out "$OUT"
 "$PY" -m benchmarks.training --out "$OUT"
 "$PY" -m benchmarks.decode --out "$OUT"

@@ -19,7 +19,7 @@ import pytest
 from pisa_jax.testing import random_block_indices
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ("selection", "attention", "layer", "training", "multi_gpu", "decode")
+SCRIPTS = ("selection", "attention", "layer", "training", "multi_gpu", "decode", "packed")
 
 # One small fake result per script, rows as the script writes them.
 FAKE_ROWS = {
@@ -59,6 +59,12 @@ FAKE_ROWS = {
         + [dict(part="generation", preset="small", attention=a, batch=1, prompt=32768,
                 new_tokens=256, first_token_s=2.0, tokens_per_s=t, ms_per_step=1e3 / t)
            for a, t in (("pisa", 300.0), ("dense", 120.0))],
+    "packed": [
+        dict(case="128K d64 K8", d=64, top_k=8, side=side, stage=stage, layout=layout, ms=ms,
+             **({"x_unpacked": 1.05} if layout == "packed" else {}))
+        for side in ("pisa-jax", "fla")
+        for stage in ("selection", "attention fwd", "attention fwd+bwd")
+        for layout, ms in (("unpacked", 2.0), ("packed", 2.1))],
 }
 SETTINGS = {
     "selection": dict(hq=32, hkv=2, d=64, block_size=64, top_k=8, branching=2, dtype="bfloat16"),
@@ -67,6 +73,8 @@ SETTINGS = {
     "training": dict(preset="small", seconds=60.0),
     "multi_gpu": dict(preset="small", attention="pisa", global_batch=8, seq_len=4096),
     "decode": dict(block_size=64, dtype="bfloat16", selector="pisa"),
+    "packed": dict(total=131072, min_doc=2048, max_doc=16384, hq=32, hkv=2, block_size=64,
+                   documents=[16384] * 8),
 }
 
 
@@ -119,6 +127,21 @@ def test_selection_runs_on_the_reference(tmp_path):
   assert record["notes"] == ["fla left out (--no-fla)"]
   assert (tmp_path / "selection.png").exists()
   assert json.loads((tmp_path / "selection.json").read_text())["rows"] == record["rows"]
+
+
+def test_packed_runs_on_the_reference(tmp_path):
+  from benchmarks import packed
+  record = packed.main(["--total", "256", "--min-doc", "16", "--max-doc", "96", "--case", "32:3",
+                        "--hq", "4", "--implementation", "xla", "--no-fla", "--out",
+                        str(tmp_path)])
+  assert sum(record["settings"]["documents"]) == 256
+  rows = {(r["stage"], r["layout"]): r for r in record["rows"]}
+  assert set(rows) == {(stage, layout) for stage in packed.STAGES
+                       for layout in ("unpacked", "packed")}
+  assert all(r["ms"] > 0 and "error" not in r for r in rows.values())
+  assert all(rows[stage, "packed"]["x_unpacked"] > 0 for stage in packed.STAGES)
+  assert "packed / unpacked: worst" in packed.table(record)
+  assert (tmp_path / "packed.png").exists()
 
 
 def test_attention_runs_on_the_reference(tmp_path):
