@@ -65,7 +65,9 @@ def _run_pool_kernel(x_ref, first_ref, count_ref, o_ref, *, batch: int, num_chil
     for j in range(group):
       acc = add_child(j, acc)
   else:
-    acc = lax.fori_loop(0, group, add_child, acc)
+    # Up to the tile's largest count: the leaf level has T slots, of which only about T / C
+    # plus one per document are used, so most tiles of a long row stop at once.
+    acc = lax.fori_loop(0, jnp.max(b_count), add_child, acc)
   # Eq. 15 (Eq. 2 for the leaves): divide by the children that exist; an unused slot stays 0.
   mean = acc / jnp.maximum(b_count, 1).astype(jnp.float32)[:, None]
   # Masked stores go to the trash row (the interpreter rewrites a masked store's address).

@@ -343,10 +343,30 @@ def test_exact_selector_stays_reference_only():
 def test_packed_selection_kernels_lower_for_sm90(captured):
   seg = segment_ids(SHORT_ROWS)
   q, k, _, _ = make_inputs(63, batch=2, hq=32, hkv=2, d=64, dtype=jnp.bfloat16, seed=17)
-  for selector in ("pisa", "bsa"):
+  for selector in ("pisa", "pisa1", "pisa2", "bsa"):
     jax.jit(lambda q, k: pisa_jax.selection.select_blocks_packed_pallas(
         q, k, seg, block_size=4, top_k=3, branching=2, selector=selector, scale=0.125, beam=3,
         interpret=False)).trace(q, k).lower(lowering_platforms=("cuda",))
   names = {re.search(r"module @([A-Za-z0-9_]+)", m).group(1) for m in captured}
-  assert {"pisa_pool_runs_g4", "pisa_pool_runs_g2", "pisa_select_packed_pisa_w4",
-          "pisa_select_packed_pisa_w2", "pisa_select_packed_bsa"} <= names, names
+  assert {"pisa_pool_runs_g4", "pisa_pool_runs_g2", "pisa_select_packed_bsa"} <= names, names
+  for selector in ("pisa", "pisa1", "pisa2"):
+    assert {f"pisa_select_packed_{selector}_w4", f"pisa_select_packed_{selector}_w2"} <= names
+
+
+def test_unpacked_attention_kernels_keep_their_inputs(captured):
+  """The packed code sits behind a static flag: without segment_ids the kernels take exactly the
+  inputs they always took (a document-start input or entry start would show up here)."""
+  q, k, v, do = make_inputs(100, batch=1, hq=8, hkv=2, d=64, dtype=jnp.bfloat16, seed=18)
+  idx = jnp.asarray(testing.random_block_indices(18, 100, 2, 3, 16))
+
+  def loss(q, k, v):
+    out = attn.sparse_attention_pallas(q, k, v, idx, block_size=16, scale=0.1, interpret=False)
+    return jnp.sum(out.astype(jnp.float32))
+
+  jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(lowering_platforms=("cuda",))
+  signature = {re.search(r"tt.func public @([A-Za-z0-9_]+)", m).group(1):
+               len(re.findall(r"%arg\d+:", m.split("\n", 2)[1])) for m in captured}
+  # fwd: q, k, v, indices -> o, lse; dq: + o, do, lse -> dq, delta; dk/dv: q, k, v, do, lse,
+  # delta, the entries and the three item tables -> two partials; reduce: offsets, partials -> dk, dv.
+  assert signature == {"pisa_sparse_attention_fwd": 6, "pisa_sparse_attention_dq": 9,
+                       "pisa_sparse_attention_dkv": 12, "pisa_sparse_attention_dkv_reduce": 5}
