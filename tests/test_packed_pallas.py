@@ -159,7 +159,8 @@ def test_forward_in_sub_block_steps():
   q, k, v, do = make_inputs(70, batch=2, hq=4, hkv=2, d=32, dtype=jnp.float32, seed=10)
   idx = document_block_indices(rows, 2, 3, 32, seed=10)
   config = attn.SparseAttentionConfig(fwd_step_keys=16)
-  got = value_and_grads(packed_kernel(32, 0.2, config), q, k, v, do, idx, seg)
+  got = jax.jit(lambda *a: value_and_grads(packed_kernel(32, 0.2, config), *a))(
+      q, k, v, do, idx, seg)
   assert_close(got, value_and_grads(reference(32, 0.2, True), q, k, v, do, idx, seg),
                jnp.float32)
 
@@ -208,7 +209,7 @@ def test_non_finite_inputs_reach_exactly_the_queries_that_see_them():
   idx = np.where(np.arange(3)[None, :] <= (rel // 4)[:, None], np.arange(3)[None, :], -1)
   idx = jnp.asarray(idx[None, :, None, :].astype(np.int32))
   k = k.at[0, 13, 0, 3].set(jnp.nan)  # document 2 (positions 11..19), its position 2
-  got = value_and_grads(packed_kernel(4, 0.25), q, k, v, do, idx, seg)
+  got = jax.jit(lambda *a: value_and_grads(packed_kernel(4, 0.25), *a))(q, k, v, do, idx, seg)
   bad = ~np.isfinite(np.asarray(got[0])[0]).all(axis=(1, 2))
   np.testing.assert_array_equal(np.nonzero(bad)[0], np.arange(13, 20))
   want = value_and_grads(reference(4, 0.25, True), q, k, v, do, idx, seg)
