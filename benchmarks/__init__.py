@@ -2,6 +2,8 @@
 
   selection   block-selection time against N: PISA, our BSA, fla's BSA
   attention   selected-block attention forward and forward + backward: ours, fla, cuDNN dense
+  packed      packed documents (segment_ids) against one sequence: selection and attention,
+              ours and fla's varlen NSA
   layer       the whole PISA layer (selection + attention, forward + backward) against cuDNN dense
   training    tokens/s of the `small` preset, dense against PISA attention
   multi_gpu   the `small` preset over the local GPUs: scaling, memory, equivalence, restores

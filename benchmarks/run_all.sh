@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs the benchmark suite on your GPU: selection, attention, layer, training, decode and the
-# long-context training ladder, each writing
+# Runs the benchmark suite on your GPU: selection, attention, packed documents, layer, training,
+# decode and the long-context training ladder, each writing
 # <out>/<name>.json and <out>/<name>.png (default out: benchmarks/results).
 #
 #   benchmarks/run_all.sh [--out DIR] [--wheels DIR] [--gpu-tests] [--multi-gpu] [--only A,B]
@@ -11,7 +11,7 @@
 #                  flash-linear-attention==0.6.0 einops==0.8.1`)
 #   --gpu-tests    first run the GPU correctness tests (pytest -m gpu), stop if they fail
 #   --multi-gpu    also run benchmarks.multi_gpu over every local GPU
-#   --only A,B     run only these steps, of: selection attention layer training evals decode
+#   --only A,B     run only these steps, of: selection attention packed layer training evals decode
 #                  long_context (evals: pisa-eval's suite on the dense and PISA `small` runs that
 #                  the training step keeps in <out>/runs, written to <out>/evals/<run>)
 #
@@ -25,7 +25,7 @@ OUT=benchmarks/results
 WHEELS=""
 GPU_TESTS=0
 MULTI=0
-ONLY="selection,attention,layer,training,evals,decode,long_context"
+ONLY="selection,attention,packed,layer,training,evals,decode,long_context"
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT=$2; shift 2 ;;
@@ -39,7 +39,7 @@ while [ $# -gt 0 ]; do
 done
 for step in $(echo "$ONLY" | tr ',' ' '); do
   case $step in
-    selection|attention|layer|training|evals|decode|long_context) ;;
+    selection|attention|packed|layer|training|evals|decode|long_context) ;;
     *) echo "run_all.sh: --only: unknown step $step" >&2; exit 2 ;;
   esac
 done
@@ -59,7 +59,7 @@ if [ "$GPU_TESTS" = 1 ]; then
     tests/test_gpu_fla.py tests/test_gpu_long_context.py
 fi
 want() { case ",$ONLY," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
-for name in selection attention layer; do
+for name in selection attention packed layer; do
   if want $name; then "$PY" -m benchmarks.$name --out "$OUT"; fi
 done
 if want training; then

@@ -15,7 +15,7 @@ import types
 import typing
 from typing import Any
 
-from pisa_jax import _dispatch, _validation
+from pisa_jax import _validation
 from pisa_jax.models.config import (
     ATTENTION_KINDS,
     COMPUTE_DTYPES,
@@ -220,12 +220,6 @@ def validate(config: Config) -> Config:
   if d.packing and d.source != "tokens":
     raise ValueError(f"data.packing=true needs data.source='tokens' (documents closed by "
                      f"<|endoftext|>), got data.source={d.source!r}")
-  if (d.packing and m.attention in SPARSE_ATTENTION_KINDS
-      and _dispatch.resolve_implementation(m.attention_implementation) != "xla"):
-    raise ValueError(
-        f"data.packing=true with model.attention={m.attention!r} needs "
-        f"model.attention_implementation='xla' here (got {m.attention_implementation!r}): the "
-        f"Pallas kernels take no segment_ids yet")
   if d.source == "tokens" and not d.path:
     raise ValueError("data.path must name a folder written by pisa-prepare-data when data.source='tokens'")
   if d.source == "mqar":

@@ -422,7 +422,7 @@ def sparse_attention(
       equal ids). block_indices are then the block numbers of each query's own document (block i
       holds its keys i C .. i C + C - 1, counted from its first token), a query sees only keys
       of its document, and every row of the output and of the gradients is the document's own,
-      run alone from position 0 (`pisa_jax.packed_attention`). xla only for now.
+      run alone from position 0 (`pisa_jax.packed_attention`).
     implementation: "xla" (jnp reference), "pallas" (kernel) or None (pallas on GPU, else xla).
 
   Options (block_size, scale, implementation) fix shapes or compiled code: under `jax.jit` pass
@@ -440,7 +440,6 @@ def sparse_attention(
   _validation.check_block_indices(
       block_indices, batch=b, seq_len=t, num_kv_heads=hkv, block_size=int(block_size))
   _validation.check_segment_ids(segment_ids, batch=b, seq_len=t)
-  _validation.check_segments_implementation("sparse_attention", implementation, segment_ids)
   return _attend(q, k, v, block_indices, segment_ids, block_size=int(block_size),
                  scale=_validation.resolve_scale(scale, d), implementation=implementation)
 
@@ -476,8 +475,8 @@ def pisa_attention(
   attention on the selected entries only. Arguments as in `select_blocks` and `sparse_attention`
   (options static under `jax.jit`). Selection ranks a NaN score right after the forced blocks, so
   the block of a NaN key stays selected wherever there is room, and the NaN reaches those
-  queries' outputs instead of being dropped. With segment_ids (packed documents, xla only for
-  now), each query selects and attends within its own document, as the document alone would.
+  queries' outputs instead of being dropped. With segment_ids (packed documents), each query
+  selects and attends within its own document, as the document alone would.
 
   Returns:
     `[B, T, HQ, D]` in q's dtype, differentiable in q, k and v.

@@ -20,7 +20,7 @@ from pisa_jax.testing import random_block_indices
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ("selection", "attention", "layer", "training", "multi_gpu", "decode",
-           "context_parallel")
+           "context_parallel", "packed")
 
 # One small fake result per script, rows as the script writes them.
 FAKE_ROWS = {
@@ -71,6 +71,12 @@ FAKE_ROWS = {
                                (2, 2**20, 1.8e5, {"strong_scaling_speedup": 1.8}))]
         + [dict(shard=i, shards=2, seq_len=2**21, query_offset=i * 2**20, ms=5.0, vs_fastest=1.0)
            for i in range(2)],
+    "packed": [
+        dict(case="128K d64 K8", d=64, top_k=8, side=side, stage=stage, layout=layout, ms=ms,
+             **({"x_unpacked": 1.05} if layout == "packed" else {}))
+        for side in ("pisa-jax", "fla")
+        for stage in ("selection", "attention fwd", "attention fwd+bwd")
+        for layout, ms in (("unpacked", 2.0), ("packed", 2.1))],
 }
 SETTINGS = {
     "selection": dict(hq=32, hkv=2, d=64, block_size=64, top_k=8, branching=2, dtype="bfloat16"),
@@ -80,6 +86,8 @@ SETTINGS = {
     "multi_gpu": dict(preset="small", attention="pisa", global_batch=8, seq_len=4096),
     "decode": dict(block_size=64, dtype="bfloat16", selector="pisa"),
     "context_parallel": dict(preset="small-1m", runs="1:1048576,2:2097152,2:1048576"),
+    "packed": dict(total=131072, min_doc=2048, max_doc=16384, hq=32, hkv=2, block_size=64,
+                   documents=[16384] * 8),
 }
 
 
@@ -132,6 +140,21 @@ def test_selection_runs_on_the_reference(tmp_path):
   assert record["notes"] == ["fla left out (--no-fla)"]
   assert (tmp_path / "selection.png").exists()
   assert json.loads((tmp_path / "selection.json").read_text())["rows"] == record["rows"]
+
+
+def test_packed_runs_on_the_reference(tmp_path):
+  from benchmarks import packed
+  record = packed.main(["--total", "256", "--min-doc", "16", "--max-doc", "96", "--case", "32:3",
+                        "--hq", "4", "--implementation", "xla", "--no-fla", "--out",
+                        str(tmp_path)])
+  assert sum(record["settings"]["documents"]) == 256
+  rows = {(r["stage"], r["layout"]): r for r in record["rows"]}
+  assert set(rows) == {(stage, layout) for stage in packed.STAGES
+                       for layout in ("unpacked", "packed")}
+  assert all(r["ms"] > 0 and "error" not in r for r in rows.values())
+  assert all(rows[stage, "packed"]["x_unpacked"] > 0 for stage in packed.STAGES)
+  assert "packed / unpacked: worst" in packed.table(record)
+  assert (tmp_path / "packed.png").exists()
 
 
 def test_attention_runs_on_the_reference(tmp_path):
