@@ -15,7 +15,7 @@ import types
 import typing
 from typing import Any
 
-from pisa_jax import _validation
+from pisa_jax import _dispatch, _validation
 from pisa_jax.models.config import (
     ATTENTION_KINDS,
     COMPUTE_DTYPES,
