@@ -242,14 +242,9 @@ def select_blocks_reference(q, k, *, block_size: int, top_k: int, branching: int
     jax.jit, static_argnames=("block_size", "top_k", "branching", "selector", "scale", "beam"))
 def select_blocks_reference_offset(q, k, query_offset, *, block_size: int, top_k: int,
                                    branching: int, selector: str, scale: float, beam: int):
-  """`select_blocks_reference` for a run of queries inside a longer sequence (every selector).
-
-  q: the queries at positions query_offset .. query_offset + Tq - 1, `[B, Tq, HQ, D]`; k: every
-  key of the sequence `[B, T, HKV, D]`; query_offset: int32 scalar, may be traced (a device's
-  place in a sharded sequence). The pyramid is built from all of k, and eligibility and the
-  forced blocks read each query's position in the sequence, so the result is the rows
-  query_offset .. query_offset + Tq - 1 of `select_blocks_reference(q_all, k, ...)`.
-  """
+  """Rows query_offset .. query_offset + Tq - 1 of `select_blocks_reference(q_all, k, ...)`, any
+  selector: q `[B, Tq, HQ, D]` those queries, k `[B, T, HKV, D]` every key (the pyramid is all
+  of k's), query_offset an int32 scalar, traced or not (a device's place in a sharded sequence)."""
   positions = query_offset + jnp.arange(q.shape[1], dtype=jnp.int32)
   return _select(q, k, positions, block_size=block_size, top_k=top_k, branching=branching,
                  selector=selector, scale=scale, beam=beam)
