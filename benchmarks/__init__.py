@@ -5,6 +5,8 @@
               query-tile kernels), fla, cuDNN dense; random, PISA or real-model indices
   dump_qk     a helper, not a benchmark: post-RoPE q/k of a trained run for `attention
               --indices real`
+  packed      packed documents (segment_ids) against one sequence: selection and attention,
+              ours and fla's varlen NSA
   layer       the whole PISA layer (selection + attention, forward + backward) against cuDNN dense
   training    tokens/s of the `small` preset, dense against PISA attention
   multi_gpu   the `small` preset over the local GPUs: scaling, memory, equivalence, restores

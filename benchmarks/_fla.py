@@ -33,19 +33,25 @@ def to_torch(x, dtype=None):
   return torch.from_numpy(np.array(x)).cuda()
 
 
-def bsa_select(q, k, *, block_size: int, top_k: int, scale: float):
+def bsa_select(q, k, *, block_size: int, top_k: int, scale: float, cu_seqlens=None):
   """fla's BSA selection: mean-pooled key blocks, then `parallel_nsa_topk`; int32 [B, T, HKV, K'].
 
-  K' is top_k rounded up to a power of two; unused slots hold -1."""
+  K' is top_k rounded up to a power of two; unused slots hold -1. cu_seqlens: None, or the
+  int64 document boundaries `[D + 1]` of packed rows (B = 1; fla's varlen mode)."""
   from fla.ops.nsa.parallel import parallel_nsa_topk
   from fla.ops.utils.pooling import mean_pooling
-  kc = mean_pooling(k, block_size)
+  if cu_seqlens is None:
+    kc = mean_pooling(k, block_size)
+    return parallel_nsa_topk(q=q, k=kc, lse=None, TK=k.shape[1], block_counts=top_k,
+                             block_size=block_size, scale=scale)
+  kc = mean_pooling(k, block_size, cu_seqlens=cu_seqlens)
   return parallel_nsa_topk(q=q, k=kc, lse=None, TK=k.shape[1], block_counts=top_k,
-                           block_size=block_size, scale=scale)
+                           block_size=block_size, scale=scale, cu_seqlens=cu_seqlens)
 
 
-def sparse_attention(q, k, v, block_indices, *, block_size: int, scale: float):
-  """fla's selected-block attention (`ParallelNSAFunction`), differentiable in q, k and v."""
+def sparse_attention(q, k, v, block_indices, *, block_size: int, scale: float, cu_seqlens=None):
+  """fla's selected-block attention (`ParallelNSAFunction`), differentiable in q, k and v;
+  cu_seqlens as in `bsa_select` (block indices are then each document's own block numbers)."""
   from fla.ops.nsa.parallel import ParallelNSAFunction
   return ParallelNSAFunction.apply(q, k, v, block_indices, block_indices.shape[-1], block_size,
-                                   scale, None)
+                                   scale, cu_seqlens)

@@ -13,7 +13,8 @@ neither side pays a copy of the cache per step. Rows: median ms per step (a batc
 steps ended by one synchronisation, as benchmarks/timing.py; the length grows by one per step,
 well inside the cache), tokens/s (B / step time) and x_ours (dense over ours). `loop_ms` is the
 same step run LOOP times inside one jitted `fori_loop`, per step: the device's time without the
-host's dispatch of every step (what a compiled generation loop pays).
+host's dispatch of every step (what a compiled generation loop pays), and `loop_ms_append`,
+`_select`, `_attention` each stage of the PISA step alone, timed the same way.
 
 Goals: at N = 1M, dense / ours >= 10 at B = 1 and >= 50 at B = 16; our step at 1M within 1.5x
 of our step at 32K (O(log N) work plus the K C keys attended).
@@ -46,6 +47,7 @@ from benchmarks import _record
 NAME = "decode"
 C = 64
 LOOP = 32  # steps per jitted loop for loop_ms
+STAGES = ("append", "select", "attention")
 LENGTHS = (32768, 131072, 524288, 1048576)
 BATCHES = (1, 16)
 # (HQ, HKV, D, K): the anchors' two settings.
@@ -132,6 +134,55 @@ def time_pisa(n, b, hq, hkv, d, top_k, implementation, steps_room: int):
   return ms, loop_ms
 
 
+def time_stages(n, b, hq, hkv, d, top_k, implementation) -> dict:
+  """ms per step of each stage of the pisa step alone, LOOP times in one jitted loop: append
+  (the cache threaded), select and attention (at positions N and N + 1 alternately, so that the
+  loop body depends on the iteration and cannot be hoisted)."""
+  from pisa_jax import _dispatch
+
+  cache = pisa_jax.DecodeCache.create(b, n + 2, hkv, d, block_size=C)
+  cache = cache.prefill(*filled(n, b, hkv, d))
+  q, k1, v1 = step_inputs(b, hq, hkv, d)
+  scale = d ** -0.5
+  append = _dispatch.lookup("decode_append", implementation)
+  select = _dispatch.lookup("decode_select", implementation)
+  attend = _dispatch.lookup("decode_attention", implementation)
+  geometry = dict(block_size=C)
+  positions = cache.lengths
+  idx = select(q[:, 0], cache.k, cache.summaries, positions - 1, branching=cache.branching,
+               top_k=top_k, beam=top_k, selector="pisa", scale=scale, **geometry)
+
+  def one_append(s, i, arrays):
+    del i, arrays
+    return append(k1[:, 0], v1[:, 0], s[0], s[1], s[2], positions, branching=cache.branching,
+                  **geometry)
+
+  def one_select(s, i, arrays):
+    del s
+    return select(q[:, 0], arrays[0], arrays[1], positions - 1 - (i & 1),
+                  branching=cache.branching, top_k=top_k, beam=top_k, selector="pisa",
+                  scale=scale, **geometry)
+
+  def one_attention(s, i, arrays):
+    del s
+    return attend(q[:, 0], arrays[0], arrays[1], idx, positions - 1 - (i & 1), scale=scale,
+                  **geometry)
+
+  # The cache is an argument of the jitted loop, never closed over (a constant) nor returned (a
+  # copy); append, timed last, threads and donates it.
+  out = {}
+  for name, body, state, arrays in (
+      ("select", one_select, idx, (cache.k, cache.summaries)),
+      ("attention", one_attention, q[:, 0], (cache.k, cache.v)),
+      ("append", one_append, (cache.k, cache.v, cache.summaries), ())):
+    run = jax.jit(lambda s, a, body=body: jax.lax.fori_loop(0, LOOP,
+                                                            lambda i, s: body(s, i, a), s),
+                  donate_argnums=0 if name == "append" else ())
+    out[name] = round(time_threaded(lambda s, run=run, a=arrays: run(s, a), state, reps=5,
+                                    batch_s=0.1) / LOOP, 4)
+  return out
+
+
 def dense_step(q, k1, v1, kv, length, *, implementation):
   """Writes the token at `length` and attends over keys 0..length (the plain KV-cache step)."""
   k_cache, v_cache = kv
@@ -213,7 +264,9 @@ def measure(args, rec: _record.Recorder) -> None:
           ms, loop_ms = time_pisa(n, b, hq, hkv, d, top_k, args.implementation, room)
           ours_by_n[n] = ms, loop_ms
           first = ours_by_n[min(ours_by_n)]
+          stages = time_stages(n, b, hq, hkv, d, top_k, args.implementation)
           rec.add(**base, side="pisa-jax", ms=ms, loop_ms=loop_ms,
+                  **{f"loop_ms_{k}": v for k, v in stages.items()},
                   tokens_per_s=round(b / ms * 1e3, 1), x_ours=1.0,
                   x_own_shortest=round(ms / first[0], 3),
                   loop_x_own_shortest=round(loop_ms / first[1], 3))
@@ -247,11 +300,12 @@ def table(record: dict) -> str:
       body.append([case, ours.get("ms"), dense.get("ms"), dense.get("implementation"),
                    dense.get("x_ours"), ours.get("x_own_shortest"), ours.get("loop_ms"),
                    dense.get("loop_ms"), dense.get("loop_x_ours"),
-                   ours.get("loop_x_own_shortest")])
+                   ours.get("loop_x_own_shortest")] + [ours.get(f"loop_ms_{k}") for k in STAGES])
     lines.append(_record.markdown(
         ["case", "pisa-jax ms", "dense ms", "dense via", "dense / ours",
          "ours / ours at shortest N", "in-loop ours ms", "in-loop dense ms",
-         "in-loop dense / ours", "in-loop ours / at shortest N"], body))
+         "in-loop dense / ours", "in-loop ours / at shortest N"]
+        + [f"in-loop {k} ms" for k in STAGES], body))
   gen = [r for r in record["rows"] if r.get("part") == "generation"]
   if gen:
     body = [[r["preset"], r["attention"], r["batch"], r["prompt"], r.get("first_token_s"),

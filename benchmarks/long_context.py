@@ -155,7 +155,8 @@ def data_overrides(args, rec) -> list[str]:
   preset = get_config(args.preset)
   if preset.data.source == "mqar":
     return []
-  rec.note(f"no pisa-prepare-data folder at {args.data}: trained on MQAR generated on the fly")
+  where = f" at {args.data}" if args.data else " given"
+  rec.note(f"no pisa-prepare-data folder{where}: trained on MQAR generated on the fly")
   # MQAR splits the vocabulary into keys and values: an even size (one more token leaves the
   # padded embedding, and so the model's compute, unchanged).
   vocab = preset.model.vocab_size + preset.model.vocab_size % 2
@@ -338,6 +339,9 @@ def main(argv=None) -> dict:
   args = p.parse_args(argv)
   if args.dry_run:
     args.preset = "tiny"
+    # The tiny preset's vocabulary cannot read a GPT-2 corpus: MQAR unless --data is given.
+    if "--data" not in argv:
+      args.data = None
     args.set = ["model.num_layers=1", "model.remat=full", "train.loss_chunk=32"] + args.set
     if args.seq_lens == DEFAULT_SEQ_LENS:
       args.seq_lens = [128, 256]

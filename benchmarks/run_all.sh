@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Runs the benchmark suite on your GPU: selection, attention, layer, training, decode and the
-# long-context training ladder, each writing
+# Runs the benchmark suite on your GPU: selection, attention, packed documents, layer, training,
+# decode and the long-context training ladder, each writing
 # <out>/<name>.json and <out>/<name>.png (default out: benchmarks/results).
 #
-#   benchmarks/run_all.sh [--out DIR] [--wheels DIR] [--gpu-tests] [--multi-gpu]
+#   benchmarks/run_all.sh [--out DIR] [--wheels DIR] [--gpu-tests] [--multi-gpu] [--only A,B]
 #
 #   --wheels DIR   first install peer packages such as fla-core, flash-linear-attention and
 #                  einops from the wheel files in DIR (for a machine without registry access;
@@ -11,6 +11,9 @@
 #                  flash-linear-attention==0.6.0 einops==0.8.1`)
 #   --gpu-tests    first run the GPU correctness tests (pytest -m gpu), stop if they fail
 #   --multi-gpu    also run benchmarks.multi_gpu over every local GPU
+#   --only A,B     run only these steps, of: selection attention packed layer training evals decode
+#                  long_context (evals: pisa-eval's suite on the dense and PISA `small` runs that
+#                  the training step keeps in <out>/runs, written to <out>/evals/<run>)
 #
 # The project must be importable from the repository root: `pip install -e .` (done here when it
 # is not, without dependencies or a build environment). Training reads data/corpus when it exists
@@ -22,14 +25,22 @@ OUT=benchmarks/results
 WHEELS=""
 GPU_TESTS=0
 MULTI=0
+ONLY="selection,attention,packed,layer,training,evals,decode,long_context"
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT=$2; shift 2 ;;
     --wheels) WHEELS=$2; shift 2 ;;
     --gpu-tests) GPU_TESTS=1; shift ;;
     --multi-gpu) MULTI=1; shift ;;
-    *) echo "usage: benchmarks/run_all.sh [--out DIR] [--wheels DIR] [--gpu-tests] [--multi-gpu]" >&2
+    --only) ONLY=$2; shift 2 ;;
+    *) echo "usage: benchmarks/run_all.sh [--out DIR] [--wheels DIR] [--gpu-tests] [--multi-gpu] [--only A,B]" >&2
        exit 2 ;;
+  esac
+done
+for step in $(echo "$ONLY" | tr ',' ' '); do
+  case $step in
+    selection|attention|packed|layer|training|evals|decode|long_context) ;;
+    *) echo "run_all.sh: --only: unknown step $step" >&2; exit 2 ;;
   esac
 done
 export PYTHONUNBUFFERED=1
@@ -47,12 +58,25 @@ if [ "$GPU_TESTS" = 1 ]; then
   "$PY" -m pytest -q -m gpu tests/test_gpu_selection.py tests/test_gpu_attention.py \
     tests/test_gpu_fla.py tests/test_gpu_long_context.py
 fi
-"$PY" -m benchmarks.selection --out "$OUT"
-"$PY" -m benchmarks.attention --out "$OUT"
-"$PY" -m benchmarks.layer --out "$OUT"
-"$PY" -m benchmarks.training --out "$OUT"
-"$PY" -m benchmarks.decode --out "$OUT"
-"$PY" -m benchmarks.long_context --out "$OUT"
+want() { case ",$ONLY," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
+for name in selection attention packed layer; do
+  if want $name; then "$PY" -m benchmarks.$name --out "$OUT"; fi
+done
+if want training; then
+  # The runs stay for the evaluation suite; a fresh folder each time.
+  rm -rf "$OUT/runs"
+  "$PY" -m benchmarks.training --out "$OUT" --keep-runs "$OUT/runs"
+fi
+if want evals; then
+  for run in "$OUT"/runs/*-4096; do
+    [ -d "$run" ] || { echo "run_all.sh: evals needs the training step's runs in $OUT/runs" >&2; exit 2; }
+    "$PY" -m pisa_jax.train.evaluation.cli --workdir "$run" --suite ppl,ruler,mqar,selection \
+      --out "$OUT/evals/$(basename "$run")" --no-progress
+  done
+  "$PY" -m pisa_jax.train.evaluation.cli --compare "$OUT"/evals/* --out "$OUT/evals"
+fi
+if want decode; then "$PY" -m benchmarks.decode --out "$OUT"; fi
+if want long_context; then "$PY" -m benchmarks.long_context --out "$OUT"; fi
 if [ "$MULTI" = 1 ]; then
   data=()
   [ -f data/corpus/meta.json ] && data=(--set data.source=tokens --set data.path=data/corpus)

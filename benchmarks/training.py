@@ -86,7 +86,13 @@ def run_one(args, attention: str, seq_len: int, workdir: Path) -> dict:
 
 def measure(args, rec: _record.Recorder) -> None:
   args.data_overrides = data_overrides(args, rec)
-  root = Path(tempfile.mkdtemp(prefix="pisa_training_"))
+  keep = Path(args.keep_runs) if args.keep_runs else None
+  root = keep or Path(tempfile.mkdtemp(prefix="pisa_training_"))
+  if keep:
+    keep.mkdir(parents=True, exist_ok=True)
+    taken = sorted(x.name for x in keep.iterdir())
+    if taken:
+      raise SystemExit(f"--keep-runs {keep} must be empty or new: it holds {taken[:5]}")
   try:
     for seq_len in args.seq_lens:
       for attention in args.attention:
@@ -101,11 +107,15 @@ def measure(args, rec: _record.Recorder) -> None:
                       and r["attention"] == "dense" and r.get("tokens_per_s")), None)
         if dense and row.get("tokens_per_s") and attention != "dense":
           row["speedup_vs_dense"] = round(row["tokens_per_s"] / dense["tokens_per_s"], 3)
+        if keep:
+          row["workdir"] = str(workdir)
         rec.add(**row)
         print({k: v for k, v in row.items() if k != "loss_curve"}, flush=True)
-        shutil.rmtree(workdir, ignore_errors=True)
+        if not keep:
+          shutil.rmtree(workdir, ignore_errors=True)
   finally:
-    shutil.rmtree(root, ignore_errors=True)
+    if not keep:
+      shutil.rmtree(root, ignore_errors=True)
 
 
 def table(record: dict) -> str:
@@ -148,7 +158,7 @@ def plot(record: dict, path) -> None:
 def settings(args) -> dict:
   return dict(preset=args.preset, attention=args.attention, seq_lens=args.seq_lens,
               tokens_per_step=args.tokens_per_step, seconds=args.seconds, data=args.data,
-              overrides=args.set)
+              overrides=args.set, keep_runs=args.keep_runs)
 
 
 def main(argv=None) -> dict:
@@ -164,6 +174,9 @@ def main(argv=None) -> dict:
   p.add_argument("--data", default="data/corpus", help="a pisa-prepare-data folder")
   p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                  help="more config overrides, as pisa-train takes them")
+  p.add_argument("--keep-runs", metavar="DIR", default=None,
+                 help="keep each run's folder (checkpoint and metrics) as DIR/<attention>-<context>, "
+                      "for `pisa-eval --workdir`; DIR must be empty or new")
   args = p.parse_args(argv)
   return _record.run(NAME, args, measure, settings, plot, table)
 

@@ -73,6 +73,9 @@ class TrainConfig:
   seed: int = 42
   # Mesh (data, fsdp): fsdp = -1 puts every local device on the fsdp axis.
   fsdp: int = -1
+  # Context parallelism: each sequence is split over this many devices (a third mesh axis, "seq");
+  # per_device_batch then counts the sequences of each group of that many devices.
+  context_parallel: int = 1
   checkpoint_every: int = 1_000
   keep_checkpoints: int = 3
   async_checkpointing: bool = True
@@ -217,12 +220,6 @@ def validate(config: Config) -> Config:
   if d.packing and d.source != "tokens":
     raise ValueError(f"data.packing=true needs data.source='tokens' (documents closed by "
                      f"<|endoftext|>), got data.source={d.source!r}")
-  if (d.packing and m.attention in SPARSE_ATTENTION_KINDS
-      and _dispatch.resolve_implementation(m.attention_implementation) != "xla"):
-    raise ValueError(
-        f"data.packing=true with model.attention={m.attention!r} needs "
-        f"model.attention_implementation='xla' here (got {m.attention_implementation!r}): the "
-        f"Pallas kernels take no segment_ids yet")
   if d.source == "tokens" and not d.path:
     raise ValueError("data.path must name a folder written by pisa-prepare-data when data.source='tokens'")
   if d.source == "mqar":
@@ -247,6 +244,7 @@ def validate(config: Config) -> Config:
                      f"tokens per chunk")
   if t.loss_chunk and t.seq_len % t.loss_chunk:
     raise ValueError(f"train.loss_chunk={t.loss_chunk} must divide train.seq_len={t.seq_len}")
+  _validate_context_parallel(m, d, t)
   if t.eval_batches < 0:
     raise ValueError(f"train.eval_batches={t.eval_batches} must be >= 0")
   if t.lr_schedule not in LR_SCHEDULES:
@@ -279,6 +277,31 @@ def validate(config: Config) -> Config:
   if t.grad_clip <= 0:
     raise ValueError(f"train.grad_clip={t.grad_clip} must be > 0")
   return config
+
+
+def _validate_context_parallel(m: ModelConfig, d: DataConfig, t: TrainConfig) -> None:
+  """train.context_parallel against the sequence, the loss chunks, packing and the kernels."""
+  cp = t.context_parallel
+  if cp < 1:
+    raise ValueError(f"train.context_parallel={cp} must be >= 1 (1: the sequence is not split)")
+  if cp == 1:
+    return
+  if t.seq_len % cp:
+    raise ValueError(f"train.context_parallel={cp} must divide train.seq_len={t.seq_len}: each "
+                     f"device holds seq_len / context_parallel consecutive tokens")
+  if t.loss_chunk and (t.seq_len // cp) % t.loss_chunk:
+    raise ValueError(f"train.loss_chunk={t.loss_chunk} must divide train.seq_len / "
+                     f"train.context_parallel = {t.seq_len // cp}: each device computes the loss "
+                     f"of its own tokens")
+  if d.packing:
+    raise ValueError(f"data.packing=true is not supported with train.context_parallel={cp}: "
+                     f"set train.context_parallel=1")
+  if (m.attention in SPARSE_ATTENTION_KINDS
+      and _dispatch.resolve_implementation(m.attention_implementation) != "xla"):
+    raise ValueError(
+        f"train.context_parallel={cp} with model.attention={m.attention!r} needs "
+        f"model.attention_implementation='xla' here (got {m.attention_implementation!r}): the "
+        f"Pallas kernels take no query offset")
 
 
 def warmup_steps(t: TrainConfig) -> int:

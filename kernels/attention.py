@@ -1,8 +1,9 @@
 """Pallas (Triton) block-sparse attention over selected leaf blocks (Eq. 6), forward and backward.
 
-The twin of `pisa_jax.attention.sparse_attention_reference`. Reads top to bottom: the tile config,
-the forward kernel, the dq kernel (which also writes delta = rowsum(o * do)), the inverted index,
-the dk/dv kernel and its deterministic reduction, then the `custom_vjp` op.
+The twin of `pisa_jax.attention.sparse_attention_reference` (and, with segment_ids, of
+`pisa_jax.packed_attention.sparse_attention_packed_reference`). Reads top to bottom: the tile
+config, the forward kernel, the dq kernel (which also writes delta = rowsum(o * do)), then the
+`custom_vjp` op; the inverted index and the dk/dv kernels live in `attention_backward`.
 
 Layout inside the kernels: q and o are viewed as `[B, T, HKV, G, D]` (a free reshape), so one
 program owns one query position and one KV head and loads the G query heads of that KV head at
@@ -14,12 +15,14 @@ nothing (the rule of Eq. 6), and a query with no visible key gets zeros.
 
 Backward (Appendix B: the selection is held fixed, gradients flow through the selected entries):
 - dq mirrors the forward: per (query, KV head) it re-streams the selected blocks.
-- dk/dv use an inverted index built outside the kernels with a stable argsort: for each (KV head,
-  key block) the queries that selected it, in ascending order. The list of a block is cut into
-  work items of at most `items_entries` queries so that a block selected by every query (block 0
-  is forced for all of them) does not become a long tail; each item writes a float32 partial and
-  a second kernel sums the partials of a block in item order. No atomics: results are bit-identical
-  run to run.
+- dk/dv use an inverted index (for each key block, the queries that selected it) cut into work
+  items whose float32 partials a second kernel sums in a fixed order: no atomics, bit-identical
+  run to run (`attention_backward`).
+
+Packed documents: each query's document start is one more per-query input; a selected block is
+loaded from start + i C (not aligned to C) and the same `key <= query` compare masks it, because
+a key of the block at or before the query lies in the query's document. The unpacked kernels
+trace exactly as before (the packed code is behind a static flag).
 
 Memory: O(T * HQ * D) for activations plus O(T * HKV * K) for the indices and the inverted index;
 the dk/dv partials are O(T * HKV * D) because an item holds at least K * C entries' worth of keys.
@@ -39,7 +42,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
-from pisa_jax.kernels._common import next_pow2, triton_deprecation_silenced
+from pisa_jax import segments
+from pisa_jax.kernels._common import call_kernel as _call_kernel
+from pisa_jax.kernels._common import dot_precision as _dot_precision
+from pisa_jax.kernels._common import next_pow2
+from pisa_jax.kernels.attention_backward import backward_dkv, inverted_index, packed_inverted_index
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -128,11 +135,6 @@ class SparseAttentionConfig:
     )
 
 
-def _call_kernel(fn, *args):
-  with triton_deprecation_silenced():
-    return fn(*args)
-
-
 def _rows_mask(group: int, rows: int):
   """[rows, 1] mask of the real query heads among the padded rows."""
   return (jnp.arange(rows) < group)[:, None]
@@ -156,20 +158,28 @@ def _store_rows(ref, t, value, group: int, rows: int):
     plt.store(ref.at[t, pl.ds(0, rows), :], value, mask=_rows_mask(group, rows))
 
 
-def _dot_precision(dtype):
-  # float32 inputs get IEEE float32 dots (not TF32), so the f32 path meets the 1e-4 tolerance.
-  return lax.Precision.HIGHEST if dtype == jnp.float32 else None
-
-
-def _block_slot(idx_ref, t, i, block_size: int, sub=0, step_keys: int | None = None):
+def _block_slot(idx_ref, t, i, block_size: int, sub=0, step_keys: int | None = None,
+                doc_start=None):
   """Block start and visibility mask for slot i of query t (keys `sub * step_keys` onwards of
   the block, `step_keys` of them; the whole block by default).
 
   Returns the clamped start row (inside a valid, aligned block at or before the query's block)
   and the `[step_keys]` mask of keys j <= t inside a real selected block: -1 padding and blocks
   after the query's own block are invalid; the clamp keeps every load in bounds.
+
+  doc_start: None, or the first position of query t's document (packed rows): the index is then
+  the document's block number, the block starts at doc_start + i C (aligned to nothing), and
+  validity counts blocks from the document's start. A key j of the block with j <= t lies in
+  the query's document, so the one compare still masks everything the query must not see.
   """
   step_keys = step_keys or block_size
+  if doc_start is not None:
+    cur = lax.div(t - doc_start, block_size)
+    blk = idx_ref[t, i]
+    valid = (blk >= 0) & (blk <= cur)
+    start = doc_start + jnp.clip(blk, 0, cur) * block_size + sub * step_keys
+    key_pos = start + jnp.arange(step_keys)
+    return start, key_pos <= jnp.where(valid, t, start - 1)
   cur = t // block_size
   blk = idx_ref[t, i]
   valid = (blk >= 0) & (blk <= cur)
@@ -183,13 +193,16 @@ def _block_slot(idx_ref, t, i, block_size: int, sub=0, step_keys: int | None = N
 # ----------------------------------------------------------------------------- forward kernel
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, lse_ref, *, block_size: int, scale: float,
-                group: int, rows: int, top_k: int, step_keys: int):
+def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, *refs, block_size: int, scale: float, group: int,
+                rows: int, top_k: int, step_keys: int, packed: bool):
   """One program: query position t, KV head h. q_ref `[T, G, D]`, k_ref/v_ref `[Tk, D]`.
 
   The loop streams the selected blocks in steps of `step_keys` keys (`block_size // step_keys`
-  steps per block) through one online softmax."""
+  steps per block) through one online softmax. Packed rows add start_ref `[T]`, each query's
+  document start, before the outputs."""
+  start_ref, o_ref, lse_ref = refs if packed else (None,) + refs
   t = pl.program_id(0)
+  doc_start = start_ref[t] if packed else None
   # [R, D]
   b_q = _load_rows(q_ref, t, group, rows)
   precision = _dot_precision(b_q.dtype)
@@ -202,7 +215,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, lse_ref, *, block_size: int
     # Slot and step within it; truncating div / rem (s >= 0), no floor-division fix-ups.
     slot, sub = (s, 0) if steps_per_block == 1 else (lax.div(s, steps_per_block),
                                                       lax.rem(s, steps_per_block))
-    start, visible = _block_slot(idx_ref, t, slot, block_size, sub, step_keys)
+    start, visible = _block_slot(idx_ref, t, slot, block_size, sub, step_keys, doc_start)
     # [S, D]
     b_k = k_ref[pl.ds(start, step_keys), :]
     # Values of hidden keys load as zeros: their weight is 0, but 0 * NaN = NaN.
@@ -242,8 +255,17 @@ def _query_grid_specs(t: int, tk: int, g: int, d: int, top_k: int):
   return q_spec, kv_spec, idx_spec, lse_spec
 
 
-def _forward(q5, k, v, block_indices, *, block_size, scale, interpret, config):
-  """q5 `[B, T, HKV, G, D]`, k/v `[B, Tk, HKV, D]` -> (o5 like q5, lse float32 `[B, T, HKV, G]`)."""
+def _start_specs(starts, t: int):
+  """The document-start input of packed rows (`[B, T]`, one batch entry's row per program);
+  nothing for unpacked rows."""
+  if starts is None:
+    return [], ()
+  return [pl.BlockSpec((None, t), lambda i, h, bb: (bb, 0))], (starts,)
+
+
+def _forward(q5, k, v, block_indices, starts, *, block_size, scale, interpret, config):
+  """q5 `[B, T, HKV, G, D]`, k/v `[B, Tk, HKV, D]` -> (o5 like q5, lse float32 `[B, T, HKV, G]`);
+  starts: None, or each query's document start `[B, T]` (packed rows)."""
   b, t, hkv, g, d = q5.shape
   tk = k.shape[1]
   top_k = block_indices.shape[-1]
@@ -252,30 +274,34 @@ def _forward(q5, k, v, block_indices, *, block_size, scale, interpret, config):
   if block_size % step_keys:
     raise ValueError(f"fwd_step_keys={config.fwd_step_keys} must divide {block_size=}")
   kernel = functools.partial(_fwd_kernel, block_size=block_size, scale=scale, group=g, rows=rows,
-                             top_k=top_k, step_keys=step_keys)
+                             top_k=top_k, step_keys=step_keys, packed=starts is not None)
   q_spec, kv_spec, idx_spec, lse_spec = _query_grid_specs(t, tk, g, d, top_k)
+  start_specs, start_args = _start_specs(starts, t)
   call = pl.pallas_call(
       kernel,
       grid=(t, hkv, b),
-      in_specs=[q_spec, kv_spec, kv_spec, idx_spec],
+      in_specs=[q_spec, kv_spec, kv_spec, idx_spec] + start_specs,
       out_specs=[q_spec, lse_spec],
       out_shape=[jax.ShapeDtypeStruct(q5.shape, q5.dtype),
                  jax.ShapeDtypeStruct((b, t, hkv, g), jnp.float32)],
       compiler_params=plt.CompilerParams(num_warps=config.fwd_num_warps,
                                          num_stages=config.fwd_num_stages),
       interpret=interpret,
-      name="pisa_sparse_attention_fwd",
+      name=f"pisa_sparse_attention_fwd{'_packed' if starts is not None else ''}",
   )
-  return _call_kernel(call, q5, k, v, block_indices)
+  return _call_kernel(call, q5, k, v, block_indices, *start_args)
 
 
 # ----------------------------------------------------------------------------- dq kernel
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, do_ref, lse_ref, dq_ref, delta_ref, *,
-               block_size: int, scale: float, group: int, rows: int, top_k: int):
-  """One program: query t, KV head h. Writes dq and delta = rowsum(o * do) for the dk/dv kernel."""
+def _dq_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, do_ref, lse_ref, *refs, block_size: int,
+               scale: float, group: int, rows: int, top_k: int, packed: bool):
+  """One program: query t, KV head h. Writes dq and delta = rowsum(o * do) for the dk/dv kernel.
+  Packed rows add start_ref `[T]` before the outputs, as in the forward."""
+  start_ref, dq_ref, delta_ref = refs if packed else (None,) + refs
   t = pl.program_id(0)
+  doc_start = start_ref[t] if packed else None
   # [R, D]
   b_q = _load_rows(q_ref, t, group, rows)
   b_do = _load_rows(do_ref, t, group, rows)
@@ -289,7 +315,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, do_ref, lse_ref, dq_ref, del
   d = b_q.shape[-1]
 
   def body(i, b_dq):
-    start, visible = _block_slot(idx_ref, t, i, block_size)
+    start, visible = _block_slot(idx_ref, t, i, block_size, doc_start=doc_start)
     # Hidden keys load as zeros: ds = 0 does not cancel a NaN key in ds @ k (0 * NaN = NaN).
     b_k = plt.load(k_ref.at[pl.ds(start, block_size), :], mask=visible[:, None], other=0.0)
     b_v = v_ref[pl.ds(start, block_size), :]
@@ -307,236 +333,90 @@ def _dq_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, do_ref, lse_ref, dq_ref, del
   _store_rows(delta_ref, t, b_delta, group, rows)
 
 
-def _backward_dq(q5, k, v, block_indices, o5, do5, lse, *, block_size, scale, interpret, config):
+def _backward_dq(q5, k, v, block_indices, starts, o5, do5, lse, *, block_size, scale, interpret,
+                 config):
   b, t, hkv, g, d = q5.shape
   tk = k.shape[1]
   top_k = block_indices.shape[-1]
   rows = max(config.min_rows, next_pow2(g))
   kernel = functools.partial(_dq_kernel, block_size=block_size, scale=scale, group=g, rows=rows,
-                             top_k=top_k)
+                             top_k=top_k, packed=starts is not None)
   q_spec, kv_spec, idx_spec, lse_spec = _query_grid_specs(t, tk, g, d, top_k)
+  start_specs, start_args = _start_specs(starts, t)
   call = pl.pallas_call(
       kernel,
       grid=(t, hkv, b),
-      in_specs=[q_spec, kv_spec, kv_spec, idx_spec, q_spec, q_spec, lse_spec],
+      in_specs=[q_spec, kv_spec, kv_spec, idx_spec, q_spec, q_spec, lse_spec] + start_specs,
       out_specs=[q_spec, lse_spec],
       out_shape=[jax.ShapeDtypeStruct(q5.shape, q5.dtype),
                  jax.ShapeDtypeStruct((b, t, hkv, g), jnp.float32)],
       compiler_params=plt.CompilerParams(num_warps=config.dq_num_warps,
                                          num_stages=config.dq_num_stages),
       interpret=interpret,
-      name="pisa_sparse_attention_dq",
+      name=f"pisa_sparse_attention_dq{'_packed' if starts is not None else ''}",
   )
-  return _call_kernel(call, q5, k, v, block_indices, o5, do5, lse)
-
-
-# ----------------------------------------------------------------------------- inverted index
-
-
-def inverted_index(block_indices: Int[Array, "B T HKV K"], *, num_blocks: int, block_size: int,
-                   items_entries: int):
-  """For each (batch, KV head, key block), the queries that selected it, cut into work items.
-
-  Built with a stable argsort, so within a block the queries come out ascending and the result is
-  deterministic. Only valid entries count: index in [0, t // C] for query t.
-
-  Returns:
-    entry_query: int32 `[B, HKV, T * K]`, the query position of each entry, grouped by block
-      (invalid entries sorted to the end).
-    item_block, item_start, item_end: int32 `[B, HKV, NI]`; item i covers entries
-      [item_start, item_end) of block item_block (empty items: start == end, block 0).
-    item_offsets: int32 `[B, HKV, M + 1]`; the items of block n are [item_offsets[n],
-      item_offsets[n + 1]).
-  """
-  b, t, hkv, top_k = block_indices.shape
-  num_items = -(-t * top_k // items_entries) + num_blocks
-  cur = (jnp.arange(t, dtype=jnp.int32) // block_size)[None, :, None, None]
-  valid = (block_indices >= 0) & (block_indices <= cur)
-  # [B, HKV, T * K], t-major then slot: the stable sort keeps queries ascending within a block.
-  key = jnp.where(valid, block_indices, num_blocks).transpose(0, 2, 1, 3).reshape(b, hkv, t * top_k)
-  order = jnp.argsort(key, axis=-1, stable=True).astype(jnp.int32)
-  entry_query = order // top_k
-
-  def per_head(key_h):
-    counts = jnp.zeros((num_blocks + 1,), jnp.int32).at[key_h].add(1)[:num_blocks]
-    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
-    n_items = -(-counts // items_entries)
-    item_offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32),
-                                    jnp.cumsum(n_items, dtype=jnp.int32)])
-    item = jnp.arange(num_items, dtype=jnp.int32)
-    blk = jnp.searchsorted(item_offsets[1:], item, side="right").astype(jnp.int32)
-    in_range = blk < num_blocks
-    blk = jnp.minimum(blk, num_blocks - 1)
-    start = offsets[blk] + (item - item_offsets[blk]) * items_entries
-    end = jnp.minimum(start + items_entries, offsets[blk + 1])
-    start = jnp.where(in_range, start, 0)
-    end = jnp.where(in_range, end, 0)
-    return blk, start, end, item_offsets
-
-  per_batch = jax.vmap(jax.vmap(per_head))
-  item_block, item_start, item_end, item_offsets = per_batch(key)
-  return entry_query, item_block, item_start, item_end, item_offsets
-
-
-# ----------------------------------------------------------------------------- dk/dv kernels
-
-
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entry_ref, blk_ref, start_ref,
-                end_ref, dk_ref, dv_ref, *, block_size: int, scale: float, group: int,
-                rows: int):
-  """One program: one work item (a key block and a run of the queries that selected it).
-
-  Each step gathers `rows // G` queries x G heads as the M dimension of the dots (Appendix B
-  gradients for the keys of one block). Writes float32 partials, scale not yet applied to dk.
-  """
-  i = pl.program_id(0)
-  n = blk_ref[i]
-  first = start_ref[i]
-  last = end_ref[i]
-  per_step = rows // group
-  start = pl.multiple_of(n * block_size, block_size)
-  # [C, D]
-  b_k = k_ref[pl.ds(start, block_size), :]
-  b_v = v_ref[pl.ds(start, block_size), :]
-  precision = _dot_precision(b_k.dtype)
-  qk_scale = scale * _LOG2E
-  d = b_k.shape[-1]
-  key_pos = start + jnp.arange(block_size)
-  o_r = jnp.arange(rows)
-  o_j = o_r // group
-  o_g = o_r % group
-  o_d = jnp.arange(d)
-
-  def body(step, carry):
-    b_dk, b_dv = carry
-    entry = first + step * per_step + o_j
-    m_r = (o_j < per_step) & (entry < last)
-    o_t = entry_ref[jnp.where(m_r, entry, first)]
-    # [R, D] gathered (query, head) rows; clamped addresses, masked rows zeroed.
-    m_rd = m_r[:, None] & (o_d[None, :] < d)
-    i_t = jnp.broadcast_to(o_t[:, None], (rows, d))
-    i_g = jnp.broadcast_to(o_g[:, None], (rows, d))
-    i_d = jnp.broadcast_to(o_d[None, :], (rows, d))
-    b_q = plt.load(q_ref.at[i_t, i_g, i_d], mask=m_rd, other=0.0)
-    b_do = plt.load(do_ref.at[i_t, i_g, i_d], mask=m_rd, other=0.0)
-    b_lse2 = plt.load(lse_ref.at[o_t, o_g], mask=m_r, other=0.0) * _LOG2E
-    b_delta = plt.load(delta_ref.at[o_t, o_g], mask=m_r, other=0.0)
-    # [C, R]
-    b_s = jnp.dot(b_k, b_q.T, precision=precision, preferred_element_type=jnp.float32) * qk_scale
-    visible = m_r[None, :] & (key_pos[:, None] <= o_t[None, :])
-    b_dp = jnp.dot(b_v, b_do.T, precision=precision, preferred_element_type=jnp.float32)
-    b_p = jnp.where(visible, jnp.exp2(b_s - b_lse2[None, :]), 0.0)
-    # Masked again: a hidden pair's dp (a NaN value) or delta (a query whose output is NaN) must
-    # not reach that key's dk through p = 0 (0 * NaN = NaN). dp comes before the dv dot so that
-    # both selects sit together (fewer live predicates: 720 bytes of spills instead of 996 at
-    # d = 128 on sm_90).
-    b_ds = b_p * jnp.where(visible, b_dp - b_delta[None, :], 0.0)
-    b_dv = b_dv + jnp.dot(b_p.astype(b_do.dtype), b_do, precision=precision,
-                          preferred_element_type=jnp.float32)
-    b_dk = b_dk + jnp.dot(b_ds.astype(b_q.dtype), b_q, precision=precision,
-                          preferred_element_type=jnp.float32)
-    return b_dk, b_dv
-
-  num_steps = (last - first + per_step - 1) // per_step
-  zeros = jnp.zeros((block_size, d), jnp.float32)
-  b_dk, b_dv = lax.fori_loop(0, num_steps, body, (zeros, zeros))
-  dk_ref[...] = b_dk
-  dv_ref[...] = b_dv
-
-
-def _reduce_kernel(item_offsets_ref, dk_part_ref, dv_part_ref, dk_ref, dv_ref, *, scale: float):
-  """Sums the partials of key block n in item order (deterministic), applies the dk scale."""
-  n = pl.program_id(0)
-  first = item_offsets_ref[n]
-  last = item_offsets_ref[n + 1]
-
-  def body(i, carry):
-    b_dk, b_dv = carry
-    return b_dk + dk_part_ref[i], b_dv + dv_part_ref[i]
-
-  zeros = jnp.zeros(dk_ref.shape, jnp.float32)
-  b_dk, b_dv = lax.fori_loop(first, last, body, (zeros, zeros))
-  dk_ref[...] = (b_dk * scale).astype(dk_ref.dtype)
-  dv_ref[...] = b_dv.astype(dv_ref.dtype)
-
-
-def _backward_dkv(q5, k, v, block_indices, do5, lse, delta, *, block_size, scale, interpret,
-                  config):
-  b, t, hkv, g, d = q5.shape
-  tk = k.shape[1]
-  num_blocks = tk // block_size
-  top_k = block_indices.shape[-1]
-  rows = max(config.dkv_rows, next_pow2(g))
-  items_entries = config.items_entries
-  entry_query, item_block, item_start, item_end, item_offsets = inverted_index(
-      block_indices, num_blocks=num_blocks, block_size=block_size, items_entries=items_entries)
-  num_items = item_block.shape[-1]
-  kernel = functools.partial(_dkv_kernel, block_size=block_size, scale=scale, group=g, rows=rows)
-  q_spec = pl.BlockSpec((None, t, None, g, d), lambda i, h, bb: (bb, 0, h, 0, 0))
-  kv_spec = pl.BlockSpec((None, tk, None, d), lambda i, h, bb: (bb, 0, h, 0))
-  lse_spec = pl.BlockSpec((None, t, None, g), lambda i, h, bb: (bb, 0, h, 0))
-  entry_spec = pl.BlockSpec((None, None, t * top_k), lambda i, h, bb: (bb, h, 0))
-  item_spec = pl.BlockSpec((None, None, num_items), lambda i, h, bb: (bb, h, 0))
-  part_spec = pl.BlockSpec((None, None, None, block_size, d), lambda i, h, bb: (bb, h, i, 0, 0))
-  part_shape = jax.ShapeDtypeStruct((b, hkv, num_items, block_size, d), jnp.float32)
-  dk_part, dv_part = _call_kernel(pl.pallas_call(
-      kernel,
-      grid=(num_items, hkv, b),
-      in_specs=[q_spec, kv_spec, kv_spec, q_spec, lse_spec, lse_spec, entry_spec, item_spec,
-                item_spec, item_spec],
-      out_specs=[part_spec, part_spec],
-      out_shape=[part_shape, part_shape],
-      compiler_params=plt.CompilerParams(num_warps=config.dkv_num_warps,
-                                         num_stages=config.dkv_num_stages),
-      interpret=interpret,
-      name="pisa_sparse_attention_dkv",
-  ), q5, k, v, do5, lse, delta, entry_query, item_block, item_start, item_end)
-
-  offsets_spec = pl.BlockSpec((None, None, num_blocks + 1), lambda n, h, bb: (bb, h, 0))
-  parts_spec = pl.BlockSpec((None, None, num_items, block_size, d),
-                            lambda n, h, bb: (bb, h, 0, 0, 0))
-  out_spec = pl.BlockSpec((None, block_size, None, d), lambda n, h, bb: (bb, n, h, 0))
-  dk, dv = _call_kernel(pl.pallas_call(
-      functools.partial(_reduce_kernel, scale=scale),
-      grid=(num_blocks, hkv, b),
-      in_specs=[offsets_spec, parts_spec, parts_spec],
-      out_specs=[out_spec, out_spec],
-      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-      compiler_params=plt.CompilerParams(num_warps=config.reduce_num_warps, num_stages=1),
-      interpret=interpret,
-      name="pisa_sparse_attention_dkv_reduce",
-  ), item_offsets, dk_part, dv_part)
-  return dk, dv
+  return _call_kernel(call, q5, k, v, block_indices, o5, do5, lse, *start_args)
 
 
 # ----------------------------------------------------------------------------- custom_vjp op
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _sparse_attention_core(q5, k, v, block_indices, block_size, scale, interpret, config):
-  o5, _ = _forward(q5, k, v, block_indices, block_size=block_size, scale=scale,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _sparse_attention_core(q5, k, v, block_indices, starts, block_size, scale, interpret, config):
+  o5, _ = _forward(q5, k, v, block_indices, starts, block_size=block_size, scale=scale,
                    interpret=interpret, config=config)
   return o5
 
 
-def _core_fwd(q5, k, v, block_indices, block_size, scale, interpret, config):
-  o5, lse = _forward(q5, k, v, block_indices, block_size=block_size, scale=scale,
+def _core_fwd(q5, k, v, block_indices, starts, block_size, scale, interpret, config):
+  o5, lse = _forward(q5, k, v, block_indices, starts, block_size=block_size, scale=scale,
                      interpret=interpret, config=config)
-  return o5, (q5, k, v, block_indices, o5, lse)
+  return o5, (q5, k, v, block_indices, starts, o5, lse)
 
 
 def _core_bwd(block_size, scale, interpret, config, residuals, do5):
-  q5, k, v, block_indices, o5, lse = residuals
-  dq5, delta = _backward_dq(q5, k, v, block_indices, o5, do5.astype(q5.dtype), lse,
+  q5, k, v, block_indices, starts, o5, lse = residuals
+  dq5, delta = _backward_dq(q5, k, v, block_indices, starts, o5, do5.astype(q5.dtype), lse,
                             block_size=block_size, scale=scale, interpret=interpret,
                             config=config)
-  dk, dv = _backward_dkv(q5, k, v, block_indices, do5.astype(q5.dtype), lse, delta,
-                         block_size=block_size, scale=scale, interpret=interpret, config=config)
-  # Integer indices get no cotangent.
-  return dq5, dk, dv, None
+  dk, dv = backward_dkv(q5, k, v, block_indices, starts, do5.astype(q5.dtype), lse, delta,
+                        block_size=block_size, scale=scale, interpret=interpret, config=config)
+  # Integer indices and document starts get no cotangent.
+  return dq5, dk, dv, None, None
 
 
 _sparse_attention_core.defvjp(_core_fwd, _core_bwd)
+
+
+def _attend(q, k, v, block_indices, starts, *, block_size, scale, interpret, config):
+  """Pads, reshapes and runs the op; starts: None, or the document starts `[B, T]`."""
+  b, t, hq, d = q.shape
+  hkv = k.shape[2]
+  g = hq // hkv
+  top_k = block_indices.shape[-1]
+  if config is None:
+    config = SparseAttentionConfig.default(head_dim=d, group=g, top_k=top_k,
+                                           block_size=block_size)
+  dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
+  q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
+  # Head dims that are not a power of two >= 16 are zero-padded: zero columns change no dot
+  # product and give zero output columns, which are sliced off (autodiff handles pad and slice).
+  dp = max(16, next_pow2(d))
+  # Keys are padded to whole blocks so every block load is in bounds; padded keys sit after every
+  # query and are masked by causality. A packed document's block starts anywhere at or before
+  # its query, so its loads reach up to C - 1 keys past the last query: one more block.
+  tk = (-(-t // block_size) + (starts is not None)) * block_size
+  if dp != d:
+    pad = ((0, 0), (0, 0), (0, 0), (0, dp - d))
+    q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
+  if tk != t:
+    pad = ((0, 0), (0, tk - t), (0, 0), (0, 0))
+    k, v = jnp.pad(k, pad), jnp.pad(v, pad)
+  block_indices = lax.stop_gradient(block_indices.astype(jnp.int32))
+  q5 = q.reshape(b, t, hkv, g, dp)
+  o5 = _sparse_attention_core(q5, k, v, block_indices, starts, int(block_size), float(scale),
+                              bool(interpret), config)
+  return o5.reshape(b, t, hq, dp)[..., :d]
 
 
 def sparse_attention_pallas(
@@ -565,29 +445,31 @@ def sparse_attention_pallas(
   Returns:
     `[B, T, HQ, D]` in q's dtype, differentiable in q, k and v under `jax.custom_vjp`.
   """
-  b, t, hq, d = q.shape
-  hkv = k.shape[2]
-  g = hq // hkv
-  top_k = block_indices.shape[-1]
-  if config is None:
-    config = SparseAttentionConfig.default(head_dim=d, group=g, top_k=top_k,
-                                           block_size=block_size)
-  dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
-  q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
-  # Head dims that are not a power of two >= 16 are zero-padded: zero columns change no dot
-  # product and give zero output columns, which are sliced off (autodiff handles pad and slice).
-  dp = max(16, next_pow2(d))
-  # Keys are padded to whole blocks so every block load is in bounds; padded keys sit after every
-  # query and are masked by causality.
-  tk = -(-t // block_size) * block_size
-  if dp != d:
-    pad = ((0, 0), (0, 0), (0, 0), (0, dp - d))
-    q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
-  if tk != t:
-    pad = ((0, 0), (0, tk - t), (0, 0), (0, 0))
-    k, v = jnp.pad(k, pad), jnp.pad(v, pad)
-  block_indices = lax.stop_gradient(block_indices.astype(jnp.int32))
-  q5 = q.reshape(b, t, hkv, g, dp)
-  o5 = _sparse_attention_core(q5, k, v, block_indices, int(block_size), float(scale),
-                              bool(interpret), config)
-  return o5.reshape(b, t, hq, dp)[..., :d]
+  return _attend(q, k, v, block_indices, None, block_size=block_size, scale=scale,
+                 interpret=interpret, config=config)
+
+
+def sparse_attention_packed_pallas(
+    q: Float[Array, "B T HQ D"],
+    k: Float[Array, "B T HKV D"],
+    v: Float[Array, "B T HKV D"],
+    block_indices: Int[Array, "B T HKV K"],
+    segment_ids: Int[Array, "B T"],
+    *,
+    block_size: int,
+    scale: float,
+    interpret: bool,
+    config: SparseAttentionConfig | None = None,
+) -> Float[Array, "B T HQ D"]:
+  """Pallas twin of `sparse_attention_packed_reference`: Eq. 6 over packed documents.
+
+  block_indices are document-relative (block i of a document starting at s covers its keys
+  s + i C .. s + i C + C - 1); segment_ids `[B, T]` non-decreasing per row. The same kernels as
+  `sparse_attention_pallas` with each query's document start as a per-query scalar: the forward
+  and dq load a selected block from there (no alignment), the dk / dv index holds two entries
+  per (query, block), one per key-array block it touches (`packed_inverted_index`). Every row
+  of the output and the gradients is its document's own, as if run alone; deterministic.
+  """
+  starts, _ = segments.document_bounds(segment_ids)
+  return _attend(q, k, v, block_indices, lax.stop_gradient(starts), block_size=block_size,
+                 scale=scale, interpret=interpret, config=config)

@@ -39,6 +39,7 @@ from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
 from pisa_jax.kernels import attention as per_query
+from pisa_jax.kernels import attention_backward
 from pisa_jax.kernels import tile_index
 from pisa_jax.kernels._common import next_pow2
 
@@ -404,7 +405,7 @@ def _backward_dkv(q5, k, v, union, bits, do5, lse, delta, *, block_size, scale, 
                             lambda n, h, bb: (bb, h, 0, 0, 0))
   out_spec = pl.BlockSpec((None, block_size, None, d), lambda n, h, bb: (bb, n, h, 0))
   return per_query._call_kernel(pl.pallas_call(
-      functools.partial(per_query._reduce_kernel, scale=scale),
+      functools.partial(attention_backward._reduce_kernel, scale=scale),
       grid=(num_blocks, hkv, b),
       in_specs=[offsets_spec, parts_spec, parts_spec],
       out_specs=[out_spec, out_spec],

@@ -11,6 +11,8 @@ so each document's activations are the ones it would have alone.
 Parameters are stored in `param_dtype`; matmuls run in the compute dtype (bfloat16 on a GPU), while
 RMSNorm, RoPE angles, softmax statistics and the logits are float32. Each parameter carries
 `logical_axes` metadata that `pisa_jax.models.sharding.LOGICAL_AXIS_RULES` maps to the mesh.
+Under a mesh with a "seq" axis the sequence of every activation is split over it, and attention
+gathers the keys and values (`pisa_jax.models.context_parallel`).
 Each block can be rematerialised in the backward pass under a named policy (`model.remat`,
 `REMAT_POLICIES`), and training reads `hidden_states` to compute the loss without `[B, T, Vp]`.
 """
@@ -34,6 +36,7 @@ import pisa_jax
 from pisa_jax import _validation
 from pisa_jax.decode import DecodeCache, bucket_capacity, decode_step
 from pisa_jax.models.config import SPARSE_ATTENTION_KINDS, ModelConfig
+from pisa_jax.models.context_parallel import sequence_axis, sequence_sharded_attention
 from pisa_jax.models.sharding import axes_size, batch_axes_of, constrain_batch
 from pisa_jax.segments import document_bounds
 
@@ -189,7 +192,10 @@ class Attention(nnx.Module):
     k = _saveable("key_proj", jnp.einsum("bte,ehd->bthd", x, self.wk[...].astype(cdt)))
     v = _saveable("value_proj", jnp.einsum("bte,ehd->bthd", x, self.wv[...].astype(cdt)))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    if cfg.attention == "dense":
+    if sequence_axis() is not None:
+      # Context parallelism: each device attends with its own queries to the gathered keys.
+      out = sequence_sharded_attention(cfg, q, k, v, segment_ids)
+    elif cfg.attention == "dense":
       # cuDNN's fused kernel takes bf16/fp16 only; the XLA path keeps float32 softmax statistics.
       use_cudnn = jax.default_backend() == "gpu" and cdt in (jnp.bfloat16, jnp.float16)
       attend = functools.partial(

@@ -3,7 +3,9 @@
 Every parameter of the decoder carries `logical_axes` metadata (e.g. `("embed", "mlp")`). The mesh
 has two axes: "data" (pure data parallelism) and "fsdp" (data parallelism whose members also shard
 the parameters and optimizer state, ZeRO-3 style). The batch is split over both; parameters are
-split over "fsdp" along their model dimension.
+split over "fsdp" along their model dimension. Context parallelism (`train.context_parallel` > 1)
+adds a third axis, "seq", that splits the sequence of every activation; parameters are whole
+along it, and attention gathers the keys and values over it (`pisa_jax.models.context_parallel`).
 """
 
 from __future__ import annotations
@@ -15,10 +17,13 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp")
+# The context-parallel axis, innermost: its members exchange keys and values every layer, so they
+# are neighbouring devices.
+SEQ_AXIS = "seq"
 
 LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": ("data", "fsdp"),
-    "length": None,
+    "length": SEQ_AXIS,
     "embed": "fsdp",
     "vocab": None,
     "mlp": None,
@@ -122,8 +127,22 @@ def batch_axes_of(mesh) -> str | tuple[str, ...] | None:
   return auto if len(auto) > 1 else auto[0]
 
 
-def constrain_batch(x: jax.Array) -> jax.Array:
-  """Pins an activation `[B, ...]` to "batch over (data, fsdp), the rest whole" under the ambient mesh.
+def seq_axis_of(mesh) -> str | None:
+  """The mesh axis the sequence is split over ("seq", the "length" rule), or None when `mesh`
+  (a Mesh or AbstractMesh) has no such axis, splits nothing along it, or runs inside a
+  `shard_map` that made it Manual."""
+  name = LOGICAL_AXIS_RULES["length"]
+  if mesh.empty or name not in mesh.axis_names:
+    return None
+  types = dict(zip(mesh.axis_names, mesh.axis_types))
+  if types[name] != AxisType.Auto or mesh.shape[name] == 1:
+    return None
+  return name
+
+
+def constrain_batch(x: jax.Array, batch_dim: int = 0) -> jax.Array:
+  """Pins an activation `[B, T, ...]` to "batch over (data, fsdp), the sequence over seq, the rest
+  whole" under the ambient mesh (`batch_dim` says where B is; T follows it).
 
   Parameters are sharded over "fsdp" along their model dimension. Left to itself, XLA's sharding
   propagation follows them into the activations: it shards `[B, T, E]` along E and gathers the
@@ -131,29 +150,68 @@ def constrain_batch(x: jax.Array) -> jax.Array:
   devices, all-gathers of the global `[B, T, E]`). Pinning the activations makes it gather the
   parameters, which is what fsdp means. A no-op without a mesh or on one device.
 
+  Under a mesh with a "seq" axis the sequence dimension is pinned to it the same way: every
+  token-wise op (projections, norms, MLP, logits) then stays on the device that holds the token.
+  A length that the axis cannot split (a decode step's single token) stays whole.
+
   The mesh is the ambient one (`jax.set_mesh`, as the trainer does): under a plain `jit` with
   `in_shardings` and no ambient mesh this does nothing, and XLA decides the layouts alone.
   """
-  axes = batch_axes_of(jax.sharding.get_abstract_mesh())
-  if axes is None:
+  mesh = jax.sharding.get_abstract_mesh()
+  axes = batch_axes_of(mesh)
+  seq = seq_axis_of(mesh)
+  if seq is not None and (x.ndim <= batch_dim + 1 or x.shape[batch_dim + 1] % mesh.shape[seq]):
+    seq = None
+  if axes is None and seq is None:
     return x
-  return jax.lax.with_sharding_constraint(x, P(axes, *([None] * (x.ndim - 1))))
+  spec = [None] * x.ndim
+  spec[batch_dim] = axes
+  if seq is not None:
+    spec[batch_dim + 1] = seq
+  return jax.lax.with_sharding_constraint(x, P(*spec))
 
 
 def batch_sharding(mesh: Mesh, rank: int, batch_dim: int) -> NamedSharding:
-  """Shards dimension `batch_dim` of a rank-`rank` array over the "batch" rule's mesh axes."""
+  """Shards dimension `batch_dim` of a rank-`rank` array over the "batch" rule's mesh axes, and
+  the next one (the sequence) over "seq" when the mesh splits it."""
   spec = [None] * rank
   spec[batch_dim] = LOGICAL_AXIS_RULES["batch"]
+  seq = seq_axis_of(mesh)
+  if seq is not None and batch_dim + 1 < rank:
+    spec[batch_dim + 1] = seq
   return NamedSharding(mesh, P(*spec))
 
 
-def make_mesh(fsdp: int = -1) -> Mesh:
-  """A (data, fsdp) mesh over all local devices; `fsdp=-1` puts every device on "fsdp"."""
+def batch_ways(mesh: Mesh, context_parallel: int = 1) -> int:
+  """How many ways `mesh` splits the batch (data x fsdp): the global batch is
+  `train.per_device_batch` times this. Raises ValueError when the mesh's "seq" axis is not
+  `context_parallel` long."""
+  seq = mesh.shape.get(SEQ_AXIS, 1)
+  if seq != context_parallel:
+    raise ValueError(f"train.context_parallel={context_parallel} does not match the mesh "
+                     f"{dict(mesh.shape)}: its {SEQ_AXIS!r} axis must have {context_parallel} "
+                     f"devices (make_mesh(fsdp, context_parallel) builds it)")
+  return mesh.devices.size // seq
+
+
+def make_mesh(fsdp: int = -1, context_parallel: int = 1) -> Mesh:
+  """A (data, fsdp) mesh over all local devices; `fsdp=-1` puts every device on "fsdp".
+
+  With `context_parallel` > 1, a (data, fsdp, seq) mesh whose "seq" axis has that many devices
+  (`fsdp=-1`: every other device on "fsdp").
+  """
   n = jax.local_device_count()
-  fsdp = n if fsdp == -1 else fsdp
-  if n % fsdp:
-    raise ValueError(f"train.fsdp={fsdp} must divide the {n} local devices")
-  return jax.make_mesh(
-      (n // fsdp, fsdp), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2,
-      devices=jax.local_devices(),
-  )
+  if context_parallel < 1 or n % context_parallel:
+    raise ValueError(f"train.context_parallel={context_parallel} must be >= 1 and divide the {n} "
+                     f"local devices")
+  rest = n // context_parallel
+  fsdp = rest if fsdp == -1 else fsdp
+  if rest % fsdp:
+    raise ValueError(f"train.fsdp={fsdp} must divide the {n} local devices"
+                     + (f" / train.context_parallel={context_parallel} = {rest}"
+                        if context_parallel > 1 else ""))
+  if context_parallel == 1:
+    return jax.make_mesh((rest // fsdp, fsdp), MESH_AXES,
+                         axis_types=(AxisType.Auto,) * 2, devices=jax.local_devices())
+  return jax.make_mesh((rest // fsdp, fsdp, context_parallel), MESH_AXES + (SEQ_AXIS,),
+                       axis_types=(AxisType.Auto,) * 3, devices=jax.local_devices())

@@ -13,8 +13,8 @@ Packed documents: build_pyramid, select_blocks, sparse_attention and pisa_attent
 `segment_ids` `[B, T]` int32 (non-decreasing within a row; a document is a run of equal ids).
 Every query then selects and attends as its document would alone from position 0, on the
 document's own block grid, with document-relative block indices; build_pyramid returns a
-`PackedPyramid` (`pisa_jax.segments` describes the layout and its static capacities). The jnp
-reference ("xla") only for now: "pallas" with segment_ids raises NotImplementedError.
+`PackedPyramid` (`pisa_jax.segments` describes the layout and its static capacities). Both the
+jnp reference ("xla") and the Pallas kernels ("pallas") take them, forward and backward.
 
 Under `jax.jit` the arrays are traced and the options (sizes, names, scale) must be static: `jax.jit(pisa_jax.pisa_attention, static_argnames=("block_size", "top_k"))`, or bind them
 with `functools.partial` first; a traced option raises a TypeError that says so. Block indices

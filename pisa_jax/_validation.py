@@ -207,15 +207,3 @@ def check_segment_ids(segment_ids, *, batch: int, seq_len: int) -> None:
     b, t = (int(x) for x in bad[0])
     raise ValueError(f"{message}: row {b} goes from {ids[b, t]} at t={t} to {ids[b, t + 1]} "
                      f"at t={t + 1}")
-
-
-def check_segments_implementation(function: str, implementation, segment_ids) -> None:
-  """Packed documents run on the jnp reference only, for now: asking a kernel for them raises
-  instead of falling back."""
-  if segment_ids is None:
-    return
-  name = _dispatch.resolve_implementation(implementation)
-  if name != "xla":
-    raise NotImplementedError(
-        f"{function} with segment_ids (packed documents) has no {name!r} implementation yet "
-        f"(implementation={implementation!r} resolves to {name!r}): pass implementation='xla'")

@@ -104,21 +104,24 @@ def _dq_chunk(positions, q, block_indices, do, lse, delta, k, v, *, block_size, 
   return dq_selected(qg, k_sel, v_sel, visible, do, lse, delta, scale=scale).reshape(q.shape)
 
 
-def _inverted_index(block_indices, *, num_blocks: int, block_size: int, item_size: int):
-  """Which queries selected each key block, for one KV head: block_indices int32 `[T, K]`.
+def _inverted_index(block_indices, positions, *, num_blocks: int, block_size: int,
+                    item_size: int):
+  """Which queries selected each key block, for one KV head: block_indices int32 `[Tq, K]` of
+  the queries at positions int32 `[Tq]`.
 
   The valid entries (0 <= index <= t // C) are grouped by block, queries ascending (a stable
   sort), and each block's run is cut into items of at most `item_size` entries, so that block 0,
   which every query selects, is spread over many items instead of one long one.
 
   Returns:
-    entry_query: int32 `[T * K]`, the query of each entry, grouped by block.
+    entry_query: int32 `[Tq * K]`, the query (its row, not its position) of each entry, grouped
+      by block.
     item_block, item_start, item_end: int32 `[NI]`; item i covers entries [item_start,
       item_end) of block item_block (an empty item has start == end).
     item_offsets: int32 `[M + 1]`; the items of block n are [item_offsets[n], item_offsets[n + 1]).
   """
-  seq_len, top_k = block_indices.shape
-  cur = jnp.arange(seq_len)[:, None] // block_size
+  top_k = block_indices.shape[1]
+  cur = positions[:, None] // block_size
   valid = (block_indices >= 0) & (block_indices <= cur)
   entry_block = jnp.where(valid, block_indices, num_blocks).reshape(-1)
   order, block, start, end, item_offsets = group_entries(
@@ -179,16 +182,21 @@ def sum_items(parts, item_block, item_offsets):
   return jnp.where((item_offsets[1:] > item_offsets[:-1])[:, None, None], last, 0.0)
 
 
-def _dkv_one_head(q, k, v, block_indices, do, lse, delta, *, block_size, scale):
+def _dkv_one_head(q, k, v, block_indices, do, lse, delta, *, positions, block_size, scale):
   """dk, dv `[T, D]` of Eq. 6 for one (batch, KV head), block by block through the inverted
-  index: q, do `[T, G, D]`; k, v `[T, D]`; block_indices `[T, K]`; lse, delta `[T, G]`."""
-  seq_len, group, d = q.shape
+  index: q, do `[Tq, G, D]` of the queries at positions `[Tq]` (None: Tq = T, at 0 .. T-1);
+  k, v `[T, D]`; block_indices `[Tq, K]`; lse, delta `[Tq, G]`."""
+  n_queries, group, d = q.shape
+  seq_len = k.shape[0]
   top_k = block_indices.shape[-1]
+  if positions is None:
+    positions = jnp.arange(n_queries, dtype=jnp.int32)
   num_blocks = -(-seq_len // block_size)
   # An item holds as many entries as a block has on average (T * K / M).
   item_size = top_k * block_size
   entry_query, item_block, item_start, item_end, item_offsets = _inverted_index(
-      block_indices, num_blocks=num_blocks, block_size=block_size, item_size=item_size)
+      block_indices, positions, num_blocks=num_blocks, block_size=block_size,
+      item_size=item_size)
   pad = ((0, num_blocks * block_size - seq_len), (0, 0))
   k_blocks = jnp.pad(k, pad).reshape(num_blocks, block_size, d)
   v_blocks = jnp.pad(v, pad).reshape(num_blocks, block_size, d)
@@ -202,7 +210,7 @@ def _dkv_one_head(q, k, v, block_indices, do, lse, delta, *, block_size, scale):
     q_e = jnp.where(real[:, None, None], q[t], 0.0)
     do_e = jnp.where(real[:, None, None], do[t], 0.0)
     key_pos = block * block_size + jnp.arange(block_size)
-    visible = (real[:, None] & (key_pos[None, :] <= t[:, None]))[:, None, :]  # [E, 1, C]
+    visible = (real[:, None] & (key_pos[None, :] <= positions[t][:, None]))[:, None, :]  # [E, 1, C]
     return item_grads(q_e, do_e, t, block, visible, k_blocks, v_blocks, lse, delta, scale=scale)
 
   dk_parts, dv_parts = lax.map(item_partials, (item_block, item_start, item_end))
@@ -233,45 +241,49 @@ def chunk_size(q, k, top_k, block_size):
   return _chunking.query_chunk_size(seq_len, b * hkv * top_k * block_size * (2 * d + 4 * hq // hkv))
 
 
-def _forward(q, k, v, block_indices, block_size, scale):
+def _forward(q, k, v, block_indices, positions, block_size, scale):
   fn = functools.partial(_forward_chunk, block_size=block_size, scale=scale)
   chunk = chunk_size(q, k, block_indices.shape[-1], block_size)
-  return _chunking.map_query_chunks(fn, chunk, (q, block_indices), (k, v))
+  return _chunking.map_query_chunks(fn, chunk, (q, block_indices), (k, v), positions=positions)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _sparse_attention_f32(q, k, v, block_indices, block_size, scale):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _sparse_attention_f32(q, k, v, block_indices, positions, block_size, scale):
   """Eq. 6 on float32 q, k, v, with a backward pass free of scatter-adds: dq per query chunk,
-  dk and dv per key block through `_inverted_index`, every sum in a fixed order."""
-  return _forward(q, k, v, block_indices, block_size, scale)[0]
+  dk and dv per key block through `_inverted_index`, every sum in a fixed order. positions:
+  int32 `[Tq]` of the queries (the keys are all of 0 .. T-1), or None for Tq = T at 0 .. T-1."""
+  return _forward(q, k, v, block_indices, positions, block_size, scale)[0]
 
 
-def _sparse_attention_fwd(q, k, v, block_indices, block_size, scale):
-  out, lse = _forward(q, k, v, block_indices, block_size, scale)
-  return out, (q, k, v, block_indices, out, lse)
+def _sparse_attention_fwd(q, k, v, block_indices, positions, block_size, scale):
+  out, lse = _forward(q, k, v, block_indices, positions, block_size, scale)
+  return out, (q, k, v, block_indices, positions, out, lse)
 
 
 def _sparse_attention_bwd(block_size, scale, residuals, do):
-  q, k, v, block_indices, out, lse = residuals
+  q, k, v, block_indices, positions, out, lse = residuals
   delta = jnp.sum(out * do, axis=-1).reshape(lse.shape)
   fn = functools.partial(_dq_chunk, block_size=block_size, scale=scale)
   chunk = chunk_size(q, k, block_indices.shape[-1], block_size)
-  dq = _chunking.map_query_chunks(fn, chunk, (q, block_indices, do, lse, delta), (k, v))
-  b, seq_len, hkv, group = lse.shape
-  per_head = functools.partial(_dkv_one_head, block_size=block_size, scale=scale)
+  dq = _chunking.map_query_chunks(fn, chunk, (q, block_indices, do, lse, delta), (k, v),
+                                  positions=positions)
+  b, n_queries, hkv, group = lse.shape
+  per_head = functools.partial(_dkv_one_head, positions=positions, block_size=block_size,
+                               scale=scale)
   # Over the batch (axis 0), then the KV heads (axis 1 of each batch entry's arrays).
   per_head = jax.vmap(per_head, in_axes=1, out_axes=1)
-  dk, dv = jax.vmap(per_head)(q.reshape(b, seq_len, hkv, group, -1), k, v, block_indices,
-                              do.reshape(b, seq_len, hkv, group, -1), lse, delta)
-  # The indices are integers: no cotangent.
-  return dq, dk, dv, None
+  dk, dv = jax.vmap(per_head)(q.reshape(b, n_queries, hkv, group, -1), k, v, block_indices,
+                              do.reshape(b, n_queries, hkv, group, -1), lse, delta)
+  # The indices and positions are integers: no cotangent.
+  return dq, dk, dv, None, None
 
 
 _sparse_attention_f32.defvjp(_sparse_attention_fwd, _sparse_attention_bwd)
 
 
-def _sparse_attention_masked(q, k, v, block_indices, *, block_size, scale):
-  """Eq. 6 as dense attention under the selection's mask, on float32 `[B, T, HQ, D]`.
+def _sparse_attention_masked(q, k, v, block_indices, positions=None, *, block_size, scale):
+  """Eq. 6 as dense attention under the selection's mask, on float32 q `[B, Tq, HQ, D]` at
+  positions int32 `[Tq]` (None: Tq = T at 0 .. T-1) and k, v `[B, T, HKV, D]`.
 
   The same softmax over the same visible keys as the gathered form, written with a
   `[B, HKV, G, T, T]` mask instead of gathered blocks: cheaper when the selected keys are a large
@@ -279,20 +291,22 @@ def _sparse_attention_masked(q, k, v, block_indices, *, block_size, scale):
   products run over every (query, key) pair, hidden ones included, so it takes finite inputs
   only: 0 * NaN = NaN would carry a non-finite key or value to queries that do not see it.
   """
-  b, seq_len, hq, d = q.shape
-  hkv = k.shape[2]
+  b, n_queries, hq, d = q.shape
+  seq_len, hkv = k.shape[1], k.shape[2]
   num_blocks = -(-seq_len // block_size)
   pos = jnp.arange(seq_len)
-  # [B, T, HKV, M]: how often each (query, KV head) selected each leaf block; -1 and out-of-range
-  # entries match none.
+  query_pos = pos if positions is None else positions
+  # [B, Tq, HKV, M]: how often each (query, KV head) selected each leaf block; -1 and
+  # out-of-range entries match none.
   copies = jnp.sum(block_indices[..., None] == jnp.arange(num_blocks), axis=-2)
-  # [B, HKV, 1, T, T]: the weight of key j for query t, 0 when j > t or its block is not selected.
-  weight = jnp.where((pos[None, :] <= pos[:, None])[None, :, None],
+  # [B, HKV, 1, Tq, T]: the weight of key j for query t, 0 when j > t or its block is not
+  # selected.
+  weight = jnp.where((pos[None, :] <= query_pos[:, None])[None, :, None],
                      jnp.take(copies, pos // block_size, axis=-1), 0)
   weight = jnp.moveaxis(weight, 2, 1)[:, :, None].astype(jnp.float32)
   visible = weight > 0
   has_key = jnp.any(visible, axis=-1)
-  qg = q.reshape(b, seq_len, hkv, hq // hkv, d)
+  qg = q.reshape(b, n_queries, hkv, hq // hkv, d)
   logits = scale * jnp.einsum("bthgd,bshd->bhgts", qg, k, precision=_HIGHEST)
   # exp of the masked logits, not a masked exp: a hidden logit far above the visible ones would
   # overflow to inf, and the backward pass would multiply it by the mask's zero (NaN).
@@ -300,9 +314,9 @@ def _sparse_attention_masked(q, k, v, block_indices, *, block_size, scale):
   row_max = lax.stop_gradient(jnp.where(has_key, jnp.max(masked, axis=-1), 0.0))
   p = weight * jnp.exp(masked - row_max[..., None])
   # A query with no visible key gets zeros.
-  denom = jnp.moveaxis(jnp.where(has_key, p.sum(axis=-1), 1.0), 3, 1)  # [B, T, HKV, G]
+  denom = jnp.moveaxis(jnp.where(has_key, p.sum(axis=-1), 1.0), 3, 1)  # [B, Tq, HKV, G]
   out = jnp.einsum("bhgts,bshd->bthgd", p, v, precision=_HIGHEST) / denom[..., None]
-  return out.reshape(b, seq_len, hq, d)
+  return out.reshape(b, n_queries, hq, d)
 
 
 def uses_masked_formulation(batch: int, seq_len: int, num_heads: int, top_k: int,
@@ -329,18 +343,45 @@ def sparse_attention_reference(q, k, v, block_indices, *, block_size: int, scale
   form (both are Eq. 6; the tests pin them equal). Inputs with a non-finite value always take
   the gathered form, which computes each output from exactly the keys and values its query sees.
   """
-  b, seq_len, hq, _ = q.shape
+  return _reference(q, k, v, block_indices, None, block_size=block_size, scale=scale,
+                    masked=masked)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "scale", "masked"))
+def sparse_attention_reference_at(q, k, v, block_indices, query_offset, *, block_size: int,
+                                  scale: float, masked: bool | None = None):
+  """`sparse_attention_reference` for a run of queries inside a longer sequence.
+
+  Args:
+    q: the queries at positions query_offset .. query_offset + Tq - 1, `[B, Tq, HQ, D]`.
+    k, v: every key and value of the sequence, `[B, T, HKV, D]`.
+    block_indices: int32 `[B, Tq, HKV, K]`, those queries' selection (`select_blocks_at`).
+    query_offset: int32 scalar, may be traced (a device's place in a sharded sequence).
+
+  Returns `[B, Tq, HQ, D]`: the rows query_offset .. query_offset + Tq - 1 of
+  `sparse_attention_reference(q_all, k, v, ...)`. Its dk and dv are those queries' share of
+  the full gradients (summing the shares of every run of queries gives them whole). The masked
+  or gathered form is chosen as for the whole sequence of T queries, so that both agree.
+  """
+  positions = query_offset + jnp.arange(q.shape[1], dtype=jnp.int32)
+  return _reference(q, k, v, block_indices, positions, block_size=block_size, scale=scale,
+                    masked=masked)
+
+
+def _reference(q, k, v, block_indices, positions, *, block_size, scale, masked):
+  """Eq. 6 in float32 for the queries at positions (None: q holds all T, at 0 .. T-1)."""
+  b, hq = q.shape[0], q.shape[2]
   block_indices = lax.stop_gradient(block_indices.astype(jnp.int32))
   if masked is None:
-    masked = uses_masked_formulation(b, seq_len, hq, block_indices.shape[-1], block_size)
+    masked = uses_masked_formulation(b, k.shape[1], hq, block_indices.shape[-1], block_size)
   q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
 
   def gathered(q, k, v):
-    return _sparse_attention_f32(q, k, v, block_indices, block_size, scale)
+    return _sparse_attention_f32(q, k, v, block_indices, positions, block_size, scale)
 
   if masked:
     dense = functools.partial(_sparse_attention_masked, block_indices=block_indices,
-                              block_size=block_size, scale=scale)
+                              positions=positions, block_size=block_size, scale=scale)
     finite = jnp.all(jnp.isfinite(q32)) & jnp.all(jnp.isfinite(k32)) & jnp.all(jnp.isfinite(v32))
     out = lax.cond(finite, dense, gathered, q32, k32, v32)
   else:
@@ -381,7 +422,7 @@ def sparse_attention(
       equal ids). block_indices are then the block numbers of each query's own document (block i
       holds its keys i C .. i C + C - 1, counted from its first token), a query sees only keys
       of its document, and every row of the output and of the gradients is the document's own,
-      run alone from position 0 (`pisa_jax.packed_attention`). xla only for now.
+      run alone from position 0 (`pisa_jax.packed_attention`).
     implementation: "xla" (jnp reference), "pallas" (kernel) or None (pallas on GPU, else xla).
 
   Options (block_size, scale, implementation) fix shapes or compiled code: under `jax.jit` pass
@@ -399,7 +440,6 @@ def sparse_attention(
   _validation.check_block_indices(
       block_indices, batch=b, seq_len=t, num_kv_heads=hkv, block_size=int(block_size))
   _validation.check_segment_ids(segment_ids, batch=b, seq_len=t)
-  _validation.check_segments_implementation("sparse_attention", implementation, segment_ids)
   return _attend(q, k, v, block_indices, segment_ids, block_size=int(block_size),
                  scale=_validation.resolve_scale(scale, d), implementation=implementation)
 
@@ -435,8 +475,8 @@ def pisa_attention(
   attention on the selected entries only. Arguments as in `select_blocks` and `sparse_attention`
   (options static under `jax.jit`). Selection ranks a NaN score right after the forced blocks, so
   the block of a NaN key stays selected wherever there is room, and the NaN reaches those
-  queries' outputs instead of being dropped. With segment_ids (packed documents, xla only for
-  now), each query selects and attends within its own document, as the document alone would.
+  queries' outputs instead of being dropped. With segment_ids (packed documents), each query
+  selects and attends within its own document, as the document alone would.
 
   Returns:
     `[B, T, HQ, D]` in q's dtype, differentiable in q, k and v.

@@ -27,6 +27,7 @@ from jax import lax
 from pisa_jax import _chunking, _dispatch, segments
 from pisa_jax.attention import (attend_selected, chunk_size, dq_selected, group_entries,
                                 item_grads, sum_items)
+from pisa_jax.kernels import attention as attention_kernels
 
 
 def _selected_keys(positions, q, block_indices, start, k, v, *, block_size):
@@ -162,4 +163,8 @@ def sparse_attention_packed_reference(q, k, v, block_indices, segment_ids, *, bl
   return out.astype(q.dtype)
 
 
-_dispatch.register("sparse_attention_packed", xla=sparse_attention_packed_reference)
+_dispatch.register(
+    "sparse_attention_packed",
+    xla=sparse_attention_packed_reference,
+    pallas=_dispatch.with_interpret(attention_kernels.sparse_attention_packed_pallas),
+)

@@ -11,6 +11,7 @@ from jaxtyping import Array, Float, Int
 
 from pisa_jax import _dispatch, _validation, segments
 from pisa_jax.geometry import Pyramid, level_sizes, node_span
+from pisa_jax.kernels import packed_pyramid as packed_pyramid_kernels
 from pisa_jax.kernels import pyramid as pyramid_kernels
 from pisa_jax.segments import PackedPyramid
 
@@ -64,7 +65,7 @@ def build_pyramid(
     branching: g, children merged into each upper node.
     segment_ids: None, or int32 `[B, T]` non-decreasing within a row: packed documents (runs of
       equal ids), each summarised on its own block grid from its first token
-      (`pisa_jax.segments`). xla only for now.
+      (`pisa_jax.segments`).
     implementation: "xla" (jnp reference), "pallas" (kernel) or None (pallas on GPU, else xla).
 
   Options (block_size, branching, implementation) fix shapes or compiled code: under `jax.jit`
@@ -85,7 +86,6 @@ def build_pyramid(
   _validation.check_block_size(block_size)
   _validation.check_branching(branching)
   _validation.check_segment_ids(segment_ids, batch=k.shape[0], seq_len=k.shape[1])
-  _validation.check_segments_implementation("build_pyramid", implementation, segment_ids)
   if segment_ids is not None:
     build = _dispatch.lookup("build_pyramid_packed", implementation)
     return build(k, segment_ids, block_size=int(block_size), branching=int(branching))
@@ -98,5 +98,8 @@ _dispatch.register(
     xla=build_pyramid_reference,
     pallas=_dispatch.with_interpret(pyramid_kernels.build_pyramid_pallas),
 )
-# Packed rows (segment_ids): the reference only, for now.
-_dispatch.register("build_pyramid_packed", xla=build_packed_pyramid_reference)
+_dispatch.register(
+    "build_pyramid_packed",
+    xla=build_packed_pyramid_reference,
+    pallas=_dispatch.with_interpret(packed_pyramid_kernels.build_packed_pyramid_pallas),
+)

@@ -17,7 +17,9 @@ from jaxtyping import Array, Float, Int
 
 from pisa_jax import _chunking, _dispatch, _validation, segments
 from pisa_jax.geometry import node_span
+from pisa_jax.kernels import packed_pyramid as packed_pyramid_kernels
 from pisa_jax.kernels import selection as selection_kernels
+from pisa_jax.kernels.selection import packed as packed_selection_kernels
 from pisa_jax.pyramid import build_pyramid_reference
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -232,21 +234,39 @@ def _exact_chunk(positions, q, k, *, block_size, top_k, scale):
 def select_blocks_reference(q, k, *, block_size: int, top_k: int, branching: int, selector: str,
                             scale: float, beam: int):
   """jnp reference of `select_blocks`; arguments are already validated and resolved."""
-  b, seq_len, hq, _ = q.shape
-  num_blocks = -(-seq_len // block_size)
+  return _select(q, k, None, block_size=block_size, top_k=top_k, branching=branching,
+                 selector=selector, scale=scale, beam=beam)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("block_size", "top_k", "branching", "selector", "scale", "beam"))
+def select_blocks_reference_offset(q, k, query_offset, *, block_size: int, top_k: int,
+                                   branching: int, selector: str, scale: float, beam: int):
+  """Rows query_offset .. query_offset + Tq - 1 of `select_blocks_reference(q_all, k, ...)`, any
+  selector: q `[B, Tq, HQ, D]` those queries, k `[B, T, HKV, D]` every key (the pyramid is all
+  of k's), query_offset an int32 scalar, traced or not (a device's place in a sharded sequence)."""
+  positions = query_offset + jnp.arange(q.shape[1], dtype=jnp.int32)
+  return _select(q, k, positions, block_size=block_size, top_k=top_k, branching=branching,
+                 selector=selector, scale=scale, beam=beam)
+
+
+def _select(q, k, positions, *, block_size, top_k, branching, selector, scale, beam):
+  """The selection of the queries q at positions (None: q holds all T, at 0 .. T-1)."""
+  b, n_queries, hq, _ = q.shape
+  num_blocks = -(-k.shape[1] // block_size)
   if selector == "bsa":
     leaves = build_pyramid_reference(k, block_size=block_size, branching=branching).summaries[0]
-    chunk = _chunking.query_chunk_size(seq_len, 3 * b * hq * num_blocks)
+    chunk = _chunking.query_chunk_size(n_queries, 3 * b * hq * num_blocks)
     fn = functools.partial(_bsa_chunk, block_size=block_size, top_k=top_k, scale=scale)
-    return _chunking.map_query_chunks(fn, chunk, (q,), (leaves,))
+    return _chunking.map_query_chunks(fn, chunk, (q,), (leaves,), positions=positions)
   if selector == "exact":
-    chunk = _chunking.query_chunk_size(seq_len, 3 * b * hq * num_blocks * block_size)
+    chunk = _chunking.query_chunk_size(n_queries, 3 * b * hq * num_blocks * block_size)
     fn = functools.partial(_exact_chunk, block_size=block_size, top_k=top_k, scale=scale)
-    return _chunking.map_query_chunks(fn, chunk, (q,), (k,))
+    return _chunking.map_query_chunks(fn, chunk, (q,), (k,), positions=positions)
   fn, chunk, summaries = _hierarchical_setup(
       q, k, block_size=block_size, top_k=top_k, beam=beam, branching=branching, selector=selector,
       scale=scale)
-  return _chunking.map_query_chunks(fn, chunk, (q,), (k, summaries))
+  return _chunking.map_query_chunks(fn, chunk, (q,), (k, summaries), positions=positions)
 
 
 def _hierarchical_setup(q, k, *, block_size, top_k, beam, branching, selector, scale):
@@ -304,10 +324,25 @@ def select_blocks_reference_at(q, k, positions, *, block_size: int, top_k: int, 
 # document's: the rows equal the document's own selection run alone from position 0.
 
 
+def _child_scores(qg, source, base, count, *, width, scale, selector):
+  """Group-summed scores `[B, Tc, HKV, n]` of candidates whose children are the rows base ..
+  base + count - 1 (count <= width) of source `[B, N, HKV, D]`: Eq. 21 / 33 / 34 per head,
+  Eq. 22 over the group. The packed walk's scorer; `kernels.selection.packed` is its twin."""
+  b, hkv = source.shape[0], source.shape[2]
+  b_idx = jnp.arange(b)[:, None, None, None, None]
+  h_idx = jnp.arange(hkv)[None, None, :, None, None]
+  child = base[..., None] + jnp.arange(width)
+  vecs = source[b_idx, jnp.clip(child, 0, source.shape[1] - 1), h_idx].astype(jnp.float32)
+  z = scale * jnp.einsum("bthgd,bthnrd->bthgnr", qg, vecs, precision=_HIGHEST)
+  child_valid = jnp.arange(width) < count[..., None]
+  return reduce_scores(z, child_valid[:, :, :, None], selector).sum(axis=3)
+
+
 def _packed_walk_chunk(positions, q, start, length, first_node, k, summaries, *, block_size,
-                       top_k, beam, branching, selector, scale):
+                       top_k, beam, branching, selector, scale, child_scores=None):
   """`_hierarchical_chunk` for packed rows: q `[B, Tc, HQ, D]`; start, length `[B, Tc]` and
   first_node `[B, Tc, L]` from `segments.documents`; summaries the `PackedPyramid` levels.
+  child_scores: `_child_scores`'s signature less scale and selector (None: `_child_scores`).
 
   The walk starts at the top level a T-token document could have. Above a document's root a
   level holds one node (`segments.level_node_counts`): at most one eligible candidate, kept
@@ -315,10 +350,10 @@ def _packed_walk_chunk(positions, q, start, length, first_node, k, summaries, *,
   same candidates in the same order (ties still go to the lower node id).
   """
   b, tc, hq, d = q.shape
-  seq_len, hkv = k.shape[1], k.shape[2]
+  hkv = k.shape[2]
   qg = q.astype(jnp.float32).reshape(b, tc, hkv, hq // hkv, d)
-  b_idx = jnp.arange(b)[:, None, None, None, None]
-  h_idx = jnp.arange(hkv)[None, None, :, None, None]
+  if child_scores is None:
+    child_scores = functools.partial(_child_scores, scale=scale, selector=selector)
   rel = positions[None, :] - start  # [B, Tc]: the query's position in its document
   leaves, leaf_exists = forced_leaves(rel, block_size)  # [B, Tc, 3]
   t = rel[:, :, None, None]
@@ -344,36 +379,38 @@ def _packed_walk_chunk(positions, q, start, length, first_node, k, summaries, *,
       safe = jnp.where(valid, cand, 0)
       if level == 1:
         # Eq. 21 with l = 1: the block's raw keys, at the document's start plus their offset.
-        child = safe[..., None] * block_size + jnp.arange(block_size)
-        child_valid = valid[..., None] & (child < length[:, :, None, None, None])
-        key_pos = jnp.minimum(start[:, :, None, None, None] + child, seq_len - 1)
-        child_vecs = k[b_idx, key_pos, h_idx].astype(jnp.float32)
+        source, width = k, block_size
+        base = start[:, :, None, None] + safe * block_size
+        count = length[:, :, None, None] - safe * block_size
       else:
         # The children's summaries, at the document's slots of the level below.
-        below = summaries[level - 2]
-        child = safe[..., None] * branching + jnp.arange(branching)
-        child_valid = valid[..., None] & (child < size(level - 1)[..., None])
-        slot = first_node[:, :, level - 2][:, :, None, None, None] + child
-        child_vecs = below[b_idx, jnp.clip(slot, 0, below.shape[1] - 1), h_idx]
-      kept = _score_and_keep(qg, child_vecs, child_valid, cand, valid, forced, keep=keep,
-                             scale=scale, selector=selector)
+        source, width = summaries[level - 2], branching
+        base = first_node[:, :, level - 2][:, :, None, None] + safe * branching
+        count = size(level - 1) - safe * branching
+      count = jnp.where(valid, jnp.clip(count, 0, width), 0)
+      scores = child_scores(qg, source, base, count, width=width)
+      kept = _keep(cand, valid, forced, jnp.where(valid, scores, 0.0), keep)
     cand = kept if level == 1 else _expand(kept, branching)
   return _first_top_k(cand, top_k)
 
 
 def _packed_bsa_chunk(positions, q, start, first_leaf, leaves, *, block_size, top_k, scale,
-                      num_blocks):
+                      num_blocks, bsa_scores=None):
   """`_bsa_chunk` for packed rows: each query scores its document's leaves, the `num_blocks`
-  (= ceil(T / C), the most a document has) packed slots from its first leaf `[B, Tc]`."""
+  (= ceil(T / C), the most a document has) packed slots from its first leaf `[B, Tc]`.
+  bsa_scores: None, or a kernel (qg, leaves, first_leaf, rel) -> the group-summed scores."""
   b, tc, hq, d = q.shape
   hkv = leaves.shape[2]
   qg = q.astype(jnp.float32).reshape(b, tc, hkv, hq // hkv, d)
+  rel = positions[None, :] - start
+  if bsa_scores is not None:
+    return flat_top_k(bsa_scores(qg, leaves, first_leaf, rel), rel, block_size=block_size,
+                      top_k=top_k)
   blocks = jnp.arange(num_blocks)
   slot = jnp.minimum(first_leaf[:, :, None] + blocks, leaves.shape[1] - 1)
   doc_leaves = leaves[jnp.arange(b)[:, None, None], slot]  # [B, Tc, M, HKV, D]
   # Eq. 4 with the mean-key summaries of Eq. 2, over the document's blocks.
   z = scale * jnp.einsum("bthgd,btmhd->bthgm", qg, doc_leaves, precision=_HIGHEST)
-  rel = positions[None, :] - start
   t = rel[:, :, None, None, None]
   complete = blocks < (t + 1) // block_size
   past = blocks < t // block_size
@@ -402,6 +439,47 @@ def _packed_exact_chunk(positions, q, start, length, k, *, block_size, top_k, sc
   return flat_top_k(scores, rel, block_size=block_size, top_k=top_k)
 
 
+def _select_packed(q, k, segment_ids, *, block_size, top_k, branching, selector, scale, beam,
+                   interpret=None):
+  """Packed selection; interpret None runs the reference, a bool the Pallas kernels in that mode
+  (the packed pyramid and the walk's scores; the walk's Select_K stays this reference's)."""
+  b, seq_len, hq, d = q.shape
+  hkv = k.shape[2]
+  num_blocks = -(-seq_len // block_size)
+  docs = segments.documents(segment_ids, block_size, branching)
+  if selector == "exact":
+    # Twice the unpacked chunk's logits: all T of them, and the document's window of them.
+    chunk = _chunking.query_chunk_size(seq_len, 6 * b * hq * num_blocks * block_size)
+    fn = functools.partial(_packed_exact_chunk, block_size=block_size, top_k=top_k, scale=scale)
+    return _chunking.map_query_chunks(fn, chunk, (q, docs.start, docs.length), (k,))
+  kernels = interpret is not None
+  if kernels:
+    pyramid = packed_pyramid_kernels.build_packed_pyramid_pallas(
+        k, segment_ids, block_size=block_size, branching=branching, interpret=interpret)
+  else:
+    pyramid = segments.packed_pyramid(k, docs, block_size=block_size, branching=branching)
+  if selector == "bsa":
+    # Each query's document's leaves, [M, HKV, D], beside the scores.
+    chunk = _chunking.query_chunk_size(seq_len, b * num_blocks * (3 * hq + hkv * d))
+    scores = functools.partial(packed_selection_kernels.bsa_scores_pallas,
+                               block_size=block_size, num_blocks=num_blocks, scale=scale,
+                               interpret=interpret) if kernels else None
+    fn = functools.partial(_packed_bsa_chunk, block_size=block_size, top_k=top_k, scale=scale,
+                           num_blocks=num_blocks, bsa_scores=scores)
+    return _chunking.map_query_chunks(fn, chunk, (q, docs.start, docs.first_node[..., 0]),
+                                      (pyramid.summaries[0],))
+  width = max(top_k, beam) * branching
+  chunk = _chunking.query_chunk_size(
+      seq_len, b * hkv * width * max(block_size, branching) * (d + hq // hkv))
+  scores = functools.partial(packed_selection_kernels.child_scores_pallas, scale=scale,
+                             selector=selector, interpret=interpret) if kernels else None
+  fn = functools.partial(
+      _packed_walk_chunk, block_size=block_size, top_k=top_k, beam=beam, branching=branching,
+      selector=selector, scale=scale, child_scores=scores)
+  return _chunking.map_query_chunks(fn, chunk, (q, docs.start, docs.length, docs.first_node),
+                                    (k, pyramid.summaries))
+
+
 @functools.partial(
     jax.jit, static_argnames=("block_size", "top_k", "branching", "selector", "scale", "beam"))
 def select_blocks_packed_reference(q, k, segment_ids, *, block_size: int, top_k: int,
@@ -414,31 +492,27 @@ def select_blocks_packed_reference(q, k, segment_ids, *, block_size: int, top_k:
   "exact" takes each query's document window out of the same `[T]` logits. The pyramid is the
   packed one of `pisa_jax.segments` (N_1 = T leaf slots).
   """
-  b, seq_len, hq, d = q.shape
-  hkv = k.shape[2]
-  num_blocks = -(-seq_len // block_size)
-  docs = segments.documents(segment_ids, block_size, branching)
-  if selector == "exact":
-    # Twice the unpacked chunk's logits: all T of them, and the document's window of them.
-    chunk = _chunking.query_chunk_size(seq_len, 6 * b * hq * num_blocks * block_size)
-    fn = functools.partial(_packed_exact_chunk, block_size=block_size, top_k=top_k, scale=scale)
-    return _chunking.map_query_chunks(fn, chunk, (q, docs.start, docs.length), (k,))
-  pyramid = segments.packed_pyramid(k, docs, block_size=block_size, branching=branching)
-  if selector == "bsa":
-    # Each query's document's leaves, [M, HKV, D], beside the scores.
-    chunk = _chunking.query_chunk_size(seq_len, b * num_blocks * (3 * hq + hkv * d))
-    fn = functools.partial(_packed_bsa_chunk, block_size=block_size, top_k=top_k, scale=scale,
-                           num_blocks=num_blocks)
-    return _chunking.map_query_chunks(fn, chunk, (q, docs.start, docs.first_node[..., 0]),
-                                      (pyramid.summaries[0],))
-  width = max(top_k, beam) * branching
-  chunk = _chunking.query_chunk_size(
-      seq_len, b * hkv * width * max(block_size, branching) * (d + hq // hkv))
-  fn = functools.partial(
-      _packed_walk_chunk, block_size=block_size, top_k=top_k, beam=beam, branching=branching,
-      selector=selector, scale=scale)
-  return _chunking.map_query_chunks(fn, chunk, (q, docs.start, docs.length, docs.first_node),
-                                    (k, pyramid.summaries))
+  return _select_packed(q, k, segment_ids, block_size=block_size, top_k=top_k,
+                        branching=branching, selector=selector, scale=scale, beam=beam)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("block_size", "top_k", "branching", "selector", "scale", "beam",
+                              "interpret"))
+def select_blocks_packed_pallas(q, k, segment_ids, *, block_size: int, top_k: int,
+                                branching: int, selector: str, scale: float, beam: int,
+                                interpret: bool):
+  """`select_blocks` with segment_ids on the Pallas kernels, for "pisa", "pisa1", "pisa2" and
+  "bsa" ("exact" is reference-only, as without segment_ids).
+
+  What runs where: the packed pyramid is `kernels.packed_pyramid` (all of its pooling); every
+  score is `kernels.selection.packed` (one launch per level of the walk, or one for "bsa"); the
+  document walk between the levels (candidates, forced blocks, Select_K by `lax.top_k`) is the
+  reference's XLA code above, not a fused kernel.
+  """
+  return _select_packed(q, k, segment_ids, block_size=block_size, top_k=top_k,
+                        branching=branching, selector=selector, scale=scale, beam=beam,
+                        interpret=interpret)
 
 
 def select_blocks(
@@ -472,7 +546,8 @@ def select_blocks(
       equal ids). Each query then selects as its document would alone from position 0: the
       document's own block grid from its first token, its own pyramid, forced blocks and
       eligibility, and indices are the document's own block numbers (`pisa_jax.segments`).
-      xla only for now: a kernel implementation raises NotImplementedError.
+      On "pallas" the pyramid and the scores run in kernels and the walk's Select_K in XLA
+      (`select_blocks_packed_pallas`).
     implementation: "xla" (jnp reference), "pallas" (kernel) or None (pallas on GPU, else xla).
 
   Options (everything but q and k) fix shapes or compiled code: under `jax.jit` pass them as
@@ -499,15 +574,14 @@ def select_blocks(
   beam = _validation.resolve_beam(beam, top_k, selector)
   scale = _validation.resolve_scale(scale, d)
   _validation.check_segment_ids(segment_ids, batch=q.shape[0], seq_len=q.shape[1])
-  _validation.check_segments_implementation("select_blocks", implementation, segment_ids)
+  if selector == "exact" and _dispatch.resolve_implementation(implementation) != "xla":
+    raise ValueError(
+        f"{selector=} exists only in the reference: pass implementation='xla' for it")
   if segment_ids is not None:
     select = _dispatch.lookup("select_blocks_packed", implementation)
     return select(
         q, k, segment_ids, block_size=int(block_size), top_k=int(top_k),
         branching=int(branching), selector=selector, scale=scale, beam=beam)
-  if selector == "exact" and _dispatch.resolve_implementation(implementation) != "xla":
-    raise ValueError(
-        f"{selector=} exists only in the reference: pass implementation='xla' for it")
   select = _dispatch.lookup("select_blocks", implementation)
   return select(q, k, block_size=int(block_size), top_k=int(top_k), branching=int(branching),
                 selector=selector, scale=scale, beam=beam)
@@ -518,5 +592,8 @@ _dispatch.register(
     xla=select_blocks_reference,
     pallas=_dispatch.with_interpret(selection_kernels.select_blocks_pallas),
 )
-# Packed rows (segment_ids): the reference only, for now.
-_dispatch.register("select_blocks_packed", xla=select_blocks_packed_reference)
+_dispatch.register(
+    "select_blocks_packed",
+    xla=select_blocks_packed_reference,
+    pallas=_dispatch.with_interpret(select_blocks_packed_pallas),
+)

@@ -19,7 +19,8 @@ import pytest
 from pisa_jax.testing import random_block_indices
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ("selection", "attention", "layer", "training", "multi_gpu", "decode")
+SCRIPTS = ("selection", "attention", "layer", "training", "multi_gpu", "decode",
+           "context_parallel", "packed")
 
 # One small fake result per script, rows as the script writes them.
 FAKE_ROWS = {
@@ -59,6 +60,23 @@ FAKE_ROWS = {
         + [dict(part="generation", preset="small", attention=a, batch=1, prompt=32768,
                 new_tokens=256, first_token_s=2.0, tokens_per_s=t, ms_per_step=1e3 / t)
            for a, t in (("pisa", 300.0), ("dense", 120.0))],
+    "context_parallel": [
+        dict(run=f"{d}x{n}", devices=d, seq_len=n, context_parallel=d, tokens_per_s=t,
+             tokens_per_s_per_device=t / d, compiled_step_memory_gib_per_device={"temp": 40.0},
+             allocator_peak_gib_per_device_since_start=[50.0] * d,
+             device_busy_ms_per_step={"compute": 900.0, "communication": 30.0, "memcpy": 0.0},
+             **extra)
+        for d, n, t, extra in ((1, 2**20, 1e5, {}),
+                               (2, 2**21, 1.9e5, {"weak_scaling_efficiency": 0.95}),
+                               (2, 2**20, 1.8e5, {"strong_scaling_speedup": 1.8}))]
+        + [dict(shard=i, shards=2, seq_len=2**21, query_offset=i * 2**20, ms=5.0, vs_fastest=1.0)
+           for i in range(2)],
+    "packed": [
+        dict(case="128K d64 K8", d=64, top_k=8, side=side, stage=stage, layout=layout, ms=ms,
+             **({"x_unpacked": 1.05} if layout == "packed" else {}))
+        for side in ("pisa-jax", "fla")
+        for stage in ("selection", "attention fwd", "attention fwd+bwd")
+        for layout, ms in (("unpacked", 2.0), ("packed", 2.1))],
 }
 SETTINGS = {
     "selection": dict(hq=32, hkv=2, d=64, block_size=64, top_k=8, branching=2, dtype="bfloat16"),
@@ -67,6 +85,9 @@ SETTINGS = {
     "training": dict(preset="small", seconds=60.0),
     "multi_gpu": dict(preset="small", attention="pisa", global_batch=8, seq_len=4096),
     "decode": dict(block_size=64, dtype="bfloat16", selector="pisa"),
+    "context_parallel": dict(preset="small-1m", runs="1:1048576,2:2097152,2:1048576"),
+    "packed": dict(total=131072, min_doc=2048, max_doc=16384, hq=32, hkv=2, block_size=64,
+                   documents=[16384] * 8),
 }
 
 
@@ -121,6 +142,21 @@ def test_selection_runs_on_the_reference(tmp_path):
   assert json.loads((tmp_path / "selection.json").read_text())["rows"] == record["rows"]
 
 
+def test_packed_runs_on_the_reference(tmp_path):
+  from benchmarks import packed
+  record = packed.main(["--total", "256", "--min-doc", "16", "--max-doc", "96", "--case", "32:3",
+                        "--hq", "4", "--implementation", "xla", "--no-fla", "--out",
+                        str(tmp_path)])
+  assert sum(record["settings"]["documents"]) == 256
+  rows = {(r["stage"], r["layout"]): r for r in record["rows"]}
+  assert set(rows) == {(stage, layout) for stage in packed.STAGES
+                       for layout in ("unpacked", "packed")}
+  assert all(r["ms"] > 0 and "error" not in r for r in rows.values())
+  assert all(rows[stage, "packed"]["x_unpacked"] > 0 for stage in packed.STAGES)
+  assert "packed / unpacked: worst" in packed.table(record)
+  assert (tmp_path / "packed.png").exists()
+
+
 def test_attention_runs_on_the_reference(tmp_path):
   from benchmarks import attention
   record = attention.main(["--case", "130:4:2:32:3", "--implementation", "xla", "--no-fla",
@@ -138,6 +174,7 @@ def test_decode_steps_run_on_the_reference(tmp_path):
   steps = {r["side"]: r for r in record["rows"] if r["part"] == "step"}
   assert steps["pisa-jax"]["ms"] > 0 and steps["dense"]["ms"] > 0, steps
   assert steps["pisa-jax"]["loop_ms"] > 0 and steps["dense"]["loop_x_ours"] > 0, steps
+  assert all(steps["pisa-jax"][f"loop_ms_{s}"] > 0 for s in decode.STAGES), steps
   assert steps["dense"]["implementation"] in ("cudnn", "xla")
   assert (tmp_path / "decode.png").exists()
 
@@ -151,6 +188,23 @@ def test_decode_generation_runs_on_the_reference(tmp_path):
                         "--gen-tokens", "3", "--out", str(tmp_path)])
   gen = {r["attention"]: r for r in record["rows"] if r["part"] == "generation"}
   assert set(gen) == {"pisa", "dense"} and all(r["tokens_per_s"] > 0 for r in gen.values()), gen
+
+
+def test_training_keeps_runs_that_evaluation_restores(tmp_path):
+  # --keep-runs leaves each run's checkpoint for `pisa-eval --workdir`.
+  from benchmarks import training
+  from pisa_jax.train.restore import restore_model
+  record = training.main(["--preset", "tiny", "--attention", "pisa", "--seq-lens", "128",
+                          "--tokens-per-step", "512", "--seconds", "2", "--data", "/none",
+                          "--set", "model.num_layers=1", "--keep-runs", str(tmp_path / "runs"),
+                          "--out", str(tmp_path)])
+  (row,) = record["rows"]
+  assert row["workdir"] == str(tmp_path / "runs" / "pisa-128"), row
+  config, _, step = restore_model(row["workdir"])
+  assert config.model.attention == "pisa" and step == row["steps"]
+  with pytest.raises(SystemExit, match="must be empty or new"):
+    training.main(["--preset", "tiny", "--keep-runs", str(tmp_path / "runs"),
+                   "--out", str(tmp_path / "again")])
 
 
 def test_timing_returns_a_median_per_call():
@@ -202,6 +256,20 @@ def test_multi_gpu_dry_run_on_fake_devices(tmp_path):
   a, b = (port[k]["losses"] for k in ("1x2->1x1", "1x1->1x2"))
   assert a.keys() == b.keys() and all(abs(a[s] - b[s]) < 1e-4 for s in a)
   assert (tmp_path / "out" / "multi_gpu.png").exists()
+
+
+def test_context_parallel_dry_run_on_one_device(tmp_path):
+  # One device: the 1-device run, the 2-device runs noted as skipped, and the balance proxy (two
+  # shards' attention on the one device). The 2-device runs: test_context_parallel's fake devices.
+  from benchmarks import context_parallel
+  record = context_parallel.main(["--dry-run", "--runs", "1:64,2:128", "--out", str(tmp_path)])
+  runs = [r for r in record["rows"] if "run" in r]
+  assert [r["run"] for r in runs] == ["1x64"] and runs[0]["tokens_per_s"] > 0, runs
+  assert "temp" in runs[0]["compiled_step_memory_gib_per_device"]
+  assert any("2x128" in n for n in record["notes"]), record["notes"]
+  shards = [r for r in record["rows"] if "shard" in r]
+  assert [(r["shard"], r["query_offset"]) for r in shards] == [(0, 0), (1, 32)], shards
+  assert (tmp_path / "context_parallel.png").exists()
 
 
 def _long_context_rows():

@@ -265,9 +265,6 @@ def test_checkify_reports_decreasing_segment_ids_under_jit():
   err.throw()
 
 
-GOOD = jnp.zeros((1, 20), jnp.int32)
-
-
 @pytest.mark.parametrize("segment,error,match", [
     (jnp.zeros((1, 20), jnp.float32), TypeError, "segment_ids must be an int32 array"),
     (np.zeros((1, 20), np.int64), TypeError, "segment_ids must be an int32 array"),
@@ -278,35 +275,20 @@ GOOD = jnp.zeros((1, 20), jnp.int32)
 ])
 @pytest.mark.parametrize("function", ["build_pyramid", "select_blocks", "sparse_attention",
                                       "pisa_attention"])
-def test_bad_segment_ids_are_rejected_by_name(function, segment, error, match):
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_bad_segment_ids_are_rejected_by_name(function, implementation, segment, error, match):
   q, k, v = make_qkv(20, batch=1)
+  kw = dict(block_size=4, implementation=implementation)
   calls = {
-      "build_pyramid": lambda s: pisa_jax.build_pyramid(k, block_size=4, segment_ids=s),
-      "select_blocks": lambda s: pisa_jax.select_blocks(q, k, block_size=4, top_k=3,
-                                                        segment_ids=s),
+      "build_pyramid": lambda s: pisa_jax.build_pyramid(k, segment_ids=s, **kw),
+      "select_blocks": lambda s: pisa_jax.select_blocks(q, k, top_k=3, segment_ids=s, **kw),
       "sparse_attention": lambda s: pisa_jax.sparse_attention(
-          q, k, v, jnp.full((1, 20, 2, 3), -1, jnp.int32), block_size=4, segment_ids=s),
-      "pisa_attention": lambda s: pisa_jax.pisa_attention(q, k, v, block_size=4, top_k=3,
-                                                          segment_ids=s),
+          q, k, v, jnp.full((1, 20, 2, 3), -1, jnp.int32), segment_ids=s, **kw),
+      "pisa_attention": lambda s: pisa_jax.pisa_attention(q, k, v, top_k=3, segment_ids=s,
+                                                          **kw),
   }
   with pytest.raises(error, match=match):
     calls[function](segment)
-
-
-@pytest.mark.parametrize("function", ["build_pyramid", "select_blocks", "sparse_attention",
-                                      "pisa_attention"])
-def test_pallas_with_segment_ids_raises_instead_of_falling_back(function):
-  q, k, v = make_qkv(20, batch=1)
-  kw = dict(block_size=4, segment_ids=GOOD, implementation="pallas")
-  calls = {
-      "build_pyramid": lambda: pisa_jax.build_pyramid(k, **kw),
-      "select_blocks": lambda: pisa_jax.select_blocks(q, k, top_k=3, **kw),
-      "sparse_attention": lambda: pisa_jax.sparse_attention(
-          q, k, v, jnp.full((1, 20, 2, 3), -1, jnp.int32), **kw),
-      "pisa_attention": lambda: pisa_jax.pisa_attention(q, k, v, top_k=3, **kw),
-  }
-  with pytest.raises(NotImplementedError, match="segment_ids.*implementation='xla'"):
-    calls[function]()
 
 
 # The model: a packed row equals each of its documents run alone.
@@ -395,10 +377,10 @@ def test_loader_packing_emits_segment_ids_and_positions(tmp_path):
 def test_packing_config_is_validated():
   with pytest.raises(ValueError, match="data.packing=true needs data.source='tokens'"):
     validate(apply_overrides(get_config("tiny"), ["data.source=mqar", "data.packing=true"]))
-  with pytest.raises(ValueError, match="model.attention_implementation='xla'"):
-    validate(apply_overrides(get_config("tiny"), [
-        "data.source=tokens", "data.path=x", "data.packing=true", "model.attention=pisa",
-        "model.attention_implementation=pallas"]))
+  # Every stage's kernels take segment_ids: packing runs on either implementation.
+  validate(apply_overrides(get_config("tiny"), [
+      "data.source=tokens", "data.path=x", "data.packing=true", "model.attention=pisa",
+      "model.attention_implementation=pallas"]))
 
 
 def test_a_packed_train_step_runs(tmp_path):

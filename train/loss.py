@@ -7,6 +7,10 @@ chunk under `jax.checkpoint`: the forward keeps only the chunk's inputs, and the
 recomputes that chunk's logits, turns them into its gradient and moves on. The output projection's
 weight gradient is summed over chunks in the parameter's dtype (float32 in every preset). The sums
 equal the unchunked ones to float32 rounding; only their order changes.
+
+With the sequence split over devices (context parallelism), chunk i holds the i-th `chunk` tokens
+of every device's shard, so each device computes the loss of its own tokens, `chunk` at a time,
+and no activation moves between devices.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from pisa_jax.models.decoder import output_logits
+from pisa_jax.models.sharding import constrain_batch, seq_axis_of
 
 
 def _sums(x, lm_head, targets, weights, *, vocab_size: int):
@@ -41,14 +46,21 @@ def token_loss_sums(x: Float[Array, "B T E"], lm_head: Float[Array, "E Vp"],
   """
   b, seq_len, _ = x.shape
   sums = functools.partial(_sums, vocab_size=vocab_size)
-  if not chunk or chunk >= seq_len:
+  mesh = jax.sharding.get_abstract_mesh()
+  seq = seq_axis_of(mesh)
+  shards = 1 if seq is None else mesh.shape[seq]
+  if not chunk or chunk * shards >= seq_len:
     return sums(x, lm_head, targets, weights)
-  if seq_len % chunk:
-    raise ValueError(f"train.loss_chunk={chunk} must divide the sequence length {seq_len}")
-  n = seq_len // chunk
+  if seq_len % (chunk * shards):
+    raise ValueError(f"train.loss_chunk={chunk} must divide the sequence length {seq_len}"
+                     + (f" / train.context_parallel={shards}" if shards > 1 else ""))
+  n = seq_len // (chunk * shards)
 
-  def split(a):  # [B, T, ...] -> [n, B, chunk, ...]
-    return jnp.moveaxis(a.reshape(b, n, chunk, *a.shape[2:]), 1, 0)
+  def split(a):  # [B, T, ...] -> [n, B, shards * chunk, ...]: a chunk from each shard
+    a = jnp.moveaxis(a.reshape(b, shards, n, chunk, *a.shape[2:]), 2, 0)
+    a = a.reshape(n, b, shards * chunk, *a.shape[4:])
+    # Pinned so that each device's part of a chunk is its own tokens.
+    return a if shards == 1 else constrain_batch(a, batch_dim=1)
 
   # Only the chunk's inputs are kept for the backward: its logits are made again there.
   chunk_sums = jax.checkpoint(sums)

@@ -112,7 +112,7 @@ def check_memory(trainer: Trainer) -> str:
         f"model.d_model={cfg.model.d_model}, model.mlp_dim={cfg.model.mlp_dim})"
         + (f"; or keep less for the backward: {', '.join(keep_less)}" if keep_less else "")
     )
-  per_token = temp / (t.per_device_batch * t.seq_len)
+  per_token = temp / _tokens_per_device(t)
   return (f"train step memory per device: peak {_fmt_bytes(need)}"
           f"{f' of {_fmt_bytes(have[0])} ({have[1]})' if have else ''}; temporaries "
           f"{_fmt_bytes(temp)} ({_fmt_bytes(per_token)} per token of a micro-batch); state and "
@@ -130,7 +130,12 @@ def memory_record(trainer: Trainer) -> dict:
   have = device_memory(trainer.mesh.devices.flat[0])
   temp = mem.get("temp_size_in_bytes")
   return {**mem, "peak_bytes": step_memory(mem),
-          "temp_bytes_per_token": None if temp is None else temp / (t.per_device_batch * t.seq_len),
+          "temp_bytes_per_token": None if temp is None else temp / _tokens_per_device(t),
           "device_bytes": have[0] if have else None, "device": have[1] if have else None,
           "remat": cfg.model.remat, "loss_chunk": t.loss_chunk, "seq_len": t.seq_len,
-          "per_device_batch": t.per_device_batch}
+          "per_device_batch": t.per_device_batch, "context_parallel": t.context_parallel}
+
+
+def _tokens_per_device(t) -> int:
+  """A micro-batch's tokens on one device: a sequence is split over train.context_parallel."""
+  return t.per_device_batch * t.seq_len // t.context_parallel

@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from pisa_jax.configs.base import Config, TrainConfig
 from pisa_jax.models.decoder import Decoder, count_params, flops_per_token
-from pisa_jax.models.sharding import batch_sharding, make_mesh, param_shardings
+from pisa_jax.models.sharding import batch_sharding, batch_ways, make_mesh, param_shardings
 from pisa_jax.train import checkpoint as ckpt_lib
 from pisa_jax.train.data import make_batches
 from pisa_jax.train.loss import token_loss_sums
@@ -133,9 +133,9 @@ class Trainer:
 def build_trainer(config: Config, mesh: Mesh | None = None) -> Trainer:
   """Builds the mesh, shardings and the ahead-of-time compiled train and eval steps."""
   cfg, t = config, config.train
-  mesh = make_mesh(t.fsdp) if mesh is None else mesh
-  n_dev = mesh.devices.size
-  global_batch = t.per_device_batch * n_dev
+  mesh = make_mesh(t.fsdp, t.context_parallel) if mesh is None else mesh
+  # Under context parallelism a group of train.context_parallel devices shares each sequence.
+  global_batch = t.per_device_batch * batch_ways(mesh, t.context_parallel)
 
   abstract_model = nnx.eval_shape(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)))
   graphdef, abstract_params_state = nnx.split(abstract_model, nnx.Param)
@@ -388,8 +388,9 @@ def _set_up(cfg: Config, checkpoint_dir: Path, *, mesh, trainer, say, print_conf
             allow_attention_change: bool) -> _Start | TrainResult:
   """Checks the data and checkpoints, compiles, checks the memory and restores: writes nothing."""
   t = cfg.train
-  mesh = trainer.mesh if trainer is not None else (make_mesh(t.fsdp) if mesh is None else mesh)
-  global_batch = t.per_device_batch * mesh.devices.size
+  mesh = trainer.mesh if trainer is not None else (
+      make_mesh(t.fsdp, t.context_parallel) if mesh is None else mesh)
+  global_batch = t.per_device_batch * batch_ways(mesh, t.context_parallel)
   # The data first: a missing or unprepared corpus fails before anything compiles.
   pi, pc = jax.process_index(), jax.process_count()
   train_batches = make_batches(cfg, "train", global_batch=global_batch, accum=t.grad_accum,

@@ -1,0 +1,274 @@
+"""dk / dv of the Pallas block-sparse attention (Appendix B): inverted index, kernels, reduction.
+
+Part of `pisa_jax.kernels.attention` (which holds the forward and dq kernels and the
+`custom_vjp` op); kept apart so that each file reads in one sitting.
+
+The inverted index is built outside the kernels with a stable argsort: for each (KV head, key
+block) the queries that selected it, in ascending order. The list of a block is cut into work
+items of at most `items_entries` entries so that a block selected by every query (block 0 is
+forced for all of them) does not become a long tail; each item writes a float32 partial and a
+second kernel sums the partials of a block in item order. No atomics: results are bit-identical
+run to run.
+
+Packed documents (segment_ids): a query's selected block i covers its document's keys
+lo .. lo + C - 1 with lo = start + i C, which need not align with the key array's blocks, so it
+covers parts of at most two of them. The packed index holds two entries per (query, selected
+block), one per part, each with its lo; the kernel masks the keys of its array block outside
+[lo, lo + C) and after the query. A query may then appear twice in one item (the tail of one of
+its blocks and the head of the next): the two entries see disjoint keys, so their rows add up.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+from jaxtyping import Array, Int
+
+from pisa_jax.kernels._common import call_kernel, dot_precision, next_pow2
+
+_LOG2E = math.log2(math.e)
+
+
+# ----------------------------------------------------------------------------- inverted index
+
+
+def _group_by_block(key, *, num_blocks: int, items_entries: int, num_items: int):
+  """Entries `[B, HKV, E]` keyed by key block (num_blocks: no block), grouped and cut into items.
+
+  Returns (order, item_block, item_start, item_end, item_offsets) as in `inverted_index`; order
+  is the stable argsort of key, so entries of one block keep their original order."""
+  order = jnp.argsort(key, axis=-1, stable=True).astype(jnp.int32)
+
+  def per_head(key_h):
+    counts = jnp.zeros((num_blocks + 1,), jnp.int32).at[key_h].add(1)[:num_blocks]
+    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
+    n_items = -(-counts // items_entries)
+    item_offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                                    jnp.cumsum(n_items, dtype=jnp.int32)])
+    item = jnp.arange(num_items, dtype=jnp.int32)
+    blk = jnp.searchsorted(item_offsets[1:], item, side="right").astype(jnp.int32)
+    in_range = blk < num_blocks
+    blk = jnp.minimum(blk, num_blocks - 1)
+    start = offsets[blk] + (item - item_offsets[blk]) * items_entries
+    end = jnp.minimum(start + items_entries, offsets[blk + 1])
+    start = jnp.where(in_range, start, 0)
+    end = jnp.where(in_range, end, 0)
+    return blk, start, end, item_offsets
+
+  return (order,) + jax.vmap(jax.vmap(per_head))(key)
+
+
+def inverted_index(block_indices: Int[Array, "B T HKV K"], *, num_blocks: int, block_size: int,
+                   items_entries: int):
+  """For each (batch, KV head, key block), the queries that selected it, cut into work items.
+
+  Built with a stable argsort, so within a block the queries come out ascending and the result is
+  deterministic. Only valid entries count: index in [0, t // C] for query t.
+
+  Returns:
+    entry_query: int32 `[B, HKV, T * K]`, the query position of each entry, grouped by block
+      (invalid entries sorted to the end).
+    item_block, item_start, item_end: int32 `[B, HKV, NI]`; item i covers entries
+      [item_start, item_end) of block item_block (empty items: start == end, block 0).
+    item_offsets: int32 `[B, HKV, M + 1]`; the items of block n are [item_offsets[n],
+      item_offsets[n + 1]).
+  """
+  b, t, hkv, top_k = block_indices.shape
+  num_items = -(-t * top_k // items_entries) + num_blocks
+  cur = (jnp.arange(t, dtype=jnp.int32) // block_size)[None, :, None, None]
+  valid = (block_indices >= 0) & (block_indices <= cur)
+  # [B, HKV, T * K], t-major then slot: the stable sort keeps queries ascending within a block.
+  key = jnp.where(valid, block_indices, num_blocks).transpose(0, 2, 1, 3).reshape(b, hkv, t * top_k)
+  order, item_block, item_start, item_end, item_offsets = _group_by_block(
+      key, num_blocks=num_blocks, items_entries=items_entries, num_items=num_items)
+  return order // top_k, item_block, item_start, item_end, item_offsets
+
+
+def packed_inverted_index(block_indices: Int[Array, "B T HKV K"], starts: Int[Array, "B T"], *,
+                          num_blocks: int, block_size: int, items_entries: int):
+  """`inverted_index` of packed rows: two entries per (query, selected block), one per part.
+
+  block_indices are document-relative and starts `[B, T]` each query's document start. A valid
+  block (index in [0, (t - start) // C]) begins at lo = start + i C, in array block lo // C; its
+  second part lies in the next array block when lo is not aligned, and counts only when that
+  block starts at or before the query (it holds keys the query may see).
+
+  Returns `inverted_index`'s five arrays over 2 T K entries, then entry_lo: int32
+  `[B, HKV, 2 T K]`, the first key of each entry's selected block.
+  """
+  b, t, hkv, top_k = block_indices.shape
+  num_items = -(-2 * t * top_k // items_entries) + num_blocks
+  pos = jnp.arange(t, dtype=jnp.int32)[None, :, None, None]
+  start = starts[:, :, None, None]
+  valid = (block_indices >= 0) & (block_indices <= (pos - start) // block_size)
+  lo = start + jnp.maximum(block_indices, 0) * block_size
+  first = lo // block_size
+  second = valid & (lo % block_size != 0) & ((first + 1) * block_size <= pos)
+  # [B, T, HKV, K, 2] -> [B, HKV, T * K * 2]: t-major, then slot, then part.
+  key = jnp.stack([jnp.where(valid, first, num_blocks),
+                   jnp.where(second, first + 1, num_blocks)], axis=-1)
+  key = key.transpose(0, 2, 1, 3, 4).reshape(b, hkv, 2 * t * top_k)
+  order, item_block, item_start, item_end, item_offsets = _group_by_block(
+      key, num_blocks=num_blocks, items_entries=items_entries, num_items=num_items)
+  lo_flat = lo.transpose(0, 2, 1, 3).reshape(b, hkv, t * top_k)
+  entry_lo = jnp.take_along_axis(lo_flat, order // 2, axis=-1)
+  return order // (2 * top_k), item_block, item_start, item_end, item_offsets, entry_lo
+
+
+# ----------------------------------------------------------------------------- dk/dv kernels
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entry_ref, blk_ref, start_ref,
+                end_ref, *refs, block_size: int, scale: float, group: int, rows: int,
+                packed: bool):
+  """One program: one work item (a key block and a run of the queries that selected it).
+
+  Each step gathers `rows // G` queries x G heads as the M dimension of the dots (Appendix B
+  gradients for the keys of one block). Writes float32 partials, scale not yet applied to dk.
+  Packed rows add lo_ref, each entry's selected-block start: its keys outside [lo, lo + C) are
+  masked.
+  """
+  lo_ref, dk_ref, dv_ref = refs if packed else (None,) + refs
+  i = pl.program_id(0)
+  n = blk_ref[i]
+  first = start_ref[i]
+  last = end_ref[i]
+  per_step = rows // group
+  start = pl.multiple_of(n * block_size, block_size)
+  # [C, D]
+  b_k = k_ref[pl.ds(start, block_size), :]
+  b_v = v_ref[pl.ds(start, block_size), :]
+  precision = dot_precision(b_k.dtype)
+  qk_scale = scale * _LOG2E
+  d = b_k.shape[-1]
+  key_pos = start + jnp.arange(block_size)
+  o_r = jnp.arange(rows)
+  o_j = o_r // group
+  o_g = o_r % group
+  o_d = jnp.arange(d)
+
+  def body(step, carry):
+    b_dk, b_dv = carry
+    entry = first + step * per_step + o_j
+    m_r = (o_j < per_step) & (entry < last)
+    o_e = jnp.where(m_r, entry, first)
+    o_t = entry_ref[o_e]
+    # [R, D] gathered (query, head) rows; clamped addresses, masked rows zeroed.
+    m_rd = m_r[:, None] & (o_d[None, :] < d)
+    i_t = jnp.broadcast_to(o_t[:, None], (rows, d))
+    i_g = jnp.broadcast_to(o_g[:, None], (rows, d))
+    i_d = jnp.broadcast_to(o_d[None, :], (rows, d))
+    b_q = plt.load(q_ref.at[i_t, i_g, i_d], mask=m_rd, other=0.0)
+    b_do = plt.load(do_ref.at[i_t, i_g, i_d], mask=m_rd, other=0.0)
+    b_lse2 = plt.load(lse_ref.at[o_t, o_g], mask=m_r, other=0.0) * _LOG2E
+    b_delta = plt.load(delta_ref.at[o_t, o_g], mask=m_r, other=0.0)
+    # [C, R]
+    b_s = jnp.dot(b_k, b_q.T, precision=precision, preferred_element_type=jnp.float32) * qk_scale
+    visible = m_r[None, :] & (key_pos[:, None] <= o_t[None, :])
+    if packed:
+      # The part of the entry's selected block in this array block: keys lo .. lo + C - 1.
+      o_lo = lo_ref[o_e]
+      visible = visible & (key_pos[:, None] >= o_lo[None, :]) & (
+          key_pos[:, None] < o_lo[None, :] + block_size)
+    b_dp = jnp.dot(b_v, b_do.T, precision=precision, preferred_element_type=jnp.float32)
+    b_p = jnp.where(visible, jnp.exp2(b_s - b_lse2[None, :]), 0.0)
+    # Masked again: a hidden pair's dp (a NaN value) or delta (a query whose output is NaN) must
+    # not reach that key's dk through p = 0 (0 * NaN = NaN). dp comes before the dv dot so that
+    # both selects sit together (fewer live predicates: 720 bytes of spills instead of 996 at
+    # d = 128 on sm_90).
+    b_ds = b_p * jnp.where(visible, b_dp - b_delta[None, :], 0.0)
+    b_dv = b_dv + jnp.dot(b_p.astype(b_do.dtype), b_do, precision=precision,
+                          preferred_element_type=jnp.float32)
+    b_dk = b_dk + jnp.dot(b_ds.astype(b_q.dtype), b_q, precision=precision,
+                          preferred_element_type=jnp.float32)
+    return b_dk, b_dv
+
+  num_steps = (last - first + per_step - 1) // per_step
+  zeros = jnp.zeros((block_size, d), jnp.float32)
+  b_dk, b_dv = lax.fori_loop(0, num_steps, body, (zeros, zeros))
+  dk_ref[...] = b_dk
+  dv_ref[...] = b_dv
+
+
+def _reduce_kernel(item_offsets_ref, dk_part_ref, dv_part_ref, dk_ref, dv_ref, *, scale: float):
+  """Sums the partials of key block n in item order (deterministic), applies the dk scale."""
+  n = pl.program_id(0)
+  first = item_offsets_ref[n]
+  last = item_offsets_ref[n + 1]
+
+  def body(i, carry):
+    b_dk, b_dv = carry
+    return b_dk + dk_part_ref[i], b_dv + dv_part_ref[i]
+
+  zeros = jnp.zeros(dk_ref.shape, jnp.float32)
+  b_dk, b_dv = lax.fori_loop(first, last, body, (zeros, zeros))
+  dk_ref[...] = (b_dk * scale).astype(dk_ref.dtype)
+  dv_ref[...] = b_dv.astype(dv_ref.dtype)
+
+
+def backward_dkv(q5, k, v, block_indices, starts, do5, lse, delta, *, block_size, scale,
+                 interpret, config):
+  """dk, dv like k, v `[B, Tk, HKV, D]` (Tk a multiple of C); starts: None, or the document
+  start `[B, T]` of each query of packed rows."""
+  b, t, hkv, g, d = q5.shape
+  tk = k.shape[1]
+  num_blocks = tk // block_size
+  top_k = block_indices.shape[-1]
+  rows = max(config.dkv_rows, next_pow2(g))
+  items_entries = config.items_entries
+  packed = starts is not None
+  if packed:
+    entry_query, item_block, item_start, item_end, item_offsets, entry_lo = (
+        packed_inverted_index(block_indices, starts, num_blocks=num_blocks,
+                              block_size=block_size, items_entries=items_entries))
+    extra = (entry_lo,)
+  else:
+    entry_query, item_block, item_start, item_end, item_offsets = inverted_index(
+        block_indices, num_blocks=num_blocks, block_size=block_size,
+        items_entries=items_entries)
+    extra = ()
+  num_items = item_block.shape[-1]
+  num_entries = entry_query.shape[-1]
+  kernel = functools.partial(_dkv_kernel, block_size=block_size, scale=scale, group=g, rows=rows,
+                             packed=packed)
+  q_spec = pl.BlockSpec((None, t, None, g, d), lambda i, h, bb: (bb, 0, h, 0, 0))
+  kv_spec = pl.BlockSpec((None, tk, None, d), lambda i, h, bb: (bb, 0, h, 0))
+  lse_spec = pl.BlockSpec((None, t, None, g), lambda i, h, bb: (bb, 0, h, 0))
+  entry_spec = pl.BlockSpec((None, None, num_entries), lambda i, h, bb: (bb, h, 0))
+  item_spec = pl.BlockSpec((None, None, num_items), lambda i, h, bb: (bb, h, 0))
+  part_spec = pl.BlockSpec((None, None, None, block_size, d), lambda i, h, bb: (bb, h, i, 0, 0))
+  part_shape = jax.ShapeDtypeStruct((b, hkv, num_items, block_size, d), jnp.float32)
+  dk_part, dv_part = call_kernel(pl.pallas_call(
+      kernel,
+      grid=(num_items, hkv, b),
+      in_specs=[q_spec, kv_spec, kv_spec, q_spec, lse_spec, lse_spec, entry_spec, item_spec,
+                item_spec, item_spec] + [entry_spec] * len(extra),
+      out_specs=[part_spec, part_spec],
+      out_shape=[part_shape, part_shape],
+      compiler_params=plt.CompilerParams(num_warps=config.dkv_num_warps,
+                                         num_stages=config.dkv_num_stages),
+      interpret=interpret,
+      name="pisa_sparse_attention_dkv_packed" if packed else "pisa_sparse_attention_dkv",
+  ), q5, k, v, do5, lse, delta, entry_query, item_block, item_start, item_end, *extra)
+
+  offsets_spec = pl.BlockSpec((None, None, num_blocks + 1), lambda n, h, bb: (bb, h, 0))
+  parts_spec = pl.BlockSpec((None, None, num_items, block_size, d),
+                            lambda n, h, bb: (bb, h, 0, 0, 0))
+  out_spec = pl.BlockSpec((None, block_size, None, d), lambda n, h, bb: (bb, n, h, 0))
+  dk, dv = call_kernel(pl.pallas_call(
+      functools.partial(_reduce_kernel, scale=scale),
+      grid=(num_blocks, hkv, b),
+      in_specs=[offsets_spec, parts_spec, parts_spec],
+      out_specs=[out_spec, out_spec],
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      compiler_params=plt.CompilerParams(num_warps=config.reduce_num_warps, num_stages=1),
+      interpret=interpret,
+      name="pisa_sparse_attention_dkv_reduce",
+  ), item_offsets, dk_part, dv_part)
+  return dk, dv
