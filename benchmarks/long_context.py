@@ -19,6 +19,9 @@ PISA's tokens/s at 1M at least 60% of its own at 64K; PISA at 64K at least 3x de
   python -m benchmarks.long_context                         # one H200: the five lengths + curve
   python -m benchmarks.long_context --seq-lens 65536,131072 --curve-steps 0
   python -m benchmarks.long_context --set model.remat=dots --set train.loss_chunk=16384
+  python -m benchmarks.long_context --resume benchmarks/results/long_context_training.json \
+      --curve-only --curve-workdir runs/curve-1m --curve-steps 160 --curve-seconds 420
+                                                            # the curve alone, resumable
   python -m benchmarks.long_context --replot benchmarks/results/long_context_training.json
   python -m benchmarks.long_context --dry-run --out /tmp/lc  # any CPU: tiny model, in-process
 """
@@ -90,6 +93,8 @@ def run_one(spec: dict) -> dict:
   except trainer_lib.InsufficientMemoryError as e:
     return {**row, "error": f"does not fit: {e}"}
 
+  if spec.get("curve_only"):
+    return {**row, **_curve(spec, config, trainer)}
   state = trainer.init_state()
   batches = make_batches(config, "train", global_batch=trainer.global_batch, accum=1)
   times = []
@@ -115,20 +120,38 @@ def run_one(spec: dict) -> dict:
   del state, batch, metrics
 
   if spec["curve_steps"] and "error" not in row:
-    workdir = Path(tempfile.mkdtemp(prefix="pisa_long_context_"))
-    try:
-      trainer_lib.train(config, workdir / "run", run_steps=spec["curve_steps"], progress=False,
-                        quiet=True, print_config=False, trainer=trainer)
-      lines = (workdir / "run" / "metrics.jsonl").read_text().splitlines()
-      logged = [r for r in map(json.loads, lines) if "tokens_per_s" in r]
-      row["loss_curve"] = [[r["step"], round(r["loss"], 4)] for r in logged]
-      row["curve_tokens_per_s"] = round(statistics.median(r["tokens_per_s"] for r in logged), 1)
-      stats = jax.local_devices()[0].memory_stats() or {}
-      if "peak_bytes_in_use" in stats:
-        row["allocator_peak_gib"] = round(stats["peak_bytes_in_use"] / gib, 3)
-    finally:
-      shutil.rmtree(workdir, ignore_errors=True)
+    row.update(_curve(spec, config, trainer))
   return row
+
+
+def _curve(spec: dict, config, trainer) -> dict:
+  """Trains the loss curve through the trainer. In `curve_workdir` (kept) it resumes from the
+  folder's newest checkpoint and runs to `curve_steps` in all, stopping after `curve_seconds`
+  (checkpointing first): a curve longer than one sitting is trained over several invocations.
+  Otherwise it trains `curve_steps` steps in a temporary folder."""
+  import jax
+
+  from pisa_jax.train import trainer as trainer_lib
+
+  keep = spec.get("curve_workdir")
+  workdir = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="pisa_long_context_")) / "run"
+  try:
+    result = trainer_lib.train(
+        config, workdir, run_steps=None if keep else spec["curve_steps"],
+        max_seconds=spec.get("curve_seconds"), progress=False, quiet=True, print_config=False,
+        trainer=trainer)
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    logged = [r for r in map(json.loads, lines) if "tokens_per_s" in r]
+    out = dict(loss_curve=[[r["step"], round(r["loss"], 4)] for r in logged],
+               curve_tokens_per_s=round(statistics.median(r["tokens_per_s"] for r in logged), 1),
+               curve_steps_done=result.end_step, curve_steps_planned=config.train.steps)
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+      out["curve_allocator_peak_gib"] = round(stats["peak_bytes_in_use"] / 2**30, 3)
+    return out
+  finally:
+    if not keep:
+      shutil.rmtree(workdir.parent, ignore_errors=True)
 
 
 def _in_subprocess(spec: dict, timeout: float) -> dict:
@@ -196,6 +219,8 @@ def measure(args, rec) -> None:
   seq_lens = sorted(args.seq_lens)
   dense_stop = None
   done = set()
+  if args.curve_only:
+    return _continue_curve(args, rec, spec)
   if args.resume:
     # A ladder is long: keep the runs of an earlier result and measure only the missing ones.
     from benchmarks import _record
@@ -223,7 +248,8 @@ def measure(args, rec) -> None:
           continue
         one["max_step_s"] = args.dense_max_step_s
       if attention == args.curve_attention and seq_len == seq_lens[-1]:
-        one["curve_steps"] = args.curve_steps
+        one.update(curve_steps=args.curve_steps, curve_workdir=args.curve_workdir,
+                   curve_seconds=args.curve_seconds)
       print(f"== {attention} at {seq_len} tokens", flush=True)
       row = run_one(one) if args.dry_run else _in_subprocess(one, args.run_timeout)
       if attention == "dense" and ("error" in row or not row.get("tokens_per_s")):
@@ -235,6 +261,39 @@ def measure(args, rec) -> None:
       rec.add(**row)
       print({k: v for k, v in row.items() if k != "loss_curve"}, flush=True)
   for g in goals(rec.rows, seq_lens[-1], seq_lens[0]):
+    rec.add(**g)
+
+
+def _continue_curve(args, rec, spec: dict) -> None:
+  """--curve-only: every row of --resume kept, the curve (trained in --curve-workdir, resumed
+  from its checkpoint) attached to the kept row of the curve's attention at the longest length."""
+  from benchmarks import _record
+
+  earlier = _record.load(args.resume)
+  rows = [r for r in earlier["rows"] if "goal" not in r]
+  seq_len = max(r["seq_len"] for r in rows)
+  target = next((r for r in rows if r["attention"] == args.curve_attention
+                 and r["seq_len"] == seq_len and r.get("tokens_per_s")), None)
+  if target is None:
+    raise SystemExit(f"--curve-only: {args.resume} has no measured {args.curve_attention} run at "
+                     f"{seq_len} tokens to attach the curve to")
+  rec.note(f"{len(rows)} runs kept from {args.resume} (commit {earlier['commit']}, "
+           f"{earlier['date']}); the loss curve trained here in {args.curve_workdir}, on "
+           f"{' '.join(spec['data']) or 'the preset data'}")
+  for note in earlier.get("notes", []):
+    rec.note(f"kept: {note}")
+  one = dict(spec, attention=args.curve_attention, seq_len=seq_len, curve_only=True,
+             curve_steps=args.curve_steps, curve_workdir=args.curve_workdir,
+             curve_seconds=args.curve_seconds)
+  print(f"== loss curve: {args.curve_attention} at {seq_len} tokens", flush=True)
+  row = run_one(one) if args.dry_run else _in_subprocess(one, args.run_timeout)
+  if "error" in row:
+    raise SystemExit(f"--curve-only: {row['error']}")
+  for r in rows:
+    rec.add(**({**r, **{k: v for k, v in row.items() if k.startswith(("loss_curve", "curve_"))}}
+               if r is target else r))
+  print({k: v for k, v in row.items() if k != "loss_curve"}, flush=True)
+  for g in goals(rec.rows, seq_len, min(r["seq_len"] for r in rows)):
     rec.add(**g)
 
 
@@ -297,7 +356,8 @@ def plot(record: dict, path) -> None:
 def settings(args) -> dict:
   return dict(preset=args.preset, attention=args.attention, seq_lens=args.seq_lens,
               steps=args.steps, warmup=args.warmup, curve_steps=args.curve_steps,
-              curve_attention=args.curve_attention,
+              curve_attention=args.curve_attention, curve_workdir=args.curve_workdir,
+              curve_seconds=args.curve_seconds, curve_only=args.curve_only,
               dense_max_step_s=args.dense_max_step_s, data=args.data, overrides=args.set,
               dry_run=args.dry_run, resume=args.resume and str(args.resume))
 
@@ -323,6 +383,14 @@ def main(argv=None) -> dict:
   p.add_argument("--curve-steps", type=int, default=300,
                  help="the longest length's run trains on for this many steps: the loss curve")
   p.add_argument("--curve-attention", default="pisa", help="the attention of the loss curve")
+  p.add_argument("--curve-workdir", default=None,
+                 help="train the curve in this run folder, kept: resumed from its checkpoint "
+                      "when it has one, so a curve can span several invocations")
+  p.add_argument("--curve-seconds", type=float, default=None,
+                 help="stop the curve after this much training time (checkpointing first)")
+  p.add_argument("--curve-only", action="store_true",
+                 help="with --resume and --curve-workdir: keep every earlier run and only train "
+                      "(or continue) the loss curve")
   p.add_argument("--dense-max-step-s", type=float, default=60.0,
                  help="dense stops at the first length whose step takes longer")
   p.add_argument("--run-timeout", type=float, default=3600.0, help="seconds per run's process")
@@ -337,6 +405,8 @@ def main(argv=None) -> dict:
                  help="the tiny preset with 1 layer at 128 and 256 tokens in this process, 2 "
                       "steps each, a 4-step curve: checks the script on any CPU")
   args = p.parse_args(argv)
+  if args.curve_only and not (args.resume and args.curve_workdir):
+    p.error("--curve-only needs --resume (the runs to keep) and --curve-workdir (the curve's run)")
   if args.dry_run:
     args.preset = "tiny"
     # The tiny preset's vocabulary cannot read a GPT-2 corpus: MQAR unless --data is given.
@@ -346,7 +416,8 @@ def main(argv=None) -> dict:
     if args.seq_lens == DEFAULT_SEQ_LENS:
       args.seq_lens = [128, 256]
     args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
-    args.curve_steps = min(args.curve_steps, 4)
+    if not args.curve_only:
+      args.curve_steps = min(args.curve_steps, 4)
   return _record.run(NAME, args, measure, settings, plot, table)
 
 

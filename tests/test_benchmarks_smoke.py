@@ -351,3 +351,11 @@ def test_attention_real_indices_from_a_dumped_layer(tmp_path):
   with pytest.raises(SystemExit, match="fewer than"):
     attention.main(["--case", "256:4:2:32:3", "--indices", "real", "--qk-npz", str(path),
                     "--implementation", "xla", "--no-fla", "--out", str(tmp_path)])
+
+
+def test_long_context_curve_only_needs_resume_and_workdir(tmp_path, capsys):
+  from benchmarks import long_context
+  with pytest.raises(SystemExit):
+    long_context.main(["--curve-only", "--curve-workdir", str(tmp_path / "c"), "--out",
+                       str(tmp_path)])
+  assert "--curve-only needs --resume" in capsys.readouterr().err
