@@ -36,271 +36,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import checkify
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from pisa_jax import _dispatch, _validation
+from pisa_jax.decode_cache import DecodeCache, bucket_capacity
 from pisa_jax.geometry import level_sizes
 from pisa_jax.kernels import decode as decode_kernels
 from pisa_jax.kernels.decode import level_offsets
 from pisa_jax.selection import _bsa_chunk, _hierarchical_chunk
 
+__all__ = ["DECODE_SELECTORS", "DecodeCache", "bucket_capacity", "decode_append_reference",
+           "decode_attention_reference", "decode_select_reference", "decode_step"]
+
 _HIGHEST = lax.Precision.HIGHEST
 # Selectors a decode step supports; "exact" scores every past block's raw keys (O(N C) a step).
 DECODE_SELECTORS = ("pisa", "pisa1", "pisa2", "bsa")
-
-
-def bucket_capacity(num_tokens: int, block_size: int) -> int:
-  """The capacity bucket of `num_tokens`: block_size times the next power of two of the blocks
-  needed. Growth moves between buckets, so a jitted step sees O(log N) distinct shapes."""
-  blocks = max(1, -(-int(num_tokens) // block_size))
-  return block_size * (1 << (blocks - 1).bit_length())
-
-
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["k", "v", "summaries", "lengths"],
-    meta_fields=["block_size", "branching", "growable"],
-)
-@dataclasses.dataclass(frozen=True)
-class DecodeCache:
-  """Keys, values and the mean-summary pyramid of a batch of rows, with per-row lengths.
-
-  Row b holds tokens 0 .. lengths[b] - 1; everything at or past its length is ignored (and may
-  hold stale values). Create one with `DecodeCache.create`, fill it with `prefill`, extend it
-  with `decode_step`; it is a pytree (jit it, donate it).
-
-  Attributes:
-    k, v: `[B, capacity, HKV, D]` in the cache dtype (the model's layout).
-    summaries: float32 `[B, S, HKV, D]`: the pyramid's levels stacked along axis 1, leaves first
-      (`level_offsets`; `levels()` splits them). Level l holds the `level_sizes[l - 1]` nodes of a
-      pyramid over `capacity` keys; node i of level l is the mean of the existing children of
-      Eq. 15 (the leaf: the mean of its valid keys), as `build_pyramid` computes it for the row's
-      first lengths[b] keys (to float32 rounding). Nodes a row has not reached are zero or stale.
-    lengths: int32 `[B]`, tokens held per row.
-    block_size: C, keys per leaf block.
-    branching: g, children per upper node.
-    growable: whether `grow` (and `decode_step`'s automatic growth) may reallocate the cache;
-      with False, a token past capacity is an error.
-  """
-
-  k: Float[Array, "B N HKV D"]
-  v: Float[Array, "B N HKV D"]
-  summaries: Float[Array, "B S HKV D"]
-  lengths: Int[Array, "B"]
-  block_size: int = 64
-  branching: int = 2
-  growable: bool = True
-
-  @classmethod
-  def create(cls, batch: int, capacity: int, num_kv_heads: int, head_dim: int, *,
-             block_size: int = 64, branching: int = 2, dtype=jnp.bfloat16,
-             growable: bool = True) -> "DecodeCache":
-    """An empty cache (every length 0) for `capacity` tokens per row, rounded up to whole blocks.
-
-    Memory: 2 * B * capacity * HKV * D cache-dtype elements for keys and values, plus about
-    2 * B * (capacity / C) * HKV * D float32 for the pyramid (with g = 2).
-    """
-    for name, value in (("batch", batch), ("capacity", capacity), ("num_kv_heads", num_kv_heads),
-                        ("head_dim", head_dim)):
-      if not _validation._is_int(value) or value < 1:
-        raise ValueError(f"{name}={value!r} must be an int >= 1")
-    _validation.check_block_size(block_size)
-    _validation.check_branching(branching)
-    if not jnp.issubdtype(dtype, jnp.floating):
-      raise TypeError(f"{dtype=} must be a floating-point dtype (bfloat16, float16 or float32)")
-    capacity = -(-int(capacity) // block_size) * block_size
-    shape = (batch, capacity, num_kv_heads, head_dim)
-    num_nodes = level_offsets(capacity, block_size, branching)[-1] + 1
-    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-               summaries=jnp.zeros((batch, num_nodes, num_kv_heads, head_dim), jnp.float32),
-               lengths=jnp.zeros((batch,), jnp.int32), block_size=int(block_size),
-               branching=int(branching), growable=bool(growable))
-
-  @property
-  def batch(self) -> int:
-    return self.k.shape[0]
-
-  @property
-  def capacity(self) -> int:
-    return self.k.shape[1]
-
-  @property
-  def num_kv_heads(self) -> int:
-    return self.k.shape[2]
-
-  @property
-  def head_dim(self) -> int:
-    return self.k.shape[3]
-
-  @property
-  def dtype(self):
-    return self.k.dtype
-
-  @property
-  def level_sizes(self) -> tuple[int, ...]:
-    """Nodes per level of the capacity's pyramid, leaves first (Eq. 10, 13)."""
-    return level_sizes(self.capacity, self.block_size, self.branching)
-
-  @property
-  def level_offsets(self) -> tuple[int, ...]:
-    """Where each level starts along axis 1 of `summaries`."""
-    return level_offsets(self.capacity, self.block_size, self.branching)
-
-  def levels(self) -> tuple[Float[Array, "B M HKV D"], ...]:
-    """The pyramid's levels `[B, M_l, HKV, D]`, leaves first (views of `summaries`)."""
-    return tuple(self.summaries[:, o:o + m] for o, m in zip(self.level_offsets, self.level_sizes))
-
-  def prefill(self, k: Float[Array, "B T HKV D"], v: Float[Array, "B T HKV D"],
-              lengths: Int[Array, "B"] | None = None) -> "DecodeCache":
-    """A cache holding exactly these keys and values (whatever this one held before).
-
-    Args:
-      k, v: `[B, T, HKV, D]` in the cache dtype.
-      lengths: int32 `[B]` valid tokens per row (default T for every row); positions at or past
-        a row's length are padding and ignored. Checked when concrete.
-
-    Returns:
-      The filled cache, its pyramid equal to `build_pyramid` of each row's valid keys. When T
-      exceeds the capacity, a growable cache is reallocated to T's bucket (`bucket_capacity`);
-      otherwise this raises.
-    """
-    self._check_tokens(k, "k", None)
-    self._check_tokens(v, "v", k.shape[1])
-    t = k.shape[1]
-    if lengths is None:
-      lengths = jnp.full((self.batch,), t, jnp.int32)
-    else:
-      if (not hasattr(lengths, "dtype") or not jnp.issubdtype(lengths.dtype, jnp.integer)
-          or tuple(lengths.shape) != (self.batch,)):
-        raise ValueError(f"lengths must be an int array [B] = [{self.batch}], got "
-                         f"{getattr(lengths, 'dtype', type(lengths).__name__)} "
-                         f"{tuple(getattr(lengths, 'shape', ()))}")
-      if not isinstance(lengths, jax.core.Tracer):
-        arr = np.asarray(lengths)
-        if arr.min(initial=0) < 0 or arr.max(initial=0) > t:
-          raise ValueError(f"lengths={arr.tolist()} must lie in [0, T={t}] (T = k.shape[1])")
-    capacity = self.capacity
-    if t > capacity:
-      if not self.growable:
-        raise ValueError(f"k.shape[1]={t} tokens exceed cache.capacity={capacity} and the cache "
-                         "was created with growable=False: create it with a larger capacity")
-      capacity = bucket_capacity(t, self.block_size)
-    k_cache, v_cache, summaries = _prefill(k, v, lengths.astype(jnp.int32), capacity=capacity,
-                                           block_size=self.block_size, branching=self.branching)
-    return dataclasses.replace(self, k=k_cache, v=v_cache, summaries=summaries,
-                               lengths=lengths.astype(jnp.int32))
-
-  def grow(self, min_capacity: int) -> "DecodeCache":
-    """A cache of at least `min_capacity` tokens per row holding the same rows (self if it
-    already has that many).
-
-    Growth doubles the capacity at least (the fixed fraction of Appendix B is 1), to a power-of-two
-    number of blocks (`bucket_capacity`): over a generation to N tokens the cache is reallocated
-    O(log N) times, each copy O(N), so O(1) amortised per token, and a jitted step recompiles only
-    for each new bucket. Call it outside `jit` (it reads the lengths to refuse a cache that
-    overflowed under `jit`); the existing nodes keep their ids at every level, and each new level
-    above the old root holds the old root (its only child).
-    """
-    if not _validation._is_int(min_capacity):
-      raise ValueError(f"{min_capacity=} must be an int")
-    if min_capacity <= self.capacity:
-      return self
-    if not self.growable:
-      raise ValueError(f"{min_capacity=} exceeds cache.capacity={self.capacity} and the cache "
-                       "was created with growable=False")
-    if not isinstance(self.lengths, jax.core.Tracer):
-      over = np.asarray(self.lengths) > self.capacity
-      if over.any():
-        raise ValueError(
-            f"rows {np.flatnonzero(over).tolist()} have lengths past cache.capacity="
-            f"{self.capacity}: a jitted decode_step ran past capacity and dropped their tokens "
-            "(their outputs were NaN); grow before the step instead")
-    capacity = bucket_capacity(max(int(min_capacity), 2 * self.capacity), self.block_size)
-    k, v, summaries = _grow(self.k, self.v, self.summaries, capacity=capacity,
-                            block_size=self.block_size, branching=self.branching)
-    return dataclasses.replace(self, k=k, v=v, summaries=summaries)
-
-  def _check_tokens(self, x, name: str, seq_len: int | None) -> None:
-    """x `[B, T, HKV, D]` in the cache dtype (T = seq_len when given)."""
-    _validation.check_float(name, x)
-    t = x.shape[1] if x.ndim == 4 else None
-    expected = (self.batch, t if seq_len is None else seq_len, self.num_kv_heads, self.head_dim)
-    if x.ndim != 4 or tuple(x.shape) != expected:
-      raise ValueError(f"{name}.shape={tuple(x.shape)} must be [B, T, HKV, D] = "
-                       f"[{self.batch}, {'T' if seq_len is None else seq_len}, "
-                       f"{self.num_kv_heads}, {self.head_dim}] (the cache's batch, KV heads and "
-                       "head dim)")
-    if x.dtype != self.dtype:
-      raise TypeError(f"{name}.dtype={x.dtype} must equal the cache dtype {self.dtype} "
-                      "(DecodeCache.create(dtype=...))")
-
-
-# ----------------------------------------------------------------------------- prefill and growth
-
-
-def _ragged_pyramid(k, lengths, block_size: int, branching: int):
-  """The pyramid of each row's first lengths[b] keys, levels `[B, M_l(T), HKV, D]` leaves first:
-  `build_pyramid_reference`'s arithmetic (zero padding, sums, division by the existing count)
-  with per-row counts. k `[B, T, HKV, D]` is zero at and past each row's length."""
-  b, t, hkv, d = k.shape
-  m = -(-t // block_size)
-  x = jnp.pad(k.astype(jnp.float32), ((0, 0), (0, m * block_size - t), (0, 0), (0, 0)))
-  total = x.reshape(b, m, block_size, hkv, d).sum(axis=2)
-  # Eq. 2 / Eq. 15 with l = 0: a leaf is the mean of its valid keys.
-  counts = jnp.clip(lengths[:, None] - jnp.arange(m) * block_size, 0, block_size)
-  level = jnp.where(counts[..., None, None] > 0,
-                    total / jnp.maximum(counts, 1)[..., None, None].astype(jnp.float32), 0.0)
-  levels = [level]
-  existing = -(-lengths // block_size)  # nodes of the row at this level
-  while levels[-1].shape[1] > 1:
-    n = levels[-1].shape[1]
-    parents = -(-n // branching)
-    x = jnp.pad(levels[-1], ((0, 0), (0, parents * branching - n), (0, 0), (0, 0)))
-    total = x.reshape(b, parents, branching, hkv, d).sum(axis=2)
-    # Eq. 15: the mean of the children that exist.
-    counts = jnp.clip(existing[:, None] - jnp.arange(parents) * branching, 0, branching)
-    levels.append(jnp.where(counts[..., None, None] > 0,
-                            total / jnp.maximum(counts, 1)[..., None, None].astype(jnp.float32),
-                            0.0))
-    existing = -(-existing // branching)
-  return levels
-
-
-def _stack_levels(levels, capacity: int, block_size: int, branching: int):
-  """Levels of a pyramid over fewer keys, `[B, M_l, HKV, D]`, placed in the capacity's stacked
-  layout `[B, S, HKV, D]`: each level zero-padded to the capacity's size, and each level above
-  the given root holding that root (its only existing child) at node 0."""
-  sizes = level_sizes(capacity, block_size, branching)
-  out = []
-  for i, m in enumerate(sizes):
-    level = levels[i] if i < len(levels) else levels[-1][:, :1]
-    out.append(jnp.pad(level, ((0, 0), (0, m - level.shape[1]), (0, 0), (0, 0))))
-  return jnp.concatenate(out, axis=1)
-
-
-@functools.partial(jax.jit, static_argnames=("capacity", "block_size", "branching"))
-def _prefill(k, v, lengths, *, capacity: int, block_size: int, branching: int):
-  b, t, hkv, d = k.shape
-  keep = (jnp.arange(t)[None, :] < lengths[:, None])[:, :, None, None]
-  k = jnp.where(keep, k, jnp.zeros((), k.dtype))
-  v = jnp.where(keep, v, jnp.zeros((), v.dtype))
-  pad = ((0, 0), (0, capacity - t), (0, 0), (0, 0))
-  num_nodes = level_offsets(capacity, block_size, branching)[-1] + 1
-  if t == 0:
-    summaries = jnp.zeros((b, num_nodes, hkv, d), jnp.float32)
-  else:
-    summaries = _stack_levels(_ragged_pyramid(k, lengths, block_size, branching), capacity,
-                              block_size, branching)
-  return jnp.pad(k, pad), jnp.pad(v, pad), summaries
-
-
-@functools.partial(jax.jit, static_argnames=("capacity", "block_size", "branching"))
-def _grow(k, v, summaries, *, capacity: int, block_size: int, branching: int):
-  old = k.shape[1]
-  pad = ((0, 0), (0, capacity - old), (0, 0), (0, 0))
-  levels = [summaries[:, o:o + m] for o, m in zip(level_offsets(old, block_size, branching),
-                                                  level_sizes(old, block_size, branching))]
-  return jnp.pad(k, pad), jnp.pad(v, pad), _stack_levels(levels, capacity, block_size, branching)
 
 
 # ----------------------------------------------------------------------------- jnp reference
@@ -445,10 +195,13 @@ def decode_attention_reference(
 # ----------------------------------------------------------------------------- the decode step
 
 
-def _step(q, k, v, cache: DecodeCache, *, top_k: int, selector: str, beam: int, scale: float,
-          implementation: str):
+def _step(q, k, v, cache: DecodeCache, new_document, *, top_k: int, selector: str, beam: int,
+          scale: float, implementation: str):
   """One validated decode step: append, select, attend."""
-  positions = cache.lengths
+  # A new document's first token takes position 0: the row's earlier tokens, summaries included,
+  # become stale slots, as past a row's length (append rewrites the path it needs; selection
+  # scores only nodes before the token, all of which it rewrote since).
+  positions = cache.lengths if new_document is None else jnp.where(new_document, 0, cache.lengths)
   # Under jit the lengths are unknown to the caller's Python: this reports a token past capacity
   # through `checkify.checkify` when the caller wraps the step in it, and is a no-op otherwise.
   checkify.debug_check(
@@ -478,9 +231,14 @@ _step_donating = jax.jit(_step, static_argnames=_STATIC, donate_argnames=("cache
 _step_keeping = jax.jit(_step, static_argnames=_STATIC)
 
 
-def _check_step(q, k, v, cache) -> None:
+def _check_step(q, k, v, cache, new_document) -> None:
   if not isinstance(cache, DecodeCache):
     raise TypeError(f"cache must be a DecodeCache, got {type(cache).__name__}")
+  if new_document is not None and (getattr(new_document, "dtype", None) != jnp.bool_
+                                   or tuple(new_document.shape) != (cache.batch,)):
+    raise ValueError(f"new_document must be a bool array [B] = [{cache.batch}], got "
+                     f"{getattr(new_document, 'dtype', type(new_document).__name__)} "
+                     f"{tuple(getattr(new_document, 'shape', ()))}")
   _validation.check_float("q", q)
   b, hkv, d = cache.batch, cache.num_kv_heads, cache.head_dim
   if q.ndim != 4 or q.shape[1] != 1:
@@ -507,6 +265,7 @@ def decode_step(
     v: Float[Array, "B 1 HKV D"],
     cache: DecodeCache,
     *,
+    new_document: Bool[Array, "B"] | None = None,
     top_k: int = 8,
     selector: str = "pisa",
     beam: int | None = None,
@@ -528,6 +287,9 @@ def decode_step(
     q: queries `[B, 1, HQ, D]`, HQ a multiple of the cache's HKV.
     k, v: the new keys and values `[B, 1, HKV, D]`, in the cache dtype.
     cache: the `DecodeCache` to extend.
+    new_document: bool `[B]`, rows whose token starts a new document (packed generation): it
+      takes position 0 and attends to nothing before it, exactly as the first token of a fresh
+      cache; the row's length becomes 1. None: every row continues its document.
     top_k, selector, beam, scale: as in `select_blocks`; selector one of "pisa", "pisa1",
       "pisa2", "bsa" ("exact" scores every past block's raw keys and does not decode).
     implementation: "xla" (jnp reference), "pallas" (kernels) or None (pallas on GPU, else xla).
@@ -556,7 +318,7 @@ def decode_step(
           f"{name} is traced: decode_step was called under jax.jit with {name} as an argument, "
           "but it fixes shapes or compiled code and must be a Python value. Bind it before "
           f"jitting, functools.partial(decode_step, {name}=...), or mark it static")
-  _check_step(q, k, v, cache)
+  _check_step(q, k, v, cache, new_document)
   _validation.check_top_k(top_k)
   _validation.check_selector(selector)
   if selector not in DECODE_SELECTORS:
@@ -567,6 +329,8 @@ def decode_step(
   implementation = _dispatch.resolve_implementation(implementation)
   if not isinstance(cache.lengths, jax.core.Tracer):
     lengths = np.asarray(cache.lengths)
+    if new_document is not None and not isinstance(new_document, jax.core.Tracer):
+      lengths = np.where(np.asarray(new_document), 0, lengths)
     needed = int(lengths.max(initial=0)) + 1
     if needed > cache.capacity:
       if not grow:
@@ -578,7 +342,7 @@ def decode_step(
                          "growable=False")
       cache = cache.grow(needed)
   step = _step_donating if donate else _step_keeping
-  out, cache, idx = step(q, k, v, cache, top_k=int(top_k), selector=selector, beam=beam,
+  out, cache, idx = step(q, k, v, cache, new_document, top_k=int(top_k), selector=selector, beam=beam,
                          scale=scale, implementation=implementation)
   return (out, cache, idx) if return_indices else (out, cache)
 

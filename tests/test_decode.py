@@ -379,7 +379,7 @@ def test_decode_kernels_lower_for_sm90(captured, monkeypatch, selector, hq, d, t
   cache = jax.eval_shape(lambda: DecodeCache.create(b, capacity, hkv, d, dtype=dtype))
 
   def step(q, k, v, cache):
-    return dec._step(q, k, v, cache, top_k=top_k, selector=selector, beam=beam,
+    return dec._step(q, k, v, cache, None, top_k=top_k, selector=selector, beam=beam,
                      scale=d ** -0.5, implementation="pallas")
 
   # The registry's kernels compile (interpret=False), as they would on the GPU.
