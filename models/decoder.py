@@ -35,6 +35,7 @@ from jaxtyping import Array, Float, Int
 import pisa_jax
 from pisa_jax import _validation
 from pisa_jax.decode import DecodeCache, bucket_capacity, decode_step
+from pisa_jax.decode_cache import last_document
 from pisa_jax.models.config import SPARSE_ATTENTION_KINDS, ModelConfig
 from pisa_jax.models.context_parallel import sequence_axis, sequence_sharded_attention
 from pisa_jax.models.sharding import axes_size, batch_axes_of, constrain_batch
@@ -245,13 +246,17 @@ class Attention(nnx.Module):
     return k, v
 
   def prefill(self, x: Float[Array, "B T E"], cos: Array, sin: Array, lengths: Int[Array, "B"],
-              cache: DecodeCache | KVCache) -> tuple[Float[Array, "B T E"], DecodeCache | KVCache]:
+              cache: DecodeCache | KVCache, segment_ids: Int[Array, "B T"] | None = None,
+              ) -> tuple[Float[Array, "B T E"], DecodeCache | KVCache]:
     """`__call__` on right-padded rows, and the cache filled with each row's first lengths[b]
-    keys and values (causal attention: the padding after a row never reaches its tokens)."""
+    keys and values (causal attention: the padding after a row never reaches its tokens). With
+    packed documents (segment_ids) the cache keeps each row's last document, which the next
+    tokens continue."""
     # k and v are projected again beside `__call__` (with few KV heads, a few percent of its
     # matmuls), so that the prefill is the training forward pass itself.
     k, v = self._project_kv(x)
-    return self(x, cos, sin), cache.prefill(apply_rope(k, cos, sin), v, lengths)
+    return (self(x, cos, sin, segment_ids),
+            cache.prefill(apply_rope(k, cos, sin), v, lengths, segment_ids=segment_ids))
 
   def decode(self, x: Float[Array, "B 1 E"], cos: Array, sin: Array,
              cache: DecodeCache | KVCache) -> tuple[Float[Array, "B 1 E"], DecodeCache | KVCache]:
@@ -308,8 +313,8 @@ class Block(nnx.Module):
     return x + self.mlp(self.mlp_norm(x))
 
 
-  def prefill(self, x, cos, sin, lengths, cache):
-    h, cache = self.attn.prefill(self.attn_norm(x), cos, sin, lengths, cache)
+  def prefill(self, x, cos, sin, lengths, cache, segment_ids=None):
+    h, cache = self.attn.prefill(self.attn_norm(x), cos, sin, lengths, cache, segment_ids)
     x = x + h
     return x + self.mlp(self.mlp_norm(x)), cache
 
@@ -390,17 +395,19 @@ class Decoder(nnx.Module):
     """The same caches with room for at least `capacity` tokens per row (outside `jit`)."""
     return tuple(cache.grow(capacity) for cache in state)
 
-  def prefill(self, tokens: Int[Array, "B T"], lengths: Int[Array, "B"],
-              state: tuple) -> tuple[Float[Array, "B Vp"], tuple]:
+  def prefill(self, tokens: Int[Array, "B T"], lengths: Int[Array, "B"], state: tuple,
+              segment_ids: Int[Array, "B T"] | None = None) -> tuple[Float[Array, "B Vp"], tuple]:
     """The forward pass over right-padded prompts (row b: tokens[b, :lengths[b]], lengths >= 1)
-    filling the empty `state`; returns the float32 logits of each row's last prompt token."""
+    filling the empty `state`; returns the float32 logits of each row's last prompt token.
+    With packed prompts (segment_ids `[B, T]`, as in `__call__`) each row's state keeps its last
+    document, positions counted from that document's start: decoding continues it."""
     cfg = self.cfg
     chex.assert_rank(tokens, 2)  # [B, T]
     x = jnp.take(self.embed[...], tokens, axis=0).astype(compute_dtype(cfg))
-    cos, sin = rope_angles(tokens.shape[1], cfg.head_dim, cfg.rope_base)
+    cos, sin = self._rope(tokens.shape, segment_ids, None)
     caches = []
     for block, cache in zip(self.blocks, state, strict=True):
-      x, cache = block.prefill(x, cos, sin, lengths, cache)
+      x, cache = block.prefill(x, cos, sin, lengths, cache, segment_ids)
       caches.append(cache)
     last = x[jnp.arange(x.shape[0]), jnp.maximum(lengths - 1, 0)]  # [B, E]
     return self._next_logits(last), tuple(caches)
@@ -520,8 +527,12 @@ class KVCache:
     return self.k.shape[1]
 
   def prefill(self, k: Float[Array, "B T HKV D"], v: Float[Array, "B T HKV D"],
-              lengths: Int[Array, "B"]) -> "KVCache":
-    """A cache holding each row's first lengths[b] of these keys and values."""
+              lengths: Int[Array, "B"], *,
+              segment_ids: Int[Array, "B T"] | None = None) -> "KVCache":
+    """A cache holding each row's first lengths[b] of these keys and values; with segment_ids,
+    only each row's last document among them, moved to position 0."""
+    if segment_ids is not None:
+      k, v, lengths = last_document(k, v, lengths.astype(jnp.int32), segment_ids)
     t = k.shape[1]
     if t > self.capacity:
       raise ValueError(f"k.shape[1]={t} tokens exceed the cache capacity {self.capacity}")

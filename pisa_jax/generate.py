@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -63,7 +64,9 @@ class DecodeModel(Protocol):
   def prefill(self, tokens: Int[Array, "B T"], lengths: Int[Array, "B"],
               state: Any) -> tuple[Float[Array, "B V"], Any]:
     """Reads right-padded prompts (row b's tokens are tokens[b, :lengths[b]], lengths >= 1) into
-    an empty state; returns float32 logits of each row's last prompt token and the state."""
+    an empty state; returns float32 logits of each row's last prompt token and the state.
+    Packed prompts (`generate(..., prompt_segment_ids=...)`) also pass `segment_ids=` `[B, T]`:
+    the state then continues each row's last document."""
 
   def decode(self, tokens: Int[Array, "B"], state: Any) -> tuple[Float[Array, "B V"], Any]:
     """Appends one token per row at the row's length; returns float32 logits of that position
@@ -95,7 +98,7 @@ class Generation:
 
 def generate(model: DecodeModel, prompt_tokens, *, max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, stop_tokens: Sequence[int] = (), seed: int = 0,
-             prompt_lengths=None, initial_capacity: int | None = None,
+             prompt_lengths=None, prompt_segment_ids=None, initial_capacity: int | None = None,
              return_logits: bool = False) -> Generation:
   """Generates up to `max_new_tokens` tokens after each prompt.
 
@@ -112,6 +115,11 @@ def generate(model: DecodeModel, prompt_tokens, *, max_new_tokens: int, temperat
       Generation ends when every row has stopped.
     seed: the random stream of sampling; the same seed, prompts and model give the same tokens.
     prompt_lengths: valid tokens per row of an array `prompt_tokens`.
+    prompt_segment_ids: packed prompts: int `[B, T]` document ids of an array `prompt_tokens`,
+      non-decreasing over each row's valid tokens. The prompt is read with no attention across
+      documents (positions restart at each) and generation continues each row's last document,
+      exactly as if that document alone were the prompt. Needs a model whose `prefill` takes
+      `segment_ids` (`pisa_jax.models.Decoder` does).
     initial_capacity: tokens per row the cache is first allocated for (default: the longest
       prompt plus max_new_tokens, so it never grows). A smaller one bounds the memory of rows that
       stop early; the cache then grows between power-of-two buckets, one recompile of the step
@@ -124,7 +132,8 @@ def generate(model: DecodeModel, prompt_tokens, *, max_new_tokens: int, temperat
   steps = list(generate_stream(
       model, prompt_tokens, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
       stop_tokens=stop_tokens, seed=seed, prompt_lengths=prompt_lengths,
-      initial_capacity=initial_capacity, return_logits=return_logits))
+      prompt_segment_ids=prompt_segment_ids, initial_capacity=initial_capacity,
+      return_logits=return_logits))
   logits = None
   if return_logits:
     steps, logits = zip(*steps)
@@ -139,7 +148,7 @@ def generate(model: DecodeModel, prompt_tokens, *, max_new_tokens: int, temperat
 def generate_stream(model: DecodeModel, prompt_tokens, *, max_new_tokens: int,
                     temperature: float = 0.0, top_p: float = 1.0,
                     stop_tokens: Sequence[int] = (), seed: int = 0, prompt_lengths=None,
-                    initial_capacity: int | None = None,
+                    prompt_segment_ids=None, initial_capacity: int | None = None,
                     return_logits: bool = False) -> Iterator[np.ndarray]:
   """`generate`, one step at a time: yields each step's new token of every row, int32 `[B]`
   (PAD for a row that stopped before the step), as soon as the step has run; with
@@ -151,9 +160,13 @@ def generate_stream(model: DecodeModel, prompt_tokens, *, max_new_tokens: int,
   """
   _check_model(model)
   tokens, lengths = _check_prompts(prompt_tokens, prompt_lengths, model.vocab_size)
+  segments = _check_segment_ids(prompt_segment_ids, tokens, lengths)
+  if segments is not None and "segment_ids" not in inspect.signature(model.prefill).parameters:
+    raise TypeError(f"prompt_segment_ids needs a model whose prefill takes segment_ids: "
+                    f"{type(model).__name__}.prefill does not")
   _check_options(max_new_tokens, temperature, top_p, seed, initial_capacity)
   stop = _check_stop_tokens(stop_tokens, model.vocab_size)
-  return _stream(model, tokens, lengths, max_new_tokens=int(max_new_tokens),
+  return _stream(model, tokens, lengths, segments, max_new_tokens=int(max_new_tokens),
                  temperature=float(temperature), top_p=float(top_p), stop=stop, seed=int(seed),
                  initial_capacity=initial_capacity, return_logits=bool(return_logits))
 
@@ -162,7 +175,8 @@ def _bucket(num_tokens: int) -> int:
   return bucket_capacity(max(int(num_tokens), MIN_BUCKET), 1)
 
 
-def _stream(model, tokens: np.ndarray, lengths: np.ndarray, *, max_new_tokens: int,
+def _stream(model, tokens: np.ndarray, lengths: np.ndarray, segments: np.ndarray | None, *,
+            max_new_tokens: int,
             temperature: float, top_p: float, stop: np.ndarray, seed: int,
             initial_capacity: int | None, return_logits: bool) -> Iterator[np.ndarray]:
   batch, longest = tokens.shape[0], int(lengths.max())
@@ -170,6 +184,10 @@ def _stream(model, tokens: np.ndarray, lengths: np.ndarray, *, max_new_tokens: i
   padded = np.zeros((batch, width), np.int32)
   cols = min(tokens.shape[1], width)
   padded[:, :cols] = tokens[:, :cols]
+  if segments is not None:
+    # Padding continues each row's last id: the ids stay non-decreasing.
+    segments = np.pad(segments, ((0, 0), (0, max(width - segments.shape[1], 0))), mode="edge")
+    segments = jnp.asarray(segments[:, :width])
   # The cache holds every prompt token and each generated token but the last (never fed back).
   needed = longest + max_new_tokens - 1
   capacity = max(_bucket(needed if initial_capacity is None else initial_capacity), width)
@@ -177,7 +195,7 @@ def _stream(model, tokens: np.ndarray, lengths: np.ndarray, *, max_new_tokens: i
   stop = np.pad(stop, (0, max(8, -(-len(stop) // 8) * 8) - len(stop)), constant_values=PAD)
   scalars = (jax.random.key(seed), jnp.float32(max(temperature, 1e-30)), jnp.float32(top_p),
              jnp.asarray(stop, jnp.int32))
-  token, done, state, logits = _prefill(model, jnp.asarray(padded), jnp.asarray(lengths),
+  token, done, state, logits = _prefill(model, jnp.asarray(padded), jnp.asarray(lengths), segments,
                                         *scalars, capacity=capacity,
                                         greedy=temperature == 0.0)
   ended = np.zeros(batch, bool)  # rows that stopped before the current step
@@ -200,10 +218,13 @@ def _stream(model, tokens: np.ndarray, lengths: np.ndarray, *, max_new_tokens: i
 
 
 @functools.partial(jax.jit, static_argnames=("capacity", "greedy"))
-def _prefill(model, tokens, lengths, key, temperature, top_p, stop, *, capacity: int,
+def _prefill(model, tokens, lengths, segments, key, temperature, top_p, stop, *, capacity: int,
              greedy: bool):
   state = model.init_decode_state(tokens.shape[0], capacity)
-  logits, state = model.prefill(tokens, lengths, state)
+  if segments is None:
+    logits, state = model.prefill(tokens, lengths, state)
+  else:
+    logits, state = model.prefill(tokens, lengths, state, segment_ids=segments)
   token = _sample(logits, jax.random.fold_in(key, 0), temperature, top_p, greedy=greedy)
   return token, jnp.isin(token, stop), state, logits
 
@@ -302,6 +323,26 @@ def _check_prompts(prompt_tokens, prompt_lengths, vocab_size: int):
     raise ValueError(f"prompt_tokens[{b}][{t}]={int(tokens[b, t])} is not a token id of the "
                      f"model: ids lie in [0, {vocab_size})")
   return np.where(valid, tokens, 0).astype(np.int32), lengths.astype(np.int32)
+
+
+def _check_segment_ids(prompt_segment_ids, tokens: np.ndarray,
+                      lengths: np.ndarray) -> np.ndarray | None:
+  """int32 `[B, T]` ids, non-decreasing over each row's valid tokens and continuing its last
+  valid id past them; None without packing."""
+  if prompt_segment_ids is None:
+    return None
+  ids = np.asarray(prompt_segment_ids)
+  if ids.shape != tokens.shape or not np.issubdtype(ids.dtype, np.integer):
+    raise ValueError(f"prompt_segment_ids must be ints [B, T] = {list(tokens.shape)} (the "
+                     f"prompt array's shape), got {ids.dtype} of shape {ids.shape}")
+  last = ids[np.arange(ids.shape[0]), lengths - 1]
+  ids = np.where(np.arange(ids.shape[1])[None, :] < lengths[:, None], ids, last[:, None])
+  bad = np.argwhere(ids[:, 1:] < ids[:, :-1])
+  if bad.size:
+    b, t = map(int, bad[0])
+    raise ValueError(f"prompt_segment_ids must be non-decreasing within each prompt: row {b} "
+                     f"goes from {ids[b, t]} to {ids[b, t + 1]} at t={t + 1}")
+  return ids.astype(np.int32)
 
 
 def _check_options(max_new_tokens, temperature, top_p, seed, initial_capacity) -> None:

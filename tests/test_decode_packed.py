@@ -130,3 +130,37 @@ def test_packed_decode_bad_input():
   for bad in (jnp.array([1, 0]), jnp.array([True]), [True, False]):
     with pytest.raises(ValueError, match="new_document must be a bool array"):
       decode_step(q1, kv1, kv1, cache, new_document=bad)
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+@pytest.mark.parametrize("attention", ["pisa", "dense"])
+def test_generation_continues_the_last_document(attention):
+  """A packed prompt generates what its last document alone generates: same tokens, same
+  logits (positions restart at the document, nothing of the earlier ones is seen)."""
+  from flax import nnx
+
+  from pisa_jax.models.config import ModelConfig
+  from pisa_jax.models.decoder import Decoder
+
+  cfg = ModelConfig(vocab_size=64, vocab_pad_multiple=64, num_layers=2, d_model=64, mlp_dim=128,
+                    num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, top_k=4,
+                    init_std=0.1, param_dtype="float32", compute_dtype="float32",
+                    attention=attention, attention_implementation="xla")
+  model = Decoder(cfg, rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(0)
+  # Row 0: documents of 9, 1 and 14 tokens; row 1: 5 and 6 tokens, then padding.
+  tokens = rng.integers(0, 64, size=(2, 24))
+  ids = np.stack([_ids([9, 1, 14]), _ids([5, 6, 13])])
+  lengths = np.array([24, 11])
+  packed = pisa_jax.generate(model, tokens, prompt_lengths=lengths, prompt_segment_ids=ids,
+                             max_new_tokens=12, return_logits=True)
+  alone = pisa_jax.generate(model, [tokens[0, 10:24], tokens[1, 5:11]], max_new_tokens=12,
+                            return_logits=True)
+  np.testing.assert_array_equal(packed.tokens, alone.tokens)
+  np.testing.assert_allclose(packed.logits, alone.logits, atol=1e-4, rtol=1e-4)
+  with pytest.raises(ValueError, match="prompt_segment_ids must be non-decreasing"):
+    pisa_jax.generate(model, tokens, prompt_segment_ids=ids[:, ::-1], max_new_tokens=2)
+  with pytest.raises(ValueError, match=r"prompt_segment_ids must be ints \[B, T\]"):
+    pisa_jax.generate(model, tokens, prompt_segment_ids=ids[:, :5], max_new_tokens=2)
