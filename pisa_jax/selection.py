@@ -469,8 +469,9 @@ def _select_packed(q, k, segment_ids, *, block_size, top_k, branching, selector,
     return _chunking.map_query_chunks(fn, chunk, (q, docs.start, docs.first_node[..., 0]),
                                       (pyramid.summaries[0],))
   width = max(top_k, beam) * branching
-  chunk = _chunking.query_chunk_size(
-      seq_len, b * hkv * width * max(block_size, branching) * (d + hq // hkv))
+  # Kernels score in place: big chunks, few serial steps (the reference's bound: 512 at 128K).
+  chunk = _chunking.query_chunk_size(seq_len, b * hkv * width * 8 if kernels else
+                                     b * hkv * width * max(block_size, branching) * (d + hq // hkv))
   scores = functools.partial(packed_selection_kernels.child_scores_pallas, scale=scale,
                              selector=selector, interpret=interpret) if kernels else None
   fn = functools.partial(
