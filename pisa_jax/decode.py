@@ -20,6 +20,10 @@ Typical use (a jitted step recompiles once per capacity bucket, O(log N) times i
       out, cache = step(q, k, v, cache)                           # q [B, 1, HQ, D]
 
 Called outside `jit`, `decode_step` grows the cache itself when a row would pass its capacity.
+Packed documents: `prefill(..., segment_ids=...)` keeps each row's last document (in
+`pisa_jax.decode_cache`, with the cache itself), and `decode_step(..., new_document=...)` starts
+a new document in the flagged rows; token by token, a packed sequence then decodes to the rows of
+`select_blocks` / `sparse_attention` with the same `segment_ids`.
 
 Implementations ("xla" jnp reference, "pallas" kernels in `pisa_jax.kernels.decode`) are
 registered per op: "decode_append" (the cache update: in "xla" a scatter of the new token and
