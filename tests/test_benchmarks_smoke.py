@@ -142,6 +142,8 @@ def test_selection_runs_on_the_reference(tmp_path):
   assert json.loads((tmp_path / "selection.json").read_text())["rows"] == record["rows"]
 
 
+# Slow: a whole benchmark on the reference; the library parts it drives are tested directly.
+@pytest.mark.slow
 def test_packed_runs_on_the_reference(tmp_path):
   from benchmarks import packed
   record = packed.main(["--total", "256", "--min-doc", "16", "--max-doc", "96", "--case", "32:3",
@@ -190,6 +192,8 @@ def test_decode_generation_runs_on_the_reference(tmp_path):
   assert set(gen) == {"pisa", "dense"} and all(r["tokens_per_s"] > 0 for r in gen.values()), gen
 
 
+# Slow: a whole benchmark on the reference; the library parts it drives are tested directly.
+@pytest.mark.slow
 def test_training_keeps_runs_that_evaluation_restores(tmp_path):
   # --keep-runs leaves each run's checkpoint for `pisa-eval --workdir`.
   from benchmarks import training
@@ -228,6 +232,8 @@ def test_random_block_indices_are_valid():
   assert (~valid).all(-1).any() and (valid.sum(-1) < (full >= 0).sum(-1)).any()
 
 
+# Slow: a whole benchmark on the reference; the library parts it drives are tested directly.
+@pytest.mark.slow
 def test_multi_gpu_dry_run_on_fake_devices(tmp_path):
   # Every layout trains on the same global batch and data order, the curves agree with 1 device,
   # and the checkpoint moves between 2 devices and 1 in both directions with the same losses.
@@ -258,6 +264,8 @@ def test_multi_gpu_dry_run_on_fake_devices(tmp_path):
   assert (tmp_path / "out" / "multi_gpu.png").exists()
 
 
+# Slow: a whole benchmark on the reference; the library parts it drives are tested directly.
+@pytest.mark.slow
 def test_context_parallel_dry_run_on_one_device(tmp_path):
   # One device: the 1-device run, the 2-device runs noted as skipped, and the balance proxy (two
   # shards' attention on the one device). The 2-device runs: test_context_parallel's fake devices.
@@ -320,6 +328,8 @@ def test_long_context_dry_run(tmp_path):
   assert (tmp_path / "long_context_training.png").exists()
 
 
+# Slow: a whole benchmark on the reference; the library parts it drives are tested directly.
+@pytest.mark.slow
 def test_attention_real_indices_from_a_dumped_layer(tmp_path):
   # benchmarks.dump_qk's q/k of a (here untrained) tiny decoder, then --indices real on them:
   # the q/k are the layer's own (equal to what its attention computes), and the benchmark

@@ -185,6 +185,9 @@ USER_MESH_SCRIPT = textwrap.dedent("""
 """)
 
 
+# Slow: four fake devices in a subprocess; test_fsdp_moves_parameters_not_activations covers the
+# sharded decoder in CI.
+@pytest.mark.slow
 def test_decoder_under_user_meshes():
   # The decoder called from a user's own code: under a plain sharded jit, inside the user's
   # shard_map over all mesh axes or only some (the attention then splits over the Auto ones that

@@ -236,8 +236,8 @@ def test_packed_kernels_lower_for_sm90(captured):
 ROWS = ([1, 3, 5, 13, 3, 50, 1, 13, 5, 1, 3, 13], [13, 1, 1, 50, 5, 3, 13, 5, 3, 13, 1, 3])
 
 
-@pytest.mark.parametrize("rows,block_size,branching", [(ROWS, 4, 2), (MANY_ROWS, 2, 3),
-                                                       (SHORT_ROWS, 16, 4)])
+@pytest.mark.parametrize("rows,block_size,branching", [
+    (ROWS, 4, 2), pytest.param(MANY_ROWS, 2, 3, marks=pytest.mark.slow), (SHORT_ROWS, 16, 4)])
 def test_pyramid_kernel_equals_reference_and_each_document_alone(rows, block_size, branching):
   seg = segment_ids(rows)
   k = jax.random.normal(jax.random.key(13), (seg.shape[0], seg.shape[1], 3, 12))
