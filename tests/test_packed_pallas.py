@@ -271,9 +271,11 @@ def selection_case(selector, block_size, top_k, branching, beam, *marks):
                       id=f"{selector}-C{block_size}-K{top_k}-g{branching}-beam{beam}")
 
 
-# The first "pisa" and the "bsa" case cover both scoring kernels in CI.
+# In CI: the fused packed walk (beam * g <= 16: "pisa" at K = 3), the per-level scoring kernels
+# of wider beams (beam 9, g = 2: 18 slots) and BSA; `test_packed_walk.py` covers the fused walk.
 SELECTION_CASES = [
     selection_case("pisa", 4, 3, 2, None),
+    selection_case("pisa", 4, 3, 2, 9),
     selection_case("bsa", 4, 3, 2, None),
     selection_case("pisa", 4, 3, 2, 6, pytest.mark.slow),
     selection_case("pisa1", 8, 4, 3, None, pytest.mark.slow),

@@ -18,7 +18,7 @@ import pytest
 
 import pisa_jax
 from pisa_jax import testing
-from pisa_jax.kernels.selection import packed_walk
+from pisa_jax.kernels.selection import layout, packed_walk, walk
 import tolerances as tol
 
 # T = 111: documents of 1, 3, 5, 13 and 50 tokens, in two orders.
@@ -99,6 +99,45 @@ def test_fused_packed_walk_equals_reference_and_each_document_alone(params):
                             k32[b:b + 1, s:s + n], proof, ("reference", b, s, n))
     assert_same_or_near_tie(mine, alone, q32[b:b + 1, s:s + n], k32[b:b + 1, s:s + n], proof,
                             ("alone", b, s, n))
+
+
+def test_non_finite_key_ranks_as_in_the_reference():
+  """A NaN key makes the scores of its leaf and the leaf's ancestors NaN, which Select_K ranks
+  after the forced nodes and before every number, in the kernel as in the reference; its
+  (batch, KV head) takes the shifted Eq. 21 (the unshifted bound fails on NaN)."""
+  rows = ([5, 40, 18],)
+  seg = segment_ids(rows)
+  q, k = inputs(rows, 4, 2, 8, jnp.float32, 1.0, seed=5)
+  k = k.at[0, 5 + 9, 1, 3].set(jnp.nan)  # document 1, its leaf 2 (C = 4), KV head 1
+  selection = dict(block_size=4, top_k=4, branching=2, selector="pisa", beam=4)
+  got = np.asarray(pisa_jax.select_blocks(q, k, segment_ids=seg, implementation="pallas",
+                                          **selection))
+  want = pisa_jax.select_blocks(q, k, segment_ids=seg, implementation="xla", **selection)
+  np.testing.assert_array_equal(got, np.asarray(want))
+  # Every query of document 1 that scores leaf 2 (its current block 4 or later) keeps it in
+  # its one unforced slot.
+  assert np.all(np.any(got[0, 5 + 16:45, 1] == 2, axis=-1))
+
+
+@pytest.mark.parametrize("block_size,branching,beam", [(4, 2, 3), (2, 3, 5), (8, 4, 4)])
+def test_document_table_is_each_documents_own_geometry(block_size, branching, beam):
+  """Per query: its document's start, leaves, first scored level and that level's nodes as the
+  document's own geometry gives them alone (`walk.first_scored_level`), then its first slots."""
+  seg = segment_ids(ROWS)
+  q, k = inputs(ROWS, 2, 1, 8, jnp.float32, 1.0, seed=4)
+  kw = dict(block_size=block_size, top_k=3, branching=branching, selector="pisa", scale=0.3,
+            beam=beam)
+  docs = pisa_jax.segments.documents(seg, block_size, branching)
+  table = np.asarray(packed_walk.document_table(
+      docs.start, docs.length, docs.first_node, layout.make_geometry(q, k, **kw))).reshape(
+          2, 111, -1)
+  num_levels = docs.first_node.shape[-1]
+  for b, s, n in documents(ROWS):
+    alone = layout.make_geometry(q[:, :n], k[:, :n], **kw)
+    level = walk.first_scored_level(alone)
+    want = [s, alone.level_sizes[0], level, alone.level_sizes[level - 1]]
+    np.testing.assert_array_equal(table[b, s:s + n, :4], np.broadcast_to(want, (n, 4)))
+    np.testing.assert_array_equal(table[b, s:s + n, 4:4 + num_levels], docs.first_node[b, s:s + n])
 
 
 def kernel_names(fn, *args) -> set[str]:
