@@ -128,16 +128,21 @@ def test_document_table_is_each_documents_own_geometry(block_size, branching, be
   kw = dict(block_size=block_size, top_k=3, branching=branching, selector="pisa", scale=0.3,
             beam=beam)
   docs = pisa_jax.segments.documents(seg, block_size, branching)
-  table = np.asarray(packed_walk.document_table(
-      docs.start, docs.length, docs.first_node, layout.make_geometry(q, k, **kw))).reshape(
-          2, 111, -1)
-  num_levels = docs.first_node.shape[-1]
+  caps = pisa_jax.segments.packed_capacities(111, block_size, branching)
+  geo = layout.make_geometry(q, k, **kw)
+  table = np.asarray(packed_walk.document_table(docs.start, docs.length, docs.first_node, caps,
+                                                geo)).reshape(2, 111, -1)
+  # Level l's first row in the stacked summaries, then KV head 0 of the document's first node.
+  offsets = np.cumsum([0] + [2 * cap for cap in caps[:-2]])
+  first = np.asarray(docs.first_node)[..., :len(caps) - 1]
+  rows = np.where(first >= 0, offsets + np.arange(2)[:, None, None] * np.asarray(caps[:-1])
+                  + first, -1)
   for b, s, n in documents(ROWS):
     alone = layout.make_geometry(q[:, :n], k[:, :n], **kw)
     level = walk.first_scored_level(alone)
     want = [s, alone.level_sizes[0], level, alone.level_sizes[level - 1]]
     np.testing.assert_array_equal(table[b, s:s + n, :4], np.broadcast_to(want, (n, 4)))
-    np.testing.assert_array_equal(table[b, s:s + n, 4:4 + num_levels], docs.first_node[b, s:s + n])
+    np.testing.assert_array_equal(table[b, s:s + n, 4:3 + len(caps)], rows[b, s:s + n])
 
 
 def kernel_names(fn, *args) -> set[str]:

@@ -13,9 +13,9 @@ Everything the walk reads is its document's, as if the document ran alone from p
     (Eq. 10, 13); node i of its level l lies at packed slot first_node_l + i, so a candidate's
     children are consecutive rows of the packed level below;
   - a leaf's keys are the C positions from start + leaf * C (contiguous, not block-aligned).
-Per-query integers come from a `[B*T, DP]` int32 document table built in XLA (`document_table`);
-the packed levels' capacities, offsets in the stacked summaries and powers of g from a static
-level table (`packed_level_table`).
+Per-query integers come from a `[B*T, DP]` int32 document table built in XLA (`document_table`),
+which also resolves each level's packed slot to its row in the stacked summaries, so a walk level
+picks one table entry, as the unpacked walk picks one level-table offset.
 
 Which configurations: "pisa", "pisa1" and "pisa2" at NC = 16 candidate slots (beam * g <= 16),
 the unpacked fused kernel's domain (`SelectionConfig.default`); `covers` is the one rule.
@@ -41,7 +41,8 @@ from pisa_jax.kernels.selection.walk import uses_pair_lse
 
 HIERARCHICAL = ("pisa", "pisa1", "pisa2")
 # Columns of the document table: the document's start, its leaves M_1, its first scored level
-# and that level's node count; from DOC_FIRST on, its first packed slot at levels 1..L.
+# and that level's node count; from DOC_FIRST on, the stacked-summary row of its first node at
+# levels 1..L-1 (KV head 0).
 DOC_START, DOC_LEAVES, DOC_LEVEL, DOC_NODES, DOC_FIRST = range(5)
 
 
@@ -52,11 +53,28 @@ def covers(selector: str, beam: int, branching: int) -> bool:
   return selector in HIERARCHICAL and candidate_slots(beam, branching) == MIN_DOT
 
 
+def stacked_offsets(capacities, geo: Geometry) -> list[int]:
+  """First row of each packed level 1..L-1 in the stacked summaries (`[B, N_l, HKV]` rows per
+  level). Raises where a summary row (two per node for 16-bit inputs) or a key row would pass
+  int32: the walk's row arithmetic is int32."""
+  offsets, acc = [], 0
+  for cap in capacities[:-1]:
+    offsets.append(acc)
+    acc += geo.batch * cap * geo.hkv
+  rows = max(2 * acc, geo.batch * geo.seq_len * max(geo.hq, geo.hkv))
+  if rows > INT32_MAX:
+    raise ValueError(f"q / k / packed summaries of {rows} rows: past int32 (max {INT32_MAX}) in "
+                     "the packed walk's row arithmetic")
+  return offsets
+
+
 def document_table(start: Int[Array, "B T"], length: Int[Array, "B T"],
-                   first_node: Int[Array, "B T L"], geo: Geometry) -> Int[Array, "BT DP"]:
+                   first_node: Int[Array, "B T L"], capacities, geo: Geometry
+                   ) -> Int[Array, "BT DP"]:
   """int32 `[B*T, DP]`, per query: its document's start, M_1 = ceil(length / C) leaves, first
-  scored level f and M_f, and first packed node at levels 1..L (-1 where the document has no such
-  level: the walk reads only levels below f, which every document scoring at f has).
+  scored level f and M_f, and for levels 1..L-1 the row of its first node in the stacked
+  summaries (for KV head 0; -1 where the document has no such level: the walk reads only levels
+  below f, which every document scoring at f has). capacities: the packed levels' slots N_l.
 
   f is the highest level >= 2 with M_l > beam (1 when there is none). The levels above keep
   every eligible node without a score (Eq. 17's keep-all case; above the document's root a level
@@ -72,31 +90,22 @@ def document_table(start: Int[Array, "B T"], length: Int[Array, "B T"],
     more = leaves > beam * per_node
     level = jnp.where(more, lv, level)
     nodes = jnp.where(more, (leaves + per_node - 1) // per_node, nodes)
-  cols = [start, leaves, level, nodes] + [first_node[..., i] for i in range(num_levels)]
+  batch = jnp.arange(start.shape[0], dtype=jnp.int32)[:, None]
+  rows = [jnp.where(first_node[..., i] >= 0,
+                    off + (batch * cap + first_node[..., i]) * geo.hkv, -1)
+          for i, (off, cap) in enumerate(zip(stacked_offsets(capacities, geo), capacities))]
+  cols = [start, leaves, level, nodes] + rows
   width = next_pow2(len(cols))
   cols += [jnp.zeros_like(start)] * (width - len(cols))
   return jnp.stack(cols, axis=-1).astype(jnp.int32).reshape(-1, width)
 
 
-def packed_level_table(capacities, geo: Geometry):
-  """int32 `[3, LP]`: per packed level l (index l - 1) its slots N_l, its first row in the stacked
-  summaries of levels 1..L-1, and g^(l-1); padded to LP = next_pow2(L + 1) columns of 1 slot and
-  power 1 (as `layout.level_table`). Raises where a summary row (two per node for 16-bit inputs)
-  or a key row would pass int32."""
-  num_levels = len(capacities)
+def powers_table(geo: Geometry, num_levels: int):
+  """int32 `[LP]`: g^(l-1) for levels l = 1..L, padded with 1 to LP = next_pow2(L + 1) (as
+  `layout.level_table`); read only for g not a power of two."""
   lp = next_pow2(num_levels + 1)
-  caps = list(capacities) + [1] * (lp - num_levels)
-  offsets, acc = [], 0
-  for cap in caps:
-    offsets.append(acc)
-    acc += geo.batch * cap * geo.hkv
-  rows = 2 * offsets[num_levels - 1] if num_levels > 1 else 2 * acc
-  keys = geo.batch * geo.seq_len * max(geo.hq, geo.hkv)
-  if max(rows, keys) > INT32_MAX:
-    raise ValueError(f"q / k / packed summaries of {max(rows, keys)} rows: past int32 "
-                     f"(max {INT32_MAX}) in the packed walk's row arithmetic")
-  pows = [geo.branching ** i if i < num_levels else 1 for i in range(lp)]
-  return int32_table([caps, offsets, pows], "the packed selection level table")
+  return int32_table([geo.branching ** i if i < num_levels else 1 for i in range(lp)],
+                     "the packed walk's powers of g")
 
 
 def _load_vector(ref, row, width: int):
@@ -104,13 +113,12 @@ def _load_vector(ref, row, width: int):
   return plt.load(ref.at[jnp.full((width,), row, jnp.int32), jnp.arange(width)])
 
 
-def packed_walk_to_leaves(qg, m_head, i_b, i_h, rel, doc, lev, s_ref, geo: Geometry,
+def packed_walk_to_leaves(qg, m_head, i_h, rel, doc, tab_pow, s_ref, geo: Geometry,
                           topk_impl: str, pair_lse: bool, unshifted: bool):
   """The document walk of one query: its level-1 candidates `[NC]` (document leaf ids, -1 where
   empty or not eligible). rel: the query's position in its document; doc: its document-table
-  row `[DP]`; lev: the packed level table's rows (`[LP]` each)."""
+  row `[DP]`; tab_pow: `powers_table` `[LP]`."""
   g, nc = geo.branching, geo.num_slots
-  tab_cap, tab_off, tab_pow = lev
   leaves, first_level = pick(doc, DOC_LEAVES), pick(doc, DOC_LEVEL)
   slot = jnp.arange(nc)
   cur = rel // geo.block_size  # the current leaf in the document's own grid
@@ -119,8 +127,8 @@ def packed_walk_to_leaves(qg, m_head, i_b, i_h, rel, doc, lev, s_ref, geo: Geome
 
   def one_level(i, cand):
     level = first_level - i  # f down to 2
-    off_child, cap_child = pick(tab_off, level - 2), pick(tab_cap, level - 2)
-    first_child = pick(doc, DOC_FIRST + level - 2)
+    # Stacked row (KV head 0) of the document's first node at level - 1, the children's level.
+    first_row = pick(doc, DOC_FIRST + level - 2)
     if g_pow2:
       # Shifts, not divisions by a runtime value; M_(l-1) = ceil(M_1 / g^(l-2)).
       leaves_per_node, shift = None, (level - 1) * log2g
@@ -130,7 +138,9 @@ def packed_walk_to_leaves(qg, m_head, i_b, i_h, rel, doc, lev, s_ref, geo: Geome
       leaves_per_node, shift = pick(tab_pow, level - 1), None
       per_child = pick(tab_pow, level - 2)
       n_child = (leaves + per_child - 1) // per_child
-    # Eligible: at or before the current leaf's ancestor, which also keeps it below M_l.
+    # Appendix B: eligible nodes start at or before the query (at or before the current leaf's
+    # ancestor, which also keeps them below the document's M_l); forced: the ancestors of the
+    # document's first, previous and current leaves.
     anc_cur, _ = topk.ancestors(cur, leaves_per_node, shift)
     valid = (cand >= 0) & (cand <= anc_cur)
     forced = valid & topk.forced_nodes(cand, cur, leaves_per_node, shift)
@@ -139,11 +149,10 @@ def packed_walk_to_leaves(qg, m_head, i_b, i_h, rel, doc, lev, s_ref, geo: Geome
       """[Gp, NC] logits of every head against child j of every candidate, and its mask."""
       child = jnp.where(valid, cand, 0) * g + j
       m_child = valid & (child < n_child)
-      node = first_child + jnp.minimum(child, n_child - 1)  # the child's packed slot
-      rows = off_child + (i_b * cap_child + node) * geo.hkv + i_h
+      rows = first_row + jnp.minimum(child, n_child - 1) * geo.hkv + i_h
       return scoring.summary_logits(qg, s_ref, rows, m_child, geo), m_child
 
-    if pair_lse:
+    if pair_lse:  # Eq. 21 for two children (g = 2, "pisa"); the first exists when valid
       (z0, _), (z1, m1) = child_logits(0), child_logits(1)
       per_head = scoring.pair_lse(z0, z1, m1, geo.scale, geo.approx_log, unshifted)
     else:
@@ -152,6 +161,7 @@ def packed_walk_to_leaves(qg, m_head, i_b, i_h, rel, doc, lev, s_ref, geo: Geome
                                          geo.approx_log, unshifted)
     # Eq. 22: the group's heads share one selection, scored by their sum.
     score = jnp.sum(jnp.where(m_head[:, None], per_head, 0.0), axis=0)
+    # Eq. 17 (Select_K, keep = beam) and Eq. 18 (the kept nodes' children).
     return topk.select_and_expand(cand, valid, forced, score, geo, topk_impl)
 
   cand = jnp.where(slot < pick(doc, DOC_NODES), slot, -1)
@@ -178,11 +188,11 @@ def document_leaf_score(qg, m_head, leaf, i_b, i_h, start, k_ref, geo: Geometry,
   return jnp.sum(jnp.where(m_head, per_head, 0.0))
 
 
-def packed_select(qg, m_head, i_b, i_h, rel, doc, lev, k_ref, s_ref, geo: Geometry,
+def packed_select(qg, m_head, i_b, i_h, rel, doc, tab_pow, k_ref, s_ref, geo: Geometry,
                   topk_impl: str, pair_lse: bool, unshifted: bool = False):
   """Walk, leaf scores and final Select_K of one (query, KV head): `[1, KP]` sorted document
   leaf ids. As `fused.fused_select`, only the leaves that need a score are scored."""
-  cand = packed_walk_to_leaves(qg, m_head, i_b, i_h, rel, doc, lev, s_ref, geo, topk_impl,
+  cand = packed_walk_to_leaves(qg, m_head, i_h, rel, doc, tab_pow, s_ref, geo, topk_impl,
                                pair_lse, unshifted)
   need, _, _ = topk.leaf_needs_score(cand, rel, geo)
   slot = jnp.arange(geo.num_slots)
@@ -200,7 +210,7 @@ def packed_select(qg, m_head, i_b, i_h, rel, doc, lev, k_ref, s_ref, geo: Geomet
   return topk.final_select(cand[None, :], scores[None, :], rel, geo, topk_impl, by_column=True)
 
 
-def packed_fused_kernel(q_ref, k_ref, s_ref, lev_ref, doc_ref, *refs, geo: Geometry,
+def packed_fused_kernel(q_ref, k_ref, s_ref, pow_ref, doc_ref, *refs, geo: Geometry,
                         topk_impl: str, pair_lse: bool = False, unshifted: bool = False):
   """Every level of the query's document, the leaves included, for one (query, KV head); writes
   its `[1, KP]` leaf ids. refs: (out_ref,) or, with `unshifted`, (kn2_ref, out_ref) as in
@@ -212,11 +222,9 @@ def packed_fused_kernel(q_ref, k_ref, s_ref, lev_ref, doc_ref, *refs, geo: Geome
   m_head = jnp.arange(geo.group_padded) < geo.group
   qg = load_group_queries(q_ref, geo, i_b, t, i_h, geo.group_padded)
   doc = _load_vector(doc_ref, i_b * geo.seq_len + t, doc_ref.shape[1])
-  lp = lev_ref.shape[1]
-  lev = tuple(plt.load(lev_ref.at[jnp.full((lp,), r, jnp.int32), jnp.arange(lp)])
-              for r in range(3))
+  tab_pow = plt.load(pow_ref.at[jnp.arange(pow_ref.shape[0])])
   rel = t - pick(doc, DOC_START)
-  select = functools.partial(packed_select, qg, m_head, i_b, i_h, rel, doc, lev, k_ref, s_ref,
+  select = functools.partial(packed_select, qg, m_head, i_b, i_h, rel, doc, tab_pow, k_ref, s_ref,
                              geo, topk_impl, pair_lse)
   if unshifted:
     kn2 = jnp.max(plt.load(kn2_ref.at[jnp.full((2,), i_bh, jnp.int32)]))
@@ -258,13 +266,13 @@ def select_packed_fused(q: Float[Array, "B T HQ D"], k: Float[Array, "B T HKV D"
   # Levels 1..L-1 stacked (the root level is never read), rows as `layout.summary_rows`.
   used = summaries[:-1] or summaries[:1]
   stacked = summary_rows(jnp.concatenate([s.reshape(-1, d) for s in used], axis=0), geo, q.dtype)
-  lev = packed_level_table([s.shape[1] for s in summaries], geo)
-  doc = document_table(start, length, first_node, geo)
+  capacities = [s.shape[1] for s in summaries]
+  doc = document_table(start, length, first_node, capacities, geo)
   name = (f"pisa_select_packed_fused_{selector}_{config.topk_impl}"
           + ("_pair_lse" if pair_lse else "") + ("_unshifted" if unshifted else ""))
   out = launch(functools.partial(packed_fused_kernel, geo=geo, topk_impl=config.topk_impl,
                                  pair_lse=pair_lse, unshifted=unshifted),
                jax.ShapeDtypeStruct((rows, geo.top_k_padded), jnp.int32), rows, config,
                config.walk_warps, interpret, name, q.reshape(-1, d), k.reshape(-1, d), stacked,
-               lev, doc, *kn2)
+               powers_table(geo, len(capacities)), doc, *kn2)
   return out[:, :top_k].reshape(b, t, geo.hkv, top_k)
