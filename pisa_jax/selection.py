@@ -20,6 +20,7 @@ from pisa_jax.geometry import node_span
 from pisa_jax.kernels import packed_pyramid as packed_pyramid_kernels
 from pisa_jax.kernels import selection as selection_kernels
 from pisa_jax.kernels.selection import packed as packed_selection_kernels
+from pisa_jax.kernels.selection import packed_walk as packed_walk_kernels
 from pisa_jax.pyramid import build_pyramid_reference
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -343,12 +344,9 @@ def _packed_walk_chunk(positions, q, start, length, first_node, k, summaries, *,
   """`_hierarchical_chunk` for packed rows: q `[B, Tc, HQ, D]`; start, length `[B, Tc]` and
   first_node `[B, Tc, L]` from `segments.documents`; summaries the `PackedPyramid` levels.
   child_scores: `_child_scores`'s signature less scale and selector (None: `_child_scores`).
-
-  The walk starts at the top level a T-token document could have. Above a document's root a
-  level holds one node (`segments.level_node_counts`): at most one eligible candidate, kept
-  without scoring, so from the root down the walk makes the document's own decisions, on the
-  same candidates in the same order (ties still go to the lower node id).
-  """
+  The walk starts at the top level a T-token document could have; above a document's root a
+  level holds one node (`segments.level_node_counts`), kept unscored, so from the root down it
+  makes the document's own decisions on the same candidates in the same order."""
   b, tc, hq, d = q.shape
   hkv = k.shape[2]
   qg = q.astype(jnp.float32).reshape(b, tc, hkv, hq // hkv, d)
@@ -441,8 +439,8 @@ def _packed_exact_chunk(positions, q, start, length, k, *, block_size, top_k, sc
 
 def _select_packed(q, k, segment_ids, *, block_size, top_k, branching, selector, scale, beam,
                    interpret=None):
-  """Packed selection; interpret None runs the reference, a bool the Pallas kernels in that mode
-  (the packed pyramid and the walk's scores; the walk's Select_K stays this reference's)."""
+  """Packed selection; interpret None runs the reference, a bool the Pallas kernels in that mode:
+  the packed pyramid, then the fused packed walk or (outside it) the per-level scores."""
   b, seq_len, hq, d = q.shape
   hkv = k.shape[2]
   num_blocks = -(-seq_len // block_size)
@@ -458,6 +456,13 @@ def _select_packed(q, k, segment_ids, *, block_size, top_k, branching, selector,
         k, segment_ids, block_size=block_size, branching=branching, interpret=interpret)
   else:
     pyramid = segments.packed_pyramid(k, docs, block_size=block_size, branching=branching)
+  if kernels and packed_walk_kernels.covers(selector, beam, branching):
+    # The one rule: the fused packed walk (every level in one launch) takes the unpacked fused
+    # kernel's configurations (beam * g <= 16 slots); "bsa" and wider beams stay below.
+    return packed_walk_kernels.select_packed_fused(
+        q, k, docs.start, docs.length, docs.first_node, pyramid.summaries,
+        block_size=block_size, top_k=top_k, branching=branching, selector=selector,
+        scale=scale, beam=beam, interpret=interpret)
   if selector == "bsa":
     # Each query's document's leaves, [M, HKV, D], beside the scores.
     chunk = _chunking.query_chunk_size(seq_len, b * num_blocks * (3 * hq + hkv * d))
@@ -485,14 +490,10 @@ def _select_packed(q, k, segment_ids, *, block_size, top_k, branching, selector,
     jax.jit, static_argnames=("block_size", "top_k", "branching", "selector", "scale", "beam"))
 def select_blocks_packed_reference(q, k, segment_ids, *, block_size: int, top_k: int,
                                    branching: int, selector: str, scale: float, beam: int):
-  """jnp reference of `select_blocks` with segment_ids; arguments are already validated.
-
-  Costs against the one-document reference: the hierarchical walk scores the same candidates per
-  query (its top levels, above a short document's root, are kept unscored); "bsa" gathers each
-  query's document leaves `[M, HKV, D]` (M = ceil(T / C)) beside the same `[M]` scores per head;
-  "exact" takes each query's document window out of the same `[T]` logits. The pyramid is the
-  packed one of `pisa_jax.segments` (N_1 = T leaf slots).
-  """
+  """jnp reference of `select_blocks` with segment_ids; arguments are already validated. Against
+  the one-document reference: the walk scores the same candidates per query (levels above a short
+  document's root kept unscored); "bsa" gathers each query's document leaves `[M, HKV, D]` beside
+  the same `[M]` scores per head; "exact" takes the document's window of the same `[T]` logits."""
   return _select_packed(q, k, segment_ids, block_size=block_size, top_k=top_k,
                         branching=branching, selector=selector, scale=scale, beam=beam)
 
@@ -506,10 +507,10 @@ def select_blocks_packed_pallas(q, k, segment_ids, *, block_size: int, top_k: in
   """`select_blocks` with segment_ids on the Pallas kernels, for "pisa", "pisa1", "pisa2" and
   "bsa" ("exact" is reference-only, as without segment_ids).
 
-  What runs where: the packed pyramid is `kernels.packed_pyramid` (all of its pooling); every
-  score is `kernels.selection.packed` (one launch per level of the walk, or one for "bsa"); the
-  document walk between the levels (candidates, forced blocks, Select_K by `lax.top_k`) is the
-  reference's XLA code above, not a fused kernel.
+  What runs where: the packed pyramid is `kernels.packed_pyramid`. Where
+  `kernels.selection.packed_walk.covers` (beam * g <= 16: the default K = 8, g = 2) the whole
+  walk is one fused kernel launch; otherwise ("bsa", wider beams) every score is
+  `kernels.selection.packed` (one launch per level) and the walk between levels is XLA's.
   """
   return _select_packed(q, k, segment_ids, block_size=block_size, top_k=top_k,
                         branching=branching, selector=selector, scale=scale, beam=beam,
@@ -547,8 +548,7 @@ def select_blocks(
       equal ids). Each query then selects as its document would alone from position 0: the
       document's own block grid from its first token, its own pyramid, forced blocks and
       eligibility, and indices are the document's own block numbers (`pisa_jax.segments`).
-      On "pallas" the pyramid and the scores run in kernels and the walk's Select_K in XLA
-      (`select_blocks_packed_pallas`).
+      On "pallas" see `select_blocks_packed_pallas` for what runs in kernels.
     implementation: "xla" (jnp reference), "pallas" (kernel) or None (pallas on GPU, else xla).
 
   Options (everything but q and k) fix shapes or compiled code: under `jax.jit` pass them as

@@ -271,9 +271,11 @@ def selection_case(selector, block_size, top_k, branching, beam, *marks):
                       id=f"{selector}-C{block_size}-K{top_k}-g{branching}-beam{beam}")
 
 
-# The first "pisa" and the "bsa" case cover both scoring kernels in CI.
+# In CI: the fused packed walk (beam * g <= 16: "pisa" at K = 3), the per-level scoring kernels
+# of wider beams (beam 9, g = 2: 18 slots) and BSA; `test_packed_walk.py` covers the fused walk.
 SELECTION_CASES = [
     selection_case("pisa", 4, 3, 2, None),
+    selection_case("pisa", 4, 3, 2, 9),
     selection_case("bsa", 4, 3, 2, None),
     selection_case("pisa", 4, 3, 2, 6, pytest.mark.slow),
     selection_case("pisa1", 8, 4, 3, None, pytest.mark.slow),
@@ -342,16 +344,20 @@ def test_exact_selector_stays_reference_only():
 
 
 def test_packed_selection_kernels_lower_for_sm90(captured):
+  """Beam 9 (18 candidate slots) takes the per-level scoring kernels, beam 3 the fused walk."""
   seg = segment_ids(SHORT_ROWS)
   q, k, _, _ = make_inputs(63, batch=2, hq=32, hkv=2, d=64, dtype=jnp.bfloat16, seed=17)
-  for selector in ("pisa", "pisa1", "pisa2", "bsa"):
+  for selector, beam in [(s, b) for s in ("pisa", "pisa1", "pisa2") for b in (3, 9)] + [
+      ("bsa", 3)]:
     jax.jit(lambda q, k: pisa_jax.selection.select_blocks_packed_pallas(
-        q, k, seg, block_size=4, top_k=3, branching=2, selector=selector, scale=0.125, beam=3,
+        q, k, seg, block_size=2, top_k=3, branching=2, selector=selector, scale=0.125, beam=beam,
         interpret=False)).trace(q, k).lower(lowering_platforms=("cuda",))
   names = {re.search(r"module @([A-Za-z0-9_]+)", m).group(1) for m in captured}
-  assert {"pisa_pool_runs_g4", "pisa_pool_runs_g2", "pisa_select_packed_bsa"} <= names, names
+  assert {"pisa_pool_runs_g2", "pisa_select_packed_bsa"} <= names, names
+  assert {"pisa_select_packed_fused_pisa_rank_pair_lse_unshifted",
+          "pisa_select_packed_fused_pisa1_rank", "pisa_select_packed_fused_pisa2_rank"} <= names
   for selector in ("pisa", "pisa1", "pisa2"):
-    assert {f"pisa_select_packed_{selector}_w4", f"pisa_select_packed_{selector}_w2"} <= names
+    assert {f"pisa_select_packed_{selector}_w2"} <= names, names
 
 
 def test_unpacked_attention_kernels_keep_their_inputs(captured):
@@ -371,3 +377,15 @@ def test_unpacked_attention_kernels_keep_their_inputs(captured):
   # delta, the entries and the three item tables -> two partials; reduce: offsets, partials -> dk, dv.
   assert signature == {"pisa_sparse_attention_fwd": 6, "pisa_sparse_attention_dq": 9,
                        "pisa_sparse_attention_dkv": 12, "pisa_sparse_attention_dkv_reduce": 5}
+
+
+def test_unpacked_selection_kernel_keeps_its_inputs(captured):
+  """The fused packed walk has its own kernel: the unpacked fused selection kernel still takes q,
+  k, the stacked summaries, the level table and max |k|^2, and writes the indices."""
+  q, k, _, _ = make_inputs(1000, batch=1, hq=32, hkv=2, d=64, dtype=jnp.bfloat16, seed=19)
+  jax.jit(lambda q, k: pisa_jax.kernels.selection.select_blocks_pallas(
+      q, k, block_size=64, top_k=8, branching=2, selector="pisa", scale=0.125, beam=8,
+      interpret=False)).trace(q, k).lower(lowering_platforms=("cuda",))
+  signature = {re.search(r"tt.func public @([A-Za-z0-9_]+)", m).group(1):
+               len(re.findall(r"%arg\d+:", m.split("\n", 2)[1])) for m in captured}
+  assert signature["pisa_select_fused_rank_pair_lse_unshifted"] == 6, signature

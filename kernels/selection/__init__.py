@@ -10,7 +10,8 @@
   two_stage.py  walk kernel, leaf-tile kernel (host bucket sort), final top-k kernel
   bsa.py        the flat BSA kernel (two passes, running top-k, no [T, M] in HBM)
   select.py     select_blocks_pallas: geometry, config, dispatch
-  packed.py     scoring kernels of packed documents (segment_ids): the walk's levels and BSA
+  packed_walk.py  the fused walk of packed documents (segment_ids): per-query document geometry
+  packed.py     per-level scoring kernels of packed documents: wider beams and BSA
 """
 
 from pisa_jax.kernels.selection.config import SelectionConfig, candidate_slots

@@ -4,8 +4,9 @@ What is fused, and what is not: these kernels compute the floating-point scores 
 walk, the part of selection that reads keys and summaries, and the document walk around them
 is the jnp reference's (`pisa_jax.selection`, `_packed_walk_chunk` / `_packed_bsa_chunk`): its
 candidate bookkeeping, the forced blocks and Select_K (`lax.top_k`) run in XLA between one
-kernel launch per level. So, unlike the unpacked `select_fused` kernel, a level's candidates make
-a round trip through HBM, and "exact" (reference-only, as unpacked) has no kernel.
+kernel launch per level, so a level's candidates make a round trip through HBM. They serve the
+selections the fused packed walk (`packed_walk.py`, beam * g <= 16) does not take: "bsa" and
+wider beams. "exact" (reference-only, as unpacked) has no kernel.
 
   child_scores_pallas: one level of the hierarchical walk. Candidate c of query t, KV head h has
     its children at consecutive rows base .. base + count - 1 of a row array (the document's
