@@ -28,16 +28,20 @@ from pisa_jax.context_parallel import dense_attention_at, pisa_attention_at
 from pisa_jax.models.sharding import batch_ways, make_mesh
 
 # The reference picks its masked form for T <= 2 K C (64 here) and the gathered one above.
-@pytest.mark.parametrize("seq_len,shards,selector", [
-    (64, 2, "pisa"), (200, 4, "pisa"), (120, 3, "bsa")], ids=["masked-N2", "gathered-N4", "bsa-N3"])
-def test_shards_equal_the_rows_of_the_whole_sequence(seq_len, shards, selector):
+# The kernels ("pallas", interpret mode here: the default fused selection and BSA, the per-query
+# attention) take the same offsets, against the same kernels run on the whole sequence.
+@pytest.mark.parametrize("seq_len,shards,selector,implementation", [
+    (64, 2, "pisa", "xla"), (200, 4, "pisa", "xla"), (120, 3, "bsa", "xla"),
+    (72, 2, "pisa", "pallas"), (60, 3, "bsa", "pallas")],
+    ids=["masked-N2", "gathered-N4", "bsa-N3", "pallas-N2", "pallas-bsa-N3"])
+def test_shards_equal_the_rows_of_the_whole_sequence(seq_len, shards, selector, implementation):
   b, hq, hkv, d = 2, 4, 2, 16
   keys = jax.random.split(jax.random.key(seq_len), 4)
   q = jax.random.normal(keys[0], (b, seq_len, hq, d))
   k = jax.random.normal(keys[1], (b, seq_len, hkv, d))
   v = jax.random.normal(keys[2], (b, seq_len, hkv, d))
   w = jax.random.normal(keys[3], (b, seq_len, hq, d))
-  kw = dict(block_size=8, top_k=4, branching=2, selector=selector, implementation="xla")
+  kw = dict(block_size=8, top_k=4, branching=2, selector=selector, implementation=implementation)
 
   def loss(attend, q, k, v, w):
     out = attend(q, k, v)
@@ -76,19 +80,21 @@ def test_bad_arguments_name_what_to_change():
   k = jnp.zeros((1, 32, 2, 8))
   with pytest.raises(ValueError, match="query_offset=20 must be in \\[0, T - Tq\\] = \\[0, 16\\]"):
     pisa_attention_at(q, k, k, 20, block_size=8, top_k=3, implementation="xla")
-  with pytest.raises(ValueError, match="implementation='pallas' .* take no query_offset"):
-    pisa_attention_at(q, k, k, 0, block_size=8, top_k=3, implementation="pallas")
+  with pytest.raises(ValueError, match="selector='exact' exists only in the reference: pass "
+                                       "implementation='xla'"):
+    pisa_attention_at(q, k, k, 0, block_size=8, top_k=3, selector="exact",
+                      implementation="pallas")
   base = test_train.MICRO
   for extra, match in (
       (["train.context_parallel=3"], "train.context_parallel=3 must divide train.seq_len=64"),
       (["train.context_parallel=0"], "train.context_parallel=0 must be >= 1"),
       (["train.context_parallel=2", "train.loss_chunk=64"],
-       "train.loss_chunk=64 must divide train.seq_len / train.context_parallel = 32"),
-      (["train.context_parallel=2", "model.attention_implementation=pallas"],
-       "train.context_parallel=2 with model.attention='pisa' needs "
-       "model.attention_implementation='xla'")):
+       "train.loss_chunk=64 must divide train.seq_len / train.context_parallel = 32")):
     with pytest.raises(ValueError, match=match):
       validate(apply_overrides(get_config("tiny"), base + extra))
+  # The Pallas kernels take the shard's offset: context parallelism runs on either implementation.
+  validate(apply_overrides(get_config("tiny"), base + [
+      "train.context_parallel=2", "model.attention_implementation=pallas"]))
   n = jax.local_device_count()
   with pytest.raises(ValueError, match=f"train.context_parallel={n + 1} must be >= 1 and divide "
                                        f"the {n} local devices"):
