@@ -147,7 +147,8 @@ def load_group_queries(q_ref, geo: Geometry, i_b, t, i_h, rows: int):
   """The group's query heads of query row t: `[rows, Dp]` (padded heads and columns read as
   zero)."""
   o_head = jnp.arange(rows)
-  q_rows = (i_b * geo.num_queries + t) * geo.hq + i_h * geo.group + jnp.minimum(o_head, geo.group - 1)
+  q_rows = ((i_b * geo.num_queries + t) * geo.hq + i_h * geo.group
+            + jnp.minimum(o_head, geo.group - 1))
   return load_rows(q_ref, q_rows, o_head < geo.group, geo)
 
 
