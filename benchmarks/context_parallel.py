@@ -16,8 +16,9 @@ backward, for the queries of each shard of the longest run's sequence (`pisa_att
 shard's offset, against all keys; as many shards as that run's devices, at least 2) on one device. Equal times mean that a contiguous layout is
 balanced, so no zig-zag layout is needed.
 
-Every run uses one attention implementation (`--implementation`, default "xla": the Pallas kernels
-take no query offset), so the 1-device baseline runs the same code as the sharded runs.
+Every run uses one attention implementation (`--implementation`: "xla", the default, or "pallas",
+the kernels at each shard's query offset), so the 1-device baseline runs the same code as the
+sharded runs.
 
   python -m benchmarks.context_parallel                      # 2 GPUs: L = 2^20
   python -m benchmarks.context_parallel --runs 1:1048576,2:2097152,2:1048576,4:4194304

@@ -15,7 +15,7 @@ import types
 import typing
 from typing import Any
 
-from pisa_jax import _dispatch, _validation
+from pisa_jax import _validation
 from pisa_jax.models.config import (
     ATTENTION_KINDS,
     COMPUTE_DTYPES,
@@ -244,7 +244,7 @@ def validate(config: Config) -> Config:
                      f"tokens per chunk")
   if t.loss_chunk and t.seq_len % t.loss_chunk:
     raise ValueError(f"train.loss_chunk={t.loss_chunk} must divide train.seq_len={t.seq_len}")
-  _validate_context_parallel(m, d, t)
+  _validate_context_parallel(d, t)
   if t.eval_batches < 0:
     raise ValueError(f"train.eval_batches={t.eval_batches} must be >= 0")
   if t.lr_schedule not in LR_SCHEDULES:
@@ -279,8 +279,9 @@ def validate(config: Config) -> Config:
   return config
 
 
-def _validate_context_parallel(m: ModelConfig, d: DataConfig, t: TrainConfig) -> None:
-  """train.context_parallel against the sequence, the loss chunks, packing and the kernels."""
+def _validate_context_parallel(d: DataConfig, t: TrainConfig) -> None:
+  """train.context_parallel against the sequence, the loss chunks and packing (every sparse
+  selector runs at a query offset on both implementations, "xla" and "pallas")."""
   cp = t.context_parallel
   if cp < 1:
     raise ValueError(f"train.context_parallel={cp} must be >= 1 (1: the sequence is not split)")
@@ -296,12 +297,6 @@ def _validate_context_parallel(m: ModelConfig, d: DataConfig, t: TrainConfig) ->
   if d.packing:
     raise ValueError(f"data.packing=true is not supported with train.context_parallel={cp}: "
                      f"set train.context_parallel=1")
-  if (m.attention in SPARSE_ATTENTION_KINDS
-      and _dispatch.resolve_implementation(m.attention_implementation) != "xla"):
-    raise ValueError(
-        f"train.context_parallel={cp} with model.attention={m.attention!r} needs "
-        f"model.attention_implementation='xla' here (got {m.attention_implementation!r}): the "
-        f"Pallas kernels take no query offset")
 
 
 def warmup_steps(t: TrainConfig) -> int:

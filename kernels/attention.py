@@ -159,9 +159,12 @@ def _store_rows(ref, t, value, group: int, rows: int):
 
 
 def _block_slot(idx_ref, t, i, block_size: int, sub=0, step_keys: int | None = None,
-                doc_start=None):
+                doc_start=None, pos=None):
   """Block start and visibility mask for slot i of query t (keys `sub * step_keys` onwards of
   the block, `step_keys` of them; the whole block by default).
+
+  pos: None, or query t's position in the key sequence (t + the query offset of a sequence
+  shard): the causal limit and the current block are then pos's, the index row stays t's.
 
   Returns the clamped start row (inside a valid, aligned block at or before the query's block)
   and the `[step_keys]` mask of keys j <= t inside a real selected block: -1 padding and blocks
@@ -180,29 +183,39 @@ def _block_slot(idx_ref, t, i, block_size: int, sub=0, step_keys: int | None = N
     start = doc_start + jnp.clip(blk, 0, cur) * block_size + sub * step_keys
     key_pos = start + jnp.arange(step_keys)
     return start, key_pos <= jnp.where(valid, t, start - 1)
-  cur = t // block_size
+  t_pos = t if pos is None else pos
+  cur = t_pos // block_size
   blk = idx_ref[t, i]
   valid = (blk >= 0) & (blk <= cur)
   start = pl.multiple_of(jnp.clip(blk, 0, cur) * block_size + sub * step_keys, step_keys)
   key_pos = start + jnp.arange(step_keys)
   # One compare per key: an invalid slot sees up to start - 1, that is nothing.
-  visible = key_pos <= jnp.where(valid, t, start - 1)
+  visible = key_pos <= jnp.where(valid, t_pos, start - 1)
   return start, visible
 
 
 # ----------------------------------------------------------------------------- forward kernel
 
 
+def _extra_refs(refs, packed: bool, offset: bool):
+  """(start_ref, off_ref, outputs...): the optional inputs before the outputs, None if absent."""
+  start_ref = refs[0] if packed else None
+  off_ref = refs[int(packed)] if offset else None
+  return (start_ref, off_ref) + tuple(refs[int(packed) + int(offset):])
+
+
 def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, *refs, block_size: int, scale: float, group: int,
-                rows: int, top_k: int, step_keys: int, packed: bool):
-  """One program: query position t, KV head h. q_ref `[T, G, D]`, k_ref/v_ref `[Tk, D]`.
+                rows: int, top_k: int, step_keys: int, packed: bool, offset: bool = False):
+  """One program: query row t, KV head h. q_ref `[T, G, D]`, k_ref/v_ref `[Tk, D]`.
 
   The loop streams the selected blocks in steps of `step_keys` keys (`block_size // step_keys`
   steps per block) through one online softmax. Packed rows add start_ref `[T]`, each query's
-  document start, before the outputs."""
-  start_ref, o_ref, lse_ref = refs if packed else (None,) + refs
+  document start, before the outputs; a sequence shard adds off_ref `[1]`, the position of its
+  first query among the keys (query t sits at off + t)."""
+  start_ref, off_ref, o_ref, lse_ref = _extra_refs(refs, packed, offset)
   t = pl.program_id(0)
   doc_start = start_ref[t] if packed else None
+  pos = t + off_ref[0] if offset else None
   # [R, D]
   b_q = _load_rows(q_ref, t, group, rows)
   precision = _dot_precision(b_q.dtype)
@@ -215,7 +228,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, *refs, block_size: int, scale: flo
     # Slot and step within it; truncating div / rem (s >= 0), no floor-division fix-ups.
     slot, sub = (s, 0) if steps_per_block == 1 else (lax.div(s, steps_per_block),
                                                       lax.rem(s, steps_per_block))
-    start, visible = _block_slot(idx_ref, t, slot, block_size, sub, step_keys, doc_start)
+    start, visible = _block_slot(idx_ref, t, slot, block_size, sub, step_keys, doc_start, pos)
     # [S, D]
     b_k = k_ref[pl.ds(start, step_keys), :]
     # Values of hidden keys load as zeros: their weight is 0, but 0 * NaN = NaN.
@@ -255,17 +268,22 @@ def _query_grid_specs(t: int, tk: int, g: int, d: int, top_k: int):
   return q_spec, kv_spec, idx_spec, lse_spec
 
 
-def _start_specs(starts, t: int):
-  """The document-start input of packed rows (`[B, T]`, one batch entry's row per program);
-  nothing for unpacked rows."""
-  if starts is None:
-    return [], ()
-  return [pl.BlockSpec((None, t), lambda i, h, bb: (bb, 0))], (starts,)
+def _start_specs(starts, t: int, offset=None):
+  """The document-start input of packed rows (`[B, T]`, one batch entry's row per program) and
+  the query offset `[1]` of a sequence shard; nothing for unpacked rows at offset 0."""
+  specs, args = [], ()
+  if starts is not None:
+    specs, args = [pl.BlockSpec((None, t), lambda i, h, bb: (bb, 0))], (starts,)
+  if offset is not None:
+    specs, args = specs + [pl.BlockSpec((1,), lambda i, h, bb: (0,))], args + (offset,)
+  return specs, args
 
 
-def _forward(q5, k, v, block_indices, starts, *, block_size, scale, interpret, config):
+def _forward(q5, k, v, block_indices, starts, offset=None, *, block_size, scale, interpret,
+             config):
   """q5 `[B, T, HKV, G, D]`, k/v `[B, Tk, HKV, D]` -> (o5 like q5, lse float32 `[B, T, HKV, G]`);
-  starts: None, or each query's document start `[B, T]` (packed rows)."""
+  starts: None, or each query's document start `[B, T]` (packed rows); offset: None, or int32
+  `[1]`, the position of q's first row among the keys (a sequence shard)."""
   b, t, hkv, g, d = q5.shape
   tk = k.shape[1]
   top_k = block_indices.shape[-1]
@@ -274,9 +292,10 @@ def _forward(q5, k, v, block_indices, starts, *, block_size, scale, interpret, c
   if block_size % step_keys:
     raise ValueError(f"fwd_step_keys={config.fwd_step_keys} must divide {block_size=}")
   kernel = functools.partial(_fwd_kernel, block_size=block_size, scale=scale, group=g, rows=rows,
-                             top_k=top_k, step_keys=step_keys, packed=starts is not None)
+                             top_k=top_k, step_keys=step_keys, packed=starts is not None,
+                             offset=offset is not None)
   q_spec, kv_spec, idx_spec, lse_spec = _query_grid_specs(t, tk, g, d, top_k)
-  start_specs, start_args = _start_specs(starts, t)
+  start_specs, start_args = _start_specs(starts, t, offset)
   call = pl.pallas_call(
       kernel,
       grid=(t, hkv, b),
@@ -287,21 +306,28 @@ def _forward(q5, k, v, block_indices, starts, *, block_size, scale, interpret, c
       compiler_params=plt.CompilerParams(num_warps=config.fwd_num_warps,
                                          num_stages=config.fwd_num_stages),
       interpret=interpret,
-      name=f"pisa_sparse_attention_fwd{'_packed' if starts is not None else ''}",
+      name=f"pisa_sparse_attention_fwd{_suffix(starts, offset)}",
   )
   return _call_kernel(call, q5, k, v, block_indices, *start_args)
+
+
+def _suffix(starts, offset) -> str:
+  return ("_packed" if starts is not None else "") + ("_offset" if offset is not None else "")
 
 
 # ----------------------------------------------------------------------------- dq kernel
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, do_ref, lse_ref, *refs, block_size: int,
-               scale: float, group: int, rows: int, top_k: int, packed: bool):
+               scale: float, group: int, rows: int, top_k: int, packed: bool,
+               offset: bool = False):
   """One program: query t, KV head h. Writes dq and delta = rowsum(o * do) for the dk/dv kernel.
-  Packed rows add start_ref `[T]` before the outputs, as in the forward."""
-  start_ref, dq_ref, delta_ref = refs if packed else (None,) + refs
+  Packed rows add start_ref `[T]`, a sequence shard off_ref `[1]`, before the outputs, as in the
+  forward."""
+  start_ref, off_ref, dq_ref, delta_ref = _extra_refs(refs, packed, offset)
   t = pl.program_id(0)
   doc_start = start_ref[t] if packed else None
+  pos = t + off_ref[0] if offset else None
   # [R, D]
   b_q = _load_rows(q_ref, t, group, rows)
   b_do = _load_rows(do_ref, t, group, rows)
@@ -315,7 +341,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, do_ref, lse_ref, *refs, bloc
   d = b_q.shape[-1]
 
   def body(i, b_dq):
-    start, visible = _block_slot(idx_ref, t, i, block_size, doc_start=doc_start)
+    start, visible = _block_slot(idx_ref, t, i, block_size, doc_start=doc_start, pos=pos)
     # Hidden keys load as zeros: ds = 0 does not cancel a NaN key in ds @ k (0 * NaN = NaN).
     b_k = plt.load(k_ref.at[pl.ds(start, block_size), :], mask=visible[:, None], other=0.0)
     b_v = v_ref[pl.ds(start, block_size), :]
@@ -333,16 +359,16 @@ def _dq_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, do_ref, lse_ref, *refs, bloc
   _store_rows(delta_ref, t, b_delta, group, rows)
 
 
-def _backward_dq(q5, k, v, block_indices, starts, o5, do5, lse, *, block_size, scale, interpret,
-                 config):
+def _backward_dq(q5, k, v, block_indices, starts, offset, o5, do5, lse, *, block_size, scale,
+                 interpret, config):
   b, t, hkv, g, d = q5.shape
   tk = k.shape[1]
   top_k = block_indices.shape[-1]
   rows = max(config.min_rows, next_pow2(g))
   kernel = functools.partial(_dq_kernel, block_size=block_size, scale=scale, group=g, rows=rows,
-                             top_k=top_k, packed=starts is not None)
+                             top_k=top_k, packed=starts is not None, offset=offset is not None)
   q_spec, kv_spec, idx_spec, lse_spec = _query_grid_specs(t, tk, g, d, top_k)
-  start_specs, start_args = _start_specs(starts, t)
+  start_specs, start_args = _start_specs(starts, t, offset)
   call = pl.pallas_call(
       kernel,
       grid=(t, hkv, b),
@@ -353,7 +379,7 @@ def _backward_dq(q5, k, v, block_indices, starts, o5, do5, lse, *, block_size, s
       compiler_params=plt.CompilerParams(num_warps=config.dq_num_warps,
                                          num_stages=config.dq_num_stages),
       interpret=interpret,
-      name=f"pisa_sparse_attention_dq{'_packed' if starts is not None else ''}",
+      name=f"pisa_sparse_attention_dq{_suffix(starts, offset)}",
   )
   return _call_kernel(call, q5, k, v, block_indices, o5, do5, lse, *start_args)
 
@@ -361,36 +387,41 @@ def _backward_dq(q5, k, v, block_indices, starts, o5, do5, lse, *, block_size, s
 # ----------------------------------------------------------------------------- custom_vjp op
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _sparse_attention_core(q5, k, v, block_indices, starts, block_size, scale, interpret, config):
-  o5, _ = _forward(q5, k, v, block_indices, starts, block_size=block_size, scale=scale,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _sparse_attention_core(q5, k, v, block_indices, starts, offset, block_size, scale, interpret,
+                           config):
+  o5, _ = _forward(q5, k, v, block_indices, starts, offset, block_size=block_size, scale=scale,
                    interpret=interpret, config=config)
   return o5
 
 
-def _core_fwd(q5, k, v, block_indices, starts, block_size, scale, interpret, config):
-  o5, lse = _forward(q5, k, v, block_indices, starts, block_size=block_size, scale=scale,
+def _core_fwd(q5, k, v, block_indices, starts, offset, block_size, scale, interpret, config):
+  o5, lse = _forward(q5, k, v, block_indices, starts, offset, block_size=block_size, scale=scale,
                      interpret=interpret, config=config)
-  return o5, (q5, k, v, block_indices, starts, o5, lse)
+  return o5, (q5, k, v, block_indices, starts, offset, o5, lse)
 
 
 def _core_bwd(block_size, scale, interpret, config, residuals, do5):
-  q5, k, v, block_indices, starts, o5, lse = residuals
-  dq5, delta = _backward_dq(q5, k, v, block_indices, starts, o5, do5.astype(q5.dtype), lse,
-                            block_size=block_size, scale=scale, interpret=interpret,
+  q5, k, v, block_indices, starts, offset, o5, lse = residuals
+  dq5, delta = _backward_dq(q5, k, v, block_indices, starts, offset, o5, do5.astype(q5.dtype),
+                            lse, block_size=block_size, scale=scale, interpret=interpret,
                             config=config)
+  # dk, dv over all Tk keys: a sequence shard's share of them (zero for keys after its queries).
   dk, dv = backward_dkv(q5, k, v, block_indices, starts, do5.astype(q5.dtype), lse, delta,
-                        block_size=block_size, scale=scale, interpret=interpret, config=config)
-  # Integer indices and document starts get no cotangent.
-  return dq5, dk, dv, None, None
+                        block_size=block_size, scale=scale, interpret=interpret, config=config,
+                        offset=offset)
+  # Integer indices, document starts and the offset get no cotangent.
+  return dq5, dk, dv, None, None, None
 
 
 _sparse_attention_core.defvjp(_core_fwd, _core_bwd)
 
 
-def _attend(q, k, v, block_indices, starts, *, block_size, scale, interpret, config):
-  """Pads, reshapes and runs the op; starts: None, or the document starts `[B, T]`."""
+def _attend(q, k, v, block_indices, starts, offset=None, *, block_size, scale, interpret, config):
+  """Pads, reshapes and runs the op; starts: None, or the document starts `[B, T]`; offset:
+  None, or int32 `[1]` (q holds the queries at offset .. offset + T - 1 of k's Tk >= T)."""
   b, t, hq, d = q.shape
+  tq, t = t, k.shape[1]
   hkv = k.shape[2]
   g = hq // hkv
   top_k = block_indices.shape[-1]
@@ -413,10 +444,10 @@ def _attend(q, k, v, block_indices, starts, *, block_size, scale, interpret, con
     pad = ((0, 0), (0, tk - t), (0, 0), (0, 0))
     k, v = jnp.pad(k, pad), jnp.pad(v, pad)
   block_indices = lax.stop_gradient(block_indices.astype(jnp.int32))
-  q5 = q.reshape(b, t, hkv, g, dp)
-  o5 = _sparse_attention_core(q5, k, v, block_indices, starts, int(block_size), float(scale),
-                              bool(interpret), config)
-  return o5.reshape(b, t, hq, dp)[..., :d]
+  q5 = q.reshape(b, tq, hkv, g, dp)
+  o5 = _sparse_attention_core(q5, k, v, block_indices, starts, offset, int(block_size),
+                              float(scale), bool(interpret), config)
+  return o5.reshape(b, tq, hq, dp)[..., :d]
 
 
 def sparse_attention_pallas(
@@ -473,3 +504,31 @@ def sparse_attention_packed_pallas(
   starts, _ = segments.document_bounds(segment_ids)
   return _attend(q, k, v, block_indices, lax.stop_gradient(starts), block_size=block_size,
                  scale=scale, interpret=interpret, config=config)
+
+
+def sparse_attention_pallas_at(
+    q: Float[Array, "B Tq HQ D"],
+    k: Float[Array, "B T HKV D"],
+    v: Float[Array, "B T HKV D"],
+    block_indices: Int[Array, "B Tq HKV K"],
+    query_offset: Int[Array, ""] | int,
+    *,
+    block_size: int,
+    scale: float,
+    interpret: bool,
+    config: SparseAttentionConfig | None = None,
+) -> Float[Array, "B Tq HQ D"]:
+  """Pallas twin of `sparse_attention_reference_at`: Eq. 6 for the queries at positions
+  query_offset .. query_offset + Tq - 1 of a sequence whose T keys and values are all given (a
+  sequence shard under context parallelism); arguments already validated.
+
+  query_offset: an int, or an int32 scalar that may be traced (`lax.axis_index(axis) * Tq`);
+  key j is visible to row i when j <= query_offset + i. The Python int 0 runs the kernels of
+  `sparse_attention_pallas` unchanged. dk, dv `[B, T, HKV, D]` are these queries' share.
+  """
+  if isinstance(query_offset, int) and not isinstance(query_offset, bool) and query_offset == 0:
+    offset = None
+  else:
+    offset = lax.stop_gradient(jnp.asarray(query_offset, jnp.int32).reshape(1))
+  return _attend(q, k, v, block_indices, None, offset, block_size=block_size, scale=scale,
+                 interpret=interpret, config=config)

@@ -65,11 +65,12 @@ def _group_by_block(key, *, num_blocks: int, items_entries: int, num_items: int)
 
 
 def inverted_index(block_indices: Int[Array, "B T HKV K"], *, num_blocks: int, block_size: int,
-                   items_entries: int):
+                   items_entries: int, offset=None):
   """For each (batch, KV head, key block), the queries that selected it, cut into work items.
 
   Built with a stable argsort, so within a block the queries come out ascending and the result is
-  deterministic. Only valid entries count: index in [0, t // C] for query t.
+  deterministic. Only valid entries count: index in [0, t // C] for query t, at position
+  offset + t when offset (int32 `[1]`, a sequence shard's first position) is given.
 
   Returns:
     entry_query: int32 `[B, HKV, T * K]`, the query position of each entry, grouped by block
@@ -81,7 +82,10 @@ def inverted_index(block_indices: Int[Array, "B T HKV K"], *, num_blocks: int, b
   """
   b, t, hkv, top_k = block_indices.shape
   num_items = -(-t * top_k // items_entries) + num_blocks
-  cur = (jnp.arange(t, dtype=jnp.int32) // block_size)[None, :, None, None]
+  pos = jnp.arange(t, dtype=jnp.int32)
+  if offset is not None:
+    pos = pos + offset[0]
+  cur = (pos // block_size)[None, :, None, None]
   valid = (block_indices >= 0) & (block_indices <= cur)
   # [B, HKV, T * K], t-major then slot: the stable sort keeps queries ascending within a block.
   key = jnp.where(valid, block_indices, num_blocks).transpose(0, 2, 1, 3).reshape(b, hkv, t * top_k)
@@ -126,15 +130,17 @@ def packed_inverted_index(block_indices: Int[Array, "B T HKV K"], starts: Int[Ar
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entry_ref, blk_ref, start_ref,
                 end_ref, *refs, block_size: int, scale: float, group: int, rows: int,
-                packed: bool):
+                packed: bool, offset: bool = False):
   """One program: one work item (a key block and a run of the queries that selected it).
 
   Each step gathers `rows // G` queries x G heads as the M dimension of the dots (Appendix B
   gradients for the keys of one block). Writes float32 partials, scale not yet applied to dk.
   Packed rows add lo_ref, each entry's selected-block start: its keys outside [lo, lo + C) are
-  masked.
+  masked. A sequence shard adds off_ref `[1]`: query row t sits at position off + t.
   """
-  lo_ref, dk_ref, dv_ref = refs if packed else (None,) + refs
+  lo_ref = refs[0] if packed else None
+  off_ref = refs[int(packed)] if offset else None
+  dk_ref, dv_ref = refs[int(packed) + int(offset):]
   i = pl.program_id(0)
   n = blk_ref[i]
   first = start_ref[i]
@@ -170,7 +176,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entry_ref, blk_
     b_delta = plt.load(delta_ref.at[o_t, o_g], mask=m_r, other=0.0)
     # [C, R]
     b_s = jnp.dot(b_k, b_q.T, precision=precision, preferred_element_type=jnp.float32) * qk_scale
-    visible = m_r[None, :] & (key_pos[:, None] <= o_t[None, :])
+    o_pos = o_t + off_ref[0] if offset else o_t
+    visible = m_r[None, :] & (key_pos[:, None] <= o_pos[None, :])
     if packed:
       # The part of the entry's selected block in this array block: keys lo .. lo + C - 1.
       o_lo = lo_ref[o_e]
@@ -213,9 +220,10 @@ def _reduce_kernel(item_offsets_ref, dk_part_ref, dv_part_ref, dk_ref, dv_ref, *
 
 
 def backward_dkv(q5, k, v, block_indices, starts, do5, lse, delta, *, block_size, scale,
-                 interpret, config):
+                 interpret, config, offset=None):
   """dk, dv like k, v `[B, Tk, HKV, D]` (Tk a multiple of C); starts: None, or the document
-  start `[B, T]` of each query of packed rows."""
+  start `[B, T]` of each query of packed rows; offset: None, or int32 `[1]`, the position of
+  q's first row among the Tk keys (a sequence shard; unpacked rows only)."""
   b, t, hkv, g, d = q5.shape
   tk = k.shape[1]
   num_blocks = tk // block_size
@@ -231,12 +239,14 @@ def backward_dkv(q5, k, v, block_indices, starts, do5, lse, delta, *, block_size
   else:
     entry_query, item_block, item_start, item_end, item_offsets = inverted_index(
         block_indices, num_blocks=num_blocks, block_size=block_size,
-        items_entries=items_entries)
+        items_entries=items_entries, offset=offset)
     extra = ()
   num_items = item_block.shape[-1]
   num_entries = entry_query.shape[-1]
   kernel = functools.partial(_dkv_kernel, block_size=block_size, scale=scale, group=g, rows=rows,
-                             packed=packed)
+                             packed=packed, offset=offset is not None)
+  off_specs, off_args = ([], ()) if offset is None else (
+      [pl.BlockSpec((1,), lambda i, h, bb: (0,))], (offset,))
   q_spec = pl.BlockSpec((None, t, None, g, d), lambda i, h, bb: (bb, 0, h, 0, 0))
   kv_spec = pl.BlockSpec((None, tk, None, d), lambda i, h, bb: (bb, 0, h, 0))
   lse_spec = pl.BlockSpec((None, t, None, g), lambda i, h, bb: (bb, 0, h, 0))
@@ -248,14 +258,15 @@ def backward_dkv(q5, k, v, block_indices, starts, do5, lse, delta, *, block_size
       kernel,
       grid=(num_items, hkv, b),
       in_specs=[q_spec, kv_spec, kv_spec, q_spec, lse_spec, lse_spec, entry_spec, item_spec,
-                item_spec, item_spec] + [entry_spec] * len(extra),
+                item_spec, item_spec] + [entry_spec] * len(extra) + off_specs,
       out_specs=[part_spec, part_spec],
       out_shape=[part_shape, part_shape],
       compiler_params=plt.CompilerParams(num_warps=config.dkv_num_warps,
                                          num_stages=config.dkv_num_stages),
       interpret=interpret,
-      name="pisa_sparse_attention_dkv_packed" if packed else "pisa_sparse_attention_dkv",
-  ), q5, k, v, do5, lse, delta, entry_query, item_block, item_start, item_end, *extra)
+      name="pisa_sparse_attention_dkv" + ("_packed" if packed else "")
+      + ("_offset" if offset is not None else ""),
+  ), q5, k, v, do5, lse, delta, entry_query, item_block, item_start, item_end, *extra, *off_args)
 
   offsets_spec = pl.BlockSpec((None, None, num_blocks + 1), lambda n, h, bb: (bb, h, 0))
   parts_spec = pl.BlockSpec((None, None, num_items, block_size, d),

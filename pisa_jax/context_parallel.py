@@ -18,8 +18,10 @@ depend on the offset at all; `benchmarks.context_parallel` measures it per shard
 under contiguous shards is not balanced (the last shard sees all T keys, the first T / N): it is
 the side-by-side baseline, not a tuned one.
 
-The "pallas" kernels take no query offset: `pisa_attention_at` raises for implementation="pallas"
-(and None on a GPU), naming `implementation`; the jnp reference ("xla") runs on every backend.
+Both implementations take the offset: "xla" the jnp references (`select_blocks_reference_offset`,
+`sparse_attention_reference_at`), "pallas" the kernels with a query-offset input (an int32 `[1]`
+array, since `lax.axis_index` is traced under `shard_map`), registered as the ops
+"select_blocks_offset" and "sparse_attention_offset".
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from jaxtyping import Array, Float, Int
 
 from pisa_jax import _dispatch, _validation
 from pisa_jax.attention import sparse_attention_reference_at
+from pisa_jax.kernels import attention as attention_kernels
+from pisa_jax.kernels import selection as selection_kernels
 from pisa_jax.selection import select_blocks_reference_offset
 
 
@@ -81,8 +85,8 @@ def pisa_attention_at(
     k, v: every key and value of the sequence `[B, T, HKV, D]`, q's dtype.
     query_offset: int32 scalar, the position of q's first row; may be traced (under
       `shard_map`, `lax.axis_index(axis) * Tq`).
-    The options are `pisa_attention`'s. implementation: "xla" only (None means "xla" off a GPU);
-      the Pallas kernels take no query offset and raise.
+    The options are `pisa_attention`'s. implementation: "xla", "pallas" or None ("pallas" on a
+      GPU, "xla" elsewhere); selector="exact" has no kernel and needs "xla".
 
   Returns:
     `[B, Tq, HQ, D]` in q's dtype: rows query_offset .. query_offset + Tq - 1 of
@@ -97,19 +101,19 @@ def pisa_attention_at(
   _validation.check_branching(branching)
   _validation.check_top_k(top_k)
   _validation.check_selector(selector)
-  if _dispatch.resolve_implementation(implementation) != "xla":
-    raise ValueError(
-        f"implementation={implementation!r} runs the Pallas kernels here, which take no "
-        f"query_offset: pass implementation='xla' (model.attention_implementation='xla' for "
-        f"train.context_parallel > 1)")
+  if selector == "exact" and _dispatch.resolve_implementation(implementation) != "xla":
+    raise ValueError(f"{selector=} exists only in the reference: pass implementation='xla' "
+                     f"for it (got implementation={implementation!r})")
   beam = _validation.resolve_beam(beam, top_k, selector)
   scale = _validation.resolve_scale(scale, q.shape[-1])
   offset = jnp.asarray(query_offset, jnp.int32)
-  block_indices = select_blocks_reference_offset(
+  select = _dispatch.lookup("select_blocks_offset", implementation)
+  block_indices = select(
       lax.stop_gradient(q), lax.stop_gradient(k), offset, block_size=int(block_size),
       top_k=int(top_k), branching=int(branching), selector=selector, scale=scale, beam=beam)
-  return sparse_attention_reference_at(q, k, v, lax.stop_gradient(block_indices), offset,
-                                       block_size=int(block_size), scale=scale)
+  attend = _dispatch.lookup("sparse_attention_offset", implementation)
+  return attend(q, k, v, lax.stop_gradient(block_indices), offset, block_size=int(block_size),
+                scale=scale)
 
 
 def dense_attention_at(
@@ -142,3 +146,24 @@ def sequence_sharded(attend_at: Callable, axis_name: str) -> Callable:
     return attend_at(q, k_all, v_all, offset)
 
   return attend
+
+
+def _select_blocks_offset_pallas(q, k, query_offset, *, block_size: int, top_k: int,
+                                 branching: int, selector: str, scale: float, beam: int,
+                                 interpret: bool):
+  """The kernels' twin of `select_blocks_reference_offset` (same signature)."""
+  return selection_kernels.select_blocks_pallas(
+      q, k, block_size=block_size, top_k=top_k, branching=branching, selector=selector,
+      scale=scale, beam=beam, interpret=interpret, query_offset=query_offset)
+
+
+_dispatch.register(
+    "select_blocks_offset",
+    xla=select_blocks_reference_offset,
+    pallas=_dispatch.with_interpret(_select_blocks_offset_pallas),
+)
+_dispatch.register(
+    "sparse_attention_offset",
+    xla=sparse_attention_reference_at,
+    pallas=_dispatch.with_interpret(attention_kernels.sparse_attention_pallas_at),
+)

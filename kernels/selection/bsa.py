@@ -17,18 +17,23 @@ from pisa_jax.kernels._common import next_pow2
 from pisa_jax.kernels.pyramid import leaf_summaries_pallas
 from pisa_jax.kernels.selection import scoring, topk
 from pisa_jax.kernels.selection.config import MIN_DOT, SelectionConfig
-from pisa_jax.kernels.selection.layout import (Geometry, launch, load_rows, query_tile_program,
-                                               summary_rows)
+from pisa_jax.kernels.selection.layout import (Geometry, launch, load_rows, offset_input,
+                                               query_position, query_tile_program, summary_rows)
 
 
-def bsa_kernel(q_ref, s_ref, out_ref, *, geo: Geometry, q_tile: int, block_tile: int):
+def bsa_kernel(q_ref, s_ref, *refs, geo: Geometry, q_tile: int, block_tile: int):
   """Flat BSA for q_tile queries of one KV head, without materialising `[T, M]` scores.
 
   Pass 1: per (query, head) online max / sum of exp over the blocks complete at t, the current
   one too when t is its last position (the softmax normaliser of fla's NSA, which the paper's BSA
   follows). Pass 2: the normalised probabilities summed over the group's heads, merged block tile
   by block tile into a running top-(top_k - 3) of the non-forced past blocks.
+
+  refs: (out_ref,), or (off_ref, out_ref) with `geo.has_offset`: query row r sits at position
+  off + r, which sets its complete, current and forced blocks.
   """
+  off_ref, out_ref = refs if geo.has_offset else (None, refs[0])
+  n_q = geo.num_queries
   # Head rows per query: the group padded to a power of two, and >= 16 rows in all for the dot.
   heads = max(next_pow2(geo.group), MIN_DOT // q_tile)
   tile_rows = q_tile * heads
@@ -36,17 +41,17 @@ def bsa_kernel(q_ref, s_ref, out_ref, *, geo: Geometry, q_tile: int, block_tile:
   t0 = i_tile * q_tile
   o_r = jnp.arange(tile_rows)
   e_r, j_r = o_r // heads, o_r % heads
-  t_r = t0 + e_r
-  m_r = (t_r < geo.seq_len) & (j_r < geo.group)
-  q_rows = ((i_b * geo.seq_len + jnp.minimum(t_r, geo.seq_len - 1)) * geo.hq + i_h * geo.group
+  t_r = t0 + e_r  # query rows; their positions are query_position(row)
+  m_r = (t_r < n_q) & (j_r < geo.group)
+  q_rows = ((i_b * n_q + jnp.minimum(t_r, n_q - 1)) * geo.hq + i_h * geo.group
             + jnp.minimum(j_r, geo.group - 1))
   b_q = load_rows(q_ref, q_rows, m_r, geo)
-  done_r = ((t_r + 1) // geo.block_size)[:, None]  # blocks complete at t
+  done_r = ((query_position(t_r, off_ref) + 1) // geo.block_size)[:, None]  # complete at t
   o_e = jnp.arange(q_tile)
   t_e = t0 + o_e
-  cur_e = (jnp.minimum(t_e, geo.seq_len - 1) // geo.block_size)[:, None]
+  cur_e = (query_position(jnp.minimum(t_e, n_q - 1), off_ref) // geo.block_size)[:, None]
   num_blocks = geo.num_blocks
-  t_last = jnp.minimum(t0 + q_tile - 1, geo.seq_len - 1)
+  t_last = query_position(jnp.minimum(t0 + q_tile - 1, n_q - 1), off_ref)
   # Block tiles that hold a candidate (a block before the current one) of some query of the tile,
   # and those that hold a block of some query's normaliser (up to one block more).
   n_steps = pl.cdiv(t_last // geo.block_size, block_tile)
@@ -139,14 +144,15 @@ def bsa_kernel(q_ref, s_ref, out_ref, *, geo: Geometry, q_tile: int, block_tile:
   chosen = jnp.where(o_slot == n_best + 2, cur_e, chosen)
   chosen = jnp.where(keep_all, jnp.where(o_slot <= cur_e, o_slot, topk.BIG), chosen)
   out = topk.sorted_kept(chosen, chosen < topk.BIG, kp)
-  m_e = t_e < geo.seq_len
-  trash = geo.batch * geo.seq_len * geo.hkv
-  out_rows = jnp.where(m_e, (i_b * geo.seq_len + t_e) * geo.hkv + i_h, trash)
+  m_e = t_e < n_q
+  trash = geo.batch * n_q * geo.hkv
+  out_rows = jnp.where(m_e, (i_b * n_q + t_e) * geo.hkv + i_h, trash)
   plt.store(out_ref.at[out_rows[:, None], jnp.arange(kp)[None, :]], out)
 
 
-def select_bsa(q, k, geo: Geometry, *, interpret: bool, config: SelectionConfig):
-  """BSA over the leaf means of k: int32 `[B*T*HKV, KP]`."""
+def select_bsa(q, k, geo: Geometry, *, interpret: bool, config: SelectionConfig, offset=None):
+  """BSA over the leaf means of k: int32 `[B*Tq*HKV, KP]`; offset: None, or int32 `[1]`
+  (`geo.has_offset`)."""
   b, t, hq, d = q.shape
   leaves = leaf_summaries_pallas(k, block_size=geo.block_size, interpret=interpret)
   q_tile = config.bsa_q_tile
@@ -156,5 +162,6 @@ def select_bsa(q, k, geo: Geometry, *, interpret: bool, config: SelectionConfig)
                                  block_tile=config.bsa_block_tile),
                jax.ShapeDtypeStruct((rows + 1, geo.top_k_padded), jnp.int32),
                b * geo.hkv * n_tiles, config, config.leaf_warps, interpret, "bsa_select",
-               q.reshape(-1, d), summary_rows(leaves.reshape(-1, d), geo, q.dtype))
+               q.reshape(-1, d), summary_rows(leaves.reshape(-1, d), geo, q.dtype),
+               *offset_input(offset))
   return out[:rows]

@@ -16,7 +16,8 @@ from jax.experimental.pallas import triton as plt
 from pisa_jax.kernels.selection import scoring, topk
 from pisa_jax.kernels.selection.config import SelectionConfig
 from pisa_jax.kernels.selection.layout import (Geometry, launch, leaf_key_rows, level_table,
-                                               load_group_queries, load_rows, stacked_summaries)
+                                               load_group_queries, load_rows, offset_input,
+                                               query_position, stacked_summaries)
 from pisa_jax.kernels.selection.walk import uses_pair_lse, walk_to_leaves
 
 
@@ -66,14 +67,19 @@ def fused_kernel(q_ref, k_ref, s_ref, tab_ref, *refs, geo: Geometry, topk_impl: 
 
   refs: (out_ref,), or with `unshifted` (kn2_ref, out_ref): kn2_ref `[B*HKV]` holds
   max_t |k_t|^2 per (batch, KV head), from which the program bounds its logits and takes the
-  unshifted branch (`SelectionConfig.fused_unshifted_lse`) where they are small enough.
+  unshifted branch (`SelectionConfig.fused_unshifted_lse`) where they are small enough. With
+  `geo.has_offset`, off_ref `[1]` comes before out_ref: query row i_q is at position off + i_q,
+  which every rule of the walk reads (eligibility, the forced blocks, causality).
   """
-  kn2_ref, out_ref = refs if unshifted else (None, refs[0])
+  kn2_ref = refs[0] if unshifted else None
+  off_ref = refs[int(unshifted)] if geo.has_offset else None
+  out_ref = refs[-1]
   i_p = pl.program_id(0)
-  i_bh, t = i_p // geo.seq_len, i_p % geo.seq_len
+  i_bh, i_q = i_p // geo.num_queries, i_p % geo.num_queries
   i_b, i_h = i_bh // geo.hkv, i_bh % geo.hkv
   m_head = jnp.arange(geo.group_padded) < geo.group
-  qg = load_group_queries(q_ref, geo, i_b, t, i_h, geo.group_padded)
+  qg = load_group_queries(q_ref, geo, i_b, i_q, i_h, geo.group_padded)
+  t = query_position(i_q, off_ref)
   select = functools.partial(fused_select, qg, m_head, i_b, t, i_h, k_ref, s_ref, tab_ref, geo,
                              topk_impl, pair_lse)
   if unshifted:
@@ -85,12 +91,14 @@ def fused_kernel(q_ref, k_ref, s_ref, tab_ref, *refs, geo: Geometry, topk_impl: 
                    functools.partial(select, unshifted=False))
   else:
     out = select()
-  row = (i_b * geo.seq_len + t) * geo.hkv + i_h
+  row = (i_b * geo.num_queries + i_q) * geo.hkv + i_h
   out_ref[pl.ds(row, 1), :] = out
 
 
-def select_fused(q, k, summaries, geo: Geometry, *, interpret: bool, config: SelectionConfig):
-  """The fused variant over the pyramid `summaries`: int32 `[B*T*HKV, KP]`."""
+def select_fused(q, k, summaries, geo: Geometry, *, interpret: bool, config: SelectionConfig,
+                 offset=None):
+  """The fused variant over the pyramid `summaries`: int32 `[B*Tq*HKV, KP]`; offset: None, or
+  int32 `[1]` (`geo.has_offset`)."""
   b, t, hq, d = q.shape
   rows = b * t * geo.hkv
   pair_lse = uses_pair_lse(config, geo)
@@ -104,4 +112,5 @@ def select_fused(q, k, summaries, geo: Geometry, *, interpret: bool, config: Sel
                                   pair_lse=pair_lse, unshifted=unshifted),
                 jax.ShapeDtypeStruct((rows, geo.top_k_padded), jnp.int32), rows, config,
                 config.walk_warps, interpret, name, q.reshape(-1, d), k.reshape(-1, d),
-                stacked_summaries(summaries, geo, q.dtype), level_table(geo), *kn2)
+                stacked_summaries(summaries, geo, q.dtype), level_table(geo), *kn2,
+                *offset_input(offset))

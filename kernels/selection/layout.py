@@ -45,6 +45,15 @@ class Geometry:
   # (`summary_rows`). Otherwise every dot is an IEEE float32 one.
   inputs_16bit: bool
   approx_log: bool = False  # log2 by the MUFU (compiled for the GPU; not in the interpreter)
+  # A sequence shard: q holds query_len queries (None: seq_len) at positions offset .. offset +
+  # query_len - 1 of the seq_len keys, the offset an int32 `[1]` input after the others when
+  # has_offset (`query_position`). Rows of q and of the output count the shard's queries.
+  query_len: int | None = None
+  has_offset: bool = False
+
+  @property
+  def num_queries(self) -> int:
+    return self.seq_len if self.query_len is None else self.query_len
 
   @property
   def group(self) -> int:
@@ -77,16 +86,16 @@ class Geometry:
 
 
 def make_geometry(q, k, *, block_size, top_k, branching, selector, scale, beam,
-                  interpret: bool = True) -> Geometry:
-  b, t, hq, d = q.shape
-  hkv = k.shape[2]
+                  interpret: bool = True, has_offset: bool = False) -> Geometry:
+  b, tq, hq, d = q.shape
+  t, hkv = k.shape[1], k.shape[2]
   # Anything but 16-bit inputs of one dtype is upcast to float32.
   inputs_16bit = q.dtype == k.dtype and q.dtype in (jnp.bfloat16, jnp.float16)
   return Geometry(
       batch=b, seq_len=t, hq=hq, hkv=hkv, d=d, block_size=block_size, top_k=top_k, beam=beam,
       branching=branching, selector=selector, scale=float(scale),
       level_sizes=level_sizes(t, block_size, branching), inputs_16bit=inputs_16bit,
-      approx_log=not interpret)
+      approx_log=not interpret, query_len=None if tq == t else tq, has_offset=has_offset)
 
 
 def launch(kernel, out_shape, grid: int, config: SelectionConfig, warps: int, interpret: bool,
@@ -102,7 +111,7 @@ def launch(kernel, out_shape, grid: int, config: SelectionConfig, warps: int, in
 def query_tile_program(geo: Geometry, q_tile: int):
   """(batch, KV head, tile index) of this program in a grid over (batch, KV head, tile of q_tile
   consecutive queries)."""
-  n_tiles = pl.cdiv(geo.seq_len, q_tile)
+  n_tiles = pl.cdiv(geo.num_queries, q_tile)
   i_p = pl.program_id(0)
   i_bh, i_tile = i_p // n_tiles, i_p % n_tiles
   return i_bh // geo.hkv, i_bh % geo.hkv, i_tile
@@ -121,10 +130,25 @@ def load_rows(ref, rows, m_row, geo: Geometry):
                   mask=m_row[:, None] & (o_col < geo.d)[None, :], other=0.0)
 
 
+def query_position(i_q, off_ref):
+  """The position among the keys of query row i_q (a scalar or an array): i_q itself, or i_q plus
+  the shard's offset from off_ref `[1]` (loaded as a 2-vector: values have power-of-two shapes)."""
+  if off_ref is None:
+    return i_q
+  return i_q + jnp.max(plt.load(off_ref.at[jnp.zeros((2,), jnp.int32)]))
+
+
+def offset_input(offset) -> tuple:
+  """The kernels' trailing offset input: (), or (int32 `[1]`,)."""
+  return () if offset is None else (offset,)
+
+
 def load_group_queries(q_ref, geo: Geometry, i_b, t, i_h, rows: int):
-  """The group's query heads of query t: `[rows, Dp]` (padded heads and columns read as zero)."""
+  """The group's query heads of query row t: `[rows, Dp]` (padded heads and columns read as
+  zero)."""
   o_head = jnp.arange(rows)
-  q_rows = (i_b * geo.seq_len + t) * geo.hq + i_h * geo.group + jnp.minimum(o_head, geo.group - 1)
+  q_rows = ((i_b * geo.num_queries + t) * geo.hq + i_h * geo.group
+            + jnp.minimum(o_head, geo.group - 1))
   return load_rows(q_ref, q_rows, o_head < geo.group, geo)
 
 

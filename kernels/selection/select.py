@@ -3,6 +3,8 @@ the config and runs the fused, two-stage or BSA kernels."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+from jax import lax
 from jaxtyping import Array, Float, Int
 
 from pisa_jax.kernels.pyramid import build_pyramid_pallas
@@ -27,6 +29,7 @@ def select_blocks_pallas(
     beam: int,
     interpret: bool,
     config: SelectionConfig | None = None,
+    query_offset: Int[Array, ""] | int = 0,
 ) -> Int[Array, "B T HKV K"]:
   """Kernel twin of `select_blocks_reference` (arguments already validated).
 
@@ -36,6 +39,9 @@ def select_blocks_pallas(
     scale: logit scale. beam: nodes kept per level above the leaves (>= top_k; unused by "bsa").
     interpret: run the Pallas interpreter instead of compiling through Triton.
     config: variant and tiles; None picks `SelectionConfig.default`.
+    query_offset: q holds the queries at positions query_offset .. query_offset + Tq - 1 of k's
+      T >= Tq (a sequence shard; `select_blocks_reference_offset`): an int, or an int32 scalar
+      that may be traced. The Python int 0 runs the kernels without an offset input.
 
   Returns:
     int32 `[B, T, HKV, top_k]`: leaf ids ascending, -1 padded.
@@ -46,16 +52,20 @@ def select_blocks_pallas(
     raise ValueError(f"{beam=} must be >= {top_k=}")
   b, t, hq, d = q.shape
   hkv = k.shape[2]
+  if isinstance(query_offset, int) and not isinstance(query_offset, bool) and query_offset == 0:
+    offset = None
+  else:
+    offset = lax.stop_gradient(jnp.asarray(query_offset, jnp.int32).reshape(1))
   geo = make_geometry(q, k, block_size=block_size, top_k=top_k, branching=branching,
                       selector=selector, scale=scale, beam=beam if selector != "bsa" else top_k,
-                      interpret=interpret)
+                      interpret=interpret, has_offset=offset is not None)
   config = config or SelectionConfig.default(seq_len=t, group=hq // hkv,
                                              candidates=geo.num_slots)
   if selector == "bsa":
-    out = select_bsa(q, k, geo, interpret=interpret, config=config)
+    out = select_bsa(q, k, geo, interpret=interpret, config=config, offset=offset)
   else:
     pyramid = build_pyramid_pallas(k, block_size=block_size, branching=branching,
                                    interpret=interpret)
     select = select_fused if config.variant == "fused" else select_two_stage
-    out = select(q, k, pyramid.summaries, geo, interpret=interpret, config=config)
+    out = select(q, k, pyramid.summaries, geo, interpret=interpret, config=config, offset=offset)
   return out[:, :top_k].reshape(b, t, hkv, top_k)

@@ -30,7 +30,8 @@ from pisa_jax.kernels._common import next_pow2
 from pisa_jax.kernels.selection import scoring, topk
 from pisa_jax.kernels.selection.config import MIN_DOT, SelectionConfig
 from pisa_jax.kernels.selection.layout import (Geometry, launch, leaf_key_rows, level_table,
-                                               load_group_queries, load_rows, query_tile_program,
+                                               load_group_queries, load_rows, offset_input,
+                                               query_position, query_tile_program,
                                                stacked_summaries)
 from pisa_jax.kernels.selection.walk import uses_pair_lse, walk_to_leaves
 
@@ -39,15 +40,17 @@ from pisa_jax.kernels.selection.walk import uses_pair_lse, walk_to_leaves
 MAX_PAIRS = 2**30
 
 
-def walk_kernel(q_ref, s_ref, tab_ref, cand_ref, *, geo: Geometry, topk_impl: str,
+def walk_kernel(q_ref, s_ref, tab_ref, *refs, geo: Geometry, topk_impl: str,
                 pair_lse: bool = False):
-  """Stage 1 for one (query, KV head): writes its leaf candidates `[NC]`."""
-  i_b, i_h, t = query_tile_program(geo, 1)
+  """Stage 1 for one (query, KV head): writes its leaf candidates `[NC]`. refs: (cand_ref,), or
+  (off_ref, cand_ref) with `geo.has_offset` (query row i_q at position off + i_q)."""
+  off_ref, cand_ref = refs if geo.has_offset else (None, refs[0])
+  i_b, i_h, i_q = query_tile_program(geo, 1)
   m_head = jnp.arange(geo.group_padded) < geo.group
-  qg = load_group_queries(q_ref, geo, i_b, t, i_h, geo.group_padded)
-  cand = walk_to_leaves(qg, m_head, i_b, t, i_h, s_ref, tab_ref, geo, topk_impl,
-                        pair_lse=pair_lse)
-  cand_ref[(i_b * geo.seq_len + t) * geo.hkv + i_h, :] = cand
+  qg = load_group_queries(q_ref, geo, i_b, i_q, i_h, geo.group_padded)
+  cand = walk_to_leaves(qg, m_head, i_b, query_position(i_q, off_ref), i_h, s_ref, tab_ref, geo,
+                        topk_impl, pair_lse=pair_lse)
+  cand_ref[(i_b * geo.num_queries + i_q) * geo.hkv + i_h, :] = cand
 
 
 def leaf_tile_kernel(q_ref, k_ref, start_ref, bucket_ref, pair_ref, score_ref, *, geo: Geometry,
@@ -89,7 +92,7 @@ def leaf_tile_kernel(q_ref, k_ref, start_ref, bucket_ref, pair_ref, score_ref, *
     pair_r = plt.load(pair_ref.at[jnp.minimum(pos_r, num_pairs - 1)])
     bucket_r = plt.load(bucket_ref.at[jnp.minimum(pos_r, num_pairs - 1)])
     m_r = m_r & (bucket_r == bucket0)
-    qk_row = pair_r // geo.num_slots  # (b * T + t) * HKV + h
+    qk_row = pair_r // geo.num_slots  # (b * Tq + t) * HKV + h
     if row0:
       qk_row = qk_row + row0
     q_rows = (qk_row // geo.hkv) * geo.hq + i_h * geo.group + jnp.minimum(j_r, geo.group - 1)
@@ -104,10 +107,12 @@ def leaf_tile_kernel(q_ref, k_ref, start_ref, bucket_ref, pair_ref, score_ref, *
     plt.store(score_ref.at[jnp.where(m_e, pair_e, trash)], score_e)
 
 
-def final_topk_kernel(cand_ref, score_ref, out_ref, *, geo: Geometry, rows: int, num_rows: int,
+def final_topk_kernel(cand_ref, score_ref, *refs, geo: Geometry, rows: int, num_rows: int,
                       topk_impl: str, row0: int = 0):
   """Stage 2 final Select_K for `rows` (query, KV head) rows: `[rows, NC]` -> `[rows, KP]`.
-  cand_ref holds num_rows rows from row row0 of `[B*T*HKV, NC]` on."""
+  cand_ref holds num_rows rows from row row0 of `[B*Tq*HKV, NC]` on. refs: (out_ref,), or
+  (off_ref, out_ref) with `geo.has_offset`."""
+  off_ref, out_ref = refs if geo.has_offset else (None, refs[0])
   i_p = pl.program_id(0)
   o_row = i_p * rows + jnp.arange(rows)
   m_row = o_row < num_rows
@@ -116,7 +121,8 @@ def final_topk_kernel(cand_ref, score_ref, out_ref, *, geo: Geometry, rows: int,
   cand = plt.load(cand_ref.at[c_row[:, None], o_slot[None, :]])
   cand = jnp.where(m_row[:, None], cand, -1)
   score = plt.load(score_ref.at[(c_row[:, None] * geo.num_slots + o_slot[None, :])])
-  t = (((c_row + row0 if row0 else c_row) // geo.hkv) % geo.seq_len)[:, None]
+  t = query_position(((c_row + row0 if row0 else c_row) // geo.hkv) % geo.num_queries,
+                     off_ref)[:, None]
   out = topk.final_select(cand, score, t, geo, topk_impl)
   trash = num_rows
   plt.store(out_ref.at[jnp.where(m_row, o_row, trash)[:, None],
@@ -124,8 +130,8 @@ def final_topk_kernel(cand_ref, score_ref, out_ref, *, geo: Geometry, rows: int,
 
 
 def leaf_candidates_pallas(q, k, summaries, geo: Geometry, *, interpret: bool,
-                           config: SelectionConfig) -> Int[Array, "R NC"]:
-  """Stage 1: level-1 candidates `[B*T*HKV, NC]`."""
+                           config: SelectionConfig, offset=None) -> Int[Array, "R NC"]:
+  """Stage 1: level-1 candidates `[B*Tq*HKV, NC]`."""
   b, t, hq, d = q.shape
   rows = b * t * geo.hkv
   pair_lse = uses_pair_lse(config, geo)
@@ -134,7 +140,8 @@ def leaf_candidates_pallas(q, k, summaries, geo: Geometry, *, interpret: bool,
   return launch(functools.partial(walk_kernel, geo=geo, topk_impl=config.topk_impl,
                                   pair_lse=pair_lse),
                 jax.ShapeDtypeStruct((rows, geo.num_slots), jnp.int32), rows, config,
-                config.walk_warps, interpret, name, q.reshape(-1, d), stacked, table)
+                config.walk_warps, interpret, name, q.reshape(-1, d), stacked, table,
+                *offset_input(offset))
 
 
 def row_chunks(rows: int, num_slots: int) -> list[tuple[int, int]]:
@@ -144,17 +151,20 @@ def row_chunks(rows: int, num_slots: int) -> list[tuple[int, int]]:
 
 
 def leaf_scores_pallas(q, k, cand, geo: Geometry, *, interpret: bool, config: SelectionConfig,
-                       row0: int = 0):
+                       row0: int = 0, offset=None):
   """Stage 2 key-tile scoring of candidates `[R, NC]`, rows row0 .. row0 + R - 1 of
   `[B*T*HKV, NC]`: float32 scores `[R * NC + 1]` of the pairs that need one (the last element is
-  the trash slot of masked stores; unscored pairs are left unwritten)."""
+  the trash slot of masked stores; unscored pairs are left unwritten). offset: None, or int32
+  `[1]`, the position of q's first row among the keys."""
   b, t, hq, d = q.shape
   rows = cand.shape[0]
   num_pairs = rows * geo.num_slots
   if num_pairs > MAX_PAIRS:
     raise ValueError(f"{num_pairs} pairs in one launch, past {MAX_PAIRS}: split with row_chunks")
-  o_row = jnp.arange(row0, row0 + rows)  # (b * T + t) * HKV + h
+  o_row = jnp.arange(row0, row0 + rows)  # (b * Tq + t) * HKV + h
   t_row = ((o_row // geo.hkv) % t)[:, None]
+  if offset is not None:
+    t_row = t_row + offset[0]
   need, _, _ = topk.leaf_needs_score(cand, t_row, geo)
   # Buckets are (batch, KV head, leaf); pairs that need no score go to the last bucket.
   num_buckets = b * geo.hkv * geo.num_blocks
@@ -189,7 +199,7 @@ def leaf_scores_pallas(q, k, cand, geo: Geometry, *, interpret: bool, config: Se
 
 
 def final_topk_pallas(cand, scores, geo: Geometry, *, interpret: bool, config: SelectionConfig,
-                      row0: int = 0):
+                      row0: int = 0, offset=None):
   """Stage 2 final Select_K: candidates `[R, NC]` (rows row0 .. row0 + R - 1 of
   `[B*T*HKV, NC]`) and their scores -> `[R, KP]`."""
   rows = cand.shape[0]
@@ -198,17 +208,21 @@ def final_topk_pallas(cand, scores, geo: Geometry, *, interpret: bool, config: S
                                  topk_impl=config.topk_impl, row0=row0),
                jax.ShapeDtypeStruct((rows + 1, geo.top_k_padded), jnp.int32), -(-rows // tile),
                config, config.topk_warps, interpret, f"pisa_select_final_topk_{config.topk_impl}",
-               cand, scores)
+               cand, scores, *offset_input(offset))
   return out[:rows]
 
 
 def select_two_stage(q, k, summaries, geo: Geometry, *, interpret: bool,
-                     config: SelectionConfig):
-  """The two-stage variant over the pyramid `summaries`: int32 `[B*T*HKV, KP]`."""
-  cand = leaf_candidates_pallas(q, k, summaries, geo, interpret=interpret, config=config)
+                     config: SelectionConfig, offset=None):
+  """The two-stage variant over the pyramid `summaries`: int32 `[B*Tq*HKV, KP]`; offset: None,
+  or int32 `[1]` (`geo.has_offset`)."""
+  cand = leaf_candidates_pallas(q, k, summaries, geo, interpret=interpret, config=config,
+                                offset=offset)
   outs = []
   for r0, r1 in row_chunks(cand.shape[0], geo.num_slots):
     part = cand if r1 - r0 == cand.shape[0] else cand[r0:r1]
-    scores = leaf_scores_pallas(q, k, part, geo, interpret=interpret, config=config, row0=r0)
-    outs.append(final_topk_pallas(part, scores, geo, interpret=interpret, config=config, row0=r0))
+    scores = leaf_scores_pallas(q, k, part, geo, interpret=interpret, config=config, row0=r0,
+                                offset=offset)
+    outs.append(final_topk_pallas(part, scores, geo, interpret=interpret, config=config, row0=r0,
+                                  offset=offset))
   return outs[0] if len(outs) == 1 else jnp.concatenate(outs)
