@@ -16,9 +16,9 @@ backward, for the queries of each shard of the longest run's sequence (`pisa_att
 shard's offset, against all keys; as many shards as that run's devices, at least 2) on one device. Equal times mean that a contiguous layout is
 balanced, so no zig-zag layout is needed.
 
-Every run uses one attention implementation (`--implementation`: "xla", the default, or "pallas",
-the kernels at each shard's query offset), so the 1-device baseline runs the same code as the
-sharded runs.
+Every run uses one attention implementation (`--implementation`: "pallas", the kernels at each
+shard's query offset, the default on a GPU; "xla", the jnp reference, the default elsewhere), so
+the 1-device baseline runs the same code as the sharded runs.
 
   python -m benchmarks.context_parallel                      # 2 GPUs: L = 2^20
   python -m benchmarks.context_parallel --runs 1:1048576,2:2097152,2:1048576,4:4194304
@@ -267,7 +267,8 @@ def main(argv=None) -> dict:
   p.add_argument("--profile-steps", type=int, default=2)
   p.add_argument("--loss-chunk", type=int, default=8192,
                  help="train.loss_chunk (capped at the tokens per device)")
-  p.add_argument("--implementation", default="xla", choices=("xla", "pallas"))
+  p.add_argument("--implementation", default=None, choices=("xla", "pallas"),
+                 help="default: pallas on a GPU, xla elsewhere")
   p.add_argument("--balance-reps", type=int, default=3,
                  help="timed repetitions per shard of the balance measurement (0: none)")
   p.add_argument("--set", dest="overrides", action="append", default=[],
@@ -275,6 +276,8 @@ def main(argv=None) -> dict:
   p.add_argument("--dry-run", action="store_true",
                  help="the tiny preset at 128 tokens, 1 step: checks the script on any devices")
   args = p.parse_args(argv)
+  if args.implementation is None:
+    args.implementation = "pallas" if jax.default_backend() == "gpu" else "xla"
   if args.dry_run:
     args.preset, args.seq_len, args.steps, args.profile_steps = "tiny", 128, 1, 1
     args.loss_chunk, args.balance_reps = 32, 1
