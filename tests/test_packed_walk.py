@@ -18,6 +18,7 @@ import pytest
 
 import pisa_jax
 from pisa_jax import testing
+from pisa_jax.geometry import level_sizes
 from pisa_jax.kernels.selection import layout, packed_walk, walk
 import tolerances as tol
 
@@ -110,6 +111,16 @@ def test_non_finite_key_ranks_as_in_the_reference():
   q, k = inputs(rows, 4, 2, 8, jnp.float32, 1.0, seed=5)
   k = k.at[0, 5 + 9, 1, 3].set(jnp.nan)  # document 1, its leaf 2 (C = 4), KV head 1
   selection = dict(block_size=4, top_k=4, branching=2, selector="pisa", beam=4)
+  # The packed pyramid first, so that a mismatch below is the walk's: document 1's nodes hold
+  # NaN exactly where the reference's do (its leaf 2 and that leaf's ancestors, KV head 1).
+  pyramids = [pisa_jax.build_pyramid(k, block_size=4, branching=2, segment_ids=seg,
+                                     implementation=impl) for impl in ("pallas", "xla")]
+  for level, size in enumerate(level_sizes(40, 4, 2)):
+    first = int(pyramids[1].first_node[0, 5, level])
+    got_nan, want_nan = (np.isnan(np.asarray(p.summaries[level][0, first:first + size]))
+                         for p in pyramids)
+    np.testing.assert_array_equal(got_nan, want_nan, err_msg=f"pyramid level {level + 1}")
+    assert want_nan[2 >> level, 1].any() and not want_nan[:, 0].any(), level
   got = np.asarray(pisa_jax.select_blocks(q, k, segment_ids=seg, implementation="pallas",
                                           **selection))
   want = pisa_jax.select_blocks(q, k, segment_ids=seg, implementation="xla", **selection)
