@@ -37,7 +37,7 @@ from pisa_jax.kernels.selection import scoring, topk
 from pisa_jax.kernels.selection.config import MIN_DOT, SelectionConfig, candidate_slots
 from pisa_jax.kernels.selection.layout import (Geometry, launch, load_group_queries, load_rows,
                                                make_geometry, pick, summary_rows)
-from pisa_jax.kernels.selection.walk import uses_pair_lse
+from pisa_jax.kernels.selection.walk import group_child_score, uses_pair_lse
 
 HIERARCHICAL = ("pisa", "pisa1", "pisa2")
 # Columns of the document table: the document's start, its leaves M_1, its first scored level
@@ -152,15 +152,7 @@ def packed_walk_to_leaves(qg, m_head, i_h, rel, doc, tab_pow, s_ref, geo: Geomet
       rows = first_row + jnp.minimum(child, n_child - 1) * geo.hkv + i_h
       return scoring.summary_logits(qg, s_ref, rows, m_child, geo), m_child
 
-    if pair_lse:  # Eq. 21 for two children (g = 2, "pisa"); the first exists when valid
-      (z0, _), (z1, m1) = child_logits(0), child_logits(1)
-      per_head = scoring.pair_lse(z0, z1, m1, geo.scale, geo.approx_log, unshifted)
-    else:
-      zs, masks = zip(*(child_logits(j) for j in range(g)))
-      per_head = scoring.reduce_children(list(zs), list(masks), geo.selector, geo.scale,
-                                         geo.approx_log, unshifted)
-    # Eq. 22: the group's heads share one selection, scored by their sum.
-    score = jnp.sum(jnp.where(m_head[:, None], per_head, 0.0), axis=0)
+    score = group_child_score(child_logits, m_head, geo, pair_lse, unshifted)
     # Eq. 17 (Select_K, keep = beam) and Eq. 18 (the kept nodes' children).
     return topk.select_and_expand(cand, valid, forced, score, geo, topk_impl)
 

@@ -29,6 +29,21 @@ def first_scored_level(geo: Geometry) -> int:
   return 1
 
 
+def group_child_score(child_logits, m_head, geo, pair_lse: bool, unshifted: bool):
+  """`[NC]` scores of the candidates from their children: Eq. 21 over the g children
+  (`child_logits(j)` gives `[Gp, NC]` logits of child j and its mask; the pair form where
+  `uses_pair_lse`, g = 2 and "pisa", whose first child exists when the candidate is valid),
+  then Eq. 22: the group's heads share one selection, scored by their sum."""
+  if pair_lse:
+    (z0, _), (z1, m1) = child_logits(0), child_logits(1)
+    per_head = scoring.pair_lse(z0, z1, m1, geo.scale, geo.approx_log, unshifted)
+  else:
+    zs, masks = zip(*(child_logits(j) for j in range(geo.branching)))
+    per_head = scoring.reduce_children(list(zs), list(masks), geo.selector, geo.scale,
+                                       geo.approx_log, unshifted)
+  return jnp.sum(jnp.where(m_head[:, None], per_head, 0.0), axis=0)
+
+
 def uses_pair_lse(config: SelectionConfig, geo: Geometry) -> bool:
   """`walk_pair_lse` applies to Eq. 21 with two children; other walks reduce as usual."""
   return config.walk_pair_lse and geo.branching == 2 and geo.selector == "pisa"
@@ -80,15 +95,7 @@ def walk_to_leaves(qg, m_head, i_b, t, i_h, s_ref, tab_ref, geo: Geometry, topk_
       rows = off_child + (i_b * n_child + jnp.minimum(child, n_child - 1)) * geo.hkv + i_h
       return scoring.summary_logits(qg, s_ref, rows, m_child, geo), m_child
 
-    if pair_lse:  # callers pass it only where `uses_pair_lse` (g = 2, "pisa")
-      (z0, _), (z1, m1) = child_logits(0), child_logits(1)
-      per_head = scoring.pair_lse(z0, z1, m1, geo.scale, geo.approx_log, unshifted)
-    else:
-      zs, masks = zip(*(child_logits(j) for j in range(g)))
-      per_head = scoring.reduce_children(list(zs), list(masks), geo.selector, geo.scale,
-                                         geo.approx_log, unshifted)
-    # Eq. 22: the group's heads share one selection, scored by their sum.
-    score = jnp.sum(jnp.where(m_head[:, None], per_head, 0.0), axis=0)
+    score = group_child_score(child_logits, m_head, geo, pair_lse, unshifted)
     return topk.select_and_expand(cand, valid, forced, score, geo, topk_impl)
 
   # Every node of the first scored level is a candidate (the levels above keep all their
