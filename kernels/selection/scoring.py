@@ -102,6 +102,9 @@ def pair_lse(z0, z1, m1, scale: float, approx_log: bool = False, unshifted: bool
   c = scale * LOG2E
   z1 = jnp.where(m1[None, :], z1, -jnp.inf)
   hi, lo = jnp.maximum(z0, z1), jnp.minimum(z0, z1)
+  # Triton lowers maximum/minimum to maxnum/minnum, which drop a NaN operand: a NaN child would
+  # score as its sibling. Put the NaN back so the candidate ranks as in the reference.
+  hi = jnp.where(jnp.isnan(z0) | jnp.isnan(z1), jnp.nan, hi)
   # lo = -inf (no second child): exp2(-inf) = 0 and the score is s * z0.
   return hi * scale + log2(1.0 + jnp.exp2((lo - hi) * c), approx_log) * LN2
 
