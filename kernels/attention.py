@@ -68,6 +68,9 @@ class SparseAttentionConfig:
     dkv_rows: rows (query, head) pairs per inner step of the dk/dv kernel, a power of two >= G;
       each step covers dkv_rows // G queries.
     dkv_num_warps, dkv_num_stages: dk/dv kernel launch.
+    packed_dkv_num_warps: dk/dv kernel launch for packed rows (segment_ids), a power of two. Its
+      programs hold 2C keys (a document block straddles two array blocks), twice the
+      accumulators of an unpacked one: twice the warps keep the registers per thread the same.
     items_entries: most queries one dk/dv program handles for one key block; a block selected by
       more queries is split into several programs whose partials are summed in a fixed order.
     reduce_num_warps: launch of the partial-sum kernel.
@@ -82,11 +85,12 @@ class SparseAttentionConfig:
   dkv_rows: int = 64
   dkv_num_warps: int = 4
   dkv_num_stages: int = 2
+  packed_dkv_num_warps: int = 8
   items_entries: int = 512
   reduce_num_warps: int = 4
 
   def __post_init__(self):
-    for name in ("min_rows", "dkv_rows"):
+    for name in ("min_rows", "dkv_rows", "packed_dkv_num_warps"):
       value = getattr(self, name)
       if value < 1 or value & (value - 1):
         raise ValueError(f"{name}={value} must be a power of two >= 1")
@@ -114,7 +118,10 @@ class SparseAttentionConfig:
     in steps of 16 keys (128 registers, 12 KB of shared memory, 16 programs per SM): forward
     3.51 -> 3.37 ms at 16K, 15.10 -> 14.74 at 64K. Against these defaults in the same run: at
     d = 128, 2 warps in 16- or 32-key steps 0.71-0.98x, one warp in 32-key steps 0.99-1.00x;
-    at d = 64, 16- or 32-key steps 0.86-1.01x, 2 warps 0.81-0.86x.
+    at d = 64, 16- or 32-key steps 0.86-1.01x, 2 warps 0.81-0.86x. Packed dk/dv (a 2C-key
+    window), from ptxas for sm_90a, not yet timed: 8 warps hold 64 rows at d = 64 without spills
+    (4 warps spill 1,632 bytes) and spill 592 bytes at d = 128 (4 warps: 7,144; the unpacked
+    kernel at 4 warps: 720).
     """
     dp = next_pow2(max(16, head_dim))
     warps = 1 if dp <= 64 else 2
@@ -129,6 +136,7 @@ class SparseAttentionConfig:
         dkv_rows=max(64, next_pow2(group)),
         dkv_num_warps=4,
         dkv_num_stages=2,
+        packed_dkv_num_warps=8,
         # An item of K * C queries keeps the partials O(T * D) per KV head and the longest
         # program no longer than an average block's list.
         items_entries=max(64, top_k * block_size),
@@ -497,9 +505,10 @@ def sparse_attention_packed_pallas(
   block_indices are document-relative (block i of a document starting at s covers its keys
   s + i C .. s + i C + C - 1); segment_ids `[B, T]` non-decreasing per row. The same kernels as
   `sparse_attention_pallas` with each query's document start as a per-query scalar: the forward
-  and dq load a selected block from there (no alignment), the dk / dv index holds two entries
-  per (query, block), one per key-array block it touches (`packed_inverted_index`). Every row
-  of the output and the gradients is its document's own, as if run alone; deterministic.
+  and dq load a selected block from there (no alignment), the dk / dv index holds one entry per
+  (query, block) and its program covers the two key-array blocks the block may touch
+  (`packed_inverted_index`). Every row of the output and the gradients is its document's own,
+  as if run alone; deterministic.
   """
   starts, _ = segments.document_bounds(segment_ids)
   return _attend(q, k, v, block_indices, lax.stop_gradient(starts), block_size=block_size,

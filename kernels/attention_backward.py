@@ -12,10 +12,16 @@ run to run.
 
 Packed documents (segment_ids): a query's selected block i covers its document's keys
 lo .. lo + C - 1 with lo = start + i C, which need not align with the key array's blocks, so it
-covers parts of at most two of them. The packed index holds two entries per (query, selected
-block), one per part, each with its lo; the kernel masks the keys of its array block outside
-[lo, lo + C) and after the query. A query may then appear twice in one item (the tail of one of
-its blocks and the head of the next): the two entries see disjoint keys, so their rows add up.
+spans array block n = lo // C and, unless aligned, the head of block n + 1. The packed index
+holds one entry per (query, selected block), keyed by n, with its lo; the program of an item of
+block n loads the 2C keys of blocks n and n + 1 and masks those outside [lo, lo + C) and after
+the query. Its float32 partials have 2C rows: array block n sums the first C rows of its own
+items, then the last C rows of block n - 1's items, each in item order (still no atomics, still
+bit-identical). Why one entry and a 2C window rather than one entry per array block touched (an
+entry for each part, C keys each): an unaligned block costs the same 2C keys of dots either way
+(an aligned one now pays C masked keys), but a query's q and do rows, the gathered loads that
+bound this kernel, are loaded once per selected block instead of twice (packed fwd + bwd was
+1.27x unpacked at 128K on the H200 with two entries).
 """
 
 from __future__ import annotations
@@ -96,33 +102,31 @@ def inverted_index(block_indices: Int[Array, "B T HKV K"], *, num_blocks: int, b
 
 def packed_inverted_index(block_indices: Int[Array, "B T HKV K"], starts: Int[Array, "B T"], *,
                           num_blocks: int, block_size: int, items_entries: int):
-  """`inverted_index` of packed rows: two entries per (query, selected block), one per part.
+  """`inverted_index` of packed rows: one entry per (query, selected block).
 
   block_indices are document-relative and starts `[B, T]` each query's document start. A valid
-  block (index in [0, (t - start) // C]) begins at lo = start + i C, in array block lo // C; its
-  second part lies in the next array block when lo is not aligned, and counts only when that
-  block starts at or before the query (it holds keys the query may see).
+  block (index in [0, (t - start) // C]) covers keys lo .. lo + C - 1, lo = start + i C; its
+  entry is listed under array block lo // C, whose items also cover the next array block (the
+  2C-key window of `_dkv_kernel`). A query selects a block once, so it appears at most once in a
+  block's list.
 
-  Returns `inverted_index`'s five arrays over 2 T K entries, then entry_lo: int32
-  `[B, HKV, 2 T K]`, the first key of each entry's selected block.
+  Returns `inverted_index`'s five arrays over T K entries, then entry_lo: int32 `[B, HKV, T K]`,
+  the first key of each entry's selected block.
   """
   b, t, hkv, top_k = block_indices.shape
-  num_items = -(-2 * t * top_k // items_entries) + num_blocks
+  num_items = -(-t * top_k // items_entries) + num_blocks
   pos = jnp.arange(t, dtype=jnp.int32)[None, :, None, None]
   start = starts[:, :, None, None]
   valid = (block_indices >= 0) & (block_indices <= (pos - start) // block_size)
   lo = start + jnp.maximum(block_indices, 0) * block_size
-  first = lo // block_size
-  second = valid & (lo % block_size != 0) & ((first + 1) * block_size <= pos)
-  # [B, T, HKV, K, 2] -> [B, HKV, T * K * 2]: t-major, then slot, then part.
-  key = jnp.stack([jnp.where(valid, first, num_blocks),
-                   jnp.where(second, first + 1, num_blocks)], axis=-1)
-  key = key.transpose(0, 2, 1, 3, 4).reshape(b, hkv, 2 * t * top_k)
+  # [B, HKV, T * K], t-major then slot: the stable sort keeps queries ascending within a block.
+  key = jnp.where(valid, lo // block_size, num_blocks).transpose(0, 2, 1, 3).reshape(
+      b, hkv, t * top_k)
   order, item_block, item_start, item_end, item_offsets = _group_by_block(
       key, num_blocks=num_blocks, items_entries=items_entries, num_items=num_items)
   lo_flat = lo.transpose(0, 2, 1, 3).reshape(b, hkv, t * top_k)
-  entry_lo = jnp.take_along_axis(lo_flat, order // 2, axis=-1)
-  return order // (2 * top_k), item_block, item_start, item_end, item_offsets, entry_lo
+  entry_lo = jnp.take_along_axis(lo_flat, order, axis=-1)
+  return order // top_k, item_block, item_start, item_end, item_offsets, entry_lo
 
 
 # ----------------------------------------------------------------------------- dk/dv kernels
@@ -135,8 +139,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entry_ref, blk_
 
   Each step gathers `rows // G` queries x G heads as the M dimension of the dots (Appendix B
   gradients for the keys of one block). Writes float32 partials, scale not yet applied to dk.
-  Packed rows add lo_ref, each entry's selected-block start: its keys outside [lo, lo + C) are
-  masked. A sequence shard adds off_ref `[1]`: query row t sits at position off + t.
+  Packed rows add lo_ref, each entry's selected-block start: the program covers the 2C keys of
+  its array block and the next (where the entries' blocks lie) and masks each entry's keys
+  outside [lo, lo + C). A sequence shard adds off_ref `[1]`: query row t sits at position
+  off + t.
   """
   lo_ref = refs[0] if packed else None
   off_ref = refs[int(packed)] if offset else None
@@ -146,14 +152,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entry_ref, blk_
   first = start_ref[i]
   last = end_ref[i]
   per_step = rows // group
+  window = 2 * block_size if packed else block_size
   start = pl.multiple_of(n * block_size, block_size)
-  # [C, D]
-  b_k = k_ref[pl.ds(start, block_size), :]
-  b_v = v_ref[pl.ds(start, block_size), :]
+  # [W, D]: the block's C keys, or 2C for packed rows
+  b_k = k_ref[pl.ds(start, window), :]
+  b_v = v_ref[pl.ds(start, window), :]
   precision = dot_precision(b_k.dtype)
   qk_scale = scale * _LOG2E
   d = b_k.shape[-1]
-  key_pos = start + jnp.arange(block_size)
+  key_pos = start + jnp.arange(window)
   o_r = jnp.arange(rows)
   o_j = o_r // group
   o_g = o_r % group
@@ -174,12 +181,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entry_ref, blk_
     b_do = plt.load(do_ref.at[i_t, i_g, i_d], mask=m_rd, other=0.0)
     b_lse2 = plt.load(lse_ref.at[o_t, o_g], mask=m_r, other=0.0) * _LOG2E
     b_delta = plt.load(delta_ref.at[o_t, o_g], mask=m_r, other=0.0)
-    # [C, R]
+    # [W, R]
     b_s = jnp.dot(b_k, b_q.T, precision=precision, preferred_element_type=jnp.float32) * qk_scale
     o_pos = o_t + off_ref[0] if offset else o_t
     visible = m_r[None, :] & (key_pos[:, None] <= o_pos[None, :])
     if packed:
-      # The part of the entry's selected block in this array block: keys lo .. lo + C - 1.
+      # The entry's selected block: keys lo .. lo + C - 1, inside the window.
       o_lo = lo_ref[o_e]
       visible = visible & (key_pos[:, None] >= o_lo[None, :]) & (
           key_pos[:, None] < o_lo[None, :] + block_size)
@@ -197,24 +204,36 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entry_ref, blk_
     return b_dk, b_dv
 
   num_steps = (last - first + per_step - 1) // per_step
-  zeros = jnp.zeros((block_size, d), jnp.float32)
+  zeros = jnp.zeros((window, d), jnp.float32)
   b_dk, b_dv = lax.fori_loop(0, num_steps, body, (zeros, zeros))
   dk_ref[...] = b_dk
   dv_ref[...] = b_dv
 
 
-def _reduce_kernel(item_offsets_ref, dk_part_ref, dv_part_ref, dk_ref, dv_ref, *, scale: float):
-  """Sums the partials of key block n in item order (deterministic), applies the dk scale."""
+def _reduce_kernel(item_offsets_ref, dk_part_ref, dv_part_ref, dk_ref, dv_ref, *, scale: float,
+                   packed: bool = False):
+  """Sums the partials of key block n in item order (deterministic), applies the dk scale.
+
+  Packed partials hold 2C rows, keys of blocks m and m + 1 for an item of block m: block n sums
+  the first C rows of its own items, then the last C rows of block n - 1's items."""
   n = pl.program_id(0)
   first = item_offsets_ref[n]
   last = item_offsets_ref[n + 1]
 
-  def body(i, carry):
-    b_dk, b_dv = carry
-    return b_dk + dk_part_ref[i], b_dv + dv_part_ref[i]
+  def summed(lo, hi, rows, carry):
+    def body(i, carry):
+      b_dk, b_dv = carry
+      return b_dk + dk_part_ref[i, rows], b_dv + dv_part_ref[i, rows]
+    return lax.fori_loop(lo, hi, body, carry)
 
   zeros = jnp.zeros(dk_ref.shape, jnp.float32)
-  b_dk, b_dv = lax.fori_loop(first, last, body, (zeros, zeros))
+  if packed:
+    c = dk_ref.shape[0]
+    carry = summed(first, last, pl.ds(0, c), (zeros, zeros))
+    # Block n - 1's items are [item_offsets[n - 1], first): none for block 0.
+    b_dk, b_dv = summed(item_offsets_ref[jnp.maximum(n - 1, 0)], first, pl.ds(c, c), carry)
+  else:
+    b_dk, b_dv = summed(first, last, ..., (zeros, zeros))
   dk_ref[...] = (b_dk * scale).astype(dk_ref.dtype)
   dv_ref[...] = b_dv.astype(dv_ref.dtype)
 
@@ -222,8 +241,9 @@ def _reduce_kernel(item_offsets_ref, dk_part_ref, dv_part_ref, dk_ref, dv_ref, *
 def backward_dkv(q5, k, v, block_indices, starts, do5, lse, delta, *, block_size, scale,
                  interpret, config, offset=None):
   """dk, dv like k, v `[B, Tk, HKV, D]` (Tk a multiple of C); starts: None, or the document
-  start `[B, T]` of each query of packed rows; offset: None, or int32 `[1]`, the position of
-  q's first row among the Tk keys (a sequence shard; unpacked rows only)."""
+  start `[B, T]` of each query of packed rows (Tk then at least one block past the last query's
+  block); offset: None, or int32 `[1]`, the position of q's first row among the Tk keys (a
+  sequence shard; unpacked rows only)."""
   b, t, hkv, g, d = q5.shape
   tk = k.shape[1]
   num_blocks = tk // block_size
@@ -231,7 +251,12 @@ def backward_dkv(q5, k, v, block_indices, starts, do5, lse, delta, *, block_size
   rows = max(config.dkv_rows, next_pow2(g))
   items_entries = config.items_entries
   packed = starts is not None
+  window = 2 * block_size if packed else block_size
   if packed:
+    # An item of array block n loads keys [nC, nC + 2C), n at most the last query's block.
+    if tk < (-(-t // block_size) + 1) * block_size:
+      raise ValueError(f"k.shape[1]={tk} must hold a block of padding past the {t} queries "
+                       f"({block_size=}) for packed rows")
     entry_query, item_block, item_start, item_end, item_offsets, entry_lo = (
         packed_inverted_index(block_indices, starts, num_blocks=num_blocks,
                               block_size=block_size, items_entries=items_entries))
@@ -252,8 +277,8 @@ def backward_dkv(q5, k, v, block_indices, starts, do5, lse, delta, *, block_size
   lse_spec = pl.BlockSpec((None, t, None, g), lambda i, h, bb: (bb, 0, h, 0))
   entry_spec = pl.BlockSpec((None, None, num_entries), lambda i, h, bb: (bb, h, 0))
   item_spec = pl.BlockSpec((None, None, num_items), lambda i, h, bb: (bb, h, 0))
-  part_spec = pl.BlockSpec((None, None, None, block_size, d), lambda i, h, bb: (bb, h, i, 0, 0))
-  part_shape = jax.ShapeDtypeStruct((b, hkv, num_items, block_size, d), jnp.float32)
+  part_spec = pl.BlockSpec((None, None, None, window, d), lambda i, h, bb: (bb, h, i, 0, 0))
+  part_shape = jax.ShapeDtypeStruct((b, hkv, num_items, window, d), jnp.float32)
   dk_part, dv_part = call_kernel(pl.pallas_call(
       kernel,
       grid=(num_items, hkv, b),
@@ -261,25 +286,26 @@ def backward_dkv(q5, k, v, block_indices, starts, do5, lse, delta, *, block_size
                 item_spec, item_spec] + [entry_spec] * len(extra) + off_specs,
       out_specs=[part_spec, part_spec],
       out_shape=[part_shape, part_shape],
-      compiler_params=plt.CompilerParams(num_warps=config.dkv_num_warps,
-                                         num_stages=config.dkv_num_stages),
+      compiler_params=plt.CompilerParams(
+          num_warps=config.packed_dkv_num_warps if packed else config.dkv_num_warps,
+          num_stages=config.dkv_num_stages),
       interpret=interpret,
       name="pisa_sparse_attention_dkv" + ("_packed" if packed else "")
       + ("_offset" if offset is not None else ""),
   ), q5, k, v, do5, lse, delta, entry_query, item_block, item_start, item_end, *extra, *off_args)
 
   offsets_spec = pl.BlockSpec((None, None, num_blocks + 1), lambda n, h, bb: (bb, h, 0))
-  parts_spec = pl.BlockSpec((None, None, num_items, block_size, d),
+  parts_spec = pl.BlockSpec((None, None, num_items, window, d),
                             lambda n, h, bb: (bb, h, 0, 0, 0))
   out_spec = pl.BlockSpec((None, block_size, None, d), lambda n, h, bb: (bb, n, h, 0))
   dk, dv = call_kernel(pl.pallas_call(
-      functools.partial(_reduce_kernel, scale=scale),
+      functools.partial(_reduce_kernel, scale=scale, packed=packed),
       grid=(num_blocks, hkv, b),
       in_specs=[offsets_spec, parts_spec, parts_spec],
       out_specs=[out_spec, out_spec],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       compiler_params=plt.CompilerParams(num_warps=config.reduce_num_warps, num_stages=1),
       interpret=interpret,
-      name="pisa_sparse_attention_dkv_reduce",
+      name="pisa_sparse_attention_dkv_reduce" + ("_packed" if packed else ""),
   ), item_offsets, dk_part, dv_part)
   return dk, dv

@@ -138,8 +138,9 @@ def test_attention_kernels_equal_reference_and_each_document_alone(case):
 
 
 def test_split_work_items_are_bitwise_repeatable():
-  """Items of 5 entries split every block's list (both parts of unaligned blocks); two runs are
-  bit-identical and match the reference."""
+  """Items of 5 entries split every block's list (so a key block sums the 2C-row partials of
+  several items of its own and of the block before); two runs are bit-identical and match the
+  reference."""
   seg = segment_ids(SHORT_ROWS)
   q, k, v, do = make_inputs(63, batch=2, hq=2, hkv=1, d=16, dtype=jnp.float32, seed=9)
   idx = document_block_indices(SHORT_ROWS, 1, 4, 4, seed=9)
@@ -165,7 +166,7 @@ def test_forward_in_sub_block_steps():
                jnp.float32)
 
 
-def test_packed_inverted_index_lists_both_parts_of_every_block():
+def test_packed_inverted_index_lists_each_block_once_under_its_first_key():
   rows = SHORT_ROWS
   seg = segment_ids(rows)
   c, top_k, items = 4, 3, 3
@@ -182,11 +183,11 @@ def test_packed_inverted_index_lists_both_parts_of_every_block():
       for t in range(63):
         for i in idx[b, t, h]:
           lo = starts[b, t] + i * c
-          if i < 0 or lo > t:
-            continue
-          # The key-array blocks holding the block's keys at or before the query.
-          for n in sorted({lo // c, min(lo + c - 1, t) // c}):
-            want[n].append((t, lo))
+          if i >= 0 and lo <= t:
+            # Under the key-array block of the block's first key, queries ascending.
+            want[lo // c].append((t, lo))
+      # None in the padding block: every 2C-key window [nC, nC + 2C) ends within the keys.
+      assert not want[num_blocks - 1]
       for n in range(num_blocks):
         got = []
         for it in range(item_offsets[b, h, n], item_offsets[b, h, n + 1]):
@@ -194,7 +195,41 @@ def test_packed_inverted_index_lists_both_parts_of_every_block():
           assert 0 < item_end[b, h, it] - item_start[b, h, it] <= items
           sl = slice(item_start[b, h, it], item_end[b, h, it])
           got += list(zip(entry_query[b, h, sl], entry_lo[b, h, sl]))
-        assert got == want[n], (b, h, n)
+        assert got == sorted(want[n]) == want[n], (b, h, n)
+
+
+def test_packed_dkv_across_array_blocks_is_exact_and_repeatable():
+  """T a multiple of C (the last array block is real, the padding block only reached through the
+  window); documents of 1 and 2 tokens and others starting mid-block, each query selecting all
+  its blocks, so nearly every block straddles two array blocks. Items of 2 entries: the reduce
+  sums several partials from each side. Two runs are bit-identical."""
+  rows = ([3, 1, 6, 2], [1, 2, 9])
+  seg = segment_ids(rows)
+  q, k, v, do = make_inputs(12, batch=2, hq=2, hkv=1, d=16, dtype=jnp.float32, seed=20)
+  rel = np.concatenate([np.arange(n) for n in rows[0]] + [np.arange(n) for n in rows[1]])
+  idx = np.where(np.arange(3)[None, :] <= (rel // 4)[:, None], np.arange(3)[None, :], -1)
+  idx = jnp.asarray(idx.reshape(2, 12, 1, 3).astype(np.int32))
+  config = attn.SparseAttentionConfig(items_entries=2, dkv_rows=16)
+  fn = jax.jit(lambda *a: value_and_grads(packed_kernel(4, 0.3, config), *a))
+  first, second = fn(q, k, v, do, idx, seg), fn(q, k, v, do, idx, seg)
+  for a, b in zip(first, second):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert_close(first, value_and_grads(reference(4, 0.3, True), q, k, v, do, idx, seg),
+               jnp.float32)
+  for (b, s, n), want in zip(documents(rows), each_document_alone(rows, (q, k, v, do), idx, 4,
+                                                                  0.3)):
+    assert_close([x[b:b + 1, s:s + n] for x in first], want, jnp.float32, f"document {b, s, n}")
+
+
+def test_packed_dkv_needs_a_padding_block():
+  """The 2C-key window of the last query's block reads one block past it."""
+  q5 = jnp.zeros((1, 8, 1, 1, 16))
+  k = jnp.zeros((1, 8, 1, 16))
+  with pytest.raises(ValueError, match=r"k.shape\[1\]=8 must hold a block of padding"):
+    attention_backward.backward_dkv(
+        q5, k, k, jnp.zeros((1, 8, 1, 2), jnp.int32), jnp.zeros((1, 8), jnp.int32), q5,
+        jnp.zeros((1, 8, 1, 1)), jnp.zeros((1, 8, 1, 1)), block_size=4, scale=1.0,
+        interpret=True, config=attn.SparseAttentionConfig())
 
 
 def test_non_finite_inputs_reach_exactly_the_queries_that_see_them():
@@ -227,9 +262,12 @@ def test_packed_kernels_lower_for_sm90(captured):
     return jnp.sum(out.astype(jnp.float32))
 
   jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(lowering_platforms=("cuda",))
-  names = {re.search(r"module @([A-Za-z0-9_]+)", m).group(1) for m in captured}
+  by_name = {re.search(r"module @([A-Za-z0-9_]+)", m).group(1): m for m in captured}
   assert {"pisa_sparse_attention_fwd_packed", "pisa_sparse_attention_dq_packed",
-          "pisa_sparse_attention_dkv_packed", "pisa_sparse_attention_dkv_reduce"} <= names
+          "pisa_sparse_attention_dkv_packed", "pisa_sparse_attention_dkv_reduce_packed"
+          } <= set(by_name)
+  # The dk/dv program covers a 2C-key window (C = 16): float32 accumulators of 32 x D = 64.
+  assert "tensor<32x64xf32>" in by_name["pisa_sparse_attention_dkv_packed"]
 
 
 # Pyramid and selection. T = 111: documents of 1, 3, 5, 13 and 50 tokens, in two orders.
