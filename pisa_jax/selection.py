@@ -478,10 +478,10 @@ def _select_packed(q, k, segment_ids, *, block_size, top_k, branching, selector,
   chunk = _chunking.query_chunk_size(seq_len, b * hkv * width * 8 if kernels else
                                      b * hkv * width * max(block_size, branching) * (d + hq // hkv))
   scores = functools.partial(packed_selection_kernels.child_scores_pallas, scale=scale,
-                             selector=selector, interpret=interpret) if kernels else None
-  fn = functools.partial(
-      _packed_walk_chunk, block_size=block_size, top_k=top_k, beam=beam, branching=branching,
-      selector=selector, scale=scale, child_scores=scores)
+                             selector=selector, interpret=interpret,
+                             q_dtype=q.dtype) if kernels else None
+  fn = functools.partial(_packed_walk_chunk, block_size=block_size, top_k=top_k, beam=beam,
+                         branching=branching, selector=selector, scale=scale, child_scores=scores)
   return _chunking.map_query_chunks(fn, chunk, (q, docs.start, docs.length, docs.first_node),
                                     (k, pyramid.summaries))
 

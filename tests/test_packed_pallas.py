@@ -309,12 +309,13 @@ def selection_case(selector, block_size, top_k, branching, beam, *marks):
                       id=f"{selector}-C{block_size}-K{top_k}-g{branching}-beam{beam}")
 
 
-# In CI: the fused packed walk (beam * g <= 16: "pisa" at K = 3), the per-level scoring kernels
+# In CI: the fused packed walk (beam * g <= 16: "pisa" at K = 5), the per-level scoring kernels
 # of wider beams (beam 9, g = 2: 18 slots) and BSA; `test_packed_walk.py` covers the fused walk.
+# K > 3 everywhere: at K = 3 the forced first, previous and current blocks are the whole answer.
 SELECTION_CASES = [
-    selection_case("pisa", 4, 3, 2, None),
-    selection_case("pisa", 4, 3, 2, 9),
-    selection_case("bsa", 4, 3, 2, None),
+    selection_case("pisa", 4, 5, 2, None),
+    selection_case("pisa", 4, 5, 2, 9),
+    selection_case("bsa", 4, 5, 2, None),
     selection_case("pisa", 4, 3, 2, 6, pytest.mark.slow),
     selection_case("pisa1", 8, 4, 3, None, pytest.mark.slow),
     selection_case("pisa2", 4, 4, 2, 5, pytest.mark.slow),
@@ -340,6 +341,25 @@ def test_selection_kernels_equal_reference_and_each_document_alone(selector, blo
     assert_selection_matches(got[b:b + 1, s:s + n], alone, qd, kd, proof)
 
 
+def test_wide_beam_selection_scores_16bit_keys_on_their_dtype():
+  """bfloat16 q and k: the per-level kernels score the leaves' raw keys with bf16 dots (exact
+  products, float32 sums), the float32 summaries at IEEE precision; the same walk as the
+  reference up to proven near-ties, and each document's own."""
+  seg = segment_ids(ROWS)
+  q, k, _, _ = make_inputs(111, batch=2, hq=4, hkv=2, d=16, dtype=jnp.bfloat16, seed=21)
+  # K = 5: two leaves beyond the forced three are chosen by their scores.
+  selection = dict(block_size=4, top_k=5, branching=2, selector="pisa")
+  got = pisa_jax.select_blocks(q, k, beam=9, segment_ids=seg, implementation="pallas",
+                               **selection)
+  want = pisa_jax.select_blocks(q, k, beam=9, segment_ids=seg, implementation="xla", **selection)
+  proof = dict(selection, scale=1 / np.sqrt(16), beam=9)
+  assert_selection_matches(got, want, q, k, proof)
+  for b, s, n in documents(ROWS):
+    qd, kd = q[b:b + 1, s:s + n], k[b:b + 1, s:s + n]
+    alone = pisa_jax.select_blocks(qd, kd, beam=9, implementation="xla", **selection)
+    assert_selection_matches(got[b:b + 1, s:s + n], alone, qd, kd, proof)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("selector", ["pisa", "bsa"])
 def test_selection_kernels_on_a_row_of_many_documents(selector):
@@ -348,10 +368,10 @@ def test_selection_kernels_on_a_row_of_many_documents(selector):
   rows = (lengths,)
   seg = segment_ids(rows)
   q, k, _, _ = make_inputs(300, batch=1, hq=4, hkv=2, d=8, dtype=jnp.float32, seed=2)
-  selection = dict(block_size=2, top_k=3, branching=2, selector=selector)
+  selection = dict(block_size=2, top_k=4, branching=2, selector=selector)
   got = pisa_jax.select_blocks(q, k, segment_ids=seg, implementation="pallas", **selection)
   want = pisa_jax.select_blocks(q, k, segment_ids=seg, implementation="xla", **selection)
-  assert_selection_matches(got, want, q, k, dict(selection, scale=1 / np.sqrt(8), beam=3))
+  assert_selection_matches(got, want, q, k, dict(selection, scale=1 / np.sqrt(8), beam=4))
 
 
 @pytest.mark.slow

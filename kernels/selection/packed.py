@@ -37,6 +37,7 @@ from jaxtyping import Array, Float, Int
 
 from pisa_jax.kernels._common import call_kernel, next_pow2
 from pisa_jax.kernels.selection.config import MIN_DOT, pow2_at_least
+from pisa_jax.kernels.selection.scoring import qk_dot
 
 _HIGHEST = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
 
@@ -47,12 +48,12 @@ def _dot_t(a, b):
                          precision=_HIGHEST, preferred_element_type=jnp.float32)
 
 
-def _load_group(q_ref, t, group: int, rows: int):
-  """The group's query heads of query t from a `[Tc, G, Dp]` ref, as float32 `[rows, Dp]`."""
+def _load_group(q_ref, t, group: int, rows: int, dtype=jnp.float32):
+  """The group's query heads of query t from a `[Tc, G, Dp]` ref, as `[rows, Dp]` of dtype."""
   if rows == group:
-    return q_ref[t].astype(jnp.float32)
+    return q_ref[t].astype(dtype)
   return plt.load(q_ref.at[t, pl.ds(0, rows), :], mask=(jnp.arange(rows) < group)[:, None],
-                  other=0.0).astype(jnp.float32)
+                  other=0.0).astype(dtype)
 
 
 def _reduce_children(z, m_child, count, selector: str):
@@ -73,12 +74,14 @@ def _reduce_children(z, m_child, count, selector: str):
 
 
 def _child_scores_kernel(q_ref, x_ref, base_ref, count_ref, o_ref, *, group: int, rows: int,
-                         width: int, num_cand: int, num_rows: int, scale: float, selector: str):
+                         width: int, num_cand: int, num_rows: int, scale: float, selector: str,
+                         exact_16bit: bool):
   """One program: query t, KV head h. q_ref `[Tc, G, Dp]`, x_ref `[N, Dp]` (this head's rows),
-  base_ref / count_ref `[Tc, n]`, o_ref `[Tc, n_p]` float32."""
+  base_ref / count_ref `[Tc, n]`, o_ref `[Tc, n_p]` float32. exact_16bit: q and x hold the same
+  16-bit dtype, so their dot runs on it (exact products, float32 accumulation)."""
   t = pl.program_id(0)
   # [R, Dp]
-  b_q = _load_group(q_ref, t, group, rows)
+  b_q = _load_group(q_ref, t, group, rows, x_ref.dtype if exact_16bit else jnp.float32)
   m_head = jnp.arange(rows) < group
   width_p = pow2_at_least(width, MIN_DOT)
   o_w = jnp.arange(width_p)
@@ -93,7 +96,7 @@ def _child_scores_kernel(q_ref, x_ref, base_ref, count_ref, o_ref, *, group: int
     # [W, Dp] the candidate's children, missing ones zero (their logits are masked anyway).
     b_x = plt.load(x_ref.at[slot[:, None], o_d[None, :]], mask=m_child[:, None], other=0.0)
     # [R, W]
-    z = _dot_t(b_q, b_x) * scale
+    z = (qk_dot(b_q, b_x, True) if exact_16bit else _dot_t(b_q, b_x)) * scale
     per_head = _reduce_children(z, m_child, count, selector)
     # Eq. 22: the group's heads summed (padded heads dropped).
     score = jnp.sum(jnp.where(m_head, per_head, 0.0))
@@ -108,19 +111,25 @@ def _pad_columns(x, dp: int):
 
 def child_scores_pallas(qg: Float[Array, "B Tc HKV G D"], source: Float[Array, "B N HKV D"],
                         base: Int[Array, "B Tc HKV n"], count: Int[Array, "B Tc HKV n"], *,
-                        width: int, scale: float, selector: str,
-                        interpret: bool) -> Float[Array, "B Tc HKV n"]:
+                        width: int, scale: float, selector: str, interpret: bool,
+                        q_dtype=jnp.float32) -> Float[Array, "B Tc HKV n"]:
   """Group-summed scores of candidates whose children are rows base .. base + count - 1
   (count <= width) of source, per (query, KV head); entries with count 0 are -inf for "pisa",
-  0 otherwise (the walk masks them)."""
+  0 otherwise (the walk masks them). q_dtype: the queries' dtype before qg's float32 cast; where
+  it is source's 16-bit dtype (the leaf level scores raw keys) the dots run on that dtype: the
+  products are exact, as at IEEE float32, on tensor cores instead of a float32 FMA loop."""
   b, tc, hkv, g, d = qg.shape
+  exact_16bit = jnp.dtype(q_dtype) == source.dtype and source.dtype.itemsize == 2
+  if exact_16bit:
+    qg = qg.astype(source.dtype)  # exact: qg holds q_dtype values cast to float32
   n_rows = source.shape[1]
   num_cand = base.shape[-1]
   dp = pow2_at_least(d, MIN_DOT)
   rows = pow2_at_least(g, MIN_DOT)
   n_p = next_pow2(num_cand)
   kernel = functools.partial(_child_scores_kernel, group=g, rows=rows, width=width,
-                             num_cand=num_cand, num_rows=n_rows, scale=scale, selector=selector)
+                             num_cand=num_cand, num_rows=n_rows, scale=scale, selector=selector,
+                             exact_16bit=exact_16bit)
   q_spec = pl.BlockSpec((None, tc, None, g, dp), lambda i, h, bb: (bb, 0, h, 0, 0))
   x_spec = pl.BlockSpec((None, n_rows, None, dp), lambda i, h, bb: (bb, 0, h, 0))
   cand_spec = pl.BlockSpec((None, tc, None, num_cand), lambda i, h, bb: (bb, 0, h, 0))
