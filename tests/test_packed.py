@@ -162,14 +162,14 @@ def test_hundreds_of_documents_in_a_row(selector):
   seg = jnp.asarray(segment_ids(rows))
   assert seg.shape[1] == 300 and len(set(lengths)) <= 4
   q, k, _ = make_qkv(300, batch=1, seed=2)
-  selection = dict(block_size=2, top_k=3, branching=2, selector=selector)
+  selection = dict(block_size=2, top_k=4, branching=2, selector=selector)
   got = pisa_jax.select_blocks(q, k, segment_ids=seg, implementation="xla", **selection)
 
   def alone(q, k):
     return pisa_jax.select_blocks(q, k, implementation="xla", **selection)
 
   assert_rows_match_alone(got, q, k, rows, alone,
-                          selection=dict(selection, scale=1 / np.sqrt(8), beam=3))
+                          selection=dict(selection, scale=1 / np.sqrt(8), beam=4))
 
 
 def document_block_indices(rows, hkv, top_k, block_size, seed=0):
