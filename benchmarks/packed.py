@@ -9,7 +9,9 @@ Stages:
   attention fwd     `pisa_jax.sparse_attention` on fixed indices: K random valid blocks per query
                     (document-relative when packed, `pisa_jax.testing.random_block_indices` per
                     document), the current block forced
-  attention fwd+bwd the same, with dq, dk and dv
+  attention fwd+bwd the same, with dq, dk and dv; ours also split by GPU kernel (a profiler
+                    trace: device ms per call of each kernel, unpacked beside packed), to show
+                    which kernel pays for packing
 Sides: pisa-jax (`implementation="pallas"` by default) and fla's NSA (`fla.ops.nsa`), packed
 through its varlen mode (`cu_seqlens`): BSA selection (mean pooling + `parallel_nsa_topk`) and
 `ParallelNSAFunction` on the same indices. fla is skipped, with a note, where it cannot be
@@ -35,13 +37,14 @@ import numpy as np
 import pisa_jax
 from pisa_jax.testing import random_block_indices
 from benchmarks import _fla, _record
-from benchmarks.timing import time_jax, time_torch
+from benchmarks.timing import device_kernel_ms, time_jax, time_torch
 
 NAME = "packed"
 C = 64
 # (D, K): the two anchor settings of benchmarks/attention.py.
 CASES = ((64, 8), (128, 32))
 STAGES = ("selection", "attention fwd", "attention fwd+bwd")
+KERNELS = "fwd+bwd kernels"  # rows: {"kernels": {name: device ms per call}} (GPU only)
 GOAL = 1.10
 
 
@@ -107,6 +110,8 @@ def time_ours(q, k, v, do, idx, seg, *, d, top_k, implementation):
       out[stage] = run()
     except Exception as e:  # recorded: one failing stage must not hide the others
       out[stage] = f"{type(e).__name__}: {str(e)[:300]}"
+  if not isinstance(out["attention fwd+bwd"], str):
+    out[KERNELS] = device_kernel_ms(with_grads(attend_seg), q, k, v, idx, seg, do)
   return out
 
 
@@ -171,13 +176,18 @@ def measure(args, rec: _record.Recorder) -> None:
             if layout == "packed" and not isinstance(base, str):
               row["x_unpacked"] = round(ms / base, 3)
           rec.add(**row)
+      for layout in ("unpacked", "packed"):
+        if times[layout].get(KERNELS):
+          rec.add(case=case, d=d, top_k=top_k, side=side, stage=KERNELS, layout=layout,
+                  kernels=times[layout][KERNELS])
     print(table({"rows": [r for r in rec.rows if r["case"] == case]}), flush=True)
     del q, k, v, do, layouts
 
 
 def table(record: dict) -> str:
   by = {(r["case"], r["side"], r["stage"], r["layout"]): r for r in record["rows"]}
-  keys = list(dict.fromkeys((r["case"], r["stage"]) for r in record["rows"]))
+  keys = list(dict.fromkeys((r["case"], r["stage"]) for r in record["rows"]
+                            if r["stage"] in STAGES))
   cols = ["case", "stage"]
   for side in ("pisa-jax", "fla"):
     cols += [f"{side} unpacked ms", f"{side} packed ms", f"{side} packed / unpacked"]
@@ -193,13 +203,30 @@ def table(record: dict) -> str:
           if r["side"] == "pisa-jax" and "x_unpacked" in r]
   summary = (f"\npisa-jax packed / unpacked: worst {max(ours):.3f}, mean "
              f"{sum(ours) / len(ours):.3f} (goal <= {GOAL})" if ours else "")
-  return _record.markdown(cols, body) + summary
+  return _record.markdown(cols, body) + summary + kernel_table(record)
+
+
+def kernel_table(record: dict) -> str:
+  """Our fwd+bwd by GPU kernel, unpacked beside packed, the largest packed - unpacked first."""
+  body = []
+  for case in dict.fromkeys(r["case"] for r in record["rows"] if r["stage"] == KERNELS):
+    got = {r["layout"]: r["kernels"] for r in record["rows"]
+           if r["case"] == case and r["stage"] == KERNELS and r["side"] == "pisa-jax"}
+    un, pk = got.get("unpacked", {}), got.get("packed", {})
+    names = sorted(set(un) | set(pk), key=lambda n: -(pk.get(n, 0.0) - un.get(n, 0.0)))
+    body += [[case, n, un.get(n), pk.get(n), round(pk.get(n, 0.0) - un.get(n, 0.0), 4)]
+             for n in names]
+  if not body:
+    return ""
+  return "\n\npisa-jax fwd+bwd by GPU kernel (device ms per call):\n" + _record.markdown(
+      ["case", "kernel", "unpacked ms", "packed ms", "packed - unpacked"], body)
 
 
 def plot(record: dict, path) -> None:
   plt = _record.pyplot()
   by = {(r["case"], r["side"], r["stage"], r["layout"]): r.get("ms") for r in record["rows"]}
-  keys = list(dict.fromkeys((r["case"], r["stage"]) for r in record["rows"]))
+  keys = list(dict.fromkeys((r["case"], r["stage"]) for r in record["rows"]
+                            if r["stage"] in STAGES))
   bars = [(side, layout) for side in ("pisa-jax", "fla") for layout in ("unpacked", "packed")]
   fig, ax = plt.subplots(figsize=(max(8, 1.4 * len(keys) + 3), 5))
   width = 0.8 / len(bars)

@@ -10,6 +10,7 @@ with `torch.cuda.synchronize`. (triton's `do_bench` on the same fla calls agreed
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -42,3 +43,47 @@ def time_torch(fn: Callable, *, reps: int = 7, batch_s: float = 0.2) -> float:
   """Median ms per call of `fn()` (torch work on the current CUDA device)."""
   import torch
   return _median_ms(fn, lambda _: torch.cuda.synchronize(), reps, batch_s)
+
+
+def kernel_totals(events, calls: int, top: int = 12) -> dict[str, float]:
+  """ms per call of each kernel name from (name, duration ns) events of `calls` calls: XLA's
+  numbered fusions and copies folded by name (`loop_fusion_12` -> `loop_fusion`), the `top`
+  largest kept and the rest summed under "other", largest first."""
+  total: dict[str, float] = {}
+  for name, ns in events:
+    key = re.sub(r"([._]\d+)+$", "", name)
+    total[key] = total.get(key, 0.0) + ns / 1e6 / calls
+  ranked = sorted(total.items(), key=lambda kv: -kv[1])
+  out = {k: round(v, 4) for k, v in ranked[:top]}
+  if len(ranked) > top:
+    out["other"] = round(sum(v for _, v in ranked[top:]), 4)
+  return out
+
+
+def device_kernel_ms(fn: Callable, *args, calls: int = 5) -> dict[str, float]:
+  """ms per call of each GPU kernel that `fn(*args)` (jitted, already compiled) launches, from a
+  jax.profiler trace of `calls` back-to-back calls (`kernel_totals`). Only GPU stream lines
+  count, so on a CPU backend the result is empty."""
+  import glob
+  import os
+  import tempfile
+
+  import jax
+  from jax._src.profiler import ProfileData
+  jax.block_until_ready(fn(*args))
+  events = []
+  with tempfile.TemporaryDirectory() as trace_dir:
+    with jax.profiler.trace(trace_dir):
+      out = None
+      for _ in range(calls):
+        out = fn(*args)
+      jax.block_until_ready(out)
+    for path in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
+      for plane in ProfileData.from_file(path).planes:
+        if "/device:GPU" not in plane.name:
+          continue
+        for line in plane.lines:
+          # The stream lines hold the kernels; XLA's op and module lines would count them twice.
+          if "Stream" in line.name:
+            events += [(ev.name, ev.duration_ns) for ev in line.events]
+  return kernel_totals(events, calls)

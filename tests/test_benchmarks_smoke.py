@@ -76,7 +76,10 @@ FAKE_ROWS = {
              **({"x_unpacked": 1.05} if layout == "packed" else {}))
         for side in ("pisa-jax", "fla")
         for stage in ("selection", "attention fwd", "attention fwd+bwd")
-        for layout, ms in (("unpacked", 2.0), ("packed", 2.1))],
+        for layout, ms in (("unpacked", 2.0), ("packed", 2.1))]
+        + [dict(case="128K d64 K8", d=64, top_k=8, side="pisa-jax", stage="fwd+bwd kernels",
+                layout=layout, kernels={"pisa_sparse_attention_dq": dq, "loop_fusion": 0.5})
+           for layout, dq in (("unpacked", 1.0), ("packed", 1.5))],
 }
 SETTINGS = {
     "selection": dict(hq=32, hkv=2, d=64, block_size=64, top_k=8, branching=2, dtype="bfloat16"),
@@ -120,6 +123,21 @@ def test_record_and_replot(name, tmp_path):
   module.main(["--replot", str(tmp_path / "run" / f"{name}.json"), "--out", str(tmp_path / "plot")])
   assert (tmp_path / "plot" / f"{name}.png").stat().st_size > 0
   assert module.table(saved).count("\n") >= 2
+
+
+def test_kernel_totals_fold_numbered_kernels_per_call():
+  from benchmarks.timing import kernel_totals
+  events = [("loop_fusion_12", 2e6), ("loop_fusion.3", 1e6), ("pisa_dkv", 4e6), ("sort_1", 1e6)]
+  assert kernel_totals(events, calls=2, top=2) == {"pisa_dkv": 2.0, "loop_fusion": 1.5,
+                                                   "other": 0.5}
+  assert kernel_totals([], calls=3) == {}
+
+
+def test_packed_table_splits_fwd_bwd_by_kernel():
+  from benchmarks import packed
+  text = packed.table({"rows": FAKE_ROWS["packed"]})
+  assert "| 128K d64 K8 | pisa_sparse_attention_dq | 1 | 1.5 | 0.5 |" in text
+  assert text.index("pisa_sparse_attention_dq") < text.index("| loop_fusion |")
 
 
 def test_replot_refuses_another_benchmarks_result(tmp_path):
