@@ -23,7 +23,7 @@ import pisa_jax
 from pisa_jax.configs import apply_overrides, get_config, validate
 from pisa_jax.models.decoder import Decoder
 from pisa_jax.train.data import FORMAT, mqar_examples
-from pisa_jax.train.evaluation import cli, needles
+from pisa_jax.train.evaluation import cli, common, needles
 
 # One dense layer, one query head per KV head, leaves of 4 tokens and K = 4: at 32 tokens the
 # queries from position 16 on have more than K eligible blocks. Trained for two steps: enough
@@ -318,6 +318,14 @@ def test_ruler_with_the_real_task_module(gpt2_model):
     assert r["prompt_tokens"] + 128 <= 256 and r["new_tokens"] <= 128
     assert r["score"] == ruler.score(r["prediction"], r["answers"])
   assert part["average"] == pytest.approx(np.mean([r["score"] for r in records]))
+
+
+def test_ruler_refuses_a_vocabulary_wider_than_the_tokenizer():
+  """Checked before generating: an id past GPT-2's 50,257 would have no text to score."""
+  config = types.SimpleNamespace(model=types.SimpleNamespace(vocab_size=50304))
+  with pytest.raises(common.EvalArgumentError, match=r"model\.vocab_size=50304 exceeds"):
+    needles.run_ruler(None, config, lengths=[256], samples=1, seed=0, batch_size=1,
+                      progress=False, ruler=types.SimpleNamespace(), haystack="")
 
 
 def test_bad_input_is_one_line_naming_it(tiny_run, text, tmp_path, capsys):

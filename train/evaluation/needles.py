@@ -86,6 +86,11 @@ def run_ruler(model, config, *, lengths: list[int], samples: int, seed: int, bat
   start = time.perf_counter()
   ruler = ruler or load_ruler()
   encoding = encoding or gpt2_encoding()
+  if config.model.vocab_size > encoding.n_vocab:
+    # Checked before any generation: an id past the tokenizer's has no text to score.
+    raise common.EvalArgumentError(
+        f"--suite ruler: the run's model.vocab_size={config.model.vocab_size} exceeds the GPT-2 "
+        f"tokenizer's {encoding.n_vocab:,} ids, so its generations cannot all be read as text")
   if haystack is None:
     haystack = ruler.load_haystack()
   families = {name: tuple(tasks) for name, tasks in ruler.FAMILIES.items()}
