@@ -55,8 +55,7 @@ if ! "$PY" -c "import pisa_jax.kernels, pisa_jax.train" 2>/dev/null; then
 fi
 "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())"
 if [ "$GPU_TESTS" = 1 ]; then
-  "$PY" -m pytest -q -m gpu tests/test_gpu_selection.py tests/test_gpu_attention.py \
-    tests/test_gpu_fla.py tests/test_gpu_long_context.py
+  "$PY" -m pytest -q -m gpu tests/test_gpu_*.py
 fi
 want() { case ",$ONLY," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 for name in selection attention packed layer; do

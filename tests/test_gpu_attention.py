@@ -10,8 +10,7 @@ in a fixed order). Both kernel families run every case: the per-query kernels (t
 the query-tile kernels (`kernels.tile_attention`, default config). Skipped without a CUDA GPU;
 the whole GPU suite runs with
 
-  python -m pytest -q -m gpu tests/test_gpu_selection.py tests/test_gpu_attention.py \
-      tests/test_gpu_fla.py tests/test_gpu_long_context.py
+  python -m pytest -q -m gpu tests/test_gpu_*.py
 """
 
 from __future__ import annotations

@@ -17,8 +17,7 @@ the last one.
 Skipped without a CUDA GPU. Sized for a few minutes on an H200 (an 8 GiB query array per test,
 ~4K sampled selection rows, ~250 attention rows), most of it compiling. The whole GPU suite:
 
-  python -m pytest -q -m gpu tests/test_gpu_selection.py tests/test_gpu_attention.py \
-      tests/test_gpu_fla.py tests/test_gpu_long_context.py
+  python -m pytest -q -m gpu tests/test_gpu_*.py
 """
 
 from __future__ import annotations

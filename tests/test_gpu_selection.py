@@ -8,8 +8,7 @@ reference's except in rows proven to be near-ties: `pisa_jax.testing.mismatch_ma
 every differing row in float64, and its smallest decision margin must be below
 SELECTION_NEAR_TIE_RTOL. Skipped without a CUDA GPU; the whole GPU suite runs with
 
-  python -m pytest -q -m gpu tests/test_gpu_selection.py tests/test_gpu_attention.py \
-      tests/test_gpu_fla.py tests/test_gpu_long_context.py
+  python -m pytest -q -m gpu tests/test_gpu_*.py
 """
 
 from __future__ import annotations
