@@ -328,7 +328,7 @@ def select_blocks_reference_at(q, k, positions, *, block_size: int, top_k: int, 
 def _child_scores(qg, source, base, count, *, width, scale, selector):
   """Group-summed scores `[B, Tc, HKV, n]` of candidates whose children are the rows base ..
   base + count - 1 (count <= width) of source `[B, N, HKV, D]`: Eq. 21 / 33 / 34 per head,
-  Eq. 22 over the group. The packed walk's scorer; `kernels.selection.packed` is its twin."""
+  Eq. 22 over the group: the packed reference walk's scorer."""
   b, hkv = source.shape[0], source.shape[2]
   b_idx = jnp.arange(b)[:, None, None, None, None]
   h_idx = jnp.arange(hkv)[None, None, :, None, None]
@@ -340,18 +340,16 @@ def _child_scores(qg, source, base, count, *, width, scale, selector):
 
 
 def _packed_walk_chunk(positions, q, start, length, first_node, k, summaries, *, block_size,
-                       top_k, beam, branching, selector, scale, child_scores=None):
+                       top_k, beam, branching, selector, scale):
   """`_hierarchical_chunk` for packed rows: q `[B, Tc, HQ, D]`; start, length `[B, Tc]` and
   first_node `[B, Tc, L]` from `segments.documents`; summaries the `PackedPyramid` levels.
-  child_scores: `_child_scores`'s signature less scale and selector (None: `_child_scores`).
   The walk starts at the top level a T-token document could have; above a document's root a
   level holds one node (`segments.level_node_counts`), kept unscored, so from the root down it
   makes the document's own decisions on the same candidates in the same order."""
   b, tc, hq, d = q.shape
   hkv = k.shape[2]
   qg = q.astype(jnp.float32).reshape(b, tc, hkv, hq // hkv, d)
-  if child_scores is None:
-    child_scores = functools.partial(_child_scores, scale=scale, selector=selector)
+  child_scores = functools.partial(_child_scores, scale=scale, selector=selector)
   rel = positions[None, :] - start  # [B, Tc]: the query's position in its document
   leaves, leaf_exists = forced_leaves(rel, block_size)  # [B, Tc, 3]
   t = rel[:, :, None, None]
@@ -440,7 +438,7 @@ def _packed_exact_chunk(positions, q, start, length, k, *, block_size, top_k, sc
 def _select_packed(q, k, segment_ids, *, block_size, top_k, branching, selector, scale, beam,
                    interpret=None):
   """Packed selection; interpret None runs the reference, a bool the Pallas kernels in that mode:
-  the packed pyramid, then the fused packed walk or (outside it) the per-level scores."""
+  the packed pyramid, then the fused packed walk, the packed two-stage or the BSA kernel."""
   b, seq_len, hq, d = q.shape
   hkv = k.shape[2]
   num_blocks = -(-seq_len // block_size)
@@ -456,10 +454,12 @@ def _select_packed(q, k, segment_ids, *, block_size, top_k, branching, selector,
         k, segment_ids, block_size=block_size, branching=branching, interpret=interpret)
   else:
     pyramid = segments.packed_pyramid(k, docs, block_size=block_size, branching=branching)
-  if kernels and packed_walk_kernels.covers(selector, beam, branching):
-    # The one rule: the fused packed walk (every level in one launch) takes the unpacked fused
-    # kernel's configurations (beam * g <= 16 slots); "bsa" and wider beams stay below.
-    return packed_walk_kernels.select_packed_fused(
+  if kernels and selector in packed_walk_kernels.HIERARCHICAL:
+    # As unpacked: the fused walk (every level in one launch) at beam * g <= 16 candidate slots,
+    # the two-stage pipeline (walk, leaf tiles, final Select_K) past them.
+    fused = packed_walk_kernels.covers(selector, beam, branching)
+    return (packed_walk_kernels.select_packed_fused if fused else
+            packed_walk_kernels.select_packed_two_stage)(
         q, k, docs.start, docs.length, docs.first_node, pyramid.summaries,
         block_size=block_size, top_k=top_k, branching=branching, selector=selector,
         scale=scale, beam=beam, interpret=interpret)
@@ -474,14 +474,10 @@ def _select_packed(q, k, segment_ids, *, block_size, top_k, branching, selector,
     return _chunking.map_query_chunks(fn, chunk, (q, docs.start, docs.first_node[..., 0]),
                                       (pyramid.summaries[0],))
   width = max(top_k, beam) * branching
-  # Kernels score in place: big chunks, few serial steps (the reference's bound: 512 at 128K).
-  chunk = _chunking.query_chunk_size(seq_len, b * hkv * width * 8 if kernels else
-                                     b * hkv * width * max(block_size, branching) * (d + hq // hkv))
-  scores = functools.partial(packed_selection_kernels.child_scores_pallas, scale=scale,
-                             selector=selector, interpret=interpret,
-                             q_dtype=q.dtype) if kernels else None
+  chunk = _chunking.query_chunk_size(
+      seq_len, b * hkv * width * max(block_size, branching) * (d + hq // hkv))
   fn = functools.partial(_packed_walk_chunk, block_size=block_size, top_k=top_k, beam=beam,
-                         branching=branching, selector=selector, scale=scale, child_scores=scores)
+                         branching=branching, selector=selector, scale=scale)
   return _chunking.map_query_chunks(fn, chunk, (q, docs.start, docs.length, docs.first_node),
                                     (k, pyramid.summaries))
 
@@ -509,8 +505,9 @@ def select_blocks_packed_pallas(q, k, segment_ids, *, block_size: int, top_k: in
 
   What runs where: the packed pyramid is `kernels.packed_pyramid`. Where
   `kernels.selection.packed_walk.covers` (beam * g <= 16: the default K = 8, g = 2) the whole
-  walk is one fused kernel launch; otherwise ("bsa", wider beams) every score is
-  `kernels.selection.packed` (one launch per level) and the walk between levels is XLA's.
+  walk is one fused kernel launch; wider sets (K = 32, beams) take the two-stage pipeline of
+  the unpacked selection with document geometry (`packed_walk.select_packed_two_stage`); "bsa"
+  scores in `kernels.selection.packed` with its flat top-k in XLA.
   """
   return _select_packed(q, k, segment_ids, block_size=block_size, top_k=top_k,
                         branching=branching, selector=selector, scale=scale, beam=beam,

@@ -4,8 +4,7 @@
 Triton, where some behaviour differs (Triton's max / min drop a NaN operand, masked loads and
 64-bit offsets are real). Attention: the output and dq, dk, dv against the jnp reference on
 float32-upcast inputs, into NaN-poisoned memory, two runs bit-identical. Selection: the fused
-packed walk (K = 8) and the per-level kernels of wide sets (K = 32: raw keys scored on 16-bit
-dots) against the reference, mismatches only at float64-proven near-ties. Rows mix documents of
+packed walk (K = 8) and the packed two-stage of wide sets (K = 32) against the reference, mismatches only at float64-proven near-ties. Rows mix documents of
 one token, shorter than a block, starting and ending mid-block, and thousands of tokens.
 Skipped without a CUDA GPU (`-m gpu`).
 """

@@ -309,8 +309,8 @@ def selection_case(selector, block_size, top_k, branching, beam, *marks):
                       id=f"{selector}-C{block_size}-K{top_k}-g{branching}-beam{beam}")
 
 
-# In CI: the fused packed walk (beam * g <= 16: "pisa" at K = 5), the per-level scoring kernels
-# of wider beams (beam 9, g = 2: 18 slots) and BSA; `test_packed_walk.py` covers the fused walk.
+# In CI: the fused packed walk (beam * g <= 16: "pisa" at K = 5), the two-stage kernels of
+# wider beams (beam 9, g = 2: 18 slots) and BSA; `test_packed_walk.py` covers the fused walk.
 # K > 3 everywhere: at K = 3 the forced first, previous and current blocks are the whole answer.
 SELECTION_CASES = [
     selection_case("pisa", 4, 5, 2, None),
@@ -341,10 +341,10 @@ def test_selection_kernels_equal_reference_and_each_document_alone(selector, blo
     assert_selection_matches(got[b:b + 1, s:s + n], alone, qd, kd, proof)
 
 
-def test_wide_beam_selection_scores_16bit_keys_on_their_dtype():
-  """bfloat16 q and k: the per-level kernels score the leaves' raw keys with bf16 dots (exact
-  products, float32 sums), the float32 summaries at IEEE precision; the same walk as the
-  reference up to proven near-ties, and each document's own."""
+def test_wide_beam_selection_on_16bit_inputs():
+  """bfloat16 q and k through the packed two-stage: leaf tiles score a document leaf's raw keys
+  from its first key position (no block edge), the walk the high + low split of the float32
+  summaries; the same selection as the reference up to proven near-ties, and each document's."""
   seg = segment_ids(ROWS)
   q, k, _, _ = make_inputs(111, batch=2, hq=4, hkv=2, d=16, dtype=jnp.bfloat16, seed=21)
   # K = 5: two leaves beyond the forced three are chosen by their scores.
@@ -402,7 +402,8 @@ def test_exact_selector_stays_reference_only():
 
 
 def test_packed_selection_kernels_lower_for_sm90(captured):
-  """Beam 9 (18 candidate slots) takes the per-level scoring kernels, beam 3 the fused walk."""
+  """Beam 9 (18 candidate slots) takes the two-stage kernels (walk, leaf tiles, final top-k),
+  beam 3 the fused walk."""
   seg = segment_ids(SHORT_ROWS)
   q, k, _, _ = make_inputs(63, batch=2, hq=32, hkv=2, d=64, dtype=jnp.bfloat16, seed=17)
   for selector, beam in [(s, b) for s in ("pisa", "pisa1", "pisa2") for b in (3, 9)] + [
@@ -414,8 +415,9 @@ def test_packed_selection_kernels_lower_for_sm90(captured):
   assert {"pisa_pool_runs_g2", "pisa_select_packed_bsa"} <= names, names
   assert {"pisa_select_packed_fused_pisa_rank_pair_lse_unshifted",
           "pisa_select_packed_fused_pisa1_rank", "pisa_select_packed_fused_pisa2_rank"} <= names
-  for selector in ("pisa", "pisa1", "pisa2"):
-    assert {f"pisa_select_packed_{selector}_w2"} <= names, names
+  assert {"pisa_select_packed_walk_pisa_rank_pair_lse", "pisa_select_packed_walk_pisa1_rank",
+          "pisa_select_packed_walk_pisa2_rank", "pisa_select_leaf_q8",
+          "pisa_select_final_topk_rank"} <= names, names
 
 
 def test_unpacked_attention_kernels_keep_their_inputs(captured):

@@ -163,25 +163,29 @@ def kernel_names(fn, *args) -> set[str]:
 
 def test_routing_rule():
   """Hierarchical selectors at beam * g <= 16 run the fused packed walk, one launch for every
-  level; "bsa" and wider beams keep the per-level scoring kernels."""
+  level; wider beams the packed two-stage (walk, leaf tiles, final top-k); "bsa" its own."""
   seg = segment_ids(SHORT_ROWS)
   q, k = inputs(SHORT_ROWS, 4, 2, 8, jnp.float32, 1.0, seed=3)
 
   def names(**kw):
-    return kernel_names(lambda q, k: pisa_jax.selection.select_blocks_packed_pallas(
-        q, k, seg, block_size=4, scale=0.3, interpret=True, **kw), q, k)
+    select = lambda q, k: pisa_jax.selection.select_blocks_packed_pallas(
+        q, k, seg, block_size=4, scale=0.3, interpret=True, **kw)
+    return sorted(n for n in kernel_names(select, q, k) if "select" in n)
 
-  fused = names(top_k=3, branching=2, selector="pisa", beam=8)
-  assert [n for n in fused if "select" in n] == ["pisa_select_packed_fused_pisa_rank_pair_lse"
-                                                 "_unshifted"], fused
-  for kw in (dict(top_k=3, branching=2, selector="pisa", beam=9),
-             dict(top_k=3, branching=3, selector="pisa2", beam=6),
-             dict(top_k=3, branching=2, selector="bsa", beam=3)):
-    assert packed_walk.covers(kw["selector"], kw["beam"], kw["branching"]) is False
-    assert not any("fused" in n for n in names(**kw)), kw
+  assert names(top_k=3, branching=2, selector="pisa", beam=8) == [
+      "pisa_select_packed_fused_pisa_rank_pair_lse_unshifted"]
+  assert names(top_k=3, branching=2, selector="pisa", beam=9) == [
+      "pisa_select_final_topk_rank", "pisa_select_leaf_q8",
+      "pisa_select_packed_walk_pisa_rank_pair_lse"]
+  assert names(top_k=3, branching=3, selector="pisa2", beam=6) == [
+      "pisa_select_final_topk_rank", "pisa_select_leaf_q8", "pisa_select_packed_walk_pisa2_rank"]
+  assert names(top_k=3, branching=2, selector="bsa", beam=3) == ["pisa_select_packed_bsa"]
   with pytest.raises(ValueError, match="beam=9"):
     packed_walk.select_packed_fused(q, k, *([None] * 4), block_size=4, top_k=3, branching=2,
                                     selector="pisa", scale=0.3, beam=9, interpret=True)
+  with pytest.raises(ValueError, match="beam=8"):
+    packed_walk.select_packed_two_stage(q, k, *([None] * 4), block_size=4, top_k=3, branching=2,
+                                        selector="pisa", scale=0.3, beam=8, interpret=True)
 
 
 def document_lengths(seq_len: int, seed: int) -> list[int]:

@@ -10,8 +10,9 @@
   two_stage.py  walk kernel, leaf-tile kernel (host bucket sort), final top-k kernel
   bsa.py        the flat BSA kernel (two passes, running top-k, no [T, M] in HBM)
   select.py     select_blocks_pallas: geometry, config, dispatch
-  packed_walk.py  the fused walk of packed documents (segment_ids): per-query document geometry
-  packed.py     per-level scoring kernels of packed documents: wider beams and BSA
+  packed_walk.py  packed documents (segment_ids), per-query document geometry: the fused walk
+                (NC = 16), and the walk + two_stage's leaf tiles and top-k for wider sets
+  packed.py     the flat BSA scores of packed documents
 """
 
 from pisa_jax.kernels.selection.config import SelectionConfig, candidate_slots

@@ -152,9 +152,10 @@ def load_group_queries(q_ref, geo: Geometry, i_b, t, i_h, rows: int):
   return load_rows(q_ref, q_rows, o_head < geo.group, geo)
 
 
-def leaf_key_rows(leaf, i_b, i_h, geo: Geometry):
+def leaf_key_rows(leaf, i_b, i_h, geo: Geometry, first_pos=None):
   """Leaf `leaf`'s raw keys in the `[B*T*HKV, D]` view: (rows `[Cp]`, load mask `[Cp]`, the key
-  mask `scoring.reduce_keys` needs or None).
+  mask `scoring.reduce_keys` needs or None). first_pos: None, or the leaf's first key position
+  (a packed document's leaf starts at its document's start + leaf * C, on no block edge).
 
   Only complete past leaves are scored (`topk.leaf_needs_score`: eligible, not the current or
   previous block), and the callers mask off the other slots' loads and drop their scores. So for
@@ -163,7 +164,7 @@ def leaf_key_rows(leaf, i_b, i_h, geo: Geometry):
   Triton computes one base address instead of a clamp, an address and a predicate per element.
   """
   o_key = jnp.arange(geo.block_padded)
-  pos = leaf * geo.block_size + o_key
+  pos = (leaf * geo.block_size if first_pos is None else first_pos) + o_key
   if geo.block_padded == geo.block_size:
     return (i_b * geo.seq_len + pos) * geo.hkv + i_h, jnp.full((geo.block_padded,), True), None
   m_key = (o_key < geo.block_size) & (pos < geo.seq_len)

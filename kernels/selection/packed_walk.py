@@ -18,7 +18,11 @@ which also resolves each level's packed slot to its row in the stacked summaries
 picks one table entry, as the unpacked walk picks one level-table offset.
 
 Which configurations: "pisa", "pisa1" and "pisa2" at NC = 16 candidate slots (beam * g <= 16),
-the unpacked fused kernel's domain (`SelectionConfig.default`); `covers` is the one rule.
+the unpacked fused kernel's domain (`SelectionConfig.default`); `covers` is the one rule. Wider
+candidate sets (K = 32, beams) take the two-stage pipeline of the unpacked selection
+(`select_packed_two_stage`, `two_stage.py`): this walk to level 2 in one launch, then the leaf
+tiles, each a leaf's C keys loaded once for the queries that need its score (a packed leaf is
+named by its first key position), then the final Select_K at each query's document position.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
 from pisa_jax.kernels._common import INT32_MAX, int32_table, next_pow2
-from pisa_jax.kernels.selection import scoring, topk
+from pisa_jax.kernels.selection import scoring, topk, two_stage
 from pisa_jax.kernels.selection.config import MIN_DOT, SelectionConfig, candidate_slots
 from pisa_jax.kernels.selection.layout import (Geometry, launch, load_group_queries, load_rows,
                                                make_geometry, pick, summary_rows)
@@ -44,6 +48,12 @@ HIERARCHICAL = ("pisa", "pisa1", "pisa2")
 # and that level's node count; from DOC_FIRST on, the stacked-summary row of its first node at
 # levels 1..L-1 (KV head 0).
 DOC_START, DOC_LEAVES, DOC_LEVEL, DOC_NODES, DOC_FIRST = range(5)
+
+
+def covers_two_stage(selector: str, beam: int, branching: int) -> bool:
+  """Whether the packed two-stage pipeline takes this selection: a hierarchical selector whose
+  walk needs more than the fused kernel's 16 candidate slots."""
+  return selector in HIERARCHICAL and candidate_slots(beam, branching) > MIN_DOT
 
 
 def covers(selector: str, beam: int, branching: int) -> bool:
@@ -267,4 +277,66 @@ def select_packed_fused(q: Float[Array, "B T HQ D"], k: Float[Array, "B T HKV D"
                jax.ShapeDtypeStruct((rows, geo.top_k_padded), jnp.int32), rows, config,
                config.walk_warps, interpret, name, q.reshape(-1, d), k.reshape(-1, d), stacked,
                powers_table(geo, len(capacities)), doc, *kn2)
+  return out[:, :top_k].reshape(b, t, geo.hkv, top_k)
+
+
+def packed_walk_kernel(q_ref, s_ref, pow_ref, doc_ref, cand_ref, *, geo: Geometry,
+                       topk_impl: str, pair_lse: bool = False):
+  """Two-stage stage 1 for one (query, KV head): its document walk down to level 2, writing the
+  level-1 candidates `[NC]` (document leaf ids) as `two_stage.walk_kernel` does."""
+  i_p = pl.program_id(0)
+  i_bh, t = i_p // geo.seq_len, i_p % geo.seq_len
+  i_b, i_h = i_bh // geo.hkv, i_bh % geo.hkv
+  m_head = jnp.arange(geo.group_padded) < geo.group
+  qg = load_group_queries(q_ref, geo, i_b, t, i_h, geo.group_padded)
+  doc = _load_vector(doc_ref, i_b * geo.seq_len + t, doc_ref.shape[1])
+  tab_pow = plt.load(pow_ref.at[jnp.arange(pow_ref.shape[0])])
+  cand = packed_walk_to_leaves(qg, m_head, i_h, t - pick(doc, DOC_START), doc, tab_pow, s_ref,
+                               geo, topk_impl, pair_lse, False)
+  cand_ref[(i_b * geo.seq_len + t) * geo.hkv + i_h, :] = cand
+
+
+def select_packed_two_stage(q: Float[Array, "B T HQ D"], k: Float[Array, "B T HKV D"],
+                            start: Int[Array, "B T"], length: Int[Array, "B T"],
+                            first_node: Int[Array, "B T L"],
+                            summaries: tuple[Float[Array, "B N HKV D"], ...], *, block_size: int,
+                            top_k: int, branching: int, selector: str, scale: float, beam: int,
+                            interpret: bool, config: SelectionConfig | None = None
+                            ) -> Int[Array, "B T HKV K"]:
+  """The packed selection of wide candidate sets (`covers_two_stage`), arguments and result as
+  `select_packed_fused`: the document walk to level 2, then `two_stage`'s leaf tiles and final
+  Select_K given each row's document start and position in it."""
+  if not covers_two_stage(selector, beam, branching):
+    raise ValueError(f"{selector=}, {beam=}, {branching=}: the packed two-stage selection takes a "
+                     f"selector in {HIERARCHICAL} with beam * branching > {MIN_DOT}")
+  b, t, hq, d = q.shape
+  geo = make_geometry(q, k, block_size=block_size, top_k=top_k, branching=branching,
+                      selector=selector, scale=scale, beam=beam, interpret=interpret)
+  config = config or SelectionConfig.default(seq_len=t, group=hq // geo.hkv,
+                                             candidates=geo.num_slots)
+  rows = b * t * geo.hkv
+  pair_lse = uses_pair_lse(config, geo)
+  used = summaries[:-1] or summaries[:1]
+  stacked = summary_rows(jnp.concatenate([s.reshape(-1, d) for s in used], axis=0), geo, q.dtype)
+  capacities = [s.shape[1] for s in summaries]
+  doc = document_table(start, length, first_node, capacities, geo)
+  name = (f"pisa_select_packed_walk_{selector}_{config.topk_impl}"
+          + ("_pair_lse" if pair_lse else ""))
+  cand = launch(functools.partial(packed_walk_kernel, geo=geo, topk_impl=config.topk_impl,
+                                  pair_lse=pair_lse),
+                jax.ShapeDtypeStruct((rows, geo.num_slots), jnp.int32), rows, config,
+                config.walk_warps, interpret, name, q.reshape(-1, d), stacked,
+                powers_table(geo, len(capacities)), doc)
+  # Per (query, KV head) row: the query's position in its document and the document's start.
+  start_rows = jnp.repeat(start.reshape(-1), geo.hkv)
+  rel_rows = jnp.repeat((jnp.arange(t, dtype=jnp.int32)[None, :] - start).reshape(-1), geo.hkv)
+  outs = []
+  for r0, r1 in two_stage.row_chunks(rows, geo.num_slots):
+    part = cand if r1 - r0 == rows else cand[r0:r1]
+    rel, first = rel_rows[r0:r1], start_rows[r0:r1]
+    scores = two_stage.leaf_scores_pallas(q, k, part, geo, interpret=interpret, config=config,
+                                          row0=r0, packed_rows=(rel, first))
+    outs.append(two_stage.final_topk_pallas(part, scores, geo, interpret=interpret,
+                                            config=config, row0=r0, rel=rel))
+  out = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
   return out[:, :top_k].reshape(b, t, geo.hkv, top_k)

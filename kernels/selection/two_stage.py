@@ -54,13 +54,15 @@ def walk_kernel(q_ref, s_ref, tab_ref, *refs, geo: Geometry, topk_impl: str,
 
 
 def leaf_tile_kernel(q_ref, k_ref, start_ref, bucket_ref, pair_ref, score_ref, *, geo: Geometry,
-                     q_tile: int, num_pairs: int, trash: int, row0: int = 0):
+                     q_tile: int, num_pairs: int, trash: int, row0: int = 0,
+                     packed: bool = False):
   """Stage 2 (Algorithm 1, lines 16-22): one leaf's keys against up to q_tile queries.
 
   start_ref `[NG]`: first sorted position of each tile (num_pairs when the tile is unused);
   bucket_ref `[num_pairs]`: sorted (batch, KV head, leaf) buckets; pair_ref `[num_pairs]`: the
   pair id ((row - row0) * NC + slot) at each sorted position, the rows from row0 on. Writes
-  score_ref[pair] (score_ref[trash] when masked).
+  score_ref[pair] (score_ref[trash] when masked). packed: buckets are (batch, KV head, the leaf's
+  first key position), a packed document's leaf starting on no block edge.
   """
   # Head rows per query: the group padded to a power of two, and >= 16 rows in all for the dot.
   heads = max(next_pow2(geo.group), MIN_DOT // q_tile)
@@ -81,8 +83,9 @@ def leaf_tile_kernel(q_ref, k_ref, start_ref, bucket_ref, pair_ref, score_ref, *
     m_e = (pos_e < num_pairs) & (bucket_e == bucket0)
     pair_e = plt.load(pair_ref.at[jnp.minimum(pos_e, num_pairs - 1)])
     # A used tile's first entry is a live pair, so bucket0 is a real (batch, KV head, leaf).
-    leaf = bucket0 % geo.num_blocks
-    i_bh = bucket0 // geo.num_blocks
+    units = geo.seq_len if packed else geo.num_blocks
+    leaf = bucket0 % units
+    i_bh = bucket0 // units
     i_b, i_h = i_bh // geo.hkv, i_bh % geo.hkv
     # [Q*heads] query rows: entry r // heads, head r % heads.
     e_r = o_r // heads
@@ -97,7 +100,7 @@ def leaf_tile_kernel(q_ref, k_ref, start_ref, bucket_ref, pair_ref, score_ref, *
       qk_row = qk_row + row0
     q_rows = (qk_row // geo.hkv) * geo.hq + i_h * geo.group + jnp.minimum(j_r, geo.group - 1)
     b_q = load_rows(q_ref, q_rows, m_r, geo)
-    k_rows, m_load, m_key = leaf_key_rows(leaf, i_b, i_h, geo)
+    k_rows, m_load, m_key = leaf_key_rows(leaf, i_b, i_h, geo, leaf if packed else None)
     b_k = load_rows(k_ref, k_rows, m_load, geo)
     # [Q*heads, Cp]: every (query, head) of the tile against the leaf's raw keys, one dot.
     per_row = jnp.where(m_r, scoring.reduce_keys(scoring.qk_dot(b_q, b_k, geo.inputs_16bit), m_key,
@@ -108,11 +111,12 @@ def leaf_tile_kernel(q_ref, k_ref, start_ref, bucket_ref, pair_ref, score_ref, *
 
 
 def final_topk_kernel(cand_ref, score_ref, *refs, geo: Geometry, rows: int, num_rows: int,
-                      topk_impl: str, row0: int = 0):
+                      topk_impl: str, row0: int = 0, packed: bool = False):
   """Stage 2 final Select_K for `rows` (query, KV head) rows: `[rows, NC]` -> `[rows, KP]`.
   cand_ref holds num_rows rows from row row0 of `[B*Tq*HKV, NC]` on. refs: (out_ref,), or
-  (off_ref, out_ref) with `geo.has_offset`."""
-  off_ref, out_ref = refs if geo.has_offset else (None, refs[0])
+  (off_ref, out_ref) with `geo.has_offset`, or (rel_ref, out_ref) when packed: rel_ref
+  `[num_rows]`, each row's query position in its document."""
+  off_ref, out_ref = refs if geo.has_offset or packed else (None, refs[0])
   i_p = pl.program_id(0)
   o_row = i_p * rows + jnp.arange(rows)
   m_row = o_row < num_rows
@@ -121,8 +125,11 @@ def final_topk_kernel(cand_ref, score_ref, *refs, geo: Geometry, rows: int, num_
   cand = plt.load(cand_ref.at[c_row[:, None], o_slot[None, :]])
   cand = jnp.where(m_row[:, None], cand, -1)
   score = plt.load(score_ref.at[(c_row[:, None] * geo.num_slots + o_slot[None, :])])
-  t = query_position(((c_row + row0 if row0 else c_row) // geo.hkv) % geo.num_queries,
-                     off_ref)[:, None]
+  if packed:
+    t = plt.load(off_ref.at[c_row])[:, None]
+  else:
+    t = query_position(((c_row + row0 if row0 else c_row) // geo.hkv) % geo.num_queries,
+                       off_ref)[:, None]
   out = topk.final_select(cand, score, t, geo, topk_impl)
   trash = num_rows
   plt.store(out_ref.at[jnp.where(m_row, o_row, trash)[:, None],
@@ -151,11 +158,13 @@ def row_chunks(rows: int, num_slots: int) -> list[tuple[int, int]]:
 
 
 def leaf_scores_pallas(q, k, cand, geo: Geometry, *, interpret: bool, config: SelectionConfig,
-                       row0: int = 0, offset=None):
+                       row0: int = 0, offset=None, packed_rows=None):
   """Stage 2 key-tile scoring of candidates `[R, NC]`, rows row0 .. row0 + R - 1 of
   `[B*T*HKV, NC]`: float32 scores `[R * NC + 1]` of the pairs that need one (the last element is
   the trash slot of masked stores; unscored pairs are left unwritten). offset: None, or int32
-  `[1]`, the position of q's first row among the keys."""
+  `[1]`, the position of q's first row among the keys. packed_rows: None, or int32 (rel, start)
+  `[R]` each of packed rows: the query's position in its document and the document's start;
+  cand then holds document leaf ids, leaf i's keys from start + i C on."""
   b, t, hq, d = q.shape
   rows = cand.shape[0]
   num_pairs = rows * geo.num_slots
@@ -165,12 +174,19 @@ def leaf_scores_pallas(q, k, cand, geo: Geometry, *, interpret: bool, config: Se
   t_row = ((o_row // geo.hkv) % t)[:, None]
   if offset is not None:
     t_row = t_row + offset[0]
+  if packed_rows is not None:
+    t_row = packed_rows[0][:, None]
   need, _, _ = topk.leaf_needs_score(cand, t_row, geo)
-  # Buckets are (batch, KV head, leaf); pairs that need no score go to the last bucket.
-  num_buckets = b * geo.hkv * geo.num_blocks
+  # Buckets are (batch, KV head, leaf); pairs that need no score go to the last bucket. A packed
+  # leaf is named by its first key position, unique across documents.
+  units = geo.num_blocks if packed_rows is None else t
+  leaf = jnp.maximum(cand, 0)
+  if packed_rows is not None:
+    leaf = packed_rows[1][:, None] + leaf * geo.block_size
+  num_buckets = b * geo.hkv * units
   q_tile = config.q_tile
   bh = (o_row // (t * geo.hkv)) * geo.hkv + o_row % geo.hkv
-  bucket = jnp.where(need, bh[:, None] * geo.num_blocks + jnp.maximum(cand, 0), num_buckets)
+  bucket = jnp.where(need, bh[:, None] * units + leaf, num_buckets)
   bucket = bucket.reshape(-1)
   # Group the pairs by leaf, stably (by query inside a leaf). The per-bucket counts and offsets
   # are small ([B*HKV*M]), so no scan runs over the P pairs.
@@ -192,23 +208,25 @@ def leaf_scores_pallas(q, k, cand, geo: Geometry, *, interpret: bool, config: Se
       jnp.where(tile_head, tile_id, num_tiles)].set(pos, mode="drop")
   return launch(
       functools.partial(leaf_tile_kernel, geo=geo, q_tile=q_tile, num_pairs=num_pairs,
-                        trash=num_pairs, row0=row0),
+                        trash=num_pairs, row0=row0, packed=packed_rows is not None),
       jax.ShapeDtypeStruct((num_pairs + 1,), jnp.float32), num_tiles, config, config.leaf_warps,
       interpret, f"pisa_select_leaf_q{q_tile}", q.reshape(-1, d), k.reshape(-1, d), starts,
       sorted_bucket, order)
 
 
 def final_topk_pallas(cand, scores, geo: Geometry, *, interpret: bool, config: SelectionConfig,
-                      row0: int = 0, offset=None):
+                      row0: int = 0, offset=None, rel=None):
   """Stage 2 final Select_K: candidates `[R, NC]` (rows row0 .. row0 + R - 1 of
-  `[B*T*HKV, NC]`) and their scores -> `[R, KP]`."""
+  `[B*T*HKV, NC]`) and their scores -> `[R, KP]`. rel: None, or int32 `[R]` for packed rows,
+  each query's position in its document."""
   rows = cand.shape[0]
   tile = config.topk_rows
+  extra = offset_input(offset) if rel is None else (rel,)
   out = launch(functools.partial(final_topk_kernel, geo=geo, rows=tile, num_rows=rows,
-                                 topk_impl=config.topk_impl, row0=row0),
+                                 topk_impl=config.topk_impl, row0=row0, packed=rel is not None),
                jax.ShapeDtypeStruct((rows + 1, geo.top_k_padded), jnp.int32), -(-rows // tile),
                config, config.topk_warps, interpret, f"pisa_select_final_topk_{config.topk_impl}",
-               cand, scores, *offset_input(offset))
+               cand, scores, *extra)
   return out[:rows]
 
 
