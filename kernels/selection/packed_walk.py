@@ -239,6 +239,21 @@ def packed_fused_kernel(q_ref, k_ref, s_ref, pow_ref, doc_ref, *refs, geo: Geome
   out_ref[pl.ds(row, 1), :] = out
 
 
+def _walk_inputs(q, k, start, length, first_node, summaries, config, **selection):
+  """(geo, config, stacked summaries, powers table, document table) of a packed walk; config None
+  picks `SelectionConfig.default` for the geometry's candidate slots."""
+  b, t, hq, d = q.shape
+  geo = make_geometry(q, k, **selection)
+  config = config or SelectionConfig.default(seq_len=t, group=hq // geo.hkv,
+                                             candidates=geo.num_slots)
+  # Levels 1..L-1 stacked (the root level is never read), rows as `layout.summary_rows`.
+  used = summaries[:-1] or summaries[:1]
+  stacked = summary_rows(jnp.concatenate([s.reshape(-1, d) for s in used], axis=0), geo, q.dtype)
+  capacities = [s.shape[1] for s in summaries]
+  doc = document_table(start, length, first_node, capacities, geo)
+  return geo, config, stacked, powers_table(geo, len(capacities)), doc
+
+
 def select_packed_fused(q: Float[Array, "B T HQ D"], k: Float[Array, "B T HKV D"],
                         start: Int[Array, "B T"], length: Int[Array, "B T"],
                         first_node: Int[Array, "B T L"],
@@ -255,28 +270,22 @@ def select_packed_fused(q: Float[Array, "B T HQ D"], k: Float[Array, "B T HKV D"
   if not covers(selector, beam, branching):
     raise ValueError(f"{selector=}, {beam=}, {branching=}: the fused packed walk takes a selector "
                      f"in {HIERARCHICAL} with beam * branching <= {MIN_DOT}")
-  b, t, hq, d = q.shape
-  geo = make_geometry(q, k, block_size=block_size, top_k=top_k, branching=branching,
-                      selector=selector, scale=scale, beam=beam, interpret=interpret)
-  config = config or SelectionConfig.default(seq_len=t, group=hq // geo.hkv,
-                                             candidates=geo.num_slots)
+  b, t, _, d = q.shape
+  geo, config, stacked, powers, doc = _walk_inputs(
+      q, k, start, length, first_node, summaries, config, block_size=block_size, top_k=top_k,
+      branching=branching, selector=selector, scale=scale, beam=beam, interpret=interpret)
   rows = b * t * geo.hkv
   pair_lse = uses_pair_lse(config, geo)
   unshifted = config.fused_unshifted_lse and selector == "pisa"
   kn2 = (jnp.max(jnp.sum(jnp.square(k.astype(jnp.float32)), axis=-1), axis=1).reshape(-1),
          ) if unshifted else ()
-  # Levels 1..L-1 stacked (the root level is never read), rows as `layout.summary_rows`.
-  used = summaries[:-1] or summaries[:1]
-  stacked = summary_rows(jnp.concatenate([s.reshape(-1, d) for s in used], axis=0), geo, q.dtype)
-  capacities = [s.shape[1] for s in summaries]
-  doc = document_table(start, length, first_node, capacities, geo)
   name = (f"pisa_select_packed_fused_{selector}_{config.topk_impl}"
           + ("_pair_lse" if pair_lse else "") + ("_unshifted" if unshifted else ""))
   out = launch(functools.partial(packed_fused_kernel, geo=geo, topk_impl=config.topk_impl,
                                  pair_lse=pair_lse, unshifted=unshifted),
                jax.ShapeDtypeStruct((rows, geo.top_k_padded), jnp.int32), rows, config,
                config.walk_warps, interpret, name, q.reshape(-1, d), k.reshape(-1, d), stacked,
-               powers_table(geo, len(capacities)), doc, *kn2)
+               powers, doc, *kn2)
   return out[:, :top_k].reshape(b, t, geo.hkv, top_k)
 
 
@@ -309,24 +318,18 @@ def select_packed_two_stage(q: Float[Array, "B T HQ D"], k: Float[Array, "B T HK
   if not covers_two_stage(selector, beam, branching):
     raise ValueError(f"{selector=}, {beam=}, {branching=}: the packed two-stage selection takes a "
                      f"selector in {HIERARCHICAL} with beam * branching > {MIN_DOT}")
-  b, t, hq, d = q.shape
-  geo = make_geometry(q, k, block_size=block_size, top_k=top_k, branching=branching,
-                      selector=selector, scale=scale, beam=beam, interpret=interpret)
-  config = config or SelectionConfig.default(seq_len=t, group=hq // geo.hkv,
-                                             candidates=geo.num_slots)
+  b, t, _, d = q.shape
+  geo, config, stacked, powers, doc = _walk_inputs(
+      q, k, start, length, first_node, summaries, config, block_size=block_size, top_k=top_k,
+      branching=branching, selector=selector, scale=scale, beam=beam, interpret=interpret)
   rows = b * t * geo.hkv
   pair_lse = uses_pair_lse(config, geo)
-  used = summaries[:-1] or summaries[:1]
-  stacked = summary_rows(jnp.concatenate([s.reshape(-1, d) for s in used], axis=0), geo, q.dtype)
-  capacities = [s.shape[1] for s in summaries]
-  doc = document_table(start, length, first_node, capacities, geo)
   name = (f"pisa_select_packed_walk_{selector}_{config.topk_impl}"
           + ("_pair_lse" if pair_lse else ""))
   cand = launch(functools.partial(packed_walk_kernel, geo=geo, topk_impl=config.topk_impl,
                                   pair_lse=pair_lse),
                 jax.ShapeDtypeStruct((rows, geo.num_slots), jnp.int32), rows, config,
-                config.walk_warps, interpret, name, q.reshape(-1, d), stacked,
-                powers_table(geo, len(capacities)), doc)
+                config.walk_warps, interpret, name, q.reshape(-1, d), stacked, powers, doc)
   # Per (query, KV head) row: the query's position in its document and the document's start.
   start_rows = jnp.repeat(start.reshape(-1), geo.hkv)
   rel_rows = jnp.repeat((jnp.arange(t, dtype=jnp.int32)[None, :] - start).reshape(-1), geo.hkv)
