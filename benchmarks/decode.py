@@ -14,7 +14,10 @@ steps ended by one synchronisation, as benchmarks/timing.py; the length grows by
 well inside the cache), tokens/s (B / step time) and x_ours (dense over ours). `loop_ms` is the
 same step run LOOP times inside one jitted `fori_loop`, per step: the device's time without the
 host's dispatch of every step (what a compiled generation loop pays), and `loop_ms_append`,
-`_select`, `_attention` each stage of the PISA step alone, timed the same way.
+`_select`, `_attention` each stage of the PISA step alone, timed the same way. With
+--select-warps W1,W2,.. (Pallas only) the selection stage is also timed at each launch width,
+`loop_ms_select_w<W>`: at small B its B * HKV programs leave most of the GPU idle, so the
+prefill kernels' measured width need not be the decode kernel's best.
 
 Goals: at N = 1M, dense / ours >= 10 at B = 1 and >= 50 at B = 16; our step at 1M within 1.5x
 of our step at 32K (O(log N) work plus the K C keys attended).
@@ -134,11 +137,13 @@ def time_pisa(n, b, hq, hkv, d, top_k, implementation, steps_room: int):
   return ms, loop_ms
 
 
-def time_stages(n, b, hq, hkv, d, top_k, implementation) -> dict:
+def time_stages(n, b, hq, hkv, d, top_k, implementation, select_warps=()) -> dict:
   """ms per step of each stage of the pisa step alone, LOOP times in one jitted loop: append
   (the cache threaded), select and attention (at positions N and N + 1 alternately, so that the
-  loop body depends on the iteration and cannot be hoisted)."""
+  loop body depends on the iteration and cannot be hoisted); "select_w<W>" the selection kernel
+  launched on W warps, for each W of select_warps."""
   from pisa_jax import _dispatch
+  from pisa_jax.kernels.decode import DecodeConfig
 
   cache = pisa_jax.DecodeCache.create(b, n + 2, hkv, d, block_size=C)
   cache = cache.prefill(*filled(n, b, hkv, d))
@@ -157,11 +162,11 @@ def time_stages(n, b, hq, hkv, d, top_k, implementation) -> dict:
     return append(k1[:, 0], v1[:, 0], s[0], s[1], s[2], positions, branching=cache.branching,
                   **geometry)
 
-  def one_select(s, i, arrays):
+  def one_select(s, i, arrays, **config):
     del s
     return select(q[:, 0], arrays[0], arrays[1], positions - 1 - (i & 1),
                   branching=cache.branching, top_k=top_k, beam=top_k, selector="pisa",
-                  scale=scale, **geometry)
+                  scale=scale, **geometry, **config)
 
   def one_attention(s, i, arrays):
     del s
@@ -171,10 +176,12 @@ def time_stages(n, b, hq, hkv, d, top_k, implementation) -> dict:
   # The cache is an argument of the jitted loop, never closed over (a constant) nor returned (a
   # copy); append, timed last, threads and donates it.
   out = {}
-  for name, body, state, arrays in (
-      ("select", one_select, idx, (cache.k, cache.summaries)),
+  widths = [(f"select_w{w}", functools.partial(one_select, config=DecodeConfig(select_warps=w)),
+             idx, (cache.k, cache.summaries)) for w in select_warps]
+  for name, body, state, arrays in [
+      ("select", one_select, idx, (cache.k, cache.summaries)), *widths,
       ("attention", one_attention, q[:, 0], (cache.k, cache.v)),
-      ("append", one_append, (cache.k, cache.v, cache.summaries), ())):
+      ("append", one_append, (cache.k, cache.v, cache.summaries), ())]:
     run = jax.jit(lambda s, a, body=body: jax.lax.fori_loop(0, LOOP,
                                                             lambda i, s: body(s, i, a), s),
                   donate_argnums=0 if name == "append" else ())
@@ -264,7 +271,7 @@ def measure(args, rec: _record.Recorder) -> None:
           ms, loop_ms = time_pisa(n, b, hq, hkv, d, top_k, args.implementation, room)
           ours_by_n[n] = ms, loop_ms
           first = ours_by_n[min(ours_by_n)]
-          stages = time_stages(n, b, hq, hkv, d, top_k, args.implementation)
+          stages = time_stages(n, b, hq, hkv, d, top_k, args.implementation, args.select_warps)
           rec.add(**base, side="pisa-jax", ms=ms, loop_ms=loop_ms,
                   **{f"loop_ms_{k}": v for k, v in stages.items()},
                   tokens_per_s=round(b / ms * 1e3, 1), x_ours=1.0,
@@ -300,12 +307,14 @@ def table(record: dict) -> str:
       body.append([case, ours.get("ms"), dense.get("ms"), dense.get("implementation"),
                    dense.get("x_ours"), ours.get("x_own_shortest"), ours.get("loop_ms"),
                    dense.get("loop_ms"), dense.get("loop_x_ours"),
-                   ours.get("loop_x_own_shortest")] + [ours.get(f"loop_ms_{k}") for k in STAGES])
+                   ours.get("loop_x_own_shortest")] + [ours.get(f"loop_ms_{k}") for k in STAGES]
+                  + [", ".join(f"{k.removeprefix('loop_ms_select_')} {v}" for k, v in ours.items()
+                               if k.startswith("loop_ms_select_w")) or None])
     lines.append(_record.markdown(
         ["case", "pisa-jax ms", "dense ms", "dense via", "dense / ours",
          "ours / ours at shortest N", "in-loop ours ms", "in-loop dense ms",
          "in-loop dense / ours", "in-loop ours / at shortest N"]
-        + [f"in-loop {k} ms" for k in STAGES], body))
+        + [f"in-loop {k} ms" for k in STAGES] + ["in-loop select ms by warps"], body))
   gen = [r for r in record["rows"] if r.get("part") == "generation"]
   if gen:
     body = [[r["preset"], r["attention"], r["batch"], r["prompt"], r.get("first_token_s"),
@@ -347,7 +356,7 @@ def settings(args) -> dict:
               heads=[dict(zip(("hq", "hkv", "d", "top_k"), h)) for h in args.heads],
               implementation=args.implementation, generation=args.generation,
               gen_preset=args.gen_preset, gen_batch=args.gen_batch, gen_prompt=args.gen_prompt,
-              gen_tokens=args.gen_tokens,
+              gen_tokens=args.gen_tokens, select_warps=list(args.select_warps),
               timing="median of 7 batches of back-to-back steps, the cache threaded and donated",
               loop_steps=LOOP)
 
@@ -359,6 +368,8 @@ def main(argv=None) -> dict:
   p.add_argument("--heads", type=parse_heads, action="append",
                  help="HQ:HKV:D:K, repeatable (default: 32:2:128:32 and 32:2:64:8)")
   p.add_argument("--implementation", default="pallas", choices=("pallas", "xla"))
+  p.add_argument("--select-warps", type=parse_ints, default=(),
+                 help="also time the selection kernel on each of these warp counts (pallas)")
   p.add_argument("--no-generation", dest="generation", action="store_false",
                  help="leave out the end-to-end generation part")
   p.add_argument("--gen-preset", default="small")
@@ -367,6 +378,9 @@ def main(argv=None) -> dict:
   p.add_argument("--gen-tokens", type=int, default=256)
   args = p.parse_args(argv)
   args.heads = args.heads or list(HEADS)
+  if args.select_warps and args.implementation != "pallas":
+    raise SystemExit(f"--select-warps {args.select_warps} times the Pallas selection kernel: "
+                     "it needs --implementation pallas")
   return _record.run(NAME, args, measure, settings, plot, table)
 
 
