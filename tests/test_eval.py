@@ -320,6 +320,41 @@ def test_ruler_with_the_real_task_module(gpt2_model):
   assert part["average"] == pytest.approx(np.mean([r["score"] for r in records]))
 
 
+def test_ppl_of_a_packed_run_scores_each_document_alone(evaluated, tmp_path):
+  """A run trained with data.packing is scored as it trained: no token sees another document,
+  positions restart, and the target after an end-of-text token does not count."""
+  from pisa_jax.train.data import document_layout
+  from pisa_jax.train.evaluation import perplexity
+
+  _, model = evaluated
+  eot = 63
+  rng = np.random.default_rng(3)
+  tokens = rng.integers(0, eot, 200)
+  tokens[rng.choice(200, 12, replace=False)] = eot
+  for split in ("train", "val"):
+    tokens.astype(np.uint16).tofile(tmp_path / f"{split}.bin")
+  (tmp_path / "meta.json").write_text(json.dumps(
+      {"format": FORMAT, "vocab_size": 64, "train_tokens": 200, "val_tokens": 200, "eot": eot}))
+  config = validate(apply_overrides(get_config("tiny"), TINY_EVAL + [
+      "data.source=tokens", f"data.path={tmp_path}", "data.packing=true"]))
+  part = perplexity.run_perplexity(model, config, lengths=[32], samples=SAMPLES, seed=0,
+                                   data=None, batch_size=4, progress=False)
+  (row,) = part["rows"]
+  assert row["data"]["packing"] is True
+  total = count = 0.0
+  for start in row["data"]["starts"]:
+    x, y = tokens[start:start + 32], tokens[start + 1:start + 33]
+    layout = document_layout(x[None], eot)
+    ids, weights = layout["segment_ids"][0], layout["weights"][0]
+    for doc in np.unique(ids):
+      at = np.flatnonzero(ids == doc)
+      nll = _nll(model, x[None, at], y[None, at])[0]
+      total += float((nll * weights[at]).sum())
+      count += float(weights[at].sum())
+  assert row["tokens"] == int(count) < SAMPLES * 32
+  np.testing.assert_allclose(row["loss"], total / count, rtol=1e-5)
+
+
 def test_ruler_refuses_a_vocabulary_wider_than_the_tokenizer():
   """Checked before generating: an id past GPT-2's 50,257 would have no text to score."""
   config = types.SimpleNamespace(model=types.SimpleNamespace(vocab_size=50304))

@@ -71,11 +71,13 @@ def held_out(config, *, length: int, samples: int, seed: int, data: str | None) 
 
   Text (the run's data.path, or `data`): windows starting at evenly spaced offsets of the
   validation split, deterministic and spread over all of it (overlapping only where the split
-  holds fewer than samples x (length + 1) tokens). MQAR runs without `data`: the examples of the
-  run's task at this length from `np.random.default_rng([seed, 1, length])` (1: the validation
-  split's id in `train.data`).
+  holds fewer than samples x (length + 1) tokens). A run trained with `data.packing` is scored
+  as it trained: the windows add segment_ids and positions `[N, T]` from the end-of-text tokens
+  and the target after each one weighs 0 (`train.data.document_layout`). MQAR runs without
+  `data`: the examples of the run's task at this length from
+  `np.random.default_rng([seed, 1, length])` (1: the validation split's id in `train.data`).
   """
-  from pisa_jax.train.data import VAL, TokenWindows, mqar_examples
+  from pisa_jax.train.data import VAL, TokenWindows, document_layout, mqar_examples
 
   d, m = config.data, config.model
   if d.source == "mqar" and data is None:
@@ -89,15 +91,18 @@ def held_out(config, *, length: int, samples: int, seed: int, data: str | None) 
     return {**ex, "source": source}
   folder = data if data is not None else d.path
   windows = TokenWindows(folder, "val", seq_len=1, global_batch=1, accum=1, seed=0,
-                         vocab_size=m.vocab_size)
+                         vocab_size=m.vocab_size, packing=d.packing)
   tokens = windows.tokens
   last = len(tokens) - length - 1
   starts = np.linspace(0, max(last, 0), samples).round().astype(np.int64)
   rows = np.stack([tokens[s:s + length + 1] for s in starts]).astype(np.int32)
   source = {"source": "tokens", "path": str(folder), "split": "val",
-            "split_tokens": int(len(tokens)), "starts": starts.tolist()}
-  return {"inputs": rows[:, :-1], "targets": rows[:, 1:],
-          "weights": np.ones(rows[:, 1:].shape, np.float32), "source": source}
+            "split_tokens": int(len(tokens)), "starts": starts.tolist(), "packing": d.packing}
+  out = {"inputs": rows[:, :-1], "targets": rows[:, 1:],
+         "weights": np.ones(rows[:, 1:].shape, np.float32), "source": source}
+  if d.packing:
+    out.update(document_layout(out["inputs"], windows.meta["eot"]))
+  return out
 
 
 def check_data(config, *, lengths: list[int], data: str | None, what: str) -> None:
@@ -150,8 +155,8 @@ def _chunk_scores(x, targets, lm_head, vocab_size: int):
 
 
 @functools.partial(jax.jit, static_argnames=("chunk",))
-def _token_scores(model, inputs, targets, *, chunk: int):
-  x = model.hidden_states(inputs)  # [B, T, E]
+def _token_scores(model, inputs, targets, segment_ids, positions, *, chunk: int):
+  x = model.hidden_states(inputs, segment_ids, positions)  # [B, T, E]
   b, t, e = x.shape
   if chunk >= t:
     return _chunk_scores(x, targets, model.lm_head[...], model.cfg.vocab_size)
@@ -169,9 +174,11 @@ def _token_scores(model, inputs, targets, *, chunk: int):
 
 
 def token_scores(model, inputs: np.ndarray, targets: np.ndarray, *, batch_size: int,
-                 bar=None) -> tuple[np.ndarray, np.ndarray]:
+                 bar=None, segment_ids: np.ndarray | None = None,
+                 positions: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
   """Next-token NLL float32 `[N, T]` and whether the argmax is the target, bool `[N, T]`, from
   the model's forward pass (its own attention) over `inputs` `[N, T]`, `batch_size` rows at a time.
+  segment_ids, positions: None, or int32 `[N, T]` packed documents (`Decoder.hidden_states`).
 
   The last batch is filled up with copies of row 0 (results dropped), so every batch has one
   shape and compiles once.
@@ -185,7 +192,9 @@ def token_scores(model, inputs: np.ndarray, targets: np.ndarray, *, batch_size: 
   for start in range(0, n, batch_size):
     rows = np.arange(start, start + batch_size)
     rows = np.where(rows < n, rows, 0)
-    a, b = _token_scores(model, inputs[rows], targets[rows], chunk=chunk)
+    a, b = _token_scores(model, inputs[rows], targets[rows],
+                         None if segment_ids is None else segment_ids[rows],
+                         None if positions is None else positions[rows], chunk=chunk)
     keep = min(batch_size, n - start)
     nll.append(np.asarray(a)[:keep])
     hit.append(np.asarray(b)[:keep])

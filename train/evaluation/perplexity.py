@@ -31,7 +31,9 @@ def run_perplexity(model, config, *, lengths: list[int], samples: int, seed: int
     bar.set_description(f"ppl {length}")
     windows = common.held_out(config, length=length, samples=samples, seed=seed, data=data)
     nll, _ = common.token_scores(model, windows["inputs"], windows["targets"],
-                                 batch_size=batch_size, bar=bar)
+                                 batch_size=batch_size, bar=bar,
+                                 segment_ids=windows.get("segment_ids"),
+                                 positions=windows.get("positions"))
     weights = windows["weights"]
     # float64 sums: a length x windows can be millions of token losses.
     total, count = float((nll * weights).sum(dtype=np.float64)), float(weights.sum())
