@@ -16,8 +16,10 @@ same step run LOOP times inside one jitted `fori_loop`, per step: the device's t
 host's dispatch of every step (what a compiled generation loop pays), and `loop_ms_append`,
 `_select`, `_attention` each stage of the PISA step alone, timed the same way. With
 --select-warps W1,W2,.. (Pallas only) the selection stage is also timed at each launch width,
-`loop_ms_select_w<W>`: at small B its B * HKV programs leave most of the GPU idle, so the
-prefill kernels' measured width need not be the decode kernel's best.
+`loop_ms_select_w<W>`, and with --select-leaves S1,S2,.. at each number of candidate leaves
+whose keys one step of its leaf loop loads, `loop_ms_select_l<S>`: at small B its B * HKV
+programs leave most of the GPU idle, and a program scores up to NC - 3 leaves one after the
+other, so the prefill kernels' measured settings need not be the decode kernel's best.
 
 Goals: at N = 1M, dense / ours >= 10 at B = 1 and >= 50 at B = 16; our step at 1M within 1.5x
 of our step at 32K (O(log N) work plus the K C keys attended).
@@ -137,11 +139,13 @@ def time_pisa(n, b, hq, hkv, d, top_k, implementation, steps_room: int):
   return ms, loop_ms
 
 
-def time_stages(n, b, hq, hkv, d, top_k, implementation, select_warps=()) -> dict:
+def time_stages(n, b, hq, hkv, d, top_k, implementation, select_warps=(),
+                select_leaves=()) -> dict:
   """ms per step of each stage of the pisa step alone, LOOP times in one jitted loop: append
   (the cache threaded), select and attention (at positions N and N + 1 alternately, so that the
   loop body depends on the iteration and cannot be hoisted); "select_w<W>" the selection kernel
-  launched on W warps, for each W of select_warps."""
+  launched on W warps, for each W of select_warps, and "select_l<S>" with S leaves per step of
+  its leaf loop, for each S of select_leaves (the default config otherwise)."""
   from pisa_jax import _dispatch
   from pisa_jax.kernels.decode import DecodeConfig
 
@@ -176,8 +180,13 @@ def time_stages(n, b, hq, hkv, d, top_k, implementation, select_warps=()) -> dic
   # The cache is an argument of the jitted loop, never closed over (a constant) nor returned (a
   # copy); append, timed last, threads and donates it.
   out = {}
-  widths = [(f"select_w{w}", functools.partial(one_select, config=DecodeConfig(select_warps=w)),
-             idx, (cache.k, cache.summaries)) for w in select_warps]
+  default = DecodeConfig.default(candidates=2 * top_k, head_dim=d)
+  variants = ([(f"select_w{w}", dataclasses.replace(default, select_warps=w))
+               for w in select_warps]
+              + [(f"select_l{s}", dataclasses.replace(default, select_leaves_per_step=s))
+                 for s in select_leaves])
+  widths = [(name, functools.partial(one_select, config=config), idx, (cache.k, cache.summaries))
+            for name, config in variants]
   for name, body, state, arrays in [
       ("select", one_select, idx, (cache.k, cache.summaries)), *widths,
       ("attention", one_attention, q[:, 0], (cache.k, cache.v)),
@@ -271,7 +280,8 @@ def measure(args, rec: _record.Recorder) -> None:
           ms, loop_ms = time_pisa(n, b, hq, hkv, d, top_k, args.implementation, room)
           ours_by_n[n] = ms, loop_ms
           first = ours_by_n[min(ours_by_n)]
-          stages = time_stages(n, b, hq, hkv, d, top_k, args.implementation, args.select_warps)
+          stages = time_stages(n, b, hq, hkv, d, top_k, args.implementation, args.select_warps,
+                               args.select_leaves)
           rec.add(**base, side="pisa-jax", ms=ms, loop_ms=loop_ms,
                   **{f"loop_ms_{k}": v for k, v in stages.items()},
                   tokens_per_s=round(b / ms * 1e3, 1), x_ours=1.0,
@@ -309,12 +319,14 @@ def table(record: dict) -> str:
                    dense.get("loop_ms"), dense.get("loop_x_ours"),
                    ours.get("loop_x_own_shortest")] + [ours.get(f"loop_ms_{k}") for k in STAGES]
                   + [", ".join(f"{k.removeprefix('loop_ms_select_')} {v}" for k, v in ours.items()
-                               if k.startswith("loop_ms_select_w")) or None])
+                               if k.startswith(("loop_ms_select_w", "loop_ms_select_l")))
+                     or None])
     lines.append(_record.markdown(
         ["case", "pisa-jax ms", "dense ms", "dense via", "dense / ours",
          "ours / ours at shortest N", "in-loop ours ms", "in-loop dense ms",
          "in-loop dense / ours", "in-loop ours / at shortest N"]
-        + [f"in-loop {k} ms" for k in STAGES] + ["in-loop select ms by warps"], body))
+        + [f"in-loop {k} ms" for k in STAGES]
+        + ["in-loop select ms by warps (w) / leaves per step (l)"], body))
   gen = [r for r in record["rows"] if r.get("part") == "generation"]
   if gen:
     body = [[r["preset"], r["attention"], r["batch"], r["prompt"], r.get("first_token_s"),
@@ -357,6 +369,7 @@ def settings(args) -> dict:
               implementation=args.implementation, generation=args.generation,
               gen_preset=args.gen_preset, gen_batch=args.gen_batch, gen_prompt=args.gen_prompt,
               gen_tokens=args.gen_tokens, select_warps=list(args.select_warps),
+              select_leaves=list(args.select_leaves),
               timing="median of 7 batches of back-to-back steps, the cache threaded and donated",
               loop_steps=LOOP)
 
@@ -370,6 +383,8 @@ def main(argv=None) -> dict:
   p.add_argument("--implementation", default="pallas", choices=("pallas", "xla"))
   p.add_argument("--select-warps", type=parse_ints, default=(),
                  help="also time the selection kernel on each of these warp counts (pallas)")
+  p.add_argument("--select-leaves", type=parse_ints, default=(),
+                 help="also time it at each of these leaves per step of its leaf loop (pallas)")
   p.add_argument("--no-generation", dest="generation", action="store_false",
                  help="leave out the end-to-end generation part")
   p.add_argument("--gen-preset", default="small")
@@ -378,9 +393,9 @@ def main(argv=None) -> dict:
   p.add_argument("--gen-tokens", type=int, default=256)
   args = p.parse_args(argv)
   args.heads = args.heads or list(HEADS)
-  if args.select_warps and args.implementation != "pallas":
-    raise SystemExit(f"--select-warps {args.select_warps} times the Pallas selection kernel: "
-                     "it needs --implementation pallas")
+  if (args.select_warps or args.select_leaves) and args.implementation != "pallas":
+    raise SystemExit("--select-warps and --select-leaves time the Pallas selection kernel: they "
+                     "need --implementation pallas")
   return _record.run(NAME, args, measure, settings, plot, table)
 
 

@@ -200,16 +200,17 @@ def test_decode_steps_run_on_the_reference(tmp_path):
 
 
 @pytest.mark.slow
-def test_decode_select_warps_sweep_times_the_kernel_at_each_width(tmp_path):
+def test_decode_select_sweeps_time_the_kernel_at_each_setting(tmp_path):
   from benchmarks import decode
   with pytest.raises(SystemExit, match="--select-warps"):
     decode.main(["--select-warps", "1,4", "--implementation", "xla", "--out", str(tmp_path)])
   record = decode.main(["--lengths", "128", "--batches", "1", "--heads", "4:2:16:4",
-                        "--implementation", "pallas", "--select-warps", "1,2", "--no-generation",
-                        "--out", str(tmp_path)])
+                        "--implementation", "pallas", "--select-warps", "1,2", "--select-leaves",
+                        "2", "--no-generation", "--out", str(tmp_path)])
   ours = next(r for r in record["rows"] if r["part"] == "step" and r["side"] == "pisa-jax")
   assert ours["loop_ms_select_w1"] > 0 and ours["loop_ms_select_w2"] > 0, ours
-  assert "w1 " in decode.table(record)
+  assert ours["loop_ms_select_l2"] > 0, ours
+  assert "w1 " in decode.table(record) and "l2 " in decode.table(record)
 
 
 def test_decode_generation_runs_on_the_reference(tmp_path):

@@ -262,6 +262,24 @@ def test_append_kernel_equals_reference_append():
   np.testing.assert_array_equal(np.asarray(ref[0][2]), np.asarray(cache.k[2]))
 
 
+@pytest.mark.parametrize("leaves_per_step", [2, 3])
+def test_select_kernel_loading_several_leaves_per_step_equals_one_at_a_time(leaves_per_step):
+  # 13 scored leaves of 16 candidates: steps of 2 and 3 leave a partial last step.
+  q, k, _ = _qkv(5, 2, 130, 4, 2, 16, jnp.float32)
+  cache = DecodeCache.create(2, 130, 2, 16, block_size=8, dtype=jnp.float32)
+  cache = cache.prefill(k, k, jnp.asarray([130, 77], jnp.int32))
+  select = dict(block_size=8, branching=2, top_k=6, beam=6, selector="pisa", scale=0.25,
+                interpret=True)
+  args = (q[:, -1], cache.k, cache.summaries, jnp.asarray([129, 76], jnp.int32))
+  one = kernels.decode_select_pallas(*args, **select)
+  got = kernels.decode_select_pallas(
+      *args, **select, config=kernels.DecodeConfig(select_leaves_per_step=leaves_per_step))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(one))
+  ref = dec.decode_select_reference(*args[:4], **{k: v for k, v in select.items()
+                                                   if k != "interpret"})
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+
+
 @pytest.mark.parametrize("implementation", IMPLS)
 def test_jitted_step_past_capacity_poisons_the_row_and_checkify_reports_it(implementation):
   _, k, v = _qkv(3, 2, 16, 2, 1, 16, jnp.float32)
@@ -393,3 +411,17 @@ def test_decode_kernels_lower_for_sm90(captured, monkeypatch, selector, hq, d, t
   names = {re.search(r"module @([A-Za-z0-9_]+)", m).group(1) for m in captured}
   select = "pisa_decode_select_" + selector
   assert {"pisa_decode_append", select, "pisa_decode_attention"} <= names, names
+
+
+def test_select_kernel_with_four_leaves_per_step_lowers_for_sm90(captured):
+  b, capacity, hkv, d = 16, 1 << 20, 2, 128
+  q = jax.ShapeDtypeStruct((b, 32, d), jnp.bfloat16)
+  cache = jax.eval_shape(lambda: DecodeCache.create(b, capacity, hkv, d, dtype=jnp.bfloat16))
+  positions = jax.ShapeDtypeStruct((b,), jnp.int32)
+  select = functools.partial(
+      kernels.decode_select_pallas, block_size=64, branching=2, top_k=32, beam=32,
+      selector="pisa", scale=d ** -0.5, interpret=False,
+      config=kernels.DecodeConfig(select_warps=4, select_leaves_per_step=4))
+  jax.jit(select).trace(q, cache.k, cache.summaries, positions).lower(
+      lowering_platforms=("cuda",))
+  assert any("module @pisa_decode_select_pisa" in m for m in captured)

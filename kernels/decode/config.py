@@ -17,6 +17,9 @@ class DecodeConfig:
   Attributes:
     select_warps: warps of the selection program (its values are `[16, NC]` and `[16, Cp]`; the
       candidates' all-pairs rank compare is `[NC, NC]`).
+    select_leaves_per_step: candidate leaves whose raw keys one iteration of the selection's
+      leaf loop loads (before any of their dots): up to NC - 3 leaves are scored one after the
+      other by a single program per (row, KV head), so at small B the loop's latency is the step.
     bsa_block_tile: leaf summaries per step of the BSA kernel's loops (a power of two >= 16).
     bsa_warps: warps of the BSA program (its dots are `[16, D] x [D, bsa_block_tile]`).
     attend_blocks: selected blocks per attention program (a power of two); 0 picks
@@ -27,6 +30,7 @@ class DecodeConfig:
   """
 
   select_warps: int = 1
+  select_leaves_per_step: int = 1
   bsa_block_tile: int = 64
   bsa_warps: int = 4
   attend_blocks: int = 0
@@ -39,6 +43,8 @@ class DecodeConfig:
       value = getattr(self, name)
       if value and value & (value - 1):
         raise ValueError(f"{name}={value} must be a power of two")
+    if self.select_leaves_per_step < 1:
+      raise ValueError(f"select_leaves_per_step={self.select_leaves_per_step} must be >= 1")
     if self.bsa_block_tile < MIN_DOT:
       raise ValueError(f"bsa_block_tile={self.bsa_block_tile} must be >= {MIN_DOT} (dot size)")
 

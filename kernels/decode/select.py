@@ -59,9 +59,11 @@ def _sorted_ids(cand, kept, width: int):
   return jnp.max(jnp.where(hit, cand[None, :], -1), axis=1)
 
 
-def _select_kernel(pos_ref, q_ref, k_ref, s_ref, tab_ref, out_ref, *, geo: Geometry):
+def _select_kernel(pos_ref, q_ref, k_ref, s_ref, tab_ref, out_ref, *, geo: Geometry,
+                   leaves_per_step: int = 1):
   """The fused decode selection (Eq. 30-31) for one (batch row, KV head): walk, leaf scores,
-  final Select_K. Writes the row's leaf ids ascending, -1 padded, `[KP]`."""
+  final Select_K. Writes the row's leaf ids ascending, -1 padded, `[KP]`. leaves_per_step: the
+  leaf loop loads that many candidates' keys per iteration (independent loads in flight)."""
   g, nc, c = geo.branching, geo.nc, geo.block_size
   num_levels = len(geo.sizes)
   num_nodes = geo.num_nodes
@@ -120,17 +122,25 @@ def _select_kernel(pos_ref, q_ref, k_ref, s_ref, tab_ref, out_ref, *, geo: Geome
   o_key = jnp.arange(geo.cp)
   m_key = o_key < c
 
-  def score_leaf(n, scores):
-    hit = need & (order == n)
-    leaf = jnp.sum(jnp.where(hit, cand, 0))
-    # A scored leaf is complete and before the current one: all of its keys exist.
-    key_pos = jnp.minimum(leaf * c + o_key, geo.capacity - 1)
-    keys = load_rows(k_ref, (i_b * geo.capacity + key_pos) * geo.hkv + i_h, m_key, geo.d,
-                     geo.dp)
-    per_head = reduce_keys(dot_t(qg, keys, geo.key_mode), m_key, geo.selector, geo.scale)
-    return jnp.where(hit, jnp.sum(jnp.where(m_head, per_head, 0.0)), scores)
+  def score_leaves(n, scores):
+    # Every load of the step first, then the dots: the loads do not wait on each other.
+    hits, keys = [], []
+    for j in range(leaves_per_step):
+      hit = need & (order == n * leaves_per_step + j)
+      leaf = jnp.sum(jnp.where(hit, cand, 0))
+      # A scored leaf is complete and before the current one: all of its keys exist.
+      key_pos = jnp.minimum(leaf * c + o_key, geo.capacity - 1)
+      m_load = m_key & (jnp.sum(hit.astype(jnp.int32)) > 0) if leaves_per_step > 1 else m_key
+      hits.append(hit)
+      keys.append(load_rows(k_ref, (i_b * geo.capacity + key_pos) * geo.hkv + i_h, m_load,
+                            geo.d, geo.dp))
+    for hit, leaf_keys in zip(hits, keys):
+      per_head = reduce_keys(dot_t(qg, leaf_keys, geo.key_mode), m_key, geo.selector, geo.scale)
+      scores = jnp.where(hit, jnp.sum(jnp.where(m_head, per_head, 0.0)), scores)
+    return scores
 
-  scores = lax.fori_loop(0, n_need, score_leaf, jnp.zeros((nc,), jnp.float32))
+  num_steps = n_need if leaves_per_step == 1 else (n_need + leaves_per_step - 1) // leaves_per_step
+  scores = lax.fori_loop(0, num_steps, score_leaves, jnp.zeros((nc,), jnp.float32))
   kept, _ = _select_k(cand, valid, forced, jnp.where(need, scores, 0.0), geo.top_k)
   out = _sorted_ids(cand, kept, geo.kp)
   out_ref[pl.ds(i_bh, 1), :] = out[None, :]
@@ -171,7 +181,9 @@ def decode_select_pallas(
     table = int32_table([list(geo.offsets) + [0] * (lp - len(sizes)),
                          [branching ** i if i < len(sizes) else 1 for i in range(lp)]],
                         "the decode level table")
-    call = launch(functools.partial(_select_kernel, geo=geo), out_shape, (b * hkv,),
+    call = launch(functools.partial(_select_kernel, geo=geo,
+                                    leaves_per_step=config.select_leaves_per_step),
+                  out_shape, (b * hkv,),
                   warps=config.select_warps, stages=config.num_stages, interpret=interpret,
                   name=f"pisa_decode_select_{selector}")
     out = call(positions, *rows, table)
