@@ -148,6 +148,7 @@ def time_stages(n, b, hq, hkv, d, top_k, implementation, select_warps=(),
   its leaf loop, for each S of select_leaves (the default config otherwise)."""
   from pisa_jax import _dispatch
   from pisa_jax.kernels.decode import DecodeConfig
+  from pisa_jax.kernels.decode import layout as decode_layout
 
   cache = pisa_jax.DecodeCache.create(b, n + 2, hkv, d, block_size=C)
   cache = cache.prefill(*filled(n, b, hkv, d))
@@ -180,7 +181,10 @@ def time_stages(n, b, hq, hkv, d, top_k, implementation, select_warps=(),
   # The cache is an argument of the jitted loop, never closed over (a constant) nor returned (a
   # copy); append, timed last, threads and donates it.
   out = {}
-  default = DecodeConfig.default(candidates=2 * top_k, head_dim=d)
+  # The kernel's own default for this geometry, one field changed per variant.
+  nc = decode_layout.make_geometry(q[:, 0], cache.k, block_size=C, branching=cache.branching,
+                                   top_k=top_k, beam=top_k, selector="pisa", scale=scale).nc
+  default = DecodeConfig.default(candidates=nc, head_dim=d)
   variants = ([(f"select_w{w}", dataclasses.replace(default, select_warps=w))
                for w in select_warps]
               + [(f"select_l{s}", dataclasses.replace(default, select_leaves_per_step=s))

@@ -121,8 +121,15 @@ def test_attention_matches_reference(case, kernels):
   again = run(q, k, v, idx, do)
   f32 = lambda x: x.astype(jnp.float32)
   want = value_and_grads(f32(q), f32(k), f32(v), idx, f32(do), block_size=c, implementation="xla")
-  key = jnp.dtype(dtype).type
   assert got[0].dtype == dtype
+  assert_outputs_match(got, again, want, dtype)
+
+
+def assert_outputs_match(got, again, want, dtype):
+  """(o, dq, dk, dv) of two kernel runs bit-identical, finite, and within the suite's tolerances
+  of the float32 reference's."""
+  f32 = lambda x: x.astype(jnp.float32)
+  key = jnp.dtype(dtype).type
   for name, g, a, w in zip(("o", "dq", "dk", "dv"), got, again, want):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(g), err_msg=f"{name}: runs differ")
     g = np.asarray(f32(g))

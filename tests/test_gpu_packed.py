@@ -22,24 +22,13 @@ import pisa_jax
 from pisa_jax import testing
 
 import tolerances as tol
-from test_gpu_attention import poison
+from test_gpu_attention import assert_outputs_match, poison
+from test_packed_pallas import documents, segment_ids
 
 pytestmark = pytest.mark.gpu
 
 # T = 4096 in every row: short documents around block edges (C = 64), then long ones.
 ROWS = ([1, 63, 2, 130, 1, 700, 3, 1200, 1996], [2000, 5, 64, 1, 1, 2025])
-
-
-def segment_ids(rows) -> jax.Array:
-  return jnp.asarray(np.stack([np.repeat(np.arange(len(r)), r) for r in rows]).astype(np.int32))
-
-
-def documents(rows):
-  """(row, start, length) of every document."""
-  for b, lengths in enumerate(rows):
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    for s, n in zip(starts, lengths):
-      yield b, int(s), int(n)
 
 
 def inputs(seed, t, hq, hkv, d, dtype):
@@ -84,14 +73,7 @@ def test_packed_attention_matches_reference(hq, hkv, d, top_k, dtype):
   f32 = lambda x: x.astype(jnp.float32)
   want = value_and_grads(f32(q), f32(k), f32(v), idx, seg, f32(do), block_size=c,
                          implementation="xla")
-  key = jnp.dtype(dtype).type
-  for name, g, a, w in zip(("o", "dq", "dk", "dv"), got, again, want):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(g), err_msg=f"{name}: runs differ")
-    g = np.asarray(f32(g))
-    assert np.isfinite(g).all(), f"{name}: {int((~np.isfinite(g)).sum())} non-finite entries"
-    atol = tol.OUTPUT_ATOL[key] if name == "o" else tol.GRAD_ATOL[key]
-    rtol = tol.OUTPUT_RTOL[key] if name == "o" else tol.GRAD_RTOL[key]
-    np.testing.assert_allclose(g, np.asarray(w), atol=atol, rtol=rtol, err_msg=name)
+  assert_outputs_match(got, again, want, dtype)
 
 
 @pytest.mark.parametrize("d,top_k,selector", [(64, 8, "pisa"), (128, 32, "pisa"),

@@ -171,18 +171,18 @@ def leaf_scores_pallas(q, k, cand, geo: Geometry, *, interpret: bool, config: Se
   if num_pairs > MAX_PAIRS:
     raise ValueError(f"{num_pairs} pairs in one launch, past {MAX_PAIRS}: split with row_chunks")
   o_row = jnp.arange(row0, row0 + rows)  # (b * Tq + t) * HKV + h
-  t_row = ((o_row // geo.hkv) % t)[:, None]
-  if offset is not None:
-    t_row = t_row + offset[0]
-  if packed_rows is not None:
-    t_row = packed_rows[0][:, None]
+  if packed_rows is None:
+    t_row = ((o_row // geo.hkv) % t)[:, None]
+    if offset is not None:
+      t_row = t_row + offset[0]
+    units, leaf = geo.num_blocks, jnp.maximum(cand, 0)
+  else:
+    # A packed leaf is named by its first key position, unique across documents.
+    rel, first = packed_rows
+    t_row = rel[:, None]
+    units, leaf = t, first[:, None] + jnp.maximum(cand, 0) * geo.block_size
   need, _, _ = topk.leaf_needs_score(cand, t_row, geo)
-  # Buckets are (batch, KV head, leaf); pairs that need no score go to the last bucket. A packed
-  # leaf is named by its first key position, unique across documents.
-  units = geo.num_blocks if packed_rows is None else t
-  leaf = jnp.maximum(cand, 0)
-  if packed_rows is not None:
-    leaf = packed_rows[1][:, None] + leaf * geo.block_size
+  # Buckets are (batch, KV head, leaf); pairs that need no score go to the last bucket.
   num_buckets = b * geo.hkv * units
   q_tile = config.q_tile
   bh = (o_row // (t * geo.hkv)) * geo.hkv + o_row % geo.hkv
