@@ -262,10 +262,10 @@ def test_append_kernel_equals_reference_append():
   np.testing.assert_array_equal(np.asarray(ref[0][2]), np.asarray(cache.k[2]))
 
 
-@pytest.mark.parametrize("leaves_per_step", [2, 3])
-def test_select_kernel_loading_several_leaves_per_step_equals_one_at_a_time(leaves_per_step):
+@pytest.mark.parametrize("leaves_per_step,hq", [(2, 4), (3, 6)])
+def test_select_kernel_loading_several_leaves_per_step_equals_one_at_a_time(leaves_per_step, hq):
   # 13 scored leaves of 16 candidates: steps of 2 and 3 leave a partial last step.
-  q, k, _ = _qkv(5, 2, 130, 4, 2, 16, jnp.float32)
+  q, k, _ = _qkv(5, 2, 130, hq, 2, 16, jnp.float32)
   cache = DecodeCache.create(2, 130, 2, 16, block_size=8, dtype=jnp.float32)
   cache = cache.prefill(k, k, jnp.asarray([130, 77], jnp.int32))
   select = dict(block_size=8, branching=2, top_k=6, beam=6, selector="pisa", scale=0.25,

@@ -341,12 +341,13 @@ def test_selection_kernels_equal_reference_and_each_document_alone(selector, blo
     assert_selection_matches(got[b:b + 1, s:s + n], alone, qd, kd, proof)
 
 
-def test_wide_beam_selection_on_16bit_inputs():
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (3, 1), (8, 1)])
+def test_wide_beam_selection_on_16bit_inputs(hq, hkv):
   """bfloat16 q and k through the packed two-stage: leaf tiles score a document leaf's raw keys
   from its first key position (no block edge), the walk the high + low split of the float32
   summaries; the same selection as the reference up to proven near-ties, and each document's."""
   seg = segment_ids(ROWS)
-  q, k, _, _ = make_inputs(111, batch=2, hq=4, hkv=2, d=16, dtype=jnp.bfloat16, seed=21)
+  q, k, _, _ = make_inputs(111, batch=2, hq=hq, hkv=hkv, d=16, dtype=jnp.bfloat16, seed=21)
   # K = 5: two leaves beyond the forced three are chosen by their scores.
   selection = dict(block_size=4, top_k=5, branching=2, selector="pisa")
   got = pisa_jax.select_blocks(q, k, beam=9, segment_ids=seg, implementation="pallas",
