@@ -68,9 +68,10 @@ class SparseAttentionConfig:
     dkv_rows: rows (query, head) pairs per inner step of the dk/dv kernel, a power of two >= G;
       each step covers dkv_rows // G queries.
     dkv_num_warps, dkv_num_stages: dk/dv kernel launch.
-    packed_dkv_num_warps: dk/dv kernel launch for packed rows (segment_ids), a power of two. Its
-      programs hold 2C keys (a document block straddles two array blocks), twice the
-      accumulators of an unpacked one: twice the warps keep the registers per thread the same.
+    packed_dkv_num_warps: warps of the packed dk/dv launch for the items that straddle a
+      document boundary inside an array block (a power of two): their programs hold 2C keys,
+      twice the accumulators of an unpacked one, so twice the warps keep the registers per
+      thread the same. Every other packed item runs the unpacked launch.
     items_entries: most queries one dk/dv program handles for one key block; a block selected by
       more queries is split into several programs whose partials are summed in a fixed order.
     reduce_num_warps: launch of the partial-sum kernel.

@@ -13,15 +13,18 @@ run to run.
 Packed documents (segment_ids): a query's selected block i covers its document's keys
 lo .. lo + C - 1 with lo = start + i C, which need not align with the key array's blocks, so it
 spans array block n = lo // C and, unless aligned, the head of block n + 1. The packed index
-holds one entry per (query, selected block), keyed by n, with its lo; the program of an item of
-block n loads the 2C keys of blocks n and n + 1 and masks those outside [lo, lo + C) and after
-the query. Its float32 partials have 2C rows: array block n sums the first C rows of its own
-items, then the last C rows of block n - 1's items, each in item order (still no atomics, still
-bit-identical). One entry and a 2C window rather than one entry per array block touched (C keys
-each): an unaligned block costs the same 2C keys of dots either way (an aligned one pays C masked
-keys), and a query's q and do rows are gathered once per selected block instead of twice, with
-half the index. On the H200 the two schemes time the same (128K of packed documents, d64 K8,
-fwd + bwd 15.52 vs 15.54 ms): the gathers are not what packing costs.
+holds one entry per (query, selected block), listed under array block n and sorted by lo, so
+the entries of one document block are contiguous. Partials have 2C rows (keys of blocks n and
+n + 1): array block n sums the first C rows of its own items, then the last C rows of block
+n - 1's items, each in item order (no atomics, bit-identical). Two launches fill them:
+- an item whose entries share one lo (all but the few that straddle a document boundary
+  inside an array block) loads the C keys lo .. lo + C - 1 and computes exactly the unpacked
+  kernel's work, written at rows lo - nC .. lo - nC + C - 1 of its 2C rows (zeros elsewhere);
+- an item with several lo values loads the 2C keys of blocks n and n + 1 and masks each
+  entry's keys outside [lo, lo + C): twice the dots, once per straddling item. Its launch
+  writes into the first launch's partials (aliased) and skips every other item.
+On the H200 (128K of packed 2K-16K documents, d64 K8) the 2C window for every item made the
+packed dk/dv 8.43 ms against the unpacked 3.56 ms.
 """
 
 from __future__ import annotations
@@ -44,12 +47,13 @@ _LOG2E = math.log2(math.e)
 # ----------------------------------------------------------------------------- inverted index
 
 
-def _group_by_block(key, *, num_blocks: int, items_entries: int, num_items: int):
+def _group_by_block(key, *, num_blocks: int, items_entries: int, num_items: int, sort_key=None):
   """Entries `[B, HKV, E]` keyed by key block (num_blocks: no block), grouped and cut into items.
 
   Returns (order, item_block, item_start, item_end, item_offsets) as in `inverted_index`; order
-  is the stable argsort of key, so entries of one block keep their original order."""
-  order = jnp.argsort(key, axis=-1, stable=True).astype(jnp.int32)
+  is the stable argsort of sort_key (default key; it must order the entries by key first), so
+  entries of equal sort_key keep their original order."""
+  order = jnp.argsort(key if sort_key is None else sort_key, axis=-1, stable=True).astype(jnp.int32)
 
   def per_head(key_h):
     counts = jnp.zeros((num_blocks + 1,), jnp.int32).at[key_h].add(1)[:num_blocks]
@@ -106,9 +110,9 @@ def packed_inverted_index(block_indices: Int[Array, "B T HKV K"], starts: Int[Ar
 
   block_indices are document-relative and starts `[B, T]` each query's document start. A valid
   block (index in [0, (t - start) // C]) covers keys lo .. lo + C - 1, lo = start + i C; its
-  entry is listed under array block lo // C, whose items also cover the next array block (the
-  2C-key window of `_dkv_kernel`). A query selects a block once, so it appears at most once in a
-  block's list.
+  entry is listed under array block lo // C, sorted by lo and then by query, so a document block's
+  entries are contiguous (its items share one lo: the C-key launch of `backward_dkv`). A query
+  selects a block once, so it appears at most once in a block's list.
 
   Returns `inverted_index`'s five arrays over T K entries, then entry_lo: int32 `[B, HKV, T K]`,
   the first key of each entry's selected block.
@@ -120,11 +124,11 @@ def packed_inverted_index(block_indices: Int[Array, "B T HKV K"], starts: Int[Ar
   valid = (block_indices >= 0) & (block_indices <= (pos - start) // block_size)
   lo = start + jnp.maximum(block_indices, 0) * block_size
   # [B, HKV, T * K], t-major then slot: the stable sort keeps queries ascending within a block.
-  key = jnp.where(valid, lo // block_size, num_blocks).transpose(0, 2, 1, 3).reshape(
+  lo_flat = jnp.where(valid, lo, num_blocks * block_size).transpose(0, 2, 1, 3).reshape(
       b, hkv, t * top_k)
   order, item_block, item_start, item_end, item_offsets = _group_by_block(
-      key, num_blocks=num_blocks, items_entries=items_entries, num_items=num_items)
-  lo_flat = lo.transpose(0, 2, 1, 3).reshape(b, hkv, t * top_k)
+      lo_flat // block_size, num_blocks=num_blocks, items_entries=items_entries,
+      num_items=num_items, sort_key=lo_flat)
   entry_lo = jnp.take_along_axis(lo_flat, order, axis=-1)
   return order // top_k, item_block, item_start, item_end, item_offsets, entry_lo
 
@@ -134,80 +138,106 @@ def packed_inverted_index(block_indices: Int[Array, "B T HKV K"], starts: Int[Ar
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entry_ref, blk_ref, start_ref,
                 end_ref, *refs, block_size: int, scale: float, group: int, rows: int,
-                packed: bool, offset: bool = False):
+                packed: str | None = None, offset: bool = False):
   """One program: one work item (a key block and a run of the queries that selected it).
 
   Each step gathers `rows // G` queries x G heads as the M dimension of the dots (Appendix B
   gradients for the keys of one block). Writes float32 partials, scale not yet applied to dk.
-  Packed rows add lo_ref, each entry's selected-block start: the program covers the 2C keys of
-  its array block and the next (where the entries' blocks lie) and masks each entry's keys
-  outside [lo, lo + C). A sequence shard adds off_ref `[1]`: query row t sits at position
-  off + t.
+  Packed rows (packed = "single" or "mixed") add lo_ref, each entry's selected-block start, and
+  write 2C-row partials: "single" handles the items whose entries share one lo (C keys from lo,
+  written at rows lo - nC ..), "mixed" the others (the 2C keys of array blocks n and n + 1, each
+  entry's keys outside [lo, lo + C) masked); each skips the other's items. A sequence shard adds
+  off_ref `[1]`: query row t sits at position off + t.
   """
   lo_ref = refs[0] if packed else None
-  off_ref = refs[int(packed)] if offset else None
-  dk_ref, dv_ref = refs[int(packed) + int(offset):]
+  off_ref = refs[int(bool(packed))] if offset else None
+  dk_ref, dv_ref = refs[-2:]  # "mixed" also receives the aliased partials just before them
   i = pl.program_id(0)
   n = blk_ref[i]
   first = start_ref[i]
   last = end_ref[i]
   per_step = rows // group
-  window = 2 * block_size if packed else block_size
-  start = pl.multiple_of(n * block_size, block_size)
-  # [W, D]: the block's C keys, or 2C for packed rows
-  b_k = k_ref[pl.ds(start, window), :]
-  b_v = v_ref[pl.ds(start, window), :]
-  precision = dot_precision(b_k.dtype)
   qk_scale = scale * _LOG2E
-  d = b_k.shape[-1]
-  key_pos = start + jnp.arange(window)
+  d = k_ref.shape[-1]
   o_r = jnp.arange(rows)
   o_j = o_r // group
   o_g = o_r % group
   o_d = jnp.arange(d)
 
-  def body(step, carry):
-    b_dk, b_dv = carry
-    entry = first + step * per_step + o_j
-    m_r = (o_j < per_step) & (entry < last)
-    o_e = jnp.where(m_r, entry, first)
-    o_t = entry_ref[o_e]
-    # [R, D] gathered (query, head) rows; clamped addresses, masked rows zeroed.
-    m_rd = m_r[:, None] & (o_d[None, :] < d)
-    i_t = jnp.broadcast_to(o_t[:, None], (rows, d))
-    i_g = jnp.broadcast_to(o_g[:, None], (rows, d))
-    i_d = jnp.broadcast_to(o_d[None, :], (rows, d))
-    b_q = plt.load(q_ref.at[i_t, i_g, i_d], mask=m_rd, other=0.0)
-    b_do = plt.load(do_ref.at[i_t, i_g, i_d], mask=m_rd, other=0.0)
-    b_lse2 = plt.load(lse_ref.at[o_t, o_g], mask=m_r, other=0.0) * _LOG2E
-    b_delta = plt.load(delta_ref.at[o_t, o_g], mask=m_r, other=0.0)
-    # [W, R]
-    b_s = jnp.dot(b_k, b_q.T, precision=precision, preferred_element_type=jnp.float32) * qk_scale
-    o_pos = o_t + off_ref[0] if offset else o_t
-    visible = m_r[None, :] & (key_pos[:, None] <= o_pos[None, :])
-    if packed:
-      # The entry's selected block: keys lo .. lo + C - 1, inside the window.
-      o_lo = lo_ref[o_e]
-      visible = visible & (key_pos[:, None] >= o_lo[None, :]) & (
-          key_pos[:, None] < o_lo[None, :] + block_size)
-    b_dp = jnp.dot(b_v, b_do.T, precision=precision, preferred_element_type=jnp.float32)
-    b_p = jnp.where(visible, jnp.exp2(b_s - b_lse2[None, :]), 0.0)
-    # Masked again: a hidden pair's dp (a NaN value) or delta (a query whose output is NaN) must
-    # not reach that key's dk through p = 0 (0 * NaN = NaN). dp comes before the dv dot so that
-    # both selects sit together (fewer live predicates: 720 bytes of spills instead of 996 at
-    # d = 128 on sm_90).
-    b_ds = b_p * jnp.where(visible, b_dp - b_delta[None, :], 0.0)
-    b_dv = b_dv + jnp.dot(b_p.astype(b_do.dtype), b_do, precision=precision,
-                          preferred_element_type=jnp.float32)
-    b_dk = b_dk + jnp.dot(b_ds.astype(b_q.dtype), b_q, precision=precision,
-                          preferred_element_type=jnp.float32)
-    return b_dk, b_dv
+  def accumulate(start, window: int, mask_lo: bool):
+    """dk, dv partials `[window, D]` of keys start .. start + window - 1 over the item."""
+    b_k = k_ref[pl.ds(start, window), :]
+    b_v = v_ref[pl.ds(start, window), :]
+    precision = dot_precision(b_k.dtype)
+    key_pos = start + jnp.arange(window)
 
-  num_steps = (last - first + per_step - 1) // per_step
-  zeros = jnp.zeros((window, d), jnp.float32)
-  b_dk, b_dv = lax.fori_loop(0, num_steps, body, (zeros, zeros))
-  dk_ref[...] = b_dk
-  dv_ref[...] = b_dv
+    def body(step, carry):
+      b_dk, b_dv = carry
+      entry = first + step * per_step + o_j
+      m_r = (o_j < per_step) & (entry < last)
+      o_e = jnp.where(m_r, entry, first)
+      o_t = entry_ref[o_e]
+      # [R, D] gathered (query, head) rows; clamped addresses, masked rows zeroed.
+      m_rd = m_r[:, None] & (o_d[None, :] < d)
+      i_t = jnp.broadcast_to(o_t[:, None], (rows, d))
+      i_g = jnp.broadcast_to(o_g[:, None], (rows, d))
+      i_d = jnp.broadcast_to(o_d[None, :], (rows, d))
+      b_q = plt.load(q_ref.at[i_t, i_g, i_d], mask=m_rd, other=0.0)
+      b_do = plt.load(do_ref.at[i_t, i_g, i_d], mask=m_rd, other=0.0)
+      b_lse2 = plt.load(lse_ref.at[o_t, o_g], mask=m_r, other=0.0) * _LOG2E
+      b_delta = plt.load(delta_ref.at[o_t, o_g], mask=m_r, other=0.0)
+      # [W, R]
+      b_s = jnp.dot(b_k, b_q.T, precision=precision,
+                    preferred_element_type=jnp.float32) * qk_scale
+      o_pos = o_t + off_ref[0] if offset else o_t
+      # A single-lo item's keys past its document's end lie after all of its queries.
+      visible = m_r[None, :] & (key_pos[:, None] <= o_pos[None, :])
+      if mask_lo:
+        # The entry's selected block: keys lo .. lo + C - 1, inside the window.
+        o_lo = lo_ref[o_e]
+        visible = visible & (key_pos[:, None] >= o_lo[None, :]) & (
+            key_pos[:, None] < o_lo[None, :] + block_size)
+      b_dp = jnp.dot(b_v, b_do.T, precision=precision, preferred_element_type=jnp.float32)
+      b_p = jnp.where(visible, jnp.exp2(b_s - b_lse2[None, :]), 0.0)
+      # Masked again: a hidden pair's dp (a NaN value) or delta (a query whose output is NaN)
+      # must not reach that key's dk through p = 0 (0 * NaN = NaN). dp comes before the dv dot
+      # so that both selects sit together (fewer live predicates: 720 bytes of spills instead
+      # of 996 at d = 128 on sm_90).
+      b_ds = b_p * jnp.where(visible, b_dp - b_delta[None, :], 0.0)
+      b_dv = b_dv + jnp.dot(b_p.astype(b_do.dtype), b_do, precision=precision,
+                            preferred_element_type=jnp.float32)
+      b_dk = b_dk + jnp.dot(b_ds.astype(b_q.dtype), b_q, precision=precision,
+                            preferred_element_type=jnp.float32)
+      return b_dk, b_dv
+
+    num_steps = (last - first + per_step - 1) // per_step
+    zeros = jnp.zeros((window, d), jnp.float32)
+    return lax.fori_loop(0, num_steps, body, (zeros, zeros))
+
+  aligned = pl.multiple_of(n * block_size, block_size)
+  if packed is None:
+    dk_ref[...], dv_ref[...] = accumulate(aligned, block_size, False)
+    return
+  # Entries are sorted by lo within the block: the item is single-lo iff its ends agree.
+  lo_first = lo_ref[first]
+  single = (last <= first) | (lo_first == lo_ref[jnp.maximum(last - 1, first)])
+  if packed == "mixed":
+    @pl.when(~single)
+    def _():
+      dk_ref[...], dv_ref[...] = accumulate(aligned, 2 * block_size, True)
+    return
+
+  @pl.when(single)
+  def _():
+    shift = jnp.where(last > first, lo_first - aligned, 0)  # in [0, C)
+    b_dk, b_dv = accumulate(aligned + shift, block_size, False)
+    # Rows [shift, shift + C) of the 2C take the sums, the others zeros: disjoint stores.
+    o_c = jnp.arange(block_size)[:, None]
+    zeros = jnp.zeros((block_size, d), jnp.float32)
+    for ref, value in ((dk_ref, b_dk), (dv_ref, b_dv)):
+      plt.store(ref.at[pl.ds(0, block_size), :], zeros, mask=o_c < shift)
+      plt.store(ref.at[pl.ds(block_size, block_size), :], zeros, mask=o_c >= shift)
+      ref[pl.ds(shift, block_size), :] = value
 
 
 def _reduce_kernel(item_offsets_ref, dk_part_ref, dv_part_ref, dk_ref, dv_ref, *, scale: float,
@@ -268,8 +298,6 @@ def backward_dkv(q5, k, v, block_indices, starts, do5, lse, delta, *, block_size
     extra = ()
   num_items = item_block.shape[-1]
   num_entries = entry_query.shape[-1]
-  kernel = functools.partial(_dkv_kernel, block_size=block_size, scale=scale, group=g, rows=rows,
-                             packed=packed, offset=offset is not None)
   off_specs, off_args = ([], ()) if offset is None else (
       [pl.BlockSpec((1,), lambda i, h, bb: (0,))], (offset,))
   q_spec = pl.BlockSpec((None, t, None, g, d), lambda i, h, bb: (bb, 0, h, 0, 0))
@@ -279,20 +307,39 @@ def backward_dkv(q5, k, v, block_indices, starts, do5, lse, delta, *, block_size
   item_spec = pl.BlockSpec((None, None, num_items), lambda i, h, bb: (bb, h, 0))
   part_spec = pl.BlockSpec((None, None, None, window, d), lambda i, h, bb: (bb, h, i, 0, 0))
   part_shape = jax.ShapeDtypeStruct((b, hkv, num_items, window, d), jnp.float32)
-  dk_part, dv_part = call_kernel(pl.pallas_call(
-      kernel,
-      grid=(num_items, hkv, b),
-      in_specs=[q_spec, kv_spec, kv_spec, q_spec, lse_spec, lse_spec, entry_spec, item_spec,
-                item_spec, item_spec] + [entry_spec] * len(extra) + off_specs,
-      out_specs=[part_spec, part_spec],
-      out_shape=[part_shape, part_shape],
-      compiler_params=plt.CompilerParams(
-          num_warps=config.packed_dkv_num_warps if packed else config.dkv_num_warps,
-          num_stages=config.dkv_num_stages),
-      interpret=interpret,
-      name="pisa_sparse_attention_dkv" + ("_packed" if packed else "")
-      + ("_offset" if offset is not None else ""),
-  ), q5, k, v, do5, lse, delta, entry_query, item_block, item_start, item_end, *extra, *off_args)
+  args = (q5, k, v, do5, lse, delta, entry_query, item_block, item_start, item_end, *extra,
+          *off_args)
+  in_specs = [q_spec, kv_spec, kv_spec, q_spec, lse_spec, lse_spec, entry_spec, item_spec,
+              item_spec, item_spec] + [entry_spec] * len(extra) + off_specs
+
+  def dkv_call(mode, warps, rows, partials=()):
+    kernel = functools.partial(_dkv_kernel, block_size=block_size, scale=scale, group=g,
+                               rows=rows, packed=mode, offset=offset is not None)
+    aliases = {len(args) + j: j for j in range(len(partials))}
+    return call_kernel(pl.pallas_call(
+        kernel,
+        grid=(num_items, hkv, b),
+        in_specs=in_specs + [part_spec] * len(partials),
+        out_specs=[part_spec, part_spec],
+        out_shape=[part_shape, part_shape],
+        input_output_aliases=aliases,
+        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=config.dkv_num_stages),
+        interpret=interpret,
+        name="pisa_sparse_attention_dkv" + (f"_packed_{mode}" if mode else "")
+        + ("_offset" if offset is not None else ""),
+    ), *args, *partials)
+
+  if not packed:
+    dk_part, dv_part = dkv_call(None, config.dkv_num_warps, rows)
+  else:
+    # The single-lo items: the unpacked kernel's shape and launch. Then the few items that
+    # straddle a document boundary, on twice the keys: twice the warps hold twice the
+    # accumulators; float32 operands take half the rows (2C keys of float32 k, v and the
+    # [2C, R] p, ds tiles of 64 rows overflow the shared memory at d = 128).
+    dk_part, dv_part = dkv_call("single", config.dkv_num_warps, rows)
+    mixed_rows = rows if k.dtype.itemsize < 4 else max(next_pow2(g), rows // 2)
+    dk_part, dv_part = dkv_call("mixed", config.packed_dkv_num_warps, mixed_rows,
+                                (dk_part, dv_part))
 
   offsets_spec = pl.BlockSpec((None, None, num_blocks + 1), lambda n, h, bb: (bb, h, 0))
   parts_spec = pl.BlockSpec((None, None, num_items, window, d),
