@@ -50,11 +50,15 @@ class DecodeConfig:
 
   @classmethod
   def default(cls, *, candidates: int, head_dim: int) -> "DecodeConfig":
-    """Heuristic: one warp while the candidate set is 16 slots, more for the wider rank compares
-    of K = 32 or beams (the prefill walk's measured choice: 4 warps at NC = 64); two warps per
-    attention program at d >= 128."""
-    warps = 1 if candidates <= 16 else 2 if candidates <= 32 else 4
-    return cls(select_warps=warps, attend_warps=2 if head_dim >= 128 else 1)
+    """Heuristic, from a sweep of the selection stage inside a jitted decode loop on the H200
+    (2026-12-02; 32/2 heads, in-loop ms): 4 warps at every candidate width (d64 K8, NC = 16, 32K
+    B=1: 1 / 2 / 4 / 8 warps 0.035 / 0.031 / 0.029 / 0.034; d128 K32, NC = 64, 1M B=1: 0.225 /
+    0.145 / 0.116 / 0.126); 4 leaves per step of the leaf loop where more than 13 leaves can
+    need a score (K32 1M B=1 / B=16: 1 / 2 / 4 leaves 0.116 / 0.109 / 0.103 and 0.140 / 0.124 /
+    0.114), one at NC = 16 (0.035 / 0.035 / 0.037); two warps per attention program at
+    d >= 128."""
+    return cls(select_warps=4, select_leaves_per_step=4 if candidates > 16 else 1,
+               attend_warps=2 if head_dim >= 128 else 1)
 
 
 def default_attend_blocks(batch: int, num_kv_heads: int, top_k: int, *,
