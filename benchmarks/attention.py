@@ -22,6 +22,8 @@ D FLOPs forward as fla counts them, dense: the causal half of 4 T^2 HQ D; forwar
 the forward), and x_ours, the time over ours in the same case and phase. fla's forward output is
 compared with ours (max_abs_vs_ours). The plot is bars per case, log time.
 
+Each kind of indices writes its own result: attention.json, attention_pisa.json, attention_real.json.
+
   python -m benchmarks.attention                     # the default cases, benchmarks/results/
   python -m benchmarks.attention --case 65536:32:2:128:32 --indices pisa --out /tmp/att
   python -m benchmarks.attention --indices real --qk-npz /tmp/qk64k.npz --case 65536:32:2:128:32
@@ -319,7 +321,18 @@ def main(argv=None) -> dict:
   p.add_argument("--no-fla", dest="fla", action="store_false", help="leave fla out")
   args = p.parse_args(argv)
   args.cases = args.cases or list(CASES)
-  return _record.run(NAME, args, measure, settings, plot, table)
+  return _record.run(result_name(args), args, measure, settings, plot, table)
+
+
+def result_name(args) -> str:
+  """One result per kind of indices: attention.json (random), attention_pisa.json,
+  attention_real.json; --replot keeps the name its JSON holds."""
+  if args.replot:
+    name = _record.load(args.replot)["benchmark"]
+    if name != NAME and not name.startswith(NAME + "_"):
+      raise SystemExit(f"--replot {args.replot} holds a {name!r} result, not an attention one")
+    return name
+  return NAME if args.indices == "random" else f"{NAME}_{args.indices}"
 
 
 if __name__ == "__main__":

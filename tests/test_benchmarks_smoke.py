@@ -388,10 +388,30 @@ def test_attention_real_indices_from_a_dumped_layer(tmp_path):
   assert {(r["side"], r["phase"]) for r in record["rows"]} == {("pisa-jax", "fwd"),
                                                                ("pisa-jax", "fwd+bwd")}
   assert record["settings"]["qk_npz"] == str(path)
+  assert record["benchmark"] == "attention_real" and (tmp_path / "attention_real.json").exists()
   assert any("real indices" in n for n in record["notes"])
   with pytest.raises(SystemExit, match="fewer than"):
     attention.main(["--case", "256:4:2:32:3", "--indices", "real", "--qk-npz", str(path),
                     "--implementation", "xla", "--no-fla", "--out", str(tmp_path)])
+
+
+def test_attention_result_is_named_by_its_indices(tmp_path):
+  # Random, PISA and real indices answer different questions: one result each, so a run of one
+  # never overwrites another's; --replot keeps the name its JSON holds.
+  import argparse
+
+  from benchmarks import _record, attention
+  names = {kind: attention.result_name(argparse.Namespace(replot=None, indices=kind))
+           for kind in ("random", "pisa", "real")}
+  assert names == {"random": "attention", "pisa": "attention_pisa", "real": "attention_real"}
+  rec = _record.Recorder("attention_pisa", {}, tmp_path)
+  rec.save()
+  assert attention.result_name(argparse.Namespace(replot=str(rec.path), indices="random")) == (
+      "attention_pisa")
+  other = _record.Recorder("layer", {}, tmp_path)
+  other.save()
+  with pytest.raises(SystemExit, match="not an attention one"):
+    attention.result_name(argparse.Namespace(replot=str(other.path), indices="random"))
 
 
 def test_long_context_curve_only_needs_resume_and_workdir(tmp_path, capsys):
