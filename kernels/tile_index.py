@@ -15,10 +15,13 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Int
 
-# The tile kernel is expected to win while a tile's union is a small share of the TQ * K block
-# reads of the per-query kernel: it reads union / (TQ * K) of the bytes at about union / K times
-# the FLOPs. Not yet measured on a GPU: a placeholder until the benchmark on real indices sets it.
-TILE_UNION_FRACTION_MAX = 0.25
+# The tile kernel's time over the per-query kernel's, per unit of (mean union / K): on the H200
+# both run their dots at the same tensor-core rate (about 155 TFLOP/s of useful work for the
+# per-query forward at 16K), and a tile computes every (row, union block) pair, union / K times
+# the per-query FLOPs. Measured on PISA's selection of random q/k at 16K, 32/2 heads
+# (benchmarks/results/attention_pisa.json, 2026-12-02): forward 4.31x at union / K = 4.19
+# (d64 K8, TQ 8) and 2.76x at 2.28 (d128 K32, TQ 4): 1.03 and 1.21. The larger is the rule's.
+TILE_TIME_PER_UNION = 1.21
 # A tile's queries are the bits of one int32 per union entry.
 MAX_TILE_QUERIES = 32
 
@@ -89,9 +92,12 @@ def union_fraction(count: Int[Array, "B NT HKV"], *, tile_queries: int, top_k: i
 
 
 def prefers_tile_kernel(count: Int[Array, "B NT HKV"], *, tile_queries: int, top_k: int) -> Array:
-  """Scalar bool: whether the tile kernel should run on these indices (union fraction at most
-  `TILE_UNION_FRACTION_MAX`). The threshold is not yet measured on a GPU."""
-  return union_fraction(count, tile_queries=tile_queries, top_k=top_k) <= TILE_UNION_FRACTION_MAX
+  """Scalar bool: whether the tile kernel should run on these indices: its predicted time,
+  `TILE_TIME_PER_UNION` x mean union / K of the per-query kernel's, is below the per-query
+  time. A tile whose queries all select K valid blocks has a union of at least K, so this holds
+  only where queries select fewer valid blocks than K (early positions, -1 padding)."""
+  union_over_k = union_fraction(count, tile_queries=tile_queries, top_k=top_k) * tile_queries
+  return union_over_k * TILE_TIME_PER_UNION < 1.0
 
 
 def split_tiles(union: Int[Array, "B NT HKV U"], bits: Int[Array, "B NT HKV U"], *,

@@ -112,7 +112,10 @@ def test_split_tiles_keep_the_selecting_sub_tiles():
 def test_union_fraction_and_rule():
   count = jnp.array([[[4], [12]]], jnp.int32)
   assert float(tile_index.union_fraction(count, tile_queries=16, top_k=8)) == 8 / 128
-  assert bool(tile_index.prefers_tile_kernel(count, tile_queries=16, top_k=8))
+  # Mean union 8 = K: predicted at 1.21x the per-query time, so not the tile; 6 (queries with
+  # fewer than K valid blocks) at 0.91x, the tile.
+  assert not bool(tile_index.prefers_tile_kernel(count, tile_queries=16, top_k=8))
+  assert bool(tile_index.prefers_tile_kernel(count - 2, tile_queries=16, top_k=8))
   assert not bool(tile_index.prefers_tile_kernel(count * 8, tile_queries=16, top_k=8))
 
 
@@ -242,14 +245,17 @@ def test_nan_reaches_exactly_what_the_reference_shows(name, pos):
 
 @pytest.mark.parametrize("window,hq,tq", [(True, 4, 16), (False, 32, 1)])
 def test_auto_kernel_matches_reference_either_way(window, hq, tq):
-  """kernel="auto": local indices in tiles of 16 queries (small unions) take the tile kernels,
-  random ones in tiles of one query (a group of 16: R = 16 rows) the per-query kernels; both
-  give the reference's output and gradients."""
+  """kernel="auto": queries that select only their current and first blocks (K = 4 slots, a
+  union of about 2 per tile of 16) take the tile kernels, random ones in tiles of one query (a
+  group of 16: R = 16 rows) the per-query kernels; both give the reference's output and
+  gradients."""
   t, hkv, d, c, top_k = 96, 2, 32, 8, 4
   q, k, v, do = make_inputs(5, 1, t, hq, hkv, d, jnp.float32)
   if window:
     cur = jnp.arange(t)[None, :, None, None] // c
-    idx = jnp.broadcast_to(jnp.maximum(cur - jnp.arange(top_k)[::-1], -1), (1, t, hkv, top_k))
+    slot = jnp.arange(top_k)
+    idx = jnp.where(slot == 0, 0, jnp.where(slot == 1, jnp.where(cur > 0, cur, -1), -1))
+    idx = jnp.broadcast_to(idx, (1, t, hkv, top_k))
   else:
     idx = random_indices(5, 1, t, hkv, top_k, c)
   idx = idx.astype(jnp.int32)
