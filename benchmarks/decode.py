@@ -17,9 +17,11 @@ host's dispatch of every step (what a compiled generation loop pays), and `loop_
 `_select`, `_attention` each stage of the PISA step alone, timed the same way. With
 --select-warps W1,W2,.. (Pallas only) the selection stage is also timed at each launch width,
 `loop_ms_select_w<W>`, and with --select-leaves S1,S2,.. at each number of candidate leaves
-whose keys one step of its leaf loop loads, `loop_ms_select_l<S>`: at small B its B * HKV
-programs leave most of the GPU idle, and a program scores up to NC - 3 leaves one after the
-other, so the prefill kernels' measured settings need not be the decode kernel's best.
+whose keys one step of its leaf loop loads, `loop_ms_select_l<S>`, and with --select-split
+L1,L2,.. split into three launches whose leaf launch scores L candidate leaves per program,
+`loop_ms_select_s<L>`: at small B its B * HKV programs leave most of the GPU idle, and a
+program scores up to NC - 3 leaves one after the other, so the prefill kernels' measured
+settings need not be the decode kernel's best.
 
 Goals: at N = 1M, dense / ours >= 10 at B = 1 and >= 50 at B = 16; our step at 1M within 1.5x
 of our step at 32K (O(log N) work plus the K C keys attended).
@@ -140,12 +142,13 @@ def time_pisa(n, b, hq, hkv, d, top_k, implementation, steps_room: int):
 
 
 def time_stages(n, b, hq, hkv, d, top_k, implementation, select_warps=(),
-                select_leaves=()) -> dict:
+                select_leaves=(), select_split=()) -> dict:
   """ms per step of each stage of the pisa step alone, LOOP times in one jitted loop: append
   (the cache threaded), select and attention (at positions N and N + 1 alternately, so that the
   loop body depends on the iteration and cannot be hoisted); "select_w<W>" the selection kernel
   launched on W warps, for each W of select_warps, and "select_l<S>" with S leaves per step of
-  its leaf loop, for each S of select_leaves (the default config otherwise)."""
+  its leaf loop, for each S of select_leaves, and "select_s<L>" split into three launches of L
+  leaves per leaf program, for each L of select_split (the default config otherwise)."""
   from pisa_jax import _dispatch
   from pisa_jax.kernels.decode import DecodeConfig
   from pisa_jax.kernels.decode import layout as decode_layout
@@ -188,7 +191,9 @@ def time_stages(n, b, hq, hkv, d, top_k, implementation, select_warps=(),
   variants = ([(f"select_w{w}", dataclasses.replace(default, select_warps=w))
                for w in select_warps]
               + [(f"select_l{s}", dataclasses.replace(default, select_leaves_per_step=s))
-                 for s in select_leaves])
+                 for s in select_leaves]
+              + [(f"select_s{s}", dataclasses.replace(default, select_split_leaves=s))
+                 for s in select_split])
   widths = [(name, functools.partial(one_select, config=config), idx, (cache.k, cache.summaries))
             for name, config in variants]
   for name, body, state, arrays in [
@@ -285,7 +290,7 @@ def measure(args, rec: _record.Recorder) -> None:
           ours_by_n[n] = ms, loop_ms
           first = ours_by_n[min(ours_by_n)]
           stages = time_stages(n, b, hq, hkv, d, top_k, args.implementation, args.select_warps,
-                               args.select_leaves)
+                               args.select_leaves, args.select_split)
           rec.add(**base, side="pisa-jax", ms=ms, loop_ms=loop_ms,
                   **{f"loop_ms_{k}": v for k, v in stages.items()},
                   tokens_per_s=round(b / ms * 1e3, 1), x_ours=1.0,
@@ -323,7 +328,8 @@ def table(record: dict) -> str:
                    dense.get("loop_ms"), dense.get("loop_x_ours"),
                    ours.get("loop_x_own_shortest")] + [ours.get(f"loop_ms_{k}") for k in STAGES]
                   + [", ".join(f"{k.removeprefix('loop_ms_select_')} {v}" for k, v in ours.items()
-                               if k.startswith(("loop_ms_select_w", "loop_ms_select_l")))
+                               if k.startswith(("loop_ms_select_w", "loop_ms_select_l",
+                                                "loop_ms_select_s")))
                      or None])
     lines.append(_record.markdown(
         ["case", "pisa-jax ms", "dense ms", "dense via", "dense / ours",
@@ -373,7 +379,7 @@ def settings(args) -> dict:
               implementation=args.implementation, generation=args.generation,
               gen_preset=args.gen_preset, gen_batch=args.gen_batch, gen_prompt=args.gen_prompt,
               gen_tokens=args.gen_tokens, select_warps=list(args.select_warps),
-              select_leaves=list(args.select_leaves),
+              select_leaves=list(args.select_leaves), select_split=list(args.select_split),
               timing="median of 7 batches of back-to-back steps, the cache threaded and donated",
               loop_steps=LOOP)
 
@@ -389,6 +395,8 @@ def main(argv=None) -> dict:
                  help="also time the selection kernel on each of these warp counts (pallas)")
   p.add_argument("--select-leaves", type=parse_ints, default=(),
                  help="also time it at each of these leaves per step of its leaf loop (pallas)")
+  p.add_argument("--select-split", type=parse_ints, default=(),
+                 help="also time it split into three launches, L leaves per leaf program (pallas)")
   p.add_argument("--no-generation", dest="generation", action="store_false",
                  help="leave out the end-to-end generation part")
   p.add_argument("--gen-preset", default="small")
@@ -397,9 +405,10 @@ def main(argv=None) -> dict:
   p.add_argument("--gen-tokens", type=int, default=256)
   args = p.parse_args(argv)
   args.heads = args.heads or list(HEADS)
-  if (args.select_warps or args.select_leaves) and args.implementation != "pallas":
-    raise SystemExit("--select-warps and --select-leaves time the Pallas selection kernel: they "
-                     "need --implementation pallas")
+  if (args.select_warps or args.select_leaves or args.select_split) and (
+      args.implementation != "pallas"):
+    raise SystemExit("--select-warps, --select-leaves and --select-split time the Pallas "
+                     "selection kernel: they need --implementation pallas")
   return _record.run(NAME, args, measure, settings, plot, table)
 
 

@@ -280,6 +280,34 @@ def test_select_kernel_loading_several_leaves_per_step_equals_one_at_a_time(leav
   np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
 
 
+@pytest.mark.parametrize("split,selector,hq,branching,top_k,beam", [
+    (1, "pisa", 4, 2, 6, 6), (4, "pisa1", 6, 2, 5, 8), (2, "pisa2", 4, 3, 4, 4),
+    (32, "pisa", 2, 2, 6, 6)])
+def test_split_selection_equals_the_fused_kernel_and_the_reference(split, selector, hq,
+                                                                   branching, top_k, beam):
+  # Three launches (walk, leaf scores, Select_K) against one program per (row, KV head): rows
+  # of 130, 77 and 1 cached tokens (the last needs no score), beams, branching 3, a split wider
+  # than the candidate slots (clamped to them).
+  q, k, _ = _qkv(7, 3, 130, hq, 2, 16, jnp.float32)
+  cache = DecodeCache.create(3, 130, 2, 16, block_size=8, branching=branching,
+                             dtype=jnp.float32)
+  cache = cache.prefill(k, k, jnp.asarray([130, 77, 1], jnp.int32))
+  select = dict(block_size=8, branching=branching, top_k=top_k, beam=beam, selector=selector,
+                scale=0.25)
+  args = (q[:, -1], cache.k, cache.summaries, jnp.asarray([129, 76, 0], jnp.int32))
+  fused = kernels.decode_select_pallas(*args, **select, interpret=True)
+  got = kernels.decode_select_pallas(*args, **select, interpret=True,
+                                     config=kernels.DecodeConfig(select_split_leaves=split))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(fused))
+  np.testing.assert_array_equal(np.asarray(got),
+                                np.asarray(dec.decode_select_reference(*args, **select)))
+
+
+def test_decode_config_rejects_a_split_that_is_not_a_power_of_two():
+  with pytest.raises(ValueError, match="select_split_leaves=3"):
+    kernels.DecodeConfig(select_split_leaves=3)
+
+
 @pytest.mark.parametrize("implementation", IMPLS)
 def test_jitted_step_past_capacity_poisons_the_row_and_checkify_reports_it(implementation):
   _, k, v = _qkv(3, 2, 16, 2, 1, 16, jnp.float32)
@@ -411,6 +439,22 @@ def test_decode_kernels_lower_for_sm90(captured, monkeypatch, selector, hq, d, t
   names = {re.search(r"module @([A-Za-z0-9_]+)", m).group(1) for m in captured}
   select = "pisa_decode_select_" + selector
   assert {"pisa_decode_append", select, "pisa_decode_attention"} <= names, names
+
+
+@pytest.mark.parametrize("split", [1, 4])
+def test_split_selection_lowers_for_sm90(captured, split):
+  b, capacity, hkv, d = 16, 1 << 20, 2, 128
+  q = jax.ShapeDtypeStruct((b, 32, d), jnp.bfloat16)
+  cache = jax.eval_shape(lambda: DecodeCache.create(b, capacity, hkv, d, dtype=jnp.bfloat16))
+  positions = jax.ShapeDtypeStruct((b,), jnp.int32)
+  select = functools.partial(
+      kernels.decode_select_pallas, block_size=64, branching=2, top_k=32, beam=32,
+      selector="pisa", scale=d ** -0.5, interpret=False,
+      config=kernels.DecodeConfig(select_warps=4, select_split_leaves=split))
+  jax.jit(select).trace(q, cache.k, cache.summaries, positions).lower(
+      lowering_platforms=("cuda",))
+  names = {re.search(r"module @([A-Za-z0-9_]+)", m).group(1) for m in captured}
+  assert {f"pisa_decode_select_pisa_{part}" for part in ("walk", "leaves", "final")} <= names
 
 
 def test_select_kernel_with_four_leaves_per_step_lowers_for_sm90(captured):

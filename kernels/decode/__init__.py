@@ -21,7 +21,8 @@ One decode step is three launches and one small XLA fusion:
   layout.py     Geometry (static shapes), the row layout, loads and stores, launch
   scoring.py    dots in float32, the reductions of Eq. 21 / 33 / 34, ranking keys
   append.py     the append kernel (new key and value, leaf and ancestor summaries)
-  select.py     the fused walk + leaf kernel, Select_K by rank, decode_select_pallas
+  select.py     the fused walk + leaf kernel (or the same in three launches), Select_K by rank,
+                decode_select_pallas
   bsa.py        the flat BSA kernel (two passes over the leaf summaries, running top-k)
   attention.py  the split-K attention kernel and the log-sum-exp merge
 

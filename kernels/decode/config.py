@@ -20,6 +20,11 @@ class DecodeConfig:
     select_leaves_per_step: candidate leaves whose raw keys one iteration of the selection's
       leaf loop loads (before any of their dots): up to NC - 3 leaves are scored one after the
       other by a single program per (row, KV head), so at small B the loop's latency is the step.
+    select_split_leaves: 0, one fused selection program per (row, KV head); L > 0 (a power of
+      two), the same selection in three launches: the walk per (row, KV head), then NC / L
+      programs per (row, KV head) scoring L candidate leaves each from their raw keys, then
+      Select_K per (row, KV head). The split spreads the leaves' key loads over many SMs at
+      small B, for two more launches and a round trip of the candidates through memory.
     bsa_block_tile: leaf summaries per step of the BSA kernel's loops (a power of two >= 16).
     bsa_warps: warps of the BSA program (its dots are `[16, D] x [D, bsa_block_tile]`).
     attend_blocks: selected blocks per attention program (a power of two); 0 picks
@@ -31,6 +36,7 @@ class DecodeConfig:
 
   select_warps: int = 1
   select_leaves_per_step: int = 1
+  select_split_leaves: int = 0
   bsa_block_tile: int = 64
   bsa_warps: int = 4
   attend_blocks: int = 0
@@ -43,6 +49,9 @@ class DecodeConfig:
       value = getattr(self, name)
       if value and value & (value - 1):
         raise ValueError(f"{name}={value} must be a power of two")
+    if self.select_split_leaves < 0 or self.select_split_leaves & (self.select_split_leaves - 1):
+      raise ValueError(f"select_split_leaves={self.select_split_leaves} must be 0 (fused) or a "
+                       "power of two")
     if self.select_leaves_per_step < 1:
       raise ValueError(f"select_leaves_per_step={self.select_leaves_per_step} must be >= 1")
     if self.bsa_block_tile < MIN_DOT:

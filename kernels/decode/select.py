@@ -1,6 +1,7 @@
 """The fused decode selection (Eq. 30-31): one program per (batch row, KV head) walks the pyramid,
-scores the leaf candidates from their raw keys and keeps top_k leaves by Select_K; and
-`decode_select_pallas`, which launches it or the flat BSA kernel."""
+scores the leaf candidates from their raw keys and keeps top_k leaves by Select_K; the same work
+split over three launches (`DecodeConfig.select_split_leaves`); and `decode_select_pallas`, which
+launches one of them or the flat BSA kernel."""
 
 from __future__ import annotations
 
@@ -59,19 +60,19 @@ def _sorted_ids(cand, kept, width: int):
   return jnp.max(jnp.where(hit, cand[None, :], -1), axis=1)
 
 
-def _select_kernel(pos_ref, q_ref, k_ref, s_ref, tab_ref, out_ref, *, geo: Geometry,
-                   leaves_per_step: int = 1):
-  """The fused decode selection (Eq. 30-31) for one (batch row, KV head): walk, leaf scores,
-  final Select_K. Writes the row's leaf ids ascending, -1 padded, `[KP]`. leaves_per_step: the
-  leaf loop loads that many candidates' keys per iteration (independent loads in flight)."""
-  g, nc, c = geo.branching, geo.nc, geo.block_size
-  num_levels = len(geo.sizes)
-  num_nodes = geo.num_nodes
-  i_bh = pl.program_id(0)
+def _row(pos_ref, q_ref, i_bh, geo: Geometry):
+  """The program's batch row, KV head, current leaf and the group's queries `[Gp, Dp]`."""
   i_b, i_h = i_bh // geo.hkv, i_bh % geo.hkv
   t = jnp.clip(load_scalar(pos_ref, i_b), 0, geo.capacity - 1)
-  cur = t // c
   qg, m_head = load_group_queries(q_ref, i_b, i_h, geo)
+  return i_b, i_h, t // geo.block_size, qg, m_head
+
+
+def _walk(qg, m_head, s_ref, tab_ref, i_b, i_h, cur, geo: Geometry):
+  """The walk of Eq. 16-18 down to the leaf candidates `[NC]` (-1 padded)."""
+  g, nc = geo.branching, geo.nc
+  num_levels = len(geo.sizes)
+  num_nodes = geo.num_nodes
   slot = jnp.arange(nc)
   lp = tab_ref.shape[1]
   o_lvl = jnp.arange(lp)
@@ -112,15 +113,53 @@ def _select_kernel(pos_ref, q_ref, k_ref, s_ref, tab_ref, out_ref, *, geo: Geome
     return _expand(cand, kept, rank, g, nc), pw_child
 
   cand, _ = lax.fori_loop(0, start - 1, walk_level, (cand0, pw0))
-  # The leaves: scored from their raw keys (Eq. 21 with l = 1) where Select_K needs a score.
+  return cand
+
+
+def _leaf_slots(cand, cur, geo: Geometry):
+  """(valid, forced, need) `[NC]` of the leaf candidates: Eq. 21 with l = 1 scores a leaf only
+  where Select_K needs it (not forced, and more than top_k eligible)."""
   valid = (cand >= 0) & (cand <= cur)
   forced = valid & ((cand == 0) | (cand == cur - 1) | (cand == cur))
   need = valid & ~forced & (jnp.sum(valid.astype(jnp.int32)) > geo.top_k)
+  return valid, forced, need
+
+
+def _leaf_keys(k_ref, leaf, i_b, i_h, m_load, geo: Geometry):
+  """The raw keys `[Cp, Dp]` of leaf `leaf` (a scalar). A scored leaf is complete and before
+  the current one: all of its keys exist."""
+  key_pos = jnp.minimum(leaf * geo.block_size + jnp.arange(geo.cp), geo.capacity - 1)
+  return load_rows(k_ref, (i_b * geo.capacity + key_pos) * geo.hkv + i_h, m_load, geo.d, geo.dp)
+
+
+def _leaf_score(qg, m_head, leaf_keys, geo: Geometry):
+  """A leaf's score from its raw keys, summed over the group's heads (Eq. 21, 22)."""
+  m_key = jnp.arange(geo.cp) < geo.block_size
+  per_head = reduce_keys(dot_t(qg, leaf_keys, geo.key_mode), m_key, geo.selector, geo.scale)
+  return jnp.sum(jnp.where(m_head, per_head, 0.0))
+
+
+def _final(cand, valid, forced, need, scores, geo: Geometry):
+  """Select_K of the leaves, their ids ascending, -1 padded, `[1, KP]`."""
+  kept, _ = _select_k(cand, valid, forced, jnp.where(need, scores, 0.0), geo.top_k)
+  return _sorted_ids(cand, kept, geo.kp)[None, :]
+
+
+def _select_kernel(pos_ref, q_ref, k_ref, s_ref, tab_ref, out_ref, *, geo: Geometry,
+                   leaves_per_step: int = 1):
+  """The fused decode selection (Eq. 30-31) for one (batch row, KV head): walk, leaf scores,
+  final Select_K. Writes the row's leaf ids ascending, -1 padded, `[KP]`. leaves_per_step: the
+  leaf loop loads that many candidates' keys per iteration (independent loads in flight)."""
+  nc = geo.nc
+  i_bh = pl.program_id(0)
+  i_b, i_h, cur, qg, m_head = _row(pos_ref, q_ref, i_bh, geo)
+  cand = _walk(qg, m_head, s_ref, tab_ref, i_b, i_h, cur, geo)
+  valid, forced, need = _leaf_slots(cand, cur, geo)
+  slot = jnp.arange(nc)
   # The needed slots numbered 0 .. n_need - 1 in slot order, so the loop runs only over them.
   order = jnp.sum((need[:, None] & (slot[:, None] < slot[None, :])).astype(jnp.int32), axis=0)
   n_need = jnp.sum(need.astype(jnp.int32))
-  o_key = jnp.arange(geo.cp)
-  m_key = o_key < c
+  m_key = jnp.arange(geo.cp) < geo.block_size
 
   def score_leaves(n, scores):
     # Every load of the step first, then the dots: the loads do not wait on each other.
@@ -128,22 +167,78 @@ def _select_kernel(pos_ref, q_ref, k_ref, s_ref, tab_ref, out_ref, *, geo: Geome
     for j in range(leaves_per_step):
       hit = need & (order == n * leaves_per_step + j)
       leaf = jnp.sum(jnp.where(hit, cand, 0))
-      # A scored leaf is complete and before the current one: all of its keys exist.
-      key_pos = jnp.minimum(leaf * c + o_key, geo.capacity - 1)
       m_load = m_key & (jnp.sum(hit.astype(jnp.int32)) > 0) if leaves_per_step > 1 else m_key
       hits.append(hit)
-      keys.append(load_rows(k_ref, (i_b * geo.capacity + key_pos) * geo.hkv + i_h, m_load,
-                            geo.d, geo.dp))
+      keys.append(_leaf_keys(k_ref, leaf, i_b, i_h, m_load, geo))
     for hit, leaf_keys in zip(hits, keys):
-      per_head = reduce_keys(dot_t(qg, leaf_keys, geo.key_mode), m_key, geo.selector, geo.scale)
-      scores = jnp.where(hit, jnp.sum(jnp.where(m_head, per_head, 0.0)), scores)
+      scores = jnp.where(hit, _leaf_score(qg, m_head, leaf_keys, geo), scores)
     return scores
 
   num_steps = n_need if leaves_per_step == 1 else (n_need + leaves_per_step - 1) // leaves_per_step
   scores = lax.fori_loop(0, num_steps, score_leaves, jnp.zeros((nc,), jnp.float32))
-  kept, _ = _select_k(cand, valid, forced, jnp.where(need, scores, 0.0), geo.top_k)
-  out = _sorted_ids(cand, kept, geo.kp)
-  out_ref[pl.ds(i_bh, 1), :] = out[None, :]
+  out_ref[pl.ds(i_bh, 1), :] = _final(cand, valid, forced, need, scores, geo)
+
+
+# The split selection: three launches instead of one program per (row, KV head), so that at
+# small B the leaves' key loads (up to NC - 3 leaves of C keys) spread over many SMs.
+
+
+def _walk_kernel(pos_ref, q_ref, s_ref, tab_ref, cand_ref, *, geo: Geometry):
+  """Launch 1, per (row, KV head): the walk; writes the leaf candidates `[NC]`."""
+  i_bh = pl.program_id(0)
+  i_b, i_h, cur, qg, m_head = _row(pos_ref, q_ref, i_bh, geo)
+  cand_ref[pl.ds(i_bh, 1), :] = _walk(qg, m_head, s_ref, tab_ref, i_b, i_h, cur, geo)[None, :]
+
+
+def _leaf_kernel(pos_ref, q_ref, k_ref, cand_ref, score_ref, *, geo: Geometry, leaves: int):
+  """Launch 2, per (row, KV head, run of `leaves` candidate slots): the slots' leaf scores
+  (0 where Select_K needs none; their keys are not loaded)."""
+  i_bh = pl.program_id(0)
+  base = pl.program_id(1) * leaves
+  i_b, i_h, cur, qg, m_head = _row(pos_ref, q_ref, i_bh, geo)
+  cand = cand_ref[pl.ds(i_bh, 1), :].reshape(geo.nc)
+  _, _, need = _leaf_slots(cand, cur, geo)
+  slot = jnp.arange(geo.nc)
+  m_key = jnp.arange(geo.cp) < geo.block_size
+  hits, keys = [], []
+  for j in range(leaves):
+    hit = need & (slot == base + j)
+    leaf = jnp.sum(jnp.where(hit, cand, 0))
+    hits.append(jnp.sum(hit.astype(jnp.int32)) > 0)
+    keys.append(_leaf_keys(k_ref, leaf, i_b, i_h, m_key & hits[-1], geo))
+  o_leaf = jnp.arange(leaves)
+  scores = jnp.zeros((leaves,), jnp.float32)
+  for j, (hit, leaf_keys) in enumerate(zip(hits, keys)):
+    scores = jnp.where((o_leaf == j) & hit, _leaf_score(qg, m_head, leaf_keys, geo), scores)
+  score_ref[pl.ds(i_bh, 1), pl.ds(base, leaves)] = scores[None, :]
+
+
+def _final_kernel(pos_ref, cand_ref, score_ref, out_ref, *, geo: Geometry):
+  """Launch 3, per (row, KV head): Select_K over the scored candidates."""
+  i_bh = pl.program_id(0)
+  t = jnp.clip(load_scalar(pos_ref, i_bh // geo.hkv), 0, geo.capacity - 1)
+  cand = cand_ref[pl.ds(i_bh, 1), :].reshape(geo.nc)
+  scores = score_ref[pl.ds(i_bh, 1), :].reshape(geo.nc)
+  valid, forced, need = _leaf_slots(cand, t // geo.block_size, geo)
+  out_ref[pl.ds(i_bh, 1), :] = _final(cand, valid, forced, need, scores, geo)
+
+
+def _select_split(positions, q, k, s, table, geo: Geometry, config: DecodeConfig,
+                  interpret: bool):
+  """The three launches of the split selection; the leaf ids `[B * HKV, KP]`."""
+  rows = geo.batch * geo.hkv
+  leaves = min(config.select_split_leaves, geo.nc)
+  opts = dict(warps=config.select_warps, stages=config.num_stages, interpret=interpret)
+  name = f"pisa_decode_select_{geo.selector}"
+  cand = launch(functools.partial(_walk_kernel, geo=geo),
+                jax.ShapeDtypeStruct((rows, geo.nc), jnp.int32), (rows,), name=name + "_walk",
+                **opts)(positions, q, s, table)
+  scores = launch(functools.partial(_leaf_kernel, geo=geo, leaves=leaves),
+                  jax.ShapeDtypeStruct((rows, geo.nc), jnp.float32), (rows, geo.nc // leaves),
+                  name=name + "_leaves", **opts)(positions, q, k, cand)
+  return launch(functools.partial(_final_kernel, geo=geo),
+                jax.ShapeDtypeStruct((rows, geo.kp), jnp.int32), (rows,), name=name + "_final",
+                **opts)(positions, cand, scores)
 
 
 def decode_select_pallas(
@@ -181,10 +276,13 @@ def decode_select_pallas(
     table = int32_table([list(geo.offsets) + [0] * (lp - len(sizes)),
                          [branching ** i if i < len(sizes) else 1 for i in range(lp)]],
                         "the decode level table")
-    call = launch(functools.partial(_select_kernel, geo=geo,
-                                    leaves_per_step=config.select_leaves_per_step),
-                  out_shape, (b * hkv,),
-                  warps=config.select_warps, stages=config.num_stages, interpret=interpret,
-                  name=f"pisa_decode_select_{selector}")
-    out = call(positions, *rows, table)
+    if config.select_split_leaves:
+      out = _select_split(positions, rows[0], rows[1], rows[2], table, geo, config, interpret)
+    else:
+      call = launch(functools.partial(_select_kernel, geo=geo,
+                                      leaves_per_step=config.select_leaves_per_step),
+                    out_shape, (b * hkv,),
+                    warps=config.select_warps, stages=config.num_stages, interpret=interpret,
+                    name=f"pisa_decode_select_{selector}")
+      out = call(positions, *rows, table)
   return out[:, :top_k].reshape(b, hkv, top_k)
