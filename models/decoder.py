@@ -52,8 +52,15 @@ def compute_dtype(cfg: ModelConfig) -> jnp.dtype:
   return jnp.dtype(cfg.compute_dtype)
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _draw(key, shape: tuple[int, ...], std: float):
+  """std * N(0, 1) `shape`, float32. Its own jit: a model built eagerly (`Trainer.init_state`)
+  compiles each distinct (shape, std) once, and its bits equal the draw inside a jitted build."""
+  return std * jax.random.normal(key, shape, jnp.float32)
+
+
 def _normal(rngs: nnx.Rngs, shape, std: float, dtype, axes: tuple[str, ...]) -> nnx.Param:
-  value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+  value = _draw(rngs.params(), tuple(shape), float(std))
   return nnx.Param(value.astype(dtype), logical_axes=axes)
 
 
