@@ -22,7 +22,8 @@ D FLOPs forward as fla counts them, dense: the causal half of 4 T^2 HQ D; forwar
 the forward), and x_ours, the time over ours in the same case and phase. fla's forward output is
 compared with ours (max_abs_vs_ours). The plot is bars per case, log time.
 
-Each kind of indices writes its own result: attention.json, attention_pisa.json, attention_real.json.
+Each kind of indices writes its own result: attention.json, attention_pisa.json and
+attention_real.json.
 
   python -m benchmarks.attention                     # the default cases, benchmarks/results/
   python -m benchmarks.attention --case 65536:32:2:128:32 --indices pisa --out /tmp/att

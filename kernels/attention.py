@@ -119,11 +119,11 @@ class SparseAttentionConfig:
     in steps of 16 keys (128 registers, 12 KB of shared memory, 16 programs per SM): forward
     3.51 -> 3.37 ms at 16K, 15.10 -> 14.74 at 64K. Against these defaults in the same run: at
     d = 128, 2 warps in 16- or 32-key steps 0.71-0.98x, one warp in 32-key steps 0.99-1.00x;
-    at d = 64, 16- or 32-key steps 0.86-1.01x, 2 warps 0.81-0.86x. Packed dk/dv (a 2C-key
-    window), from ptxas for sm_90a (the kernel as a whole times as the two-entry scheme it
-    replaced, 15.52 vs 15.54 ms at 128K, d = 64): 8 warps hold 64 rows at d = 64 without spills
-    (4 warps spill 1,632 bytes) and spill 592 bytes at d = 128 (4 warps: 7,144; the unpacked
-    kernel at 4 warps: 720).
+    at d = 64, 16- or 32-key steps 0.86-1.01x, 2 warps 0.81-0.86x. Packed dk/dv: items within
+    one document block run the unpacked launch; the 2C-key launch of the items across a
+    document boundary, from ptxas for sm_90a: 8 warps hold 64 rows at d = 64 without spills (4
+    warps spill 1,632 bytes) and spill 592 bytes at d = 128 (4 warps: 7,144; the unpacked kernel
+    at 4 warps: 720); float32 operands take half the rows there (shared memory).
     """
     dp = next_pow2(max(16, head_dim))
     warps = 1 if dp <= 64 else 2

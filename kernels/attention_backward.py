@@ -111,8 +111,9 @@ def packed_inverted_index(block_indices: Int[Array, "B T HKV K"], starts: Int[Ar
   block_indices are document-relative and starts `[B, T]` each query's document start. A valid
   block (index in [0, (t - start) // C]) covers keys lo .. lo + C - 1, lo = start + i C; its
   entry is listed under array block lo // C, sorted by lo and then by query, so a document block's
-  entries are contiguous (its items share one lo: the C-key launch of `backward_dkv`). A query
-  selects a block once, so it appears at most once in a block's list.
+  entries are contiguous: an item within one document block shares one lo (the C-key launch of
+  `backward_dkv`), one across a document boundary does not (the 2C-key launch). A query selects
+  a block once, so it appears at most once in a block's list.
 
   Returns `inverted_index`'s five arrays over T K entries, then entry_lo: int32 `[B, HKV, T K]`,
   the first key of each entry's selected block.
@@ -231,7 +232,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entry_ref, blk_
   def _():
     shift = jnp.where(last > first, lo_first - aligned, 0)  # in [0, C)
     b_dk, b_dv = accumulate(aligned + shift, block_size, False)
-    # Rows [shift, shift + C) of the 2C take the sums, the others zeros: disjoint stores.
+    # Rows [shift, shift + C) of the 2C take the sums, the others zeros: disjoint stores on the
+    # GPU. Interpret mode writes a masked lane's old value back, so the sums are stored last.
     o_c = jnp.arange(block_size)[:, None]
     zeros = jnp.zeros((block_size, d), jnp.float32)
     for ref, value in ((dk_ref, b_dk), (dv_ref, b_dv)):

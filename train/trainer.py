@@ -106,31 +106,38 @@ class Trainer:
   def init_state(self) -> dict:
     """Fresh parameters from `train.seed`, Adam state at zero, step 0, placed by the table.
 
-    The parameters are drawn op by op, not in one jitted initialiser: XLA compiles one random
-    draw per parameter there (O(layers): about a minute of a training start for `small` on the
-    H200, 9 s on a CPU), while eagerly each distinct (shape, std) compiles once. The values are
-    the same bits (tested)."""
-    key = jax.random.key(self.config.train.seed)
+    Parameters that fit twice in half of one device's memory are drawn op by op, unsharded, then
+    placed: one jitted initialiser compiles a random draw per parameter (about a minute of a
+    `small` training start on the H200, 9 s on a CPU), op by op each (shape, std) compiles once.
+    Larger models take that initialiser, which draws each array sharded. Same bits (tested)."""
     with jax.set_mesh(self.mesh):
-      model = Decoder(self.config.model, rngs=nnx.Rngs(params=key))
-      params = jax.device_put(nnx.to_pure_dict(nnx.state(model, nnx.Param)),
-                              self.state_shardings["params"])
-      return self._init_rest(params)
+      if not self.draws_eagerly:
+        return self._init_jitted(None)
+      model = Decoder(self.config.model, rngs=nnx.Rngs(params=jax.random.key(
+          self.config.train.seed)))
+      return self._init_jitted(jax.device_put(nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+                                              self.state_shardings["params"]))
 
   @functools.cached_property
-  def _init_rest(self):
-    """The jitted rest of a fresh state around placed parameters (Adam moments, step, rng)."""
+  def draws_eagerly(self) -> bool:
+    size = sum(x.size * 4 for x in jax.tree.leaves(self.abstract_state["params"]))
+    stats = jax.local_devices()[0].memory_stats()
+    return stats is None or "bytes_limit" not in stats or 2 * size <= stats["bytes_limit"] // 2
+
+  @functools.cached_property
+  def _init_jitted(self):
+    """The jitted fresh state around placed parameters, or drawing them too (given None)."""
     cfg = self.config
 
-    def rest(params):
-      return {
-          "params": params,
-          "opt_state": build_optimizer(cfg.train).init(params),
-          "step": jnp.zeros((), jnp.int32),
-          "rng": jax.random.key_data(jax.random.key(cfg.train.seed)),
-      }
+    def init(params):
+      if params is None:
+        model = Decoder(cfg.model, rngs=nnx.Rngs(params=jax.random.key(cfg.train.seed)))
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+      return {"params": params, "opt_state": build_optimizer(cfg.train).init(params),
+              "step": jnp.zeros((), jnp.int32),
+              "rng": jax.random.key_data(jax.random.key(cfg.train.seed))}
 
-    return jax.jit(rest, out_shardings=self.state_shardings, donate_argnums=0)
+    return jax.jit(init, out_shardings=self.state_shardings, donate_argnums=0)
 
   def place_batch(self, batch: dict[str, np.ndarray], shardings: dict) -> dict:
     return {k: jax.make_array_from_process_local_data(shardings[k], v) for k, v in batch.items()}

@@ -2,7 +2,8 @@
 "Decode cache"): the twins of `pisa_jax.decode.decode_append_reference`,
 `decode_select_reference` and `decode_attention_reference`.
 
-One decode step is three launches and one small XLA fusion:
+One decode step is three launches and one small XLA fusion (five with the selection split into
+walk, leaf scores and Select_K, `DecodeConfig.select_split_leaves`):
 1. append, one program per (batch row, KV head): writes the new key and value at the row's own
    length, recomputes the current leaf's mean from its raw keys and then each ancestor's mean from
    its children (Eq. 15): O(C + g log N) rows read, O(log N) summaries written, in place (the cache

@@ -24,7 +24,8 @@ class DecodeConfig:
       two), the same selection in three launches: the walk per (row, KV head), then NC / L
       programs per (row, KV head) scoring L candidate leaves each from their raw keys, then
       Select_K per (row, KV head). The split spreads the leaves' key loads over many SMs at
-      small B, for two more launches and a round trip of the candidates through memory.
+      small B, for two more launches and a round trip of the candidates through memory. The
+      walk selectors only: BSA has its own kernel (`bsa_*`).
     bsa_block_tile: leaf summaries per step of the BSA kernel's loops (a power of two >= 16).
     bsa_warps: warps of the BSA program (its dots are `[16, D] x [D, bsa_block_tile]`).
     attend_blocks: selected blocks per attention program (a power of two); 0 picks
