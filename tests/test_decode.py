@@ -441,8 +441,12 @@ def test_decode_kernels_lower_for_sm90(captured, monkeypatch, selector, hq, d, t
   assert {"pisa_decode_append", select, "pisa_decode_attention"} <= names, names
 
 
-@pytest.mark.parametrize("split", [1, 4])
-def test_split_selection_lowers_for_sm90(captured, split):
+@pytest.mark.parametrize("config,modules", [
+    (dict(select_leaves_per_step=4), ("",)),
+    (dict(select_split_leaves=1), ("_walk", "_leaves", "_final")),
+    (dict(select_split_leaves=4), ("_walk", "_leaves", "_final"))])
+def test_select_kernel_variants_lower_for_sm90(captured, config, modules):
+  # Four leaves per step of the fused kernel's leaf loop; the split selection's three launches.
   b, capacity, hkv, d = 16, 1 << 20, 2, 128
   q = jax.ShapeDtypeStruct((b, 32, d), jnp.bfloat16)
   cache = jax.eval_shape(lambda: DecodeCache.create(b, capacity, hkv, d, dtype=jnp.bfloat16))
@@ -450,22 +454,8 @@ def test_split_selection_lowers_for_sm90(captured, split):
   select = functools.partial(
       kernels.decode_select_pallas, block_size=64, branching=2, top_k=32, beam=32,
       selector="pisa", scale=d ** -0.5, interpret=False,
-      config=kernels.DecodeConfig(select_warps=4, select_split_leaves=split))
+      config=kernels.DecodeConfig(select_warps=4, **config))
   jax.jit(select).trace(q, cache.k, cache.summaries, positions).lower(
       lowering_platforms=("cuda",))
   names = {re.search(r"module @([A-Za-z0-9_]+)", m).group(1) for m in captured}
-  assert {f"pisa_decode_select_pisa_{part}" for part in ("walk", "leaves", "final")} <= names
-
-
-def test_select_kernel_with_four_leaves_per_step_lowers_for_sm90(captured):
-  b, capacity, hkv, d = 16, 1 << 20, 2, 128
-  q = jax.ShapeDtypeStruct((b, 32, d), jnp.bfloat16)
-  cache = jax.eval_shape(lambda: DecodeCache.create(b, capacity, hkv, d, dtype=jnp.bfloat16))
-  positions = jax.ShapeDtypeStruct((b,), jnp.int32)
-  select = functools.partial(
-      kernels.decode_select_pallas, block_size=64, branching=2, top_k=32, beam=32,
-      selector="pisa", scale=d ** -0.5, interpret=False,
-      config=kernels.DecodeConfig(select_warps=4, select_leaves_per_step=4))
-  jax.jit(select).trace(q, cache.k, cache.summaries, positions).lower(
-      lowering_platforms=("cuda",))
-  assert any("module @pisa_decode_select_pisa" in m for m in captured)
+  assert {"pisa_decode_select_pisa" + m for m in modules} <= names, names
