@@ -83,6 +83,12 @@ def loss_sums(graphdef, params, inputs, targets, weights, *, chunk: int | None =
   return nll, (weight, hits)
 
 
+def _fresh_params(cfg: Config) -> dict:
+  """The model's parameters drawn from `train.seed`, as a pure dict."""
+  model = Decoder(cfg.model, rngs=nnx.Rngs(params=jax.random.key(cfg.train.seed)))
+  return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
 @dataclasses.dataclass
 class Trainer:
   """Everything compiled for one config on one mesh."""
@@ -113,9 +119,7 @@ class Trainer:
     with jax.set_mesh(self.mesh):
       if not self.draws_eagerly:
         return self._init_jitted(None)
-      model = Decoder(self.config.model, rngs=nnx.Rngs(params=jax.random.key(
-          self.config.train.seed)))
-      return self._init_jitted(jax.device_put(nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+      return self._init_jitted(jax.device_put(_fresh_params(self.config),
                                               self.state_shardings["params"]))
 
   @functools.cached_property
@@ -130,9 +134,7 @@ class Trainer:
     cfg = self.config
 
     def init(params):
-      if params is None:
-        model = Decoder(cfg.model, rngs=nnx.Rngs(params=jax.random.key(cfg.train.seed)))
-        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+      params = _fresh_params(cfg) if params is None else params
       return {"params": params, "opt_state": build_optimizer(cfg.train).init(params),
               "step": jnp.zeros((), jnp.int32),
               "rng": jax.random.key_data(jax.random.key(cfg.train.seed))}

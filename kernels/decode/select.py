@@ -60,12 +60,16 @@ def _sorted_ids(cand, kept, width: int):
   return jnp.max(jnp.where(hit, cand[None, :], -1), axis=1)
 
 
+def _current_leaf(pos_ref, i_b, geo: Geometry):
+  """The leaf of row i_b's token (its position clamped into the capacity)."""
+  return jnp.clip(load_scalar(pos_ref, i_b), 0, geo.capacity - 1) // geo.block_size
+
+
 def _row(pos_ref, q_ref, i_bh, geo: Geometry):
   """The program's batch row, KV head, current leaf and the group's queries `[Gp, Dp]`."""
   i_b, i_h = i_bh // geo.hkv, i_bh % geo.hkv
-  t = jnp.clip(load_scalar(pos_ref, i_b), 0, geo.capacity - 1)
   qg, m_head = load_group_queries(q_ref, i_b, i_h, geo)
-  return i_b, i_h, t // geo.block_size, qg, m_head
+  return i_b, i_h, _current_leaf(pos_ref, i_b, geo), qg, m_head
 
 
 def _walk(qg, m_head, s_ref, tab_ref, i_b, i_h, cur, geo: Geometry):
@@ -216,10 +220,9 @@ def _leaf_kernel(pos_ref, q_ref, k_ref, cand_ref, score_ref, *, geo: Geometry, l
 def _final_kernel(pos_ref, cand_ref, score_ref, out_ref, *, geo: Geometry):
   """Launch 3, per (row, KV head): Select_K over the scored candidates."""
   i_bh = pl.program_id(0)
-  t = jnp.clip(load_scalar(pos_ref, i_bh // geo.hkv), 0, geo.capacity - 1)
   cand = cand_ref[pl.ds(i_bh, 1), :].reshape(geo.nc)
   scores = score_ref[pl.ds(i_bh, 1), :].reshape(geo.nc)
-  valid, forced, need = _leaf_slots(cand, t // geo.block_size, geo)
+  valid, forced, need = _leaf_slots(cand, _current_leaf(pos_ref, i_bh // geo.hkv, geo), geo)
   out_ref[pl.ds(i_bh, 1), :] = _final(cand, valid, forced, need, scores, geo)
 
 
