@@ -28,8 +28,8 @@ of our step at 32K (O(log N) work plus the K C keys attended).
 
 The second part times generation end to end (`pisa_jax.generate`, greedy) with the `small`
 preset's decoder, its attention pisa against dense, randomly initialised: prefill of a prompt
-of --gen-prompt tokens, then --gen-tokens new tokens; tokens/s counts the new tokens after the
-first (the prefill and compilation are timed apart).
+of each --gen-prompt length (32K and 128K tokens), then --gen-tokens new tokens; tokens/s counts
+the new tokens after the first (the prefill and compilation are timed apart).
 
   python -m benchmarks.decode                              # the default cases, benchmarks/results/
   python -m benchmarks.decode --lengths 32768,131072 --batches 1 --no-generation --out /tmp/d
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import statistics
 import time
 
@@ -59,6 +60,7 @@ LENGTHS = (32768, 131072, 524288, 1048576)
 BATCHES = (1, 16)
 # (HQ, HKV, D, K): the anchors' two settings.
 HEADS = ((32, 2, 128, 32), (32, 2, 64, 8))
+GEN_PROMPTS = (32768, 131072)
 
 
 def parse_ints(text: str) -> tuple[int, ...]:
@@ -249,14 +251,14 @@ def generation_rows(args, rec: _record.Recorder) -> None:
 
   from pisa_jax.configs import get_config
   from pisa_jax.models.decoder import Decoder
-  for attention in ("pisa", "dense"):
+  for prompt_len, attention in itertools.product(args.gen_prompt, ("pisa", "dense")):
     config = dataclasses.replace(get_config(args.gen_preset).model, attention=attention,
                                  attention_implementation=args.implementation)
     model = Decoder(config, rngs=nnx.Rngs(0))
     prompt = np.random.default_rng(0).integers(0, config.vocab_size,
-                                               (args.gen_batch, args.gen_prompt), dtype=np.int32)
+                                               (args.gen_batch, prompt_len), dtype=np.int32)
     base = dict(part="generation", preset=args.gen_preset, attention=attention,
-                batch=args.gen_batch, prompt=args.gen_prompt, new_tokens=args.gen_tokens)
+                batch=args.gen_batch, prompt=prompt_len, new_tokens=args.gen_tokens)
     try:
       t0 = time.perf_counter()
       stream = pisa_jax.generate_stream(model, prompt, max_new_tokens=args.gen_tokens)
@@ -279,7 +281,7 @@ def measure(args, rec: _record.Recorder) -> None:
     rec.note(f"backend {jax.default_backend()}: a smoke run, not a measurement")
   # Room for every timed step: LOOP steps per call, at most 50 calls per batch, 7 batches.
   room = 16384
-  for hq, hkv, d, top_k in args.heads:
+  for hq, hkv, d, top_k in args.heads if args.steps else ():
     for b in args.batches:
       ours_by_n = {}
       for n in args.lengths:
@@ -377,7 +379,8 @@ def settings(args) -> dict:
               batches=list(args.batches),
               heads=[dict(zip(("hq", "hkv", "d", "top_k"), h)) for h in args.heads],
               implementation=args.implementation, generation=args.generation,
-              gen_preset=args.gen_preset, gen_batch=args.gen_batch, gen_prompt=args.gen_prompt,
+              gen_preset=args.gen_preset, gen_batch=args.gen_batch,
+              gen_prompt=list(args.gen_prompt),
               gen_tokens=args.gen_tokens, select_warps=list(args.select_warps),
               select_leaves=list(args.select_leaves), select_split=list(args.select_split),
               timing="median of 7 batches of back-to-back steps, the cache threaded and donated",
@@ -401,7 +404,10 @@ def main(argv=None) -> dict:
                  help="leave out the end-to-end generation part")
   p.add_argument("--gen-preset", default="small")
   p.add_argument("--gen-batch", type=int, default=1)
-  p.add_argument("--gen-prompt", type=int, default=32768)
+  p.add_argument("--no-steps", dest="steps", action="store_false",
+                 help="leave out the one-step part (generation only)")
+  p.add_argument("--gen-prompt", type=parse_ints, default=GEN_PROMPTS,
+                 help="prompt lengths, comma-separated")
   p.add_argument("--gen-tokens", type=int, default=256)
   args = p.parse_args(argv)
   args.heads = args.heads or list(HEADS)

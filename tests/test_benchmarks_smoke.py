@@ -215,13 +215,14 @@ def test_decode_select_sweeps_time_the_kernel_at_each_setting(tmp_path):
 
 
 def test_decode_generation_runs_on_the_reference(tmp_path):
-  # The generation part: the tiny preset's decoder with each attention.
+  # The generation part alone: the tiny preset's decoder with each attention, two prompts.
   from benchmarks import decode
-  record = decode.main(["--lengths", "128", "--batches", "1", "--heads", "4:2:16:4",
-                        "--implementation", "xla", "--gen-preset", "tiny", "--gen-prompt", "16",
-                        "--gen-tokens", "3", "--out", str(tmp_path)])
-  gen = {r["attention"]: r for r in record["rows"] if r["part"] == "generation"}
-  assert set(gen) == {"pisa", "dense"} and all(r["tokens_per_s"] > 0 for r in gen.values()), gen
+  record = decode.main(["--no-steps", "--implementation", "xla", "--gen-preset", "tiny",
+                        "--gen-prompt", "16,24", "--gen-tokens", "3", "--out", str(tmp_path)])
+  assert all(r["part"] == "generation" for r in record["rows"]), record["rows"]
+  gen = {(r["prompt"], r["attention"]): r for r in record["rows"]}
+  assert set(gen) == {(p, a) for p in (16, 24) for a in ("pisa", "dense")}, gen
+  assert all(r["tokens_per_s"] > 0 for r in gen.values()), gen
 
 
 # Slow: a whole benchmark on the reference; the library parts it drives are tested directly.
