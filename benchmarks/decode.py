@@ -21,7 +21,9 @@ whose keys one step of its leaf loop loads, `loop_ms_select_l<S>`, and with --se
 L1,L2,.. split into three launches whose leaf launch scores L candidate leaves per program,
 `loop_ms_select_s<L>`: at small B its B * HKV programs leave most of the GPU idle, and a
 program scores up to NC - 3 leaves one after the other, so the prefill kernels' measured
-settings need not be the decode kernel's best.
+settings need not be the decode kernel's best. Memory: cache_mb, every array a step threads
+(keys, values and, for PISA, the pyramid), and step_temp_mb, the compiled step's scratch beyond
+its arguments and outputs (XLA's memory analysis): the goal is a scratch independent of N.
 
 Goals: at N = 1M, dense / ours >= 10 at B = 1 and >= 50 at B = 16; our step at 1M within 1.5x
 of our step at 32K (O(log N) work plus the K C keys attended).
@@ -138,9 +140,23 @@ def time_pisa(n, b, hq, hkv, d, top_k, implementation, steps_room: int):
   q, k1, v1 = step_inputs(b, hq, hkv, d)
   one = functools.partial(pisa_jax.decode_step, top_k=top_k, implementation=implementation)
   step = jax.jit(one, donate_argnames="cache")
-  ms = time_threaded(lambda s: step(q, k1, v1, s[1]), (None, fresh_cache()))
+  cache = fresh_cache()
+  memory = dict(cache_mb=mib(sum(x.nbytes for x in jax.tree.leaves(cache))),
+                step_temp_mb=temp_mib(step, q, k1, v1, cache))
+  ms = time_threaded(lambda s: step(q, k1, v1, s[1]), (None, cache))
   loop_ms = time_in_loop(lambda s: one(q, k1, v1, s[1]), (jnp.zeros_like(q), fresh_cache()))
-  return ms, loop_ms
+  return ms, loop_ms, memory
+
+
+def mib(nbytes) -> float:
+  return round(nbytes / 2**20, 3)
+
+
+def temp_mib(jitted, *args) -> float | None:
+  """The compiled step's scratch memory beyond its arguments and outputs (XLA's memory analysis),
+  MiB: what a step costs on top of the cache it threads."""
+  analysis = jitted.lower(*args).compile().memory_analysis()
+  return None if analysis is None else mib(analysis.temp_size_in_bytes)
 
 
 def time_stages(n, b, hq, hkv, d, top_k, implementation, select_warps=(),
@@ -222,7 +238,8 @@ def dense_step(q, k1, v1, kv, length, *, implementation):
 
 
 def time_dense(n, b, hq, hkv, d, steps_room: int):
-  """(ms, implementation): cuDNN when it takes a one-query step, else XLA's attention."""
+  """((ms, loop_ms, memory), implementation, errors): cuDNN when it takes a one-query step,
+  else XLA's attention (errors says why not cuDNN)."""
   q, k1, v1 = step_inputs(b, hq, hkv, d)
   errors = []
   for implementation in ("cudnn", "xla"):
@@ -234,12 +251,14 @@ def time_dense(n, b, hq, hkv, d, steps_room: int):
       return step(q, k1, v1, state[1], state[2])
 
     try:
+      memory = dict(cache_mb=mib(k.nbytes + v.nbytes),
+                    step_temp_mb=temp_mib(step, q, k1, v1, (k, v), jnp.int32(n)))
       ms = time_threaded(call, (None, (k, v), jnp.int32(n)))
       k, v = filled(n + steps_room, b, hkv, d)
       plain = functools.partial(dense_step, implementation=implementation)
       loop_ms = time_in_loop(lambda s: plain(q, k1, v1, s[1], s[2]),
                              (jnp.zeros_like(q), (k, v), jnp.int32(n)))
-      return (ms, loop_ms), implementation, errors
+      return (ms, loop_ms, memory), implementation, errors
     except Exception as e:  # cuDNN refuses some one-query shapes: XLA then runs the step
       errors.append(f"{implementation}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
       del k, v
@@ -288,12 +307,12 @@ def measure(args, rec: _record.Recorder) -> None:
         name = case_name(n, b, hq, hkv, d, top_k)
         base = dict(part="step", case=name, n=n, batch=b, hq=hq, hkv=hkv, d=d, top_k=top_k)
         try:
-          ms, loop_ms = time_pisa(n, b, hq, hkv, d, top_k, args.implementation, room)
+          ms, loop_ms, memory = time_pisa(n, b, hq, hkv, d, top_k, args.implementation, room)
           ours_by_n[n] = ms, loop_ms
           first = ours_by_n[min(ours_by_n)]
           stages = time_stages(n, b, hq, hkv, d, top_k, args.implementation, args.select_warps,
                                args.select_leaves, args.select_split)
-          rec.add(**base, side="pisa-jax", ms=ms, loop_ms=loop_ms,
+          rec.add(**base, side="pisa-jax", ms=ms, loop_ms=loop_ms, **memory,
                   **{f"loop_ms_{k}": v for k, v in stages.items()},
                   tokens_per_s=round(b / ms * 1e3, 1), x_ours=1.0,
                   x_own_shortest=round(ms / first[0], 3),
@@ -307,8 +326,8 @@ def measure(args, rec: _record.Recorder) -> None:
         if ms is None:
           rec.add(**row, error="; ".join(errors))
         else:
-          (ms, loop_ms), ours = ms, ours_by_n.get(n)
-          rec.add(**row, ms=ms, loop_ms=loop_ms, tokens_per_s=round(b / ms * 1e3, 1),
+          (ms, loop_ms, memory), ours = ms, ours_by_n.get(n)
+          rec.add(**row, ms=ms, loop_ms=loop_ms, **memory, tokens_per_s=round(b / ms * 1e3, 1),
                   x_ours=round(ms / ours[0], 3) if ours else None,
                   loop_x_ours=round(loop_ms / ours[1], 3) if ours else None)
         print(table(rec.record), flush=True)
@@ -329,6 +348,7 @@ def table(record: dict) -> str:
                    dense.get("x_ours"), ours.get("x_own_shortest"), ours.get("loop_ms"),
                    dense.get("loop_ms"), dense.get("loop_x_ours"),
                    ours.get("loop_x_own_shortest")] + [ours.get(f"loop_ms_{k}") for k in STAGES]
+                  + [ours.get("cache_mb"), ours.get("step_temp_mb"), dense.get("step_temp_mb")]
                   + [", ".join(f"{k.removeprefix('loop_ms_select_')} {v}" for k, v in ours.items()
                                if k.startswith(("loop_ms_select_w", "loop_ms_select_l",
                                                 "loop_ms_select_s")))
@@ -338,6 +358,7 @@ def table(record: dict) -> str:
          "ours / ours at shortest N", "in-loop ours ms", "in-loop dense ms",
          "in-loop dense / ours", "in-loop ours / at shortest N"]
         + [f"in-loop {k} ms" for k in STAGES]
+        + ["ours cache MiB", "ours step scratch MiB", "dense step scratch MiB"]
         + ["in-loop select ms by warps (w) / leaves per step (l)"], body))
   gen = [r for r in record["rows"] if r.get("part") == "generation"]
   if gen:
