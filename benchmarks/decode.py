@@ -2,8 +2,8 @@
 
 One step appends a token per row and attends over its whole past: N cached tokens (the cache
 filled by prefill with random keys and values), B rows, bf16. Sides:
-  pisa-jax     `pisa_jax.decode_step` (cache update O(log N), fused selection walk, attention
-               over top_k blocks), selector pisa with the default beam
+  pisa-jax     `pisa_jax.decode_step` (cache update O(log N), the selection's walk and leaf
+               scores, attention over top_k blocks), selector pisa with the default beam
   dense        the same step with a plain KV cache: write the token's key and value at position N,
                then `jax.nn.dot_product_attention` of the one query over the N + 1 keys
                (`key_value_seq_lengths`), cuDNN where it takes the shape, XLA otherwise (the row
@@ -16,12 +16,8 @@ same step run LOOP times inside one jitted `fori_loop`, per step: the device's t
 host's dispatch of every step (what a compiled generation loop pays), and `loop_ms_append`,
 `_select`, `_attention` each stage of the PISA step alone, timed the same way. With
 --select-warps W1,W2,.. (Pallas only) the selection stage is also timed at each launch width,
-`loop_ms_select_w<W>`, and with --select-leaves S1,S2,.. at each number of candidate leaves
-whose keys one step of its leaf loop loads, `loop_ms_select_l<S>`, and with --select-split
-L1,L2,.. split into three launches whose leaf launch scores L candidate leaves per program,
-`loop_ms_select_s<L>`: at small B its B * HKV programs leave most of the GPU idle, and a
-program scores up to NC - 3 leaves one after the other, so the prefill kernels' measured
-settings need not be the decode kernel's best. Memory: cache_mb, every array a step threads
+`loop_ms_select_w<W>` (the prefill kernels' measured settings need not be the decode
+kernels' best: at small B there are few programs). Memory: cache_mb, every array a step threads
 (keys, values and, for PISA, the pyramid), and step_temp_mb, the compiled step's scratch beyond
 its arguments and outputs (XLA's memory analysis): the goal is a scratch independent of N.
 
@@ -159,17 +155,13 @@ def temp_mib(jitted, *args) -> float | None:
   return None if analysis is None else mib(analysis.temp_size_in_bytes)
 
 
-def time_stages(n, b, hq, hkv, d, top_k, implementation, select_warps=(),
-                select_leaves=(), select_split=()) -> dict:
+def time_stages(n, b, hq, hkv, d, top_k, implementation, select_warps=()) -> dict:
   """ms per step of each stage of the pisa step alone, LOOP times in one jitted loop: append
   (the cache threaded), select and attention (at positions N and N + 1 alternately, so that the
   loop body depends on the iteration and cannot be hoisted); "select_w<W>" the selection kernel
-  launched on W warps, for each W of select_warps, and "select_l<S>" with S leaves per step of
-  its leaf loop, for each S of select_leaves, and "select_s<L>" split into three launches of L
-  leaves per leaf program, for each L of select_split (the default config otherwise)."""
+  launched on W warps, for each W of select_warps (the default config otherwise)."""
   from pisa_jax import _dispatch
   from pisa_jax.kernels.decode import DecodeConfig
-  from pisa_jax.kernels.decode import layout as decode_layout
 
   cache = pisa_jax.DecodeCache.create(b, n + 2, hkv, d, block_size=C)
   cache = cache.prefill(*filled(n, b, hkv, d))
@@ -202,18 +194,11 @@ def time_stages(n, b, hq, hkv, d, top_k, implementation, select_warps=(),
   # The cache is an argument of the jitted loop, never closed over (a constant) nor returned (a
   # copy); append, timed last, threads and donates it.
   out = {}
-  # The kernel's own default for this geometry, one field changed per variant.
-  nc = decode_layout.make_geometry(q[:, 0], cache.k, block_size=C, branching=cache.branching,
-                                   top_k=top_k, beam=top_k, selector="pisa", scale=scale).nc
-  default = DecodeConfig.default(candidates=nc, head_dim=d)
-  variants = ([(f"select_w{w}", dataclasses.replace(default, select_warps=w))
-               for w in select_warps]
-              + [(f"select_l{s}", dataclasses.replace(default, select_leaves_per_step=s))
-                 for s in select_leaves]
-              + [(f"select_s{s}", dataclasses.replace(default, select_split_leaves=s))
-                 for s in select_split])
-  widths = [(name, functools.partial(one_select, config=config), idx, (cache.k, cache.summaries))
-            for name, config in variants]
+  # The kernels' own default, the warps changed per variant.
+  default = DecodeConfig.default(head_dim=d)
+  widths = [(f"select_w{w}",
+             functools.partial(one_select, config=dataclasses.replace(default, select_warps=w)),
+             idx, (cache.k, cache.summaries)) for w in select_warps]
   for name, body, state, arrays in [
       ("select", one_select, idx, (cache.k, cache.summaries)), *widths,
       ("attention", one_attention, q[:, 0], (cache.k, cache.v)),
@@ -310,8 +295,8 @@ def measure(args, rec: _record.Recorder) -> None:
           ms, loop_ms, memory = time_pisa(n, b, hq, hkv, d, top_k, args.implementation, room)
           ours_by_n[n] = ms, loop_ms
           first = ours_by_n[min(ours_by_n)]
-          stages = time_stages(n, b, hq, hkv, d, top_k, args.implementation, args.select_warps,
-                               args.select_leaves, args.select_split)
+          stages = time_stages(n, b, hq, hkv, d, top_k, args.implementation,
+                               args.select_warps)
           rec.add(**base, side="pisa-jax", ms=ms, loop_ms=loop_ms, **memory,
                   **{f"loop_ms_{k}": v for k, v in stages.items()},
                   tokens_per_s=round(b / ms * 1e3, 1), x_ours=1.0,
@@ -350,8 +335,7 @@ def table(record: dict) -> str:
                    ours.get("loop_x_own_shortest")] + [ours.get(f"loop_ms_{k}") for k in STAGES]
                   + [ours.get("cache_mb"), ours.get("step_temp_mb"), dense.get("step_temp_mb")]
                   + [", ".join(f"{k.removeprefix('loop_ms_select_')} {v}" for k, v in ours.items()
-                               if k.startswith(("loop_ms_select_w", "loop_ms_select_l",
-                                                "loop_ms_select_s")))
+                               if k.startswith("loop_ms_select_w"))
                      or None])
     lines.append(_record.markdown(
         ["case", "pisa-jax ms", "dense ms", "dense via", "dense / ours",
@@ -359,7 +343,7 @@ def table(record: dict) -> str:
          "in-loop dense / ours", "in-loop ours / at shortest N"]
         + [f"in-loop {k} ms" for k in STAGES]
         + ["ours cache MiB", "ours step scratch MiB", "dense step scratch MiB"]
-        + ["in-loop select ms by warps (w) / leaves per step (l)"], body))
+        + ["in-loop select ms by warps (w)"], body))
   gen = [r for r in record["rows"] if r.get("part") == "generation"]
   if gen:
     body = [[r["preset"], r["attention"], r["batch"], r["prompt"], r.get("first_token_s"),
@@ -403,7 +387,6 @@ def settings(args) -> dict:
               gen_preset=args.gen_preset, gen_batch=args.gen_batch,
               gen_prompt=list(args.gen_prompt),
               gen_tokens=args.gen_tokens, select_warps=list(args.select_warps),
-              select_leaves=list(args.select_leaves), select_split=list(args.select_split),
               timing="median of 7 batches of back-to-back steps, the cache threaded and donated",
               loop_steps=LOOP)
 
@@ -417,10 +400,6 @@ def main(argv=None) -> dict:
   p.add_argument("--implementation", default="pallas", choices=("pallas", "xla"))
   p.add_argument("--select-warps", type=parse_ints, default=(),
                  help="also time the selection kernel on each of these warp counts (pallas)")
-  p.add_argument("--select-leaves", type=parse_ints, default=(),
-                 help="also time it at each of these leaves per step of its leaf loop (pallas)")
-  p.add_argument("--select-split", type=parse_ints, default=(),
-                 help="also time it split into three launches, L leaves per leaf program (pallas)")
   p.add_argument("--no-generation", dest="generation", action="store_false",
                  help="leave out the end-to-end generation part")
   p.add_argument("--gen-preset", default="small")
@@ -432,10 +411,9 @@ def main(argv=None) -> dict:
   p.add_argument("--gen-tokens", type=int, default=256)
   args = p.parse_args(argv)
   args.heads = args.heads or list(HEADS)
-  if (args.select_warps or args.select_leaves or args.select_split) and (
-      args.implementation != "pallas"):
-    raise SystemExit("--select-warps, --select-leaves and --select-split time the Pallas "
-                     "selection kernel: they need --implementation pallas")
+  if args.select_warps and args.implementation != "pallas":
+    raise SystemExit("--select-warps times the Pallas selection kernels: it needs "
+                     "--implementation pallas")
   return _record.run(NAME, args, measure, settings, plot, table)
 
 

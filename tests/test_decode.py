@@ -262,32 +262,12 @@ def test_append_kernel_equals_reference_append():
   np.testing.assert_array_equal(np.asarray(ref[0][2]), np.asarray(cache.k[2]))
 
 
-@pytest.mark.parametrize("leaves_per_step,hq", [(2, 4), (3, 6)])
-def test_select_kernel_loading_several_leaves_per_step_equals_one_at_a_time(leaves_per_step, hq):
-  # 13 scored leaves of 16 candidates: steps of 2 and 3 leave a partial last step.
-  q, k, _ = _qkv(5, 2, 130, hq, 2, 16, jnp.float32)
-  cache = DecodeCache.create(2, 130, 2, 16, block_size=8, dtype=jnp.float32)
-  cache = cache.prefill(k, k, jnp.asarray([130, 77], jnp.int32))
-  select = dict(block_size=8, branching=2, top_k=6, beam=6, selector="pisa", scale=0.25,
-                interpret=True)
-  args = (q[:, -1], cache.k, cache.summaries, jnp.asarray([129, 76], jnp.int32))
-  one = kernels.decode_select_pallas(*args, **select)
-  got = kernels.decode_select_pallas(
-      *args, **select, config=kernels.DecodeConfig(select_leaves_per_step=leaves_per_step))
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(one))
-  ref = dec.decode_select_reference(*args[:4], **{k: v for k, v in select.items()
-                                                   if k != "interpret"})
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
-
-
-@pytest.mark.parametrize("split,selector,hq,branching,top_k,beam", [
-    (1, "pisa", 4, 2, 6, 6), (4, "pisa1", 6, 2, 5, 8), (2, "pisa2", 4, 3, 4, 4),
-    (32, "pisa", 2, 2, 6, 6)])
-def test_split_selection_equals_the_fused_kernel_and_the_reference(split, selector, hq,
-                                                                   branching, top_k, beam):
-  # Three launches (walk, leaf scores, Select_K) against one program per (row, KV head): rows
-  # of 130, 77 and 1 cached tokens (the last needs no score), beams, branching 3, a split wider
-  # than the candidate slots (clamped to them).
+@pytest.mark.parametrize("selector,hq,branching,top_k,beam", [
+    ("pisa", 4, 2, 6, 6), ("pisa1", 6, 2, 5, 8), ("pisa2", 4, 3, 4, 4), ("pisa", 2, 2, 6, 6)])
+def test_select_kernel_equals_the_reference_on_rows_of_any_length(selector, hq, branching,
+                                                                   top_k, beam):
+  # The three launches (walk, leaf scores, Select_K) on rows of 130, 77 and 1 cached tokens (the
+  # last needs no score): beams, branching 3, groups of 1 to 3 heads.
   q, k, _ = _qkv(7, 3, 130, hq, 2, 16, jnp.float32)
   cache = DecodeCache.create(3, 130, 2, 16, block_size=8, branching=branching,
                              dtype=jnp.float32)
@@ -295,17 +275,9 @@ def test_split_selection_equals_the_fused_kernel_and_the_reference(split, select
   select = dict(block_size=8, branching=branching, top_k=top_k, beam=beam, selector=selector,
                 scale=0.25)
   args = (q[:, -1], cache.k, cache.summaries, jnp.asarray([129, 76, 0], jnp.int32))
-  fused = kernels.decode_select_pallas(*args, **select, interpret=True)
-  got = kernels.decode_select_pallas(*args, **select, interpret=True,
-                                     config=kernels.DecodeConfig(select_split_leaves=split))
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(fused))
+  got = kernels.decode_select_pallas(*args, **select, interpret=True)
   np.testing.assert_array_equal(np.asarray(got),
                                 np.asarray(dec.decode_select_reference(*args, **select)))
-
-
-def test_decode_config_rejects_a_split_that_is_not_a_power_of_two():
-  with pytest.raises(ValueError, match="select_split_leaves=3"):
-    kernels.DecodeConfig(select_split_leaves=3)
 
 
 @pytest.mark.parametrize("implementation", IMPLS)
@@ -437,16 +409,13 @@ def test_decode_kernels_lower_for_sm90(captured, monkeypatch, selector, hq, d, t
   monkeypatch.setattr(pisa_jax._dispatch, "interpret_mode", lambda: False)
   jax.jit(step, donate_argnums=3).trace(q, kv, kv, cache).lower(lowering_platforms=("cuda",))
   names = {re.search(r"module @([A-Za-z0-9_]+)", m).group(1) for m in captured}
-  select = "pisa_decode_select_" + selector
-  assert {"pisa_decode_append", select, "pisa_decode_attention"} <= names, names
+  select = {"pisa_decode_select_" + selector + part
+            for part in ([""] if selector == "bsa" else ["_walk", "_leaves", "_final"])}
+  assert {"pisa_decode_append", "pisa_decode_attention", *select} <= names, names
 
 
-@pytest.mark.parametrize("config,modules", [
-    (dict(select_leaves_per_step=4), ("",)),
-    (dict(select_split_leaves=1), ("_walk", "_leaves", "_final")),
-    (dict(select_split_leaves=4), ("_walk", "_leaves", "_final"))])
-def test_select_kernel_variants_lower_for_sm90(captured, config, modules):
-  # Four leaves per step of the fused kernel's leaf loop; the split selection's three launches.
+def test_select_kernels_lower_for_sm90_at_1m_tokens(captured):
+  # The selection's three launches at K = 32 (64 candidate slots) over a 1M-token cache.
   b, capacity, hkv, d = 16, 1 << 20, 2, 128
   q = jax.ShapeDtypeStruct((b, 32, d), jnp.bfloat16)
   cache = jax.eval_shape(lambda: DecodeCache.create(b, capacity, hkv, d, dtype=jnp.bfloat16))
@@ -454,8 +423,8 @@ def test_select_kernel_variants_lower_for_sm90(captured, config, modules):
   select = functools.partial(
       kernels.decode_select_pallas, block_size=64, branching=2, top_k=32, beam=32,
       selector="pisa", scale=d ** -0.5, interpret=False,
-      config=kernels.DecodeConfig(select_warps=4, **config))
+      config=kernels.DecodeConfig(select_warps=4))
   jax.jit(select).trace(q, cache.k, cache.summaries, positions).lower(
       lowering_platforms=("cuda",))
   names = {re.search(r"module @([A-Za-z0-9_]+)", m).group(1) for m in captured}
-  assert {"pisa_decode_select_pisa" + m for m in modules} <= names, names
+  assert {"pisa_decode_select_pisa" + m for m in ("_walk", "_leaves", "_final")} <= names, names

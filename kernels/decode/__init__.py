@@ -2,18 +2,18 @@
 "Decode cache"): the twins of `pisa_jax.decode.decode_append_reference`,
 `decode_select_reference` and `decode_attention_reference`.
 
-One decode step is three launches and one small XLA fusion (five with the selection split into
-walk, leaf scores and Select_K, `DecodeConfig.select_split_leaves`):
+One decode step is five launches and one small XLA fusion:
 1. append, one program per (batch row, KV head): writes the new key and value at the row's own
    length, recomputes the current leaf's mean from its raw keys and then each ancestor's mean from
    its children (Eq. 15): O(C + g log N) rows read, O(log N) summaries written, in place (the cache
    buffers are aliased to the outputs).
-2. select, one program per (batch row, KV head), all query heads of the GQA group as the rows of
-   its dots: the fused single-stage selection of Eq. 30-31. It walks the pyramid from the first
-   level with more than `beam` eligible nodes down to the leaves (Eq. 16-18), scores each level's
-   candidates from their children's summaries (Eq. 21 / 33 / 34, summed over the group's heads,
-   Eq. 22) and the leaf candidates from their raw keys, keeping the queries in registers
-   throughout. The flat BSA baseline is O(N / C) per step, as BSA is.
+2. select (Eq. 30-31), all query heads of the GQA group as the rows of every dot, in three
+   launches: the walk, one program per (batch row, KV head), from the first level with more than
+   `beam` eligible nodes down to the leaf candidates (Eq. 16-18), each level's candidates scored
+   from their children's summaries (Eq. 21 / 33 / 34, summed over the group's heads, Eq. 22);
+   the leaf scores from raw keys, one program per (row, KV head, candidate), so that at small B
+   the up to NC - 3 leaves' key loads spread over the GPU; Select_K per (row, KV head). The flat
+   BSA baseline is one kernel, O(N / C) per step, as BSA is.
 3. attention, split-K flash-decoding: program (row, KV head, split) runs an online softmax over its
    share of the K selected blocks and writes (o, m, l); a jnp merge combines the splits by
    log-sum-exp. With one block per split, B = 1 still launches HKV * K programs.
@@ -22,7 +22,7 @@ walk, leaf scores and Select_K, `DecodeConfig.select_split_leaves`):
   layout.py     Geometry (static shapes), the row layout, loads and stores, launch
   scoring.py    dots in float32, the reductions of Eq. 21 / 33 / 34, ranking keys
   append.py     the append kernel (new key and value, leaf and ancestor summaries)
-  select.py     the fused walk + leaf kernel (or the same in three launches), Select_K by rank,
+  select.py     the walk, leaf-score and Select_K kernels (Select_K by rank),
                 decode_select_pallas
   bsa.py        the flat BSA kernel (two passes over the leaf summaries, running top-k)
   attention.py  the split-K attention kernel and the log-sum-exp merge

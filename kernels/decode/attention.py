@@ -96,7 +96,7 @@ def decode_attention_pallas(
   # The walk's fields (branching, beam, selector) are unused by the attention kernel.
   geo = make_geometry(q, k_cache, block_size=block_size, branching=2, top_k=top_k, beam=top_k,
                       selector="pisa", scale=scale)
-  config = config or DecodeConfig.default(candidates=geo.nc, head_dim=d)
+  config = config or DecodeConfig.default(head_dim=d)
   blocks = min(config.attend_blocks or default_attend_blocks(b, hkv, top_k), next_pow2(top_k))
   splits = -(-top_k // blocks)
   rows = b * hkv * splits

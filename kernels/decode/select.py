@@ -1,7 +1,7 @@
-"""The fused decode selection (Eq. 30-31): one program per (batch row, KV head) walks the pyramid,
-scores the leaf candidates from their raw keys and keeps top_k leaves by Select_K; the same work
-split over three launches (`DecodeConfig.select_split_leaves`); and `decode_select_pallas`, which
-launches one of them or the flat BSA kernel."""
+"""The decode selection (Eq. 30-31) in three launches: one program per (batch row, KV head) walks
+the pyramid to the leaf candidates, one per (row, KV head, candidate) scores a leaf from its raw
+keys, one per (row, KV head) keeps top_k leaves by Select_K; and `decode_select_pallas`, which
+launches them or the flat BSA kernel."""
 
 from __future__ import annotations
 
@@ -149,42 +149,9 @@ def _final(cand, valid, forced, need, scores, geo: Geometry):
   return _sorted_ids(cand, kept, geo.kp)[None, :]
 
 
-def _select_kernel(pos_ref, q_ref, k_ref, s_ref, tab_ref, out_ref, *, geo: Geometry,
-                   leaves_per_step: int = 1):
-  """The fused decode selection (Eq. 30-31) for one (batch row, KV head): walk, leaf scores,
-  final Select_K. Writes the row's leaf ids ascending, -1 padded, `[KP]`. leaves_per_step: the
-  leaf loop loads that many candidates' keys per iteration (independent loads in flight)."""
-  nc = geo.nc
-  i_bh = pl.program_id(0)
-  i_b, i_h, cur, qg, m_head = _row(pos_ref, q_ref, i_bh, geo)
-  cand = _walk(qg, m_head, s_ref, tab_ref, i_b, i_h, cur, geo)
-  valid, forced, need = _leaf_slots(cand, cur, geo)
-  slot = jnp.arange(nc)
-  # The needed slots numbered 0 .. n_need - 1 in slot order, so the loop runs only over them.
-  order = jnp.sum((need[:, None] & (slot[:, None] < slot[None, :])).astype(jnp.int32), axis=0)
-  n_need = jnp.sum(need.astype(jnp.int32))
-  m_key = jnp.arange(geo.cp) < geo.block_size
-
-  def score_leaves(n, scores):
-    # Every load of the step first, then the dots: the loads do not wait on each other.
-    hits, keys = [], []
-    for j in range(leaves_per_step):
-      hit = need & (order == n * leaves_per_step + j)
-      leaf = jnp.sum(jnp.where(hit, cand, 0))
-      m_load = m_key & (jnp.sum(hit.astype(jnp.int32)) > 0) if leaves_per_step > 1 else m_key
-      hits.append(hit)
-      keys.append(_leaf_keys(k_ref, leaf, i_b, i_h, m_load, geo))
-    for hit, leaf_keys in zip(hits, keys):
-      scores = jnp.where(hit, _leaf_score(qg, m_head, leaf_keys, geo), scores)
-    return scores
-
-  num_steps = n_need if leaves_per_step == 1 else (n_need + leaves_per_step - 1) // leaves_per_step
-  scores = lax.fori_loop(0, num_steps, score_leaves, jnp.zeros((nc,), jnp.float32))
-  out_ref[pl.ds(i_bh, 1), :] = _final(cand, valid, forced, need, scores, geo)
-
-
-# The split selection: three launches instead of one program per (row, KV head), so that at
-# small B the leaves' key loads (up to NC - 3 leaves of C keys) spread over many SMs.
+# The selection is three launches, so that at small B the leaves' key loads (up to NC - 3 leaves
+# of C keys each) spread over many SMs: one program per (row, KV head) scored them one after the
+# other, 2.3x slower at 1M tokens (B = 1, d128 K32) and never faster (H200, 2026-12-03).
 
 
 def _walk_kernel(pos_ref, q_ref, s_ref, tab_ref, cand_ref, *, geo: Geometry):
@@ -194,27 +161,19 @@ def _walk_kernel(pos_ref, q_ref, s_ref, tab_ref, cand_ref, *, geo: Geometry):
   cand_ref[pl.ds(i_bh, 1), :] = _walk(qg, m_head, s_ref, tab_ref, i_b, i_h, cur, geo)[None, :]
 
 
-def _leaf_kernel(pos_ref, q_ref, k_ref, cand_ref, score_ref, *, geo: Geometry, leaves: int):
-  """Launch 2, per (row, KV head, run of `leaves` candidate slots): the slots' leaf scores
-  (0 where Select_K needs none; their keys are not loaded)."""
-  i_bh = pl.program_id(0)
-  base = pl.program_id(1) * leaves
+def _leaf_kernel(pos_ref, q_ref, k_ref, cand_ref, score_ref, *, geo: Geometry):
+  """Launch 2, per (row, KV head, candidate slot): the slot's leaf score from its raw keys (0
+  where Select_K needs none; its keys are then not loaded)."""
+  i_bh, i_slot = pl.program_id(0), pl.program_id(1)
   i_b, i_h, cur, qg, m_head = _row(pos_ref, q_ref, i_bh, geo)
   cand = cand_ref[pl.ds(i_bh, 1), :].reshape(geo.nc)
   _, _, need = _leaf_slots(cand, cur, geo)
-  slot = jnp.arange(geo.nc)
-  m_key = jnp.arange(geo.cp) < geo.block_size
-  hits, keys = [], []
-  for j in range(leaves):
-    hit = need & (slot == base + j)
-    leaf = jnp.sum(jnp.where(hit, cand, 0))
-    hits.append(jnp.sum(hit.astype(jnp.int32)) > 0)
-    keys.append(_leaf_keys(k_ref, leaf, i_b, i_h, m_key & hits[-1], geo))
-  o_leaf = jnp.arange(leaves)
-  scores = jnp.zeros((leaves,), jnp.float32)
-  for j, (hit, leaf_keys) in enumerate(zip(hits, keys)):
-    scores = jnp.where((o_leaf == j) & hit, _leaf_score(qg, m_head, leaf_keys, geo), scores)
-  score_ref[pl.ds(i_bh, 1), pl.ds(base, leaves)] = scores[None, :]
+  hit = need & (jnp.arange(geo.nc) == i_slot)
+  live = jnp.sum(hit.astype(jnp.int32)) > 0
+  m_key = (jnp.arange(geo.cp) < geo.block_size) & live
+  leaf_keys = _leaf_keys(k_ref, jnp.sum(jnp.where(hit, cand, 0)), i_b, i_h, m_key, geo)
+  score = jnp.where(live, _leaf_score(qg, m_head, leaf_keys, geo), 0.0)
+  score_ref[pl.ds(i_bh, 1), pl.ds(i_slot, 1)] = jnp.broadcast_to(score, (1, 1))
 
 
 def _final_kernel(pos_ref, cand_ref, score_ref, out_ref, *, geo: Geometry):
@@ -226,18 +185,17 @@ def _final_kernel(pos_ref, cand_ref, score_ref, out_ref, *, geo: Geometry):
   out_ref[pl.ds(i_bh, 1), :] = _final(cand, valid, forced, need, scores, geo)
 
 
-def _select_split(positions, q, k, s, table, geo: Geometry, config: DecodeConfig,
-                  interpret: bool):
-  """The three launches of the split selection; the leaf ids `[B * HKV, KP]`."""
+def _select_walk(positions, q, k, s, table, geo: Geometry, config: DecodeConfig,
+                 interpret: bool):
+  """The walk selectors' three launches; the leaf ids `[B * HKV, KP]`."""
   rows = geo.batch * geo.hkv
-  leaves = min(config.select_split_leaves, geo.nc)
   opts = dict(warps=config.select_warps, stages=config.num_stages, interpret=interpret)
   name = f"pisa_decode_select_{geo.selector}"
   cand = launch(functools.partial(_walk_kernel, geo=geo),
                 jax.ShapeDtypeStruct((rows, geo.nc), jnp.int32), (rows,), name=name + "_walk",
                 **opts)(positions, q, s, table)
-  scores = launch(functools.partial(_leaf_kernel, geo=geo, leaves=leaves),
-                  jax.ShapeDtypeStruct((rows, geo.nc), jnp.float32), (rows, geo.nc // leaves),
+  scores = launch(functools.partial(_leaf_kernel, geo=geo),
+                  jax.ShapeDtypeStruct((rows, geo.nc), jnp.float32), (rows, geo.nc),
                   name=name + "_leaves", **opts)(positions, q, k, cand)
   return launch(functools.partial(_final_kernel, geo=geo),
                 jax.ShapeDtypeStruct((rows, geo.kp), jnp.int32), (rows,), name=name + "_final",
@@ -267,8 +225,7 @@ def decode_select_pallas(
   hkv = k_cache.shape[2]
   geo = make_geometry(q, k_cache, block_size=block_size, branching=branching, top_k=top_k,
                       beam=beam if selector != "bsa" else top_k, selector=selector, scale=scale)
-  config = config or DecodeConfig.default(candidates=geo.nc, head_dim=d)
-  out_shape = jax.ShapeDtypeStruct((b * hkv, geo.kp), jnp.int32)
+  config = config or DecodeConfig.default(head_dim=d)
   rows = (q.reshape(-1, d), k_cache.reshape(-1, d), summaries.reshape(-1, d))
   positions = positions.astype(jnp.int32)
   if selector == "bsa":
@@ -279,13 +236,5 @@ def decode_select_pallas(
     table = int32_table([list(geo.offsets) + [0] * (lp - len(sizes)),
                          [branching ** i if i < len(sizes) else 1 for i in range(lp)]],
                         "the decode level table")
-    if config.select_split_leaves:
-      out = _select_split(positions, rows[0], rows[1], rows[2], table, geo, config, interpret)
-    else:
-      call = launch(functools.partial(_select_kernel, geo=geo,
-                                      leaves_per_step=config.select_leaves_per_step),
-                    out_shape, (b * hkv,),
-                    warps=config.select_warps, stages=config.num_stages, interpret=interpret,
-                    name=f"pisa_decode_select_{selector}")
-      out = call(positions, *rows, table)
+    out = _select_walk(positions, rows[0], rows[1], rows[2], table, geo, config, interpret)
   return out[:, :top_k].reshape(b, hkv, top_k)
