@@ -11,9 +11,6 @@ Every side gets the same bf16 inputs (B=1) and, for the sparse sides, the same b
                     the same blocks here, unlike random indices.
 Sides, each forward and forward + backward (dq, dk, dv):
   pisa-jax      `pisa_jax.sparse_attention(implementation="pallas")`
-  pisa-jax tile the query-tile kernels (`kernels.tile_attention`, default config; pallas only),
-                with union_fraction: the tiles' mean union over TQ * K (their share of the
-                per-query kernel's block reads), the input of `tile_index.prefers_tile_kernel`
   fla           `fla.ops.nsa`'s ParallelNSAFunction (Triton; its backward needs a GQA group of at
                 least 16; skipped, with a note, when fla is not importable)
   cudnn dense   causal `jax.nn.dot_product_attention(implementation="cudnn")` over all keys
@@ -43,8 +40,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import pisa_jax
-from pisa_jax import _dispatch
-from pisa_jax.kernels import tile_attention, tile_index
 from pisa_jax.testing import random_block_indices
 from benchmarks import _fla, _record
 from benchmarks.timing import time_jax, time_torch
@@ -119,21 +114,6 @@ def time_ours(q, k, v, do, idx, d, implementation):
           fwd(q, k, v, idx))
 
 
-def time_tile(q, k, v, do, idx, d):
-  """The tile kernels' forward and forward + backward, and the indices' union fraction."""
-  hq, hkv, top_k = q.shape[2], k.shape[2], idx.shape[-1]
-  config = tile_attention.TileAttentionConfig.default(head_dim=d, group=hq // hkv)
-  tq = tile_attention.effective_tile_queries(config, hq // hkv)
-  fn = functools.partial(tile_attention.sparse_attention_tile, block_size=C, scale=d ** -0.5,
-                         interpret=_dispatch.interpret_mode(), config=config)
-  _, _, count = tile_index.tile_unions(idx, block_size=C, tile_queries=tq,
-                                       num_blocks=-(-q.shape[1] // C))
-  fraction = float(tile_index.union_fraction(count, tile_queries=tq, top_k=top_k))
-  return ({"fwd": time_jax(jax.jit(fn), q, k, v, idx),
-           "fwd+bwd": time_jax(with_grads(fn), q, k, v, idx, do)},
-          dict(tile_queries=tq, union_fraction=round(fraction, 4)))
-
-
 def real_indices(qk, n, hkv, top_k, implementation):
   """PISA's selection (K = top_k) on the first n tokens of a trained model's q/k, its KV heads
   repeated over hkv: int32 `[1, n, hkv, K]`."""
@@ -200,19 +180,6 @@ def measure(args, rec: _record.Recorder) -> None:
     for phase, ms in ours.items():
       rec.add(**base, side="pisa-jax", phase=phase, ms=ms,
               tflops=tflops(fl * (1 if phase == "fwd" else 3.5), ms), x_ours=1.0)
-    if args.implementation == "pallas":
-      try:
-        tile, extra = time_tile(q, k, v, do, idx, d)
-      except Exception as e:
-        tile, extra = {}, {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-      for phase in ("fwd", "fwd+bwd"):
-        row = dict(base, side="pisa-jax tile", phase=phase, **extra)
-        if phase in tile:
-          row.update(ms=tile[phase],
-                     tflops=tflops(fl * (1 if phase == "fwd" else 3.5), tile[phase]))
-          if phase in ours:
-            row["x_ours"] = round(tile[phase] / ours[phase], 3)
-        rec.add(**row)
     if not fla_reason and ours_out is not None:
       try:
         res = time_fla(q, k, v, do, idx, d, ours_out)
@@ -252,7 +219,7 @@ def measure(args, rec: _record.Recorder) -> None:
     del q, k, v, do, idx, ours_out
 
 
-SIDES = ("pisa-jax", "pisa-jax tile", "fla", "cudnn dense")
+SIDES = ("pisa-jax", "fla", "cudnn dense")
 
 
 def table(record: dict) -> str:
@@ -260,15 +227,12 @@ def table(record: dict) -> str:
   cases = list(dict.fromkeys(r["case"] for r in record["rows"]))
   cols, body = ["case"], []
   for phase in ("fwd", "fwd+bwd"):
-    cols += [f"{side} {phase} ms" for side in SIDES] + [f"fla / ours {phase}",
-                                                         f"fla / tile {phase}"]
+    cols += [f"{side} {phase} ms" for side in SIDES] + [f"fla / ours {phase}"]
   for case in cases:
     line = [case]
     for phase in ("fwd", "fwd+bwd"):
       line += [by.get((case, side, phase), {}).get("ms") for side in SIDES]
       line.append(by.get((case, "fla", phase), {}).get("x_ours"))
-      fla, tile = (by.get((case, side, phase), {}).get("ms") for side in ("fla", "pisa-jax tile"))
-      line.append(round(fla / tile, 3) if fla and tile else None)
     body.append(line)
   return _record.markdown(cols, body)
 

@@ -4,9 +4,7 @@ The layer is `pisa_jax.pisa_attention(implementation="pallas")`: the selection (
 stop_gradient, its time included) then attention over the selected blocks. Dense is causal
 `jax.nn.dot_product_attention(implementation="cudnn")` over all keys. Same bf16 q/k/v (B=1, C=64,
 g=2, beam K), forward and forward + backward (dq, dk, dv). Rows: median ms (benchmarks/timing.py)
-and speedup, dense time over the layer's. With the Pallas kernels a third side, "pisa layer
-tile", is the same selection followed by the query-tile attention kernels
-(`kernels.tile_attention`, default config). The plot is bars per case, log time.
+and speedup, dense time over the layer's. The plot is bars per case, log time.
 
   python -m benchmarks.layer                        # the default cases, benchmarks/results/
   python -m benchmarks.layer --case 65536:32:2:128:32 --out /tmp/layer
@@ -20,11 +18,8 @@ import functools
 
 import jax
 import numpy as np
-from jax import lax
 
 import pisa_jax
-from pisa_jax import _dispatch
-from pisa_jax.kernels import tile_attention
 from benchmarks import _record
 from benchmarks.attention import C, case_name, dense_fn, inputs, parse_case, with_grads
 from benchmarks.timing import time_jax
@@ -33,26 +28,12 @@ NAME = "layer"
 # (N, HQ, HKV, D, K)
 CASES = ((16384, 32, 2, 64, 8), (16384, 32, 2, 128, 32), (65536, 32, 2, 64, 8),
          (65536, 32, 2, 128, 32), (131072, 32, 2, 64, 8), (131072, 32, 2, 128, 32))
-SIDES = ("pisa layer", "pisa layer tile", "cudnn dense")
+SIDES = ("pisa layer", "cudnn dense")
 
 
 def layer_fn(top_k: int, implementation: str):
   return functools.partial(pisa_jax.pisa_attention, block_size=C, top_k=top_k,
                            implementation=implementation)
-
-
-def tile_layer_fn(top_k: int, d: int, group: int):
-  """The layer with the query-tile attention kernels: select (no gradient), then attend."""
-  config = tile_attention.TileAttentionConfig.default(head_dim=d, group=group)
-
-  def layer(q, k, v):
-    idx = pisa_jax.select_blocks(lax.stop_gradient(q), lax.stop_gradient(k), block_size=C,
-                                 top_k=top_k, implementation="pallas")
-    return tile_attention.sparse_attention_tile(
-        q, k, v, lax.stop_gradient(idx), block_size=C, scale=d ** -0.5,
-        interpret=_dispatch.interpret_mode(), config=config)
-
-  return layer
 
 
 def measure(args, rec: _record.Recorder) -> None:
@@ -63,8 +44,6 @@ def measure(args, rec: _record.Recorder) -> None:
     base = dict(case=case_name(n, hq, hkv, d, top_k), n=n, hq=hq, hkv=hkv, d=d, top_k=top_k)
     q, k, v, do = inputs(n, hq, hkv, d)
     fns = {"pisa layer": layer_fn(top_k, args.implementation)}
-    if args.implementation == "pallas":
-      fns["pisa layer tile"] = tile_layer_fn(top_k, d, hq // hkv)
     if dense_ok:
       fns["cudnn dense"] = dense_fn
     times = {}
@@ -90,14 +69,12 @@ def table(record: dict) -> str:
   cases = list(dict.fromkeys(r["case"] for r in record["rows"]))
   cols, body = ["case"], []
   for phase in ("fwd", "fwd+bwd"):
-    cols += [f"{side} {phase} ms" for side in SIDES] + [f"dense / layer {phase}",
-                                                         f"dense / tile layer {phase}"]
+    cols += [f"{side} {phase} ms" for side in SIDES] + [f"dense / layer {phase}"]
   for case in cases:
     line = [case]
     for phase in ("fwd", "fwd+bwd"):
       line += [by.get((case, side, phase), {}).get("ms") for side in SIDES]
-      line += [by.get((case, side, phase), {}).get("speedup_vs_dense")
-               for side in ("pisa layer", "pisa layer tile")]
+      line.append(by.get((case, "pisa layer", phase), {}).get("speedup_vs_dense"))
     body.append(line)
   return _record.markdown(cols, body)
 

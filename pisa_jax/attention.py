@@ -19,7 +19,7 @@ from jax import lax
 from jaxtyping import Array, Float, Int
 
 from pisa_jax import _chunking, _dispatch, _validation
-from pisa_jax.kernels import tile_attention
+from pisa_jax.kernels import attention as attention_kernels
 from pisa_jax.selection import select_blocks
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -500,5 +500,5 @@ def pisa_attention(
 _dispatch.register(
     "sparse_attention",
     xla=sparse_attention_reference,
-    pallas=_dispatch.with_interpret(tile_attention.sparse_attention_kernels),
+    pallas=_dispatch.with_interpret(attention_kernels.sparse_attention_pallas),
 )

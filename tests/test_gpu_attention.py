@@ -6,9 +6,7 @@ suite's tolerances (tests/tolerances.py: |got - want| <= atol + rtol |want|), bf
 GQA groups 1 to 32, head dims 48 to 128, T not a multiple of C, rows with fewer than K blocks or
 none. Outputs land in device memory filled with NaN first (`poison`), so an element a kernel never
 writes fails the finiteness check; two runs must be bit-identical (the backward sums its partials
-in a fixed order). Both kernel families run every case: the per-query kernels (the default) and
-the query-tile kernels (`kernels.tile_attention`, default config). Skipped without a CUDA GPU;
-the whole GPU suite runs with
+in a fixed order). Skipped without a CUDA GPU; the whole GPU suite runs with
 
   python -m pytest -q -m gpu tests/test_gpu_*.py
 """
@@ -25,7 +23,6 @@ import pytest
 from jax.experimental import pallas as pl
 
 import pisa_jax
-from pisa_jax.kernels import tile_attention
 from pisa_jax.testing import random_block_indices
 
 import tolerances as tol
@@ -66,13 +63,10 @@ def poison(nbytes: int) -> None:
   jax.block_until_ready(jnp.full((nbytes // 4,), 0xFFFFFFFF, jnp.uint32))
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "implementation", "config"))
-def value_and_grads(q, k, v, idx, do, *, block_size, implementation, config=None):
+@functools.partial(jax.jit, static_argnames=("block_size", "implementation"))
+def value_and_grads(q, k, v, idx, do, *, block_size, implementation):
   fn = functools.partial(pisa_jax.sparse_attention, block_size=block_size,
                          implementation=implementation)
-  if config is not None:
-    fn = functools.partial(tile_attention.sparse_attention_kernels, block_size=block_size,
-                           scale=q.shape[-1] ** -0.5, interpret=False, config=config)
   out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, idx), q, k, v)
   return (out,) + tuple(vjp(do))
 
@@ -101,18 +95,15 @@ def test_poison_reaches_unwritten_outputs():
       f"(now {os.environ.get('XLA_PYTHON_CLIENT_ALLOCATOR')!r})")
 
 
-@pytest.mark.parametrize("kernels", ["per_query", "tile"])
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_attention_matches_reference(case, kernels):
+def test_attention_matches_reference(case):
   t, hq, hkv, d, c, top_k, dtype, indices = case
-  config = (tile_attention.TileAttentionConfig.default(head_dim=d, group=hq // hkv)
-            if kernels == "tile" else None)
   q, k, v, do = inputs(t, t, hq, hkv, d, dtype)
   if indices == "pisa":
     idx = pisa_jax.select_blocks(q, k, block_size=c, top_k=top_k, implementation="pallas")
   else:
     idx = jnp.asarray(random_block_indices(t, t, hkv, top_k, c, thin_rows=0.2))
-  run = functools.partial(value_and_grads, block_size=c, implementation="pallas", config=config)
+  run = functools.partial(value_and_grads, block_size=c, implementation="pallas")
   jax.block_until_ready(run(q, k, v, idx, do))  # compiled before the memory is poisoned
   nbytes = 8 * sum(x.size * x.dtype.itemsize for x in (q, k, v, do)) + (64 << 20)
   poison(nbytes)
