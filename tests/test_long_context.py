@@ -232,8 +232,9 @@ def test_decode_kernels_lower_at_millions_of_tokens(captured, capacity, batch, s
   jax.jit(functools.partial(dec.decode_attention_pallas, block_size=C, scale=d ** -0.5,
                             interpret=False)).trace(q, cache, cache, idx, pos).lower(**cuda)
   names = _by_name(captured)
-  assert {"pisa_decode_append", f"pisa_decode_select_{selector}", "pisa_decode_attention"} <= set(
-      names)
+  select = {f"pisa_decode_select_{selector}{part}"
+            for part in ([""] if selector == "bsa" else ["_walk", "_leaves", "_final"])}
+  assert {"pisa_decode_append", "pisa_decode_attention", *select} <= set(names), set(names)
   if batch * capacity * HKV * d * 2 > 2**32:
     assert re.search(r"tt\.addptr .*tensor<[0-9x]+xi64>", names["pisa_decode_attention"][0])
 
