@@ -1,8 +1,8 @@
 """Benchmarks: one script per question, each `python -m benchmarks.<name> --out DIR` on your GPU.
 
   selection   block-selection time against N: PISA, our BSA, fla's BSA
-  attention   selected-block attention forward and forward + backward: ours (per-query and
-              query-tile kernels), fla, cuDNN dense; random, PISA or real-model indices
+  attention   selected-block attention forward and forward + backward: ours, fla, cuDNN dense;
+              random, PISA or real-model indices
   dump_qk     a helper, not a benchmark: post-RoPE q/k of a trained run for `attention
               --indices real`
   packed      packed documents (segment_ids) against one sequence: selection and attention,
