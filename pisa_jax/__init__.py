@@ -18,7 +18,9 @@ jnp reference ("xla") and the Pallas kernels ("pallas") take them, forward and b
 
 Under `jax.jit` the arrays are traced and the options (sizes, names, scale) must be static: `jax.jit(pisa_jax.pisa_attention, static_argnames=("block_size", "top_k"))`, or bind them
 with `functools.partial` first; a traced option raises a TypeError that says so. Block indices
-passed in are checked eagerly, and under `jit` inside `jax.experimental.checkify.checkify`.
+passed in are checked eagerly; under `jit` they are checked when traced inside
+`pisa_jax.traced_checks(True)` and run under `jax.experimental.checkify.checkify` (opt-in: a
+check adds an effect that takes a jitted function off jax's fast C++ dispatch).
 
 Decoding (Section 3.3 "Decoding", Appendix B "Decode cache"):
   DecodeCache        keys, values and the summary pyramid of a batch of rows of different lengths
@@ -26,6 +28,7 @@ Decoding (Section 3.3 "Decoding", Appendix B "Decode cache"):
   generate           greedy or nucleus generation with any `DecodeModel` (models.Decoder is one)
 """
 
+from pisa_jax._validation import traced_checks
 from pisa_jax.attention import pisa_attention, sparse_attention
 # Registers the "sparse_attention_packed" op that sparse_attention dispatches segment_ids to.
 from pisa_jax import packed_attention  # noqa: F401

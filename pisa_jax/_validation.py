@@ -2,8 +2,8 @@
 
 Every check raises ValueError (bad value or shape) or TypeError (bad dtype) with a message that
 names the argument and the value expected. Shapes are static under `jit`, so all shape checks also
-run on tracers; checks of index *values* raise when the indices are concrete, and under `jit`
-report through `jax.experimental.checkify` when the caller wraps the call in `checkify.checkify`.
+run on tracers; checks of index *values* raise when the indices are concrete. Under `jit` they
+are traced only inside `traced_checks(True)`, and then report through `checkify.checkify`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,23 @@ SELECTORS = ("pisa", "pisa1", "pisa2", "bsa", "exact")
 HIERARCHICAL_SELECTORS = ("pisa", "pisa1", "pisa2")
 # Forced blocks per query: the first, the previous and the current leaf block (Appendix B).
 NUM_FORCED = 3
+
+# Whether value checks on traced arrays are part of the traced computation. A `debug_check`
+# puts a checkify error effect in the jaxpr even when nothing discharges it, and an effectful
+# jitted function leaves jax's C++ dispatch path: every call of a jitted decode step then pays
+# milliseconds of Python on the host, more than the step itself. So the checks are opt-in:
+#     with pisa_jax.traced_checks(True):
+#       err, out = checkify.checkify(jax.jit(f))(*args)
+#     err.throw()
+# The value is part of jit's cache key: a function traced without the checks is traced again
+# inside the context.
+traced_checks = jax.make_user_context(False)
+
+
+def debug_check(pred, message: str, *fmt_args) -> None:
+  """`checkify.debug_check` inside `traced_checks(True)`; nothing otherwise."""
+  if traced_checks.value:
+    checkify.debug_check(pred, message, *fmt_args)
 
 
 def check_float(name: str, x) -> None:
@@ -160,14 +177,14 @@ def check_block_indices(block_indices, *, batch: int, seq_len: int, num_kv_heads
         f"[{batch}, {seq_len}, {num_kv_heads}, K] with K >= 1")
   num_blocks = -(-seq_len // block_size)
   if isinstance(block_indices, jax.core.Tracer):
-    # Under jit the values are unknown here; these checks report through
-    # `jax.experimental.checkify.checkify` and are no-ops without it.
-    checkify.debug_check(
+    # Under jit the values are unknown here: inside `traced_checks(True)` these report through
+    # `jax.experimental.checkify.checkify`.
+    debug_check(
         jnp.all((block_indices >= -1) & (block_indices < num_blocks)),
         f"block_indices must lie in [-1, {num_blocks}) for T={seq_len} and {block_size=}: found "
         "values in [{}, {}]", jnp.min(block_indices), jnp.max(block_indices))
     srt = jnp.sort(block_indices, axis=-1)
-    checkify.debug_check(
+    debug_check(
         ~jnp.any((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)),
         "block_indices must not repeat a block index within one [b, t, h] row (-1 may repeat)")
     return
@@ -186,7 +203,7 @@ def check_block_indices(block_indices, *, batch: int, seq_len: int, num_kv_heads
 def check_segment_ids(segment_ids, *, batch: int, seq_len: int) -> None:
   """segment_ids: None, or int32 [B, T], non-decreasing within each row (a document is a run of
   equal ids). The order is checked eagerly on concrete ids; traced ones (under `jit`) report
-  through `jax.experimental.checkify.checkify` and are unchecked without it."""
+  through `jax.experimental.checkify.checkify` inside `traced_checks(True)`."""
   if segment_ids is None:
     return
   dtype = getattr(segment_ids, "dtype", type(segment_ids).__name__)
@@ -198,8 +215,7 @@ def check_segment_ids(segment_ids, *, batch: int, seq_len: int) -> None:
   message = ("segment_ids must be non-decreasing within each row (a document is a run of equal "
              "ids)")
   if isinstance(segment_ids, jax.core.Tracer):
-    checkify.debug_check(jnp.all(segment_ids[:, 1:] >= segment_ids[:, :-1]),
-                         message + ": a row decreases")
+    debug_check(jnp.all(segment_ids[:, 1:] >= segment_ids[:, :-1]), message + ": a row decreases")
     return
   ids = np.asarray(segment_ids)
   bad = np.argwhere(ids[:, 1:] < ids[:, :-1])

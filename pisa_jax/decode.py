@@ -39,7 +39,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental import checkify
 from jaxtyping import Array, Bool, Float, Int
 
 from pisa_jax import _dispatch, _validation
@@ -206,9 +205,9 @@ def _step(q, k, v, cache: DecodeCache, new_document, *, top_k: int, selector: st
   # become stale slots, as past a row's length (append rewrites the path it needs; selection
   # scores only nodes before the token, all of which it rewrote since).
   positions = cache.lengths if new_document is None else jnp.where(new_document, 0, cache.lengths)
-  # Under jit the lengths are unknown to the caller's Python: this reports a token past capacity
-  # through `checkify.checkify` when the caller wraps the step in it, and is a no-op otherwise.
-  checkify.debug_check(
+  # Under jit the lengths are unknown to the caller's Python: inside `traced_checks(True)` this
+  # reports a token past capacity through `checkify.checkify`.
+  _validation.debug_check(
       jnp.all(positions < cache.capacity),
       f"decode_step: a row of length {{}} has no room for another token in cache.capacity="
       f"{cache.capacity}: grow the cache before the step (DecodeCache.grow)", jnp.max(positions))
@@ -301,8 +300,9 @@ def decode_step(
     grow: outside `jit`, reallocate the cache (`DecodeCache.grow`) when a row's token would pass
       its capacity; with False, or a cache created with growable=False, that is a ValueError.
       Under `jit` the lengths are not known: a row past capacity gets NaN outputs and -1
-      indices, its token is dropped, and `grow` refuses the cache afterwards; wrapped in
-      `jax.experimental.checkify.checkify`, the step reports it as an error. Grow ahead of the
+      indices, its token is dropped, and `grow` refuses the cache afterwards; traced inside
+      `pisa_jax.traced_checks(True)` and wrapped in `jax.experimental.checkify.checkify`, the
+      step reports it as an error. Grow ahead of the
       step from a host-side count instead (`bucket_capacity` says which capacity a count needs).
     donate: outside `jit`, update the cache's buffers in place: the `cache` passed in is
       consumed (use the returned one). False keeps it valid at the price of a full copy of the

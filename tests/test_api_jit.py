@@ -89,16 +89,22 @@ def test_checkify_reports_invalid_indices_under_jit(implementation):
                                      implementation=implementation))
   quality = jax.jit(functools.partial(pisa_jax.selection_quality, block_size=C))
   for fn, args in ((attend, (q, k, v)), (quality, (q, k))):
+    # Outside the context nothing is traced: no effect, so jit keeps its fast dispatch.
+    assert not fn.trace(*args, out_of_range).jaxpr.effects
     err, _ = checkify.checkify(fn)(*args, out_of_range)
-    assert ("block_indices must lie in [-1, 6) for T=96 and block_size=16: found values in "
-            "[-1, 9]") in err.get()
-    err, _ = checkify.checkify(fn)(*args, repeated)
-    assert "must not repeat a block index" in err.get()
-    err, _ = checkify.checkify(fn)(*args, indices(q, k))
     assert err.get() is None
+    with pisa_jax.traced_checks(True):
+      err, _ = checkify.checkify(fn)(*args, out_of_range)
+      assert ("block_indices must lie in [-1, 6) for T=96 and block_size=16: found values in "
+              "[-1, 9]") in err.get()
+      err, _ = checkify.checkify(fn)(*args, repeated)
+      assert "must not repeat a block index" in err.get()
+      err, _ = checkify.checkify(fn)(*args, indices(q, k))
+      assert err.get() is None
   # Gradients too: the checks sit before the attention, outside its custom_vjp.
   grad = jax.jit(jax.grad(lambda q, idx: attend(q, k, v, idx).sum()))
-  err, _ = checkify.checkify(grad)(q, out_of_range)
+  with pisa_jax.traced_checks(True):
+    err, _ = checkify.checkify(grad)(q, out_of_range)
   assert "must lie in" in err.get()
   # Eagerly the same indices raise at once.
   with pytest.raises(ValueError, match="must lie in"):

@@ -286,9 +286,12 @@ def test_jitted_step_past_capacity_poisons_the_row_and_checkify_reports_it(imple
   q = jnp.ones((2, 1, 2, 16), jnp.float32)
   cache = DecodeCache.create(2, 16, 1, 16, block_size=16, dtype=jnp.float32)
   cache = cache.prefill(k, v, jnp.asarray([16, 3], jnp.int32))
-  step = checkify.checkify(jax.jit(functools.partial(
-      decode_step, top_k=3, implementation=implementation, return_indices=True)))
-  err, (out, new, idx) = step(q, k[:, :1], v[:, :1], cache)
+  jitted = jax.jit(functools.partial(decode_step, top_k=3, implementation=implementation,
+                                     return_indices=True))
+  # Unchecked by default: no effect in the step, so a generation loop keeps jit's fast dispatch.
+  assert not jitted.trace(q, k[:, :1], v[:, :1], cache).jaxpr.effects
+  with pisa_jax.traced_checks(True):
+    err, (out, new, idx) = checkify.checkify(jitted)(q, k[:, :1], v[:, :1], cache)
   with pytest.raises(checkify.JaxRuntimeError,
                      match=r"a row of length 16 has no room for another token in "
                            r"cache.capacity=16"):

@@ -259,9 +259,13 @@ def test_checkify_reports_decreasing_segment_ids_under_jit():
   fn = checkify.checkify(jax.jit(lambda k, s: pisa_jax.build_pyramid(
       k, block_size=4, segment_ids=s, implementation="xla").summaries))
   err, _ = fn(k, bad)
+  err.throw()  # not traced outside traced_checks(True)
+  with pisa_jax.traced_checks(True):
+    err, _ = fn(k, bad)
   with pytest.raises(checkify.JaxRuntimeError, match="segment_ids must be non-decreasing"):
     err.throw()
-  err, _ = fn(k, jnp.sort(bad, axis=1))
+  with pisa_jax.traced_checks(True):
+    err, _ = fn(k, jnp.sort(bad, axis=1))
   err.throw()
 
 
