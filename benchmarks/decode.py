@@ -14,7 +14,8 @@ steps ended by one synchronisation, as benchmarks/timing.py; the length grows by
 well inside the cache), tokens/s (B / step time) and x_ours (dense over ours). `loop_ms` is the
 same step run LOOP times inside one jitted `fori_loop`, per step: the device's time without the
 host's dispatch of every step (what a compiled generation loop pays), and `loop_ms_append`,
-`_select`, `_attention` each stage of the PISA step alone, timed the same way. With
+`_select`, `_append_select`, `_attention` each stage of the PISA step alone, timed the same way
+(a step runs append_select, the append inside the walk's launch, then attention). With
 --select-warps W1,W2,.. (Pallas only) the selection stage is also timed at each launch width,
 `loop_ms_select_w<W>` (the prefill kernels' measured settings need not be the decode
 kernels' best: at small B there are few programs). Memory: cache_mb, every array a step threads
@@ -54,7 +55,9 @@ from benchmarks import _record
 NAME = "decode"
 C = 64
 LOOP = 32  # steps per jitted loop for loop_ms
-STAGES = ("append", "select", "attention")
+# What a step runs: append_select (one op: the append in the walk's launch) then attention;
+# append and select alone show the split.
+STAGES = ("append", "select", "append_select", "attention")
 LENGTHS = (32768, 131072, 524288, 1048576)
 BATCHES = (1, 16)
 # (HQ, HKV, D, K): the anchors' two settings.
@@ -159,7 +162,7 @@ def temp_mib(compiled) -> float | None:
 
 def time_stages(n, b, hq, hkv, d, top_k, implementation, select_warps=()) -> dict:
   """ms per step of each stage of the pisa step alone, LOOP times in one jitted loop: append
-  (the cache threaded), select and attention (at positions N and N + 1 alternately, so that the
+  and append_select (the cache threaded), select and attention (at positions N and N + 1 alternately, so that the
   loop body depends on the iteration and cannot be hoisted); "select_w<W>" the selection kernel
   launched on W warps, for each W of select_warps (the default config otherwise)."""
   from pisa_jax import _dispatch
@@ -170,6 +173,7 @@ def time_stages(n, b, hq, hkv, d, top_k, implementation, select_warps=()) -> dic
   q, k1, v1 = step_inputs(b, hq, hkv, d)
   scale = d ** -0.5
   append = _dispatch.lookup("decode_append", implementation)
+  append_select = _dispatch.lookup("decode_append_select", implementation)
   select = _dispatch.lookup("decode_select", implementation)
   attend = _dispatch.lookup("decode_attention", implementation)
   geometry = dict(block_size=C)
@@ -181,6 +185,12 @@ def time_stages(n, b, hq, hkv, d, top_k, implementation, select_warps=()) -> dic
     del i, arrays
     return append(k1[:, 0], v1[:, 0], s[0], s[1], s[2], positions, branching=cache.branching,
                   **geometry)
+
+  def one_append_select(s, i, arrays):
+    del i, arrays  # the indices are threaded too, so that the selection is not dropped
+    return append_select(q[:, 0], k1[:, 0], v1[:, 0], s[0], s[1], s[2], positions,
+                         branching=cache.branching, top_k=top_k, beam=top_k, selector="pisa",
+                         scale=scale, **geometry)
 
   def one_select(s, i, arrays, **config):
     del s
@@ -194,7 +204,7 @@ def time_stages(n, b, hq, hkv, d, top_k, implementation, select_warps=()) -> dic
                   **geometry)
 
   # The cache is an argument of the jitted loop, never closed over (a constant) nor returned (a
-  # copy); append, timed last, threads and donates it.
+  # copy); append and append_select, timed last, thread and donate it.
   out = {}
   # The kernels' own default, the warps changed per variant.
   default = DecodeConfig.default(head_dim=d)
@@ -210,6 +220,13 @@ def time_stages(n, b, hq, hkv, d, top_k, implementation, select_warps=()) -> dic
                   donate_argnums=0 if name == "append" else ())
     out[name] = round(time_threaded(lambda s, run=run, a=arrays: run(s, a), state, reps=5,
                                     batch_s=0.1) / LOOP, 4)
+  # A fresh cache: append's loop consumed the first.
+  cache = pisa_jax.DecodeCache.create(b, n + 2, hkv, d, block_size=C)
+  cache = cache.prefill(*filled(n, b, hkv, d))
+  run = jax.jit(lambda s: jax.lax.fori_loop(0, LOOP, lambda i, s: one_append_select(s, i, ()), s),
+                donate_argnums=0)
+  out["append_select"] = round(time_threaded(run, (cache.k, cache.v, cache.summaries, idx),
+                                             reps=5, batch_s=0.1) / LOOP, 4)
   return out
 
 

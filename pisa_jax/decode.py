@@ -27,7 +27,9 @@ a new document in the flagged rows; token by token, a packed sequence then decod
 
 Implementations ("xla" jnp reference, "pallas" kernels in `pisa_jax.kernels.decode`) are
 registered per op: "decode_append" (the cache update: in "xla" a scatter of the new token and
-its recomputed leaf-to-root path, in "pallas" one kernel), "decode_select", "decode_attention".
+its recomputed leaf-to-root path, in "pallas" one kernel), "decode_select", "decode_attention",
+and "decode_append_select", the step's append and selection together (in "pallas" the append
+runs in the walk's launch).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from pisa_jax.kernels.decode import level_offsets
 from pisa_jax.selection import _bsa_chunk, _hierarchical_chunk
 
 __all__ = ["DECODE_SELECTORS", "DecodeCache", "bucket_capacity", "decode_append_reference",
+           "decode_append_select_reference",
            "decode_attention_reference", "decode_select_reference", "decode_step"]
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -212,12 +215,11 @@ def _step(q, k, v, cache: DecodeCache, new_document, *, top_k: int, selector: st
       f"decode_step: a row of length {{}} has no room for another token in cache.capacity="
       f"{cache.capacity}: grow the cache before the step (DecodeCache.grow)", jnp.max(positions))
   geometry = dict(block_size=cache.block_size)
-  append = _dispatch.lookup("decode_append", implementation)
-  k_cache, v_cache, summaries = append(k[:, 0], v[:, 0], cache.k, cache.v, cache.summaries,
-                                       positions, branching=cache.branching, **geometry)
-  select = _dispatch.lookup("decode_select", implementation)
-  idx = select(q[:, 0], k_cache, summaries, positions, branching=cache.branching, top_k=top_k,
-               beam=beam, selector=selector, scale=scale, **geometry)
+  append_select = _dispatch.lookup("decode_append_select", implementation)
+  k_cache, v_cache, summaries, idx = append_select(
+      q[:, 0], k[:, 0], v[:, 0], cache.k, cache.v, cache.summaries, positions,
+      branching=cache.branching, top_k=top_k, beam=beam, selector=selector, scale=scale,
+      **geometry)
   attend = _dispatch.lookup("decode_attention", implementation)
   out = attend(q[:, 0], k_cache, v_cache, idx, positions, scale=scale, **geometry)
   # A token past capacity (only possible under jit) was dropped: its row says so loudly.
@@ -227,6 +229,20 @@ def _step(q, k, v, cache: DecodeCache, new_document, *, top_k: int, selector: st
   cache = dataclasses.replace(cache, k=k_cache, v=v_cache, summaries=summaries,
                               lengths=positions + 1)
   return out[:, None], cache, idx[:, None]
+
+
+def decode_append_select_reference(q, k_new, v_new, k_cache, v_cache, summaries, positions, *,
+                                   block_size: int, branching: int, top_k: int, beam: int,
+                                   selector: str, scale: float):
+  """`decode_append_reference`, then `decode_select_reference` on the updated cache:
+  (k_cache, v_cache, summaries, indices). The kernels run both in fewer launches."""
+  k_cache, v_cache, summaries = decode_append_reference(
+      k_new, v_new, k_cache, v_cache, summaries, positions, block_size=block_size,
+      branching=branching)
+  idx = decode_select_reference(q, k_cache, summaries, positions, block_size=block_size,
+                                branching=branching, top_k=top_k, beam=beam, selector=selector,
+                                scale=scale)
+  return k_cache, v_cache, summaries, idx
 
 
 _STATIC = ("top_k", "selector", "beam", "scale", "implementation")
@@ -360,6 +376,11 @@ _dispatch.register(
     "decode_select",
     xla=decode_select_reference,
     pallas=_dispatch.with_interpret(decode_kernels.decode_select_pallas),
+)
+_dispatch.register(
+    "decode_append_select",
+    xla=decode_append_select_reference,
+    pallas=_dispatch.with_interpret(decode_kernels.decode_append_select_pallas),
 )
 _dispatch.register(
     "decode_attention",

@@ -263,6 +263,29 @@ def test_append_kernel_equals_reference_append():
 
 
 @pytest.mark.parametrize("selector,hq,branching,top_k,beam", [
+    ("pisa", 4, 2, 6, 6), ("pisa1", 6, 2, 5, 8), ("pisa2", 4, 3, 4, 4), ("bsa", 2, 2, 5, 5)])
+def test_append_and_select_in_one_launch_equal_the_reference(selector, hq, branching, top_k,
+                                                             beam):
+  # The step's append run in the walk's program: the same caches and indices as the reference's
+  # append then select, on rows of 120, 57 and 0 cached tokens (the new token at a leaf's first,
+  # a middle and the very first position), and a row past capacity (dropped, no blocks).
+  q, k, v = _qkv(11, 4, 130, hq, 2, 16, jnp.float32)
+  cache = DecodeCache.create(4, 128, 2, 16, block_size=8, branching=branching,
+                             dtype=jnp.float32)
+  cache = cache.prefill(k[:, :128], v[:, :128], jnp.asarray([120, 57, 0, 128], jnp.int32))
+  positions = jnp.asarray([120, 57, 0, 128], jnp.int32)
+  args = (q[:, -1], k[:, -1] * 1.5, v[:, -1] - 0.5, cache.k, cache.v, cache.summaries, positions)
+  opts = dict(block_size=8, branching=branching, top_k=top_k, beam=beam, selector=selector,
+              scale=0.25)
+  ref = dec.decode_append_select_reference(*args, **opts)
+  got = kernels.decode_append_select_pallas(*args, **opts, interpret=True)
+  for r, g in zip(ref[:3], got[:3]):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=0, atol=PYRAMID_ATOL)
+  np.testing.assert_array_equal(np.asarray(got[3][:3]), np.asarray(ref[3][:3]))
+  np.testing.assert_array_equal(np.asarray(got[0][3]), np.asarray(cache.k[3]))
+
+
+@pytest.mark.parametrize("selector,hq,branching,top_k,beam", [
     ("pisa", 4, 2, 6, 6), ("pisa1", 6, 2, 5, 8), ("pisa2", 4, 3, 4, 4), ("pisa", 2, 2, 6, 6)])
 def test_select_kernel_equals_the_reference_on_rows_of_any_length(selector, hq, branching,
                                                                    top_k, beam):
@@ -412,9 +435,12 @@ def test_decode_kernels_lower_for_sm90(captured, monkeypatch, selector, hq, d, t
   monkeypatch.setattr(pisa_jax._dispatch, "interpret_mode", lambda: False)
   jax.jit(step, donate_argnums=3).trace(q, kv, kv, cache).lower(lowering_platforms=("cuda",))
   names = {re.search(r"module @([A-Za-z0-9_]+)", m).group(1) for m in captured}
-  select = {"pisa_decode_select_" + selector + part
-            for part in ([""] if selector == "bsa" else ["_walk", "_leaves", "_final"])}
-  assert {"pisa_decode_append", "pisa_decode_attention", *select} <= names, names
+  # BSA: append, its one selection kernel, attention; the walk selectors: the append in the
+  # walk's launch, the leaf scores, Select_K, attention.
+  step_kernels = ({"pisa_decode_append", "pisa_decode_select_bsa"} if selector == "bsa" else
+                  {"pisa_decode_append_walk", f"pisa_decode_select_{selector}_leaves",
+                   f"pisa_decode_select_{selector}_final"})
+  assert {"pisa_decode_attention", *step_kernels} <= names, names
 
 
 def test_select_kernels_lower_for_sm90_at_1m_tokens(captured):

@@ -231,10 +231,15 @@ def test_decode_kernels_lower_at_millions_of_tokens(captured, capacity, batch, s
           ).trace(q, cache, summaries, pos).lower(**cuda)
   jax.jit(functools.partial(dec.decode_attention_pallas, block_size=C, scale=d ** -0.5,
                             interpret=False)).trace(q, cache, cache, idx, pos).lower(**cuda)
+  jax.jit(functools.partial(dec.decode_append_select_pallas, block_size=C, branching=G,
+                            top_k=top_k, beam=top_k, selector=selector, scale=d ** -0.5,
+                            interpret=False)
+          ).trace(q, new, new, cache, cache, summaries, pos).lower(**cuda)
   names = _by_name(captured)
   select = {f"pisa_decode_select_{selector}{part}"
             for part in ([""] if selector == "bsa" else ["_walk", "_leaves", "_final"])}
-  assert {"pisa_decode_append", "pisa_decode_attention", *select} <= set(names), set(names)
+  fused = set() if selector == "bsa" else {"pisa_decode_append_walk"}
+  assert {"pisa_decode_append", "pisa_decode_attention", *select, *fused} <= set(names), set(names)
   if batch * capacity * HKV * d * 2 > 2**32:
     assert re.search(r"tt\.addptr .*tensor<[0-9x]+xi64>", names["pisa_decode_attention"][0])
 

@@ -44,7 +44,9 @@ from pisa_jax.kernels.decode.append import decode_append_pallas
 from pisa_jax.kernels.decode.attention import decode_attention_pallas
 from pisa_jax.kernels.decode.config import DecodeConfig, default_attend_blocks
 from pisa_jax.kernels.decode.layout import level_offsets
-from pisa_jax.kernels.decode.select import SELECTORS, decode_select_pallas
+from pisa_jax.kernels.decode.select import (SELECTORS, decode_append_select_pallas,
+                                            decode_select_pallas)
 
-__all__ = ["SELECTORS", "DecodeConfig", "decode_append_pallas", "decode_attention_pallas",
-           "decode_select_pallas", "default_attend_blocks", "level_offsets"]
+__all__ = ["SELECTORS", "DecodeConfig", "decode_append_pallas", "decode_append_select_pallas",
+           "decode_attention_pallas", "decode_select_pallas", "default_attend_blocks",
+           "level_offsets"]

@@ -16,17 +16,16 @@ from pisa_jax.kernels.decode.layout import (launch, level_offsets, load_row, loa
                                             load_scalar, store_row)
 
 
-def _append_kernel(pos_ref, kn_ref, vn_ref, k_ref, v_ref, s_ref, ko_ref, vo_ref, so_ref, *,
-                   capacity: int, hkv: int, d: int, block_size: int, branching: int,
-                   offsets: tuple[int, ...]):
-  """One (batch row, KV head): append the token at position pos = the row's length, then update
+def append_token(i_bh, pos_ref, kn_ref, vn_ref, k_ref, v_ref, s_ref, ko_ref, vo_ref, so_ref, *,
+                 capacity: int, hkv: int, d: int, block_size: int, branching: int,
+                 offsets: tuple[int, ...]) -> None:
+  """(Batch row, KV head) i_bh: append the token at position pos = the row's length, then update
   its leaf (the mean of the block's raw keys) and every ancestor (the mean of its existing
   children, Eq. 15), leaves first. k_ref / v_ref / s_ref are aliased to ko_ref / vo_ref / so_ref:
   only rows below pos and complete siblings are read, never a row this program writes."""
   dp = max(MIN_DOT, next_pow2(d))
   cp = max(MIN_DOT, next_pow2(block_size))
   num_nodes = offsets[-1] + 1
-  i_bh = pl.program_id(0)
   i_b, i_h = i_bh // hkv, i_bh % hkv
   pos_raw = load_scalar(pos_ref, i_b)
   # A token past capacity is dropped: every store is masked off (the caller poisons the row).
@@ -64,6 +63,19 @@ def _append_kernel(pos_ref, kn_ref, vn_ref, k_ref, v_ref, s_ref, ko_ref, vo_ref,
     store_row(so_ref, (i_b * num_nodes + offsets[level] + node) * hkv + i_h, new, live, d, dp)
 
 
+def _append_kernel(pos_ref, kn_ref, vn_ref, k_ref, v_ref, s_ref, ko_ref, vo_ref, so_ref, **geo):
+  """One program per (batch row, KV head)."""
+  append_token(pl.program_id(0), pos_ref, kn_ref, vn_ref, k_ref, v_ref, s_ref, ko_ref, vo_ref,
+               so_ref, **geo)
+
+
+def append_geometry(k_cache, block_size: int, branching: int) -> dict:
+  """`append_token`'s static arguments for a cache `[B, N, HKV, D]`."""
+  _, capacity, hkv, d = k_cache.shape
+  return dict(capacity=capacity, hkv=hkv, d=d, block_size=block_size, branching=branching,
+              offsets=level_offsets(capacity, block_size, branching))
+
+
 def decode_append_pallas(
     k_new: Float[Array, "B HKV D"],
     v_new: Float[Array, "B HKV D"],
@@ -84,10 +96,8 @@ def decode_append_pallas(
     (k_cache, v_cache, summaries), same shapes and dtypes.
   """
   config = config or DecodeConfig()
-  b, capacity, hkv, d = k_cache.shape
-  offsets = level_offsets(capacity, block_size, branching)
-  kernel = functools.partial(_append_kernel, capacity=capacity, hkv=hkv, d=d,
-                             block_size=block_size, branching=branching, offsets=offsets)
+  b, _, hkv, d = k_cache.shape
+  kernel = functools.partial(_append_kernel, **append_geometry(k_cache, block_size, branching))
   shapes = [jax.ShapeDtypeStruct((x.size // d, d), x.dtype) for x in (k_cache, v_cache, summaries)]
   call = launch(kernel, shapes, (b * hkv,), warps=config.append_warps, stages=1,
                 interpret=interpret, name="pisa_decode_append", aliases={3: 0, 4: 1, 5: 2})

@@ -1,7 +1,8 @@
 """The decode selection (Eq. 30-31) in three launches: one program per (batch row, KV head) walks
 the pyramid to the leaf candidates, one per (row, KV head, candidate) scores a leaf from its raw
-keys, one per (row, KV head) keeps top_k leaves by Select_K; and `decode_select_pallas`, which
-launches them or the flat BSA kernel."""
+keys, one per (row, KV head) keeps top_k leaves by Select_K; `decode_select_pallas`, which
+launches them or the flat BSA kernel, and `decode_append_select_pallas`, a step's append and
+selection with the append in the walk's program."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
 from pisa_jax.kernels._common import int32_table, next_pow2
+from pisa_jax.kernels.decode.append import append_geometry, append_token, decode_append_pallas
 from pisa_jax.kernels.decode.bsa import select_bsa
 from pisa_jax.kernels.decode.config import DecodeConfig
 from pisa_jax.kernels.decode.layout import (Geometry, launch, load_group_queries, load_rows,
@@ -161,6 +163,19 @@ def _walk_kernel(pos_ref, q_ref, s_ref, tab_ref, cand_ref, *, geo: Geometry):
   cand_ref[pl.ds(i_bh, 1), :] = _walk(qg, m_head, s_ref, tab_ref, i_b, i_h, cur, geo)[None, :]
 
 
+def _append_walk_kernel(pos_ref, kn_ref, vn_ref, q_ref, k_ref, v_ref, s_ref, tab_ref, ko_ref,
+                        vo_ref, so_ref, cand_ref, *, geo: Geometry, append: dict):
+  """Launch 1 of a whole step, per (row, KV head): the append, then the walk, in one program.
+  The walk need not see the append's writes: they are the current leaf and its ancestors, all
+  forced at every level (their scores are never used), and a non-forced candidate's children
+  are not ancestors of the current leaf. Only this program writes its (row, KV head)'s rows."""
+  i_bh = pl.program_id(0)
+  append_token(i_bh, pos_ref, kn_ref, vn_ref, k_ref, v_ref, s_ref, ko_ref, vo_ref, so_ref,
+               **append)
+  i_b, i_h, cur, qg, m_head = _row(pos_ref, q_ref, i_bh, geo)
+  cand_ref[pl.ds(i_bh, 1), :] = _walk(qg, m_head, s_ref, tab_ref, i_b, i_h, cur, geo)[None, :]
+
+
 def _leaf_kernel(pos_ref, q_ref, k_ref, cand_ref, score_ref, *, geo: Geometry):
   """Launch 2, per (row, KV head, candidate slot): the slot's leaf score from its raw keys (0
   where Select_K needs none; its keys are then not loaded)."""
@@ -186,20 +201,47 @@ def _final_kernel(pos_ref, cand_ref, score_ref, out_ref, *, geo: Geometry):
 
 
 def _select_walk(positions, q, k, s, table, geo: Geometry, config: DecodeConfig,
-                 interpret: bool):
-  """The walk selectors' three launches; the leaf ids `[B * HKV, KP]`."""
+                 interpret: bool, new_token=None):
+  """The walk selectors' three launches; the leaf ids `[B * HKV, KP]`. With new_token =
+  (k_new, v_new, v, append geometry) the first launch also appends the token:
+  (k, v, s, ids) then."""
   rows = geo.batch * geo.hkv
   opts = dict(warps=config.select_warps, stages=config.num_stages, interpret=interpret)
   name = f"pisa_decode_select_{geo.selector}"
-  cand = launch(functools.partial(_walk_kernel, geo=geo),
-                jax.ShapeDtypeStruct((rows, geo.nc), jnp.int32), (rows,), name=name + "_walk",
-                **opts)(positions, q, s, table)
+  cand_shape = jax.ShapeDtypeStruct((rows, geo.nc), jnp.int32)
+  if new_token is None:
+    cand = launch(functools.partial(_walk_kernel, geo=geo), cand_shape, (rows,),
+                  name=name + "_walk", **opts)(positions, q, s, table)
+  else:
+    k_new, v_new, v, append = new_token
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (k, v, s)] + [cand_shape]
+    k, v, s, cand = launch(functools.partial(_append_walk_kernel, geo=geo, append=append),
+                           shapes, (rows,), name="pisa_decode_append_walk",
+                           aliases={4: 0, 5: 1, 6: 2}, **opts)(
+                               positions, k_new, v_new, q, k, v, s, table)
   scores = launch(functools.partial(_leaf_kernel, geo=geo),
                   jax.ShapeDtypeStruct((rows, geo.nc), jnp.float32), (rows, geo.nc),
                   name=name + "_leaves", **opts)(positions, q, k, cand)
-  return launch(functools.partial(_final_kernel, geo=geo),
-                jax.ShapeDtypeStruct((rows, geo.kp), jnp.int32), (rows,), name=name + "_final",
-                **opts)(positions, cand, scores)
+  ids = launch(functools.partial(_final_kernel, geo=geo),
+               jax.ShapeDtypeStruct((rows, geo.kp), jnp.int32), (rows,), name=name + "_final",
+               **opts)(positions, cand, scores)
+  return ids if new_token is None else (k, v, s, ids)
+
+
+def _level_table(geo: Geometry, branching: int):
+  """int32 `[2, LP]`: each level's row offset and g^(l-1), padded to a power of two."""
+  lp = next_pow2(len(geo.sizes) + 1)
+  return int32_table([list(geo.offsets) + [0] * (lp - len(geo.sizes)),
+                      [branching ** i if i < len(geo.sizes) else 1 for i in range(lp)]],
+                     "the decode level table")
+
+
+def _prepare(q, k_cache, *, block_size, branching, top_k, beam, selector, scale, config):
+  if selector not in SELECTORS:
+    raise ValueError(f"{selector=} has no decode kernel: expected one of {SELECTORS}")
+  geo = make_geometry(q, k_cache, block_size=block_size, branching=branching, top_k=top_k,
+                      beam=beam if selector != "bsa" else top_k, selector=selector, scale=scale)
+  return geo, config or DecodeConfig.default(head_dim=q.shape[-1])
 
 
 def decode_select_pallas(
@@ -219,22 +261,63 @@ def decode_select_pallas(
 ) -> Int[Array, "B HKV K"]:
   """Kernel twin of `decode_select_reference`: the leaf blocks of the token at `positions`
   (already appended), int32 `[B, HKV, top_k]`, ascending, -1 padded."""
-  if selector not in SELECTORS:
-    raise ValueError(f"{selector=} has no decode kernel: expected one of {SELECTORS}")
-  b, hq, d = q.shape
+  geo, config = _prepare(q, k_cache, block_size=block_size, branching=branching, top_k=top_k,
+                         beam=beam, selector=selector, scale=scale, config=config)
+  b, _, d = q.shape
   hkv = k_cache.shape[2]
-  geo = make_geometry(q, k_cache, block_size=block_size, branching=branching, top_k=top_k,
-                      beam=beam if selector != "bsa" else top_k, selector=selector, scale=scale)
-  config = config or DecodeConfig.default(head_dim=d)
   rows = (q.reshape(-1, d), k_cache.reshape(-1, d), summaries.reshape(-1, d))
   positions = positions.astype(jnp.int32)
   if selector == "bsa":
     out = select_bsa(positions, rows[0], rows[2], geo, config, interpret)
   else:
-    sizes = geo.sizes
-    lp = next_pow2(len(sizes) + 1)
-    table = int32_table([list(geo.offsets) + [0] * (lp - len(sizes)),
-                         [branching ** i if i < len(sizes) else 1 for i in range(lp)]],
-                        "the decode level table")
-    out = _select_walk(positions, rows[0], rows[1], rows[2], table, geo, config, interpret)
+    out = _select_walk(positions, *rows, _level_table(geo, branching), geo, config, interpret)
   return out[:, :top_k].reshape(b, hkv, top_k)
+
+
+def decode_append_select_pallas(
+    q: Float[Array, "B HQ D"],
+    k_new: Float[Array, "B HKV D"],
+    v_new: Float[Array, "B HKV D"],
+    k_cache: Float[Array, "B N HKV D"],
+    v_cache: Float[Array, "B N HKV D"],
+    summaries: Float[Array, "B S HKV D"],
+    positions: Int[Array, "B"],
+    *,
+    block_size: int,
+    branching: int,
+    top_k: int,
+    beam: int,
+    selector: str,
+    scale: float,
+    interpret: bool,
+    config: DecodeConfig | None = None,
+):
+  """Kernel twin of `decode_append_select_reference`: `decode_append_pallas` then
+  `decode_select_pallas`, the append run in the walk's launch (one launch fewer per step).
+
+  Returns:
+    (k_cache, v_cache, summaries, indices): the caches as `decode_append_pallas` returns them
+    (in place when donated), indices as `decode_select_pallas`.
+  """
+  if selector == "bsa":
+    # BSA's one kernel scans every leaf, the current one included: it needs the append first.
+    k_cache, v_cache, summaries = decode_append_pallas(
+        k_new, v_new, k_cache, v_cache, summaries, positions, block_size=block_size,
+        branching=branching, interpret=interpret, config=config)
+    idx = decode_select_pallas(q, k_cache, summaries, positions, block_size=block_size,
+                               branching=branching, top_k=top_k, beam=beam, selector=selector,
+                               scale=scale, interpret=interpret, config=config)
+    return k_cache, v_cache, summaries, idx
+  geo, config = _prepare(q, k_cache, block_size=block_size, branching=branching, top_k=top_k,
+                         beam=beam, selector=selector, scale=scale, config=config)
+  b, _, d = q.shape
+  hkv = k_cache.shape[2]
+  new_token = (k_new.astype(k_cache.dtype).reshape(-1, d),
+               v_new.astype(v_cache.dtype).reshape(-1, d), v_cache.reshape(-1, d),
+               append_geometry(k_cache, block_size, branching))
+  k_rows, v_rows, s_rows, out = _select_walk(
+      positions.astype(jnp.int32), q.reshape(-1, d), k_cache.reshape(-1, d),
+      summaries.reshape(-1, d), _level_table(geo, branching), geo, config, interpret,
+      new_token=new_token)
+  return (k_rows.reshape(k_cache.shape), v_rows.reshape(v_cache.shape),
+          s_rows.reshape(summaries.shape), out[:, :top_k].reshape(b, hkv, top_k))
