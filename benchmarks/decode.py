@@ -29,7 +29,9 @@ The second part times generation end to end (`pisa_jax.generate`, greedy) with t
 preset's decoder, its attention pisa against dense, randomly initialised: prefill of a prompt
 of each --gen-prompt length (32K and 128K tokens), then --gen-tokens new tokens, twice:
 first_token_s is the first call's time to its first token (compilation included), prefill_s the
-second call's; tokens/s and ms_per_step count the second call's new tokens after the first.
+second call's; tokens/s and ms_per_step count the second call's new tokens after the first;
+device_ms_per_step and launches_per_step, from a profile of 64 more steps, are the GPU kernels'
+share of a step (the rest is the host's: dispatch and kernel launches).
 
   python -m benchmarks.decode                              # the default cases, benchmarks/results/
   python -m benchmarks.decode --lengths 32768,131072 --batches 1 --no-generation --out /tmp/d
@@ -50,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pisa_jax
-from benchmarks import _record
+from benchmarks import _record, timing
 
 NAME = "decode"
 C = 64
@@ -279,6 +281,18 @@ def generation_times(model, prompt, new_tokens: int) -> tuple[float, int, float]
   return first, count, time.perf_counter() - t0
 
 
+def generation_device_time(model, prompt, new_tokens: int = 64) -> dict:
+  """Per generated token, from a profile of `new_tokens` warm steps: the GPU kernels' total ms
+  and their count (each a launch the host issues). Empty on a CPU backend."""
+  stream = pisa_jax.generate_stream(model, prompt, max_new_tokens=new_tokens + 1)
+  next(stream)
+  events = timing.gpu_kernel_events(lambda: sum(1 for _ in stream))
+  if not events:
+    return {}
+  return dict(device_ms_per_step=round(sum(ns for _, ns in events) / 1e6 / new_tokens, 3),
+              launches_per_step=round(len(events) / new_tokens, 1))
+
+
 def generation_rows(args, rec: _record.Recorder) -> None:
   from flax import nnx
 
@@ -296,12 +310,13 @@ def generation_rows(args, rec: _record.Recorder) -> None:
       # The first call compiles the prefill and the step; the second reuses both.
       (first, _, _), (prefill, count, rest) = (generation_times(model, prompt, args.gen_tokens)
                                                for _ in range(2))
+      device = generation_device_time(model, prompt)
     except Exception as e:
       rec.add(**base, error=f"{type(e).__name__}: {str(e)[:300]}")
       continue
     rec.add(**base, first_token_s=round(first, 3), prefill_s=round(prefill, 3),
             tokens_per_s=round(args.gen_batch * count / rest, 1) if count else None,
-            ms_per_step=round(1e3 * rest / max(count, 1), 3))
+            ms_per_step=round(1e3 * rest / max(count, 1), 3), **device)
     print(table(rec.record), flush=True)
 
 
@@ -372,10 +387,12 @@ def table(record: dict) -> str:
   gen = [r for r in record["rows"] if r.get("part") == "generation"]
   if gen:
     body = [[r["preset"], r["attention"], r["batch"], r["prompt"], r.get("first_token_s"),
-             r.get("prefill_s"), r.get("tokens_per_s"), r.get("ms_per_step"), r.get("error")]
+             r.get("prefill_s"), r.get("tokens_per_s"), r.get("ms_per_step"),
+             r.get("device_ms_per_step"), r.get("launches_per_step"), r.get("error")]
             for r in gen]
     lines.append(_record.markdown(["preset", "attention", "B", "prompt", "first token s (cold)",
-                                   "prefill s (warm)", "tokens/s", "ms/step", "error"], body))
+                                   "prefill s (warm)", "tokens/s", "ms/step",
+                                   "device kernels ms/step", "launches/step", "error"], body))
   return "\n\n".join(lines)
 
 

@@ -60,24 +60,20 @@ def kernel_totals(events, calls: int, top: int = 12) -> dict[str, float]:
   return out
 
 
-def device_kernel_ms(fn: Callable, *args, calls: int = 5) -> dict[str, float]:
-  """ms per call of each GPU kernel that `fn(*args)` (jitted, already compiled) launches, from a
-  jax.profiler trace of `calls` back-to-back calls (`kernel_totals`). Only GPU stream lines
-  count, so on a CPU backend the result is empty."""
+def gpu_kernel_events(run: Callable) -> list[tuple[str, int]]:
+  """(name, duration ns) of every GPU kernel that `run()` launches, from a jax.profiler trace
+  (`run` ends by waiting for its results). Only GPU stream lines count, so on a CPU backend the
+  list is empty."""
   import glob
   import os
   import tempfile
 
   import jax
   from jax._src.profiler import ProfileData
-  jax.block_until_ready(fn(*args))
   events = []
   with tempfile.TemporaryDirectory() as trace_dir:
     with jax.profiler.trace(trace_dir):
-      out = None
-      for _ in range(calls):
-        out = fn(*args)
-      jax.block_until_ready(out)
+      run()
     for path in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
       for plane in ProfileData.from_file(path).planes:
         if "/device:GPU" not in plane.name:
@@ -86,4 +82,19 @@ def device_kernel_ms(fn: Callable, *args, calls: int = 5) -> dict[str, float]:
           # The stream lines hold the kernels; XLA's op and module lines would count them twice.
           if "Stream" in line.name:
             events += [(ev.name, ev.duration_ns) for ev in line.events]
-  return kernel_totals(events, calls)
+  return events
+
+
+def device_kernel_ms(fn: Callable, *args, calls: int = 5) -> dict[str, float]:
+  """ms per call of each GPU kernel that `fn(*args)` (jitted, already compiled) launches, from a
+  jax.profiler trace of `calls` back-to-back calls (`kernel_totals`); empty on a CPU backend."""
+  import jax
+  jax.block_until_ready(fn(*args))
+
+  def run():
+    out = None
+    for _ in range(calls):
+      out = fn(*args)
+    jax.block_until_ready(out)
+
+  return kernel_totals(gpu_kernel_events(run), calls)
