@@ -412,12 +412,25 @@ class Decoder(nnx.Module):
     chex.assert_rank(tokens, 2)  # [B, T]
     x = jnp.take(self.embed[...], tokens, axis=0).astype(compute_dtype(cfg))
     cos, sin = self._rope(tokens.shape, segment_ids, None)
-    caches = []
-    for block, cache in zip(self.blocks, state, strict=True):
-      x, cache = block.prefill(x, cos, sin, lengths, cache, segment_ids)
-      caches.append(cache)
+    if len(state) != len(self.blocks):
+      raise ValueError(f"state holds {len(state)} caches: expected one per layer "
+                       f"({len(self.blocks)})")
+    # One layer's code scanned over the stacked layers (their parameters and empty caches): each
+    # Pallas kernel is then one call site of the compiled prefill, not one per layer. XLA
+    # compiles every call site's Triton module on its own (~1 s each for the selection kernels
+    # on the H200), which made a 16-layer prefill take ~80 s to compile.
+    graphdef, _ = nnx.split(self.blocks[0])
+    stack = lambda trees: jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+    def layer(x, layer_and_cache):
+      block_state, cache = layer_and_cache
+      return nnx.merge(graphdef, block_state).prefill(x, cos, sin, lengths, cache, segment_ids)
+
+    x, caches = jax.lax.scan(layer, x, (stack([nnx.state(b) for b in self.blocks]),
+                                        stack(state)))
     last = x[jnp.arange(x.shape[0]), jnp.maximum(lengths - 1, 0)]  # [B, E]
-    return self._next_logits(last), tuple(caches)
+    return self._next_logits(last), tuple(jax.tree.map(lambda a, i=i: a[i], caches)
+                                          for i in range(len(self.blocks)))
 
   def decode(self, tokens: Int[Array, "B"], state: tuple) -> tuple[Float[Array, "B Vp"], tuple]:
     """Appends one token per row at its length; returns the float32 logits of the next token."""

@@ -274,3 +274,26 @@ def test_cli_mistakes_are_one_line_naming_the_argument(tiny_run, tmp_path, capsy
   fails(run + ["--prompt", "1", "--top-p", "0"], "argument --top-p")
   fails(run + ["--prompt", "1", "--max-new-tokens", "0"], "argument --max-new-tokens")
   fails(["--prompt", "1"], "--workdir")
+
+
+def test_the_prefill_lowers_each_kernel_once_whatever_the_depth(captured, monkeypatch):
+  # The layers are scanned: a deeper model adds no Pallas call site to the compiled prefill
+  # (XLA compiles each call site's Triton module on its own, ~1 s apiece on the H200).
+  import importlib
+  generate_module = importlib.import_module("pisa_jax.generate")
+  monkeypatch.setattr(pisa_jax._dispatch, "interpret_mode", lambda: False)
+  counts = []
+  for layers in (1, 3):
+    cfg = ModelConfig(vocab_size=64, vocab_pad_multiple=64, num_layers=layers, d_model=64,
+                      mlp_dim=128, num_heads=4, num_kv_heads=2, head_dim=16, attention="pisa",
+                      block_size=16, top_k=4, param_dtype="float32",
+                      attention_implementation="pallas")
+    leaves, treedef = jax.tree.flatten(Decoder(cfg, rngs=nnx.Rngs(0)))
+    tokens = jax.ShapeDtypeStruct((1, 256), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
+    scalars = (jax.random.key(0), jnp.float32(1), jnp.float32(1), jnp.full((8,), -1, jnp.int32))
+    lowered = generate_module._prefill.trace(
+        treedef, leaves, tokens, lengths, None, *scalars, capacity=512, greedy=True,
+    ).lower(lowering_platforms=("cuda",))
+    counts.append(lowered.as_text().count("__gpu$xla.gpu.triton"))
+  assert counts[0] == counts[1] >= 3, counts
