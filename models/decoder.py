@@ -415,14 +415,13 @@ class Decoder(nnx.Module):
     if len(state) != len(self.blocks):
       raise ValueError(f"state holds {len(state)} caches: expected one per layer "
                        f"({len(self.blocks)})")
-    # One layer's code scanned over the stacked layers (their parameters and empty caches): each
-    # Pallas kernel is then one call site of the compiled prefill, not one per layer. XLA
-    # compiles every call site's Triton module on its own (~1 s each for the selection kernels
-    # on the H200), which made a 16-layer prefill take ~80 s to compile.
-    # The state is empty (every layer's cache alike), so each layer starts from state[0] rather
-    # than from a stacked copy of every layer's zeros.
+    # One layer's code scanned over the stacked layer parameters: each Pallas kernel is then one
+    # call site of the compiled prefill, not one per layer. XLA compiles every call site's
+    # Triton module on its own (~1 s each for the selection kernels on the H200), which made a
+    # 16-layer prefill take ~80 s to compile. The state is empty (every layer's cache alike), so
+    # each layer starts from state[0] rather than from a stacked copy of every layer's zeros.
     if len({jax.tree.structure(c) for c in state}) != 1 or len(
-        {tuple(x.shape for x in jax.tree.leaves(c)) for c in state}) != 1:
+        {tuple(leaf.shape for leaf in jax.tree.leaves(c)) for c in state}) != 1:
       raise ValueError("state: every layer's empty cache must have one structure and shape")
     graphdef, _ = nnx.split(self.blocks[0])
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(b) for b in self.blocks])
