@@ -420,9 +420,12 @@ class Decoder(nnx.Module):
     # Triton module on its own (~1 s each for the selection kernels on the H200), which made a
     # 16-layer prefill take ~80 s to compile. The state is empty (every layer's cache alike), so
     # each layer starts from state[0] rather than from a stacked copy of every layer's zeros.
+    # The price: the filled caches exist twice until the prefill returns (the scan's stacked
+    # output and the per-layer slices the decode state holds).
     if len({jax.tree.structure(c) for c in state}) != 1 or len(
-        {tuple(leaf.shape for leaf in jax.tree.leaves(c)) for c in state}) != 1:
-      raise ValueError("state: every layer's empty cache must have one structure and shape")
+        {tuple((leaf.shape, leaf.dtype) for leaf in jax.tree.leaves(c)) for c in state}) != 1:
+      raise ValueError("state: every layer's empty cache must have one structure, shape and "
+                       "dtype")
     graphdef, _ = nnx.split(self.blocks[0])
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(b) for b in self.blocks])
 

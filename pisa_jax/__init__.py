@@ -57,4 +57,5 @@ __all__ = [
     "select_blocks",
     "selection_quality",
     "sparse_attention",
+    "traced_checks",
 ]

@@ -413,8 +413,9 @@ def sparse_attention(
     k: keys `[B, T, HKV, D]`, q's dtype.
     v: values `[B, T, HKV, D]`, q's dtype.
     block_indices: int32 `[B, T, HKV, K]`, entries in [-1, ceil(T / block_size)), no repeats in a
-      row. Concrete indices are checked (ValueError). Traced ones (under `jit`) are checked inside
-      `jax.experimental.checkify.checkify` only; an unchecked call ignores out-of-range entries
+      row. Concrete indices are checked (ValueError). Traced ones (under `jit`) are checked only
+      when traced inside `pisa_jax.traced_checks(True)` and run under
+      `jax.experimental.checkify.checkify`; an unchecked call ignores out-of-range entries
       like -1 and attends a repeated block once per repetition (its keys weigh double).
     block_size: C, keys per leaf block.
     scale: logit scale, default 1/sqrt(D).

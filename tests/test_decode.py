@@ -438,7 +438,8 @@ def test_decode_kernels_lower_for_sm90(captured, monkeypatch, selector, hq, d, t
   # BSA: append, its one selection kernel, attention; the walk selectors: the append in the
   # walk's launch, the leaf scores, Select_K, attention.
   step_kernels = ({"pisa_decode_append", "pisa_decode_select_bsa"} if selector == "bsa" else
-                  {"pisa_decode_append_walk", f"pisa_decode_select_{selector}_leaves",
+                  {f"pisa_decode_select_{selector}_append_walk",
+                   f"pisa_decode_select_{selector}_leaves",
                    f"pisa_decode_select_{selector}_final"})
   assert {"pisa_decode_attention", *step_kernels} <= names, names
 

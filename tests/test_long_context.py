@@ -238,7 +238,7 @@ def test_decode_kernels_lower_at_millions_of_tokens(captured, capacity, batch, s
   names = _by_name(captured)
   select = {f"pisa_decode_select_{selector}{part}"
             for part in ([""] if selector == "bsa" else ["_walk", "_leaves", "_final"])}
-  fused = set() if selector == "bsa" else {"pisa_decode_append_walk"}
+  fused = set() if selector == "bsa" else {f"pisa_decode_select_{selector}_append_walk"}
   assert {"pisa_decode_append", "pisa_decode_attention", *select, *fused} <= set(names), set(names)
   if batch * capacity * HKV * d * 2 > 2**32:
     assert re.search(r"tt\.addptr .*tensor<[0-9x]+xi64>", names["pisa_decode_attention"][0])

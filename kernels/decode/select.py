@@ -216,7 +216,7 @@ def _select_walk(positions, q, k, s, table, geo: Geometry, config: DecodeConfig,
     k_new, v_new, v, append = new_token
     shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (k, v, s)] + [cand_shape]
     k, v, s, cand = launch(functools.partial(_append_walk_kernel, geo=geo, append=append),
-                           shapes, (rows,), name="pisa_decode_append_walk",
+                           shapes, (rows,), name=name + "_append_walk",
                            aliases={4: 0, 5: 1, 6: 2}, **opts)(
                                positions, k_new, v_new, q, k, v, s, table)
   scores = launch(functools.partial(_leaf_kernel, geo=geo),
