@@ -297,3 +297,22 @@ def test_the_prefill_lowers_each_kernel_once_whatever_the_depth(captured, monkey
     ).lower(lowering_platforms=("cuda",))
     counts.append(lowered.as_text().count("__gpu$xla.gpu.triton"))
   assert counts[0] == counts[1] >= 3, counts
+
+
+@pytest.mark.parametrize("attention,implementation", [("pisa", "xla"), ("pisa", "pallas"),
+                                                      ("dense", "xla")])
+def test_the_jitted_step_has_no_effects(attention, implementation):
+  # An effect (a traced check) takes a jitted function off jax's C++ dispatch: each generated
+  # token then paid milliseconds of Python (3x slower generation on the H200).
+  model = _model(attention, implementation)
+  leaves, treedef = jax.tree.flatten(model)
+  state = jax.eval_shape(lambda: model.init_decode_state(2, 32))
+  token = jax.ShapeDtypeStruct((2,), jnp.int32)
+  done = jax.ShapeDtypeStruct((2,), jnp.bool_)
+  scalars = (jax.random.key(0), jnp.float32(1), jnp.float32(1), jnp.full((8,), -1, jnp.int32))
+  traced = _step.trace(treedef, leaves, token, done, state, jnp.int32(1), *scalars, greedy=True)
+  assert not traced.jaxpr.effects, traced.jaxpr.effects
+  with pisa_jax.traced_checks(True):
+    if attention == "pisa":  # the capacity check is traced, and is an effect
+      assert _step.trace(treedef, leaves, token, done, state, jnp.int32(1), *scalars,
+                         greedy=True).jaxpr.effects
