@@ -164,14 +164,18 @@ def temp_mib(compiled) -> float | None:
 
 def time_stages(n, b, hq, hkv, d, top_k, implementation, select_warps=()) -> dict:
   """ms per step of each stage of the pisa step alone, LOOP times in one jitted loop: append
-  and append_select (the cache threaded), select and attention (at positions N and N + 1 alternately, so that the
-  loop body depends on the iteration and cannot be hoisted); "select_w<W>" the selection kernel
-  launched on W warps, for each W of select_warps (the default config otherwise)."""
+  and append_select (the cache threaded), select and attention (at positions N and N + 1
+  alternately, so that the loop body depends on the iteration and cannot be hoisted);
+  "select_w<W>" the selection kernel launched on W warps, for each W of select_warps (the
+  default config otherwise)."""
   from pisa_jax import _dispatch
   from pisa_jax.kernels.decode import DecodeConfig
 
-  cache = pisa_jax.DecodeCache.create(b, n + 2, hkv, d, block_size=C)
-  cache = cache.prefill(*filled(n, b, hkv, d))
+  def fresh_cache():
+    return pisa_jax.DecodeCache.create(b, n + 2, hkv, d, block_size=C).prefill(
+        *filled(n, b, hkv, d))
+
+  cache = fresh_cache()
   q, k1, v1 = step_inputs(b, hq, hkv, d)
   scale = d ** -0.5
   append = _dispatch.lookup("decode_append", implementation)
@@ -222,9 +226,7 @@ def time_stages(n, b, hq, hkv, d, top_k, implementation, select_warps=()) -> dic
                   donate_argnums=0 if name == "append" else ())
     out[name] = round(time_threaded(lambda s, run=run, a=arrays: run(s, a), state, reps=5,
                                     batch_s=0.1) / LOOP, 4)
-  # A fresh cache: append's loop consumed the first.
-  cache = pisa_jax.DecodeCache.create(b, n + 2, hkv, d, block_size=C)
-  cache = cache.prefill(*filled(n, b, hkv, d))
+  cache = fresh_cache()  # append's loop consumed the first
   run = jax.jit(lambda s: jax.lax.fori_loop(0, LOOP, lambda i, s: one_append_select(s, i, ()), s),
                 donate_argnums=0)
   out["append_select"] = round(time_threaded(run, (cache.k, cache.v, cache.summaries, idx),

@@ -90,8 +90,9 @@ def selection_quality(
     k: keys `[B, T, HKV, D]`.
     block_indices: int32 `[B, T, HKV, K]` from a selector, -1 padded. Checked as in
       `sparse_attention`: concrete indices raise, traced ones report inside
-      `pisa_jax.traced_checks(True)` and `jax.experimental.checkify.checkify`; an unchecked call ignores out-of-range entries like
-      -1 and counts a repeated block once per repetition (recall and mass can then exceed 1).
+      `pisa_jax.traced_checks(True)` and `jax.experimental.checkify.checkify`; an unchecked call
+      ignores out-of-range entries like -1 and counts a repeated block once per repetition
+      (recall and mass can then exceed 1).
     block_size: C, keys per leaf block.
     scale: logit scale, default 1/sqrt(D).
     implementation: "xla" or None: the jnp reference, the only implementation of this

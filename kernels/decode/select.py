@@ -169,11 +169,9 @@ def _append_walk_kernel(pos_ref, kn_ref, vn_ref, q_ref, k_ref, v_ref, s_ref, tab
   The walk need not see the append's writes: they are the current leaf and its ancestors, all
   forced at every level (their scores are never used), and a non-forced candidate's children
   are not ancestors of the current leaf. Only this program writes its (row, KV head)'s rows."""
-  i_bh = pl.program_id(0)
-  append_token(i_bh, pos_ref, kn_ref, vn_ref, k_ref, v_ref, s_ref, ko_ref, vo_ref, so_ref,
-               **append)
-  i_b, i_h, cur, qg, m_head = _row(pos_ref, q_ref, i_bh, geo)
-  cand_ref[pl.ds(i_bh, 1), :] = _walk(qg, m_head, s_ref, tab_ref, i_b, i_h, cur, geo)[None, :]
+  append_token(pl.program_id(0), pos_ref, kn_ref, vn_ref, k_ref, v_ref, s_ref, ko_ref, vo_ref,
+               so_ref, **append)
+  _walk_kernel(pos_ref, q_ref, s_ref, tab_ref, cand_ref, geo=geo)
 
 
 def _leaf_kernel(pos_ref, q_ref, k_ref, cand_ref, score_ref, *, geo: Geometry):
@@ -200,32 +198,22 @@ def _final_kernel(pos_ref, cand_ref, score_ref, out_ref, *, geo: Geometry):
   out_ref[pl.ds(i_bh, 1), :] = _final(cand, valid, forced, need, scores, geo)
 
 
-def _select_walk(positions, q, k, s, table, geo: Geometry, config: DecodeConfig,
-                 interpret: bool, new_token=None):
-  """The walk selectors' three launches; the leaf ids `[B * HKV, KP]`. With new_token =
-  (k_new, v_new, v, append geometry) the first launch also appends the token:
-  (k, v, s, ids) then."""
+def _launch_opts(config: DecodeConfig, interpret: bool) -> dict:
+  return dict(warps=config.select_warps, stages=config.num_stages, interpret=interpret)
+
+
+def _scored_leaves(positions, q, k, cand, geo: Geometry, config: DecodeConfig,
+                   interpret: bool):
+  """Launches 2 and 3 after the walk's candidates `[B * HKV, NC]`: the leaf ids `[B * HKV, KP]`."""
   rows = geo.batch * geo.hkv
-  opts = dict(warps=config.select_warps, stages=config.num_stages, interpret=interpret)
+  opts = _launch_opts(config, interpret)
   name = f"pisa_decode_select_{geo.selector}"
-  cand_shape = jax.ShapeDtypeStruct((rows, geo.nc), jnp.int32)
-  if new_token is None:
-    cand = launch(functools.partial(_walk_kernel, geo=geo), cand_shape, (rows,),
-                  name=name + "_walk", **opts)(positions, q, s, table)
-  else:
-    k_new, v_new, v, append = new_token
-    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (k, v, s)] + [cand_shape]
-    k, v, s, cand = launch(functools.partial(_append_walk_kernel, geo=geo, append=append),
-                           shapes, (rows,), name=name + "_append_walk",
-                           aliases={4: 0, 5: 1, 6: 2}, **opts)(
-                               positions, k_new, v_new, q, k, v, s, table)
   scores = launch(functools.partial(_leaf_kernel, geo=geo),
                   jax.ShapeDtypeStruct((rows, geo.nc), jnp.float32), (rows, geo.nc),
                   name=name + "_leaves", **opts)(positions, q, k, cand)
-  ids = launch(functools.partial(_final_kernel, geo=geo),
-               jax.ShapeDtypeStruct((rows, geo.kp), jnp.int32), (rows,), name=name + "_final",
-               **opts)(positions, cand, scores)
-  return ids if new_token is None else (k, v, s, ids)
+  return launch(functools.partial(_final_kernel, geo=geo),
+                jax.ShapeDtypeStruct((rows, geo.kp), jnp.int32), (rows,), name=name + "_final",
+                **opts)(positions, cand, scores)
 
 
 def _level_table(geo: Geometry, branching: int):
@@ -237,6 +225,7 @@ def _level_table(geo: Geometry, branching: int):
 
 
 def _prepare(q, k_cache, *, block_size, branching, top_k, beam, selector, scale, config):
+  """The static geometry and the config of a selection (the selector checked)."""
   if selector not in SELECTORS:
     raise ValueError(f"{selector=} has no decode kernel: expected one of {SELECTORS}")
   geo = make_geometry(q, k_cache, block_size=block_size, branching=branching, top_k=top_k,
@@ -270,7 +259,12 @@ def decode_select_pallas(
   if selector == "bsa":
     out = select_bsa(positions, rows[0], rows[2], geo, config, interpret)
   else:
-    out = _select_walk(positions, *rows, _level_table(geo, branching), geo, config, interpret)
+    cand = launch(functools.partial(_walk_kernel, geo=geo),
+                  jax.ShapeDtypeStruct((b * hkv, geo.nc), jnp.int32), (b * hkv,),
+                  name=f"pisa_decode_select_{selector}_walk",
+                  **_launch_opts(config, interpret))(
+                      positions, rows[0], rows[2], _level_table(geo, branching))
+    out = _scored_leaves(positions, rows[0], rows[1], cand, geo, config, interpret)
   return out[:, :top_k].reshape(b, hkv, top_k)
 
 
@@ -312,12 +306,19 @@ def decode_append_select_pallas(
                          beam=beam, selector=selector, scale=scale, config=config)
   b, _, d = q.shape
   hkv = k_cache.shape[2]
-  new_token = (k_new.astype(k_cache.dtype).reshape(-1, d),
-               v_new.astype(v_cache.dtype).reshape(-1, d), v_cache.reshape(-1, d),
-               append_geometry(k_cache, block_size, branching))
-  k_rows, v_rows, s_rows, out = _select_walk(
-      positions.astype(jnp.int32), q.reshape(-1, d), k_cache.reshape(-1, d),
-      summaries.reshape(-1, d), _level_table(geo, branching), geo, config, interpret,
-      new_token=new_token)
+  positions = positions.astype(jnp.int32)
+  q_rows = q.reshape(-1, d)
+  caches = (k_cache.reshape(-1, d), v_cache.reshape(-1, d), summaries.reshape(-1, d))
+  kernel = functools.partial(_append_walk_kernel, geo=geo,
+                             append=append_geometry(k_cache, block_size, branching))
+  shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in caches]
+  k_rows, v_rows, s_rows, cand = launch(
+      kernel, shapes + [jax.ShapeDtypeStruct((b * hkv, geo.nc), jnp.int32)], (b * hkv,),
+      name=f"pisa_decode_select_{selector}_append_walk", aliases={4: 0, 5: 1, 6: 2},
+      **_launch_opts(config, interpret))(
+          positions, k_new.astype(k_cache.dtype).reshape(-1, d),
+          v_new.astype(v_cache.dtype).reshape(-1, d), q_rows, *caches,
+          _level_table(geo, branching))
+  out = _scored_leaves(positions, q_rows, k_rows, cand, geo, config, interpret)
   return (k_rows.reshape(k_cache.shape), v_rows.reshape(v_cache.shape),
           s_rows.reshape(summaries.shape), out[:, :top_k].reshape(b, hkv, top_k))
