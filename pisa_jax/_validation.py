@@ -32,12 +32,23 @@ NUM_FORCED = 3
 #     err.throw()
 # The value is part of jit's cache key: a function traced without the checks is traced again
 # inside the context.
-traced_checks = jax.make_user_context(False)
+_TRACED_CHECKS = jax.make_user_context(False)
+
+
+def traced_checks(enabled: bool):
+  """A context manager: inside `traced_checks(True)`, value checks on traced arrays (block
+  indices, segment ids, a decode step past its cache's capacity) are traced as checkify checks,
+  reported by `jax.experimental.checkify.checkify`; `traced_checks(False)` turns them off again.
+  Off by default (a traced check is an effect, which takes a jitted function off jax's C++
+  dispatch)."""
+  if not isinstance(enabled, bool):
+    raise TypeError(f"traced_checks({enabled=}) takes True or False")
+  return _TRACED_CHECKS(enabled)
 
 
 def debug_check(pred, message: str, *fmt_args) -> None:
   """`checkify.debug_check` inside `traced_checks(True)`; nothing otherwise."""
-  if traced_checks.value:
+  if _TRACED_CHECKS.value:
     checkify.debug_check(pred, message, *fmt_args)
 
 

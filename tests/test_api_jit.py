@@ -172,3 +172,10 @@ def test_mixed_dtypes_are_rejected(name, which):
   pair = "q and k" if which != "v" else "k and v"
   with pytest.raises(TypeError, match=f"{pair} must have the same dtype"):
     fn(*args)
+
+
+def test_traced_checks_takes_a_bool():
+  with pytest.raises(TypeError, match=r"traced_checks\(enabled=1\) takes True or False"):
+    pisa_jax.traced_checks(1)
+  with pisa_jax.traced_checks(True), pisa_jax.traced_checks(False):
+    pass
