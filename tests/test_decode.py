@@ -285,23 +285,26 @@ def test_append_and_select_in_one_launch_equal_the_reference(selector, hq, branc
   np.testing.assert_array_equal(np.asarray(got[0][3]), np.asarray(cache.k[3]))
 
 
-@pytest.mark.parametrize("selector,hq,branching,top_k,beam,dtype", [
-    ("pisa", 4, 2, 6, 6, jnp.float32), ("pisa1", 6, 2, 5, 8, jnp.float32),
-    ("pisa2", 4, 3, 4, 4, jnp.float32), ("bsa", 2, 2, 5, 5, jnp.float32),
-    ("pisa", 4, 2, 6, 6, jnp.bfloat16)])
+@pytest.mark.parametrize("selector,hq,branching,top_k,beam,dtype,block", [
+    ("pisa", 4, 2, 6, 6, jnp.float32, 8), ("pisa1", 6, 2, 5, 8, jnp.float32, 8),
+    ("pisa2", 4, 3, 4, 4, jnp.float32, 8), ("bsa", 2, 2, 5, 5, jnp.float32, 8),
+    ("pisa", 4, 2, 6, 6, jnp.bfloat16, 8),
+    # 64 candidate slots: the row of 120 tokens has 48 leaf candidates, 20 kept, so the merge
+    # reads kept flags from both words of its bit mask (a lost word fails the outputs).
+    ("pisa", 4, 2, 20, 24, jnp.float32, 2)])
 def test_step_in_three_launches_equals_the_reference(selector, hq, branching, top_k, beam,
-                                                     dtype):
+                                                     dtype, block):
   # Append, select and attend with the attention from the leaf programs' partials: the same
   # caches, indices and outputs as the reference on rows of 120, 57, 0 and 8 cached tokens (the
   # new token at a leaf's first, a middle, the very first position, and a row of fewer leaves
   # than top_k), and a row past capacity (dropped: -1 indices, NaN outputs). Interpret mode
   # starts float outputs as NaN, so an element no program writes fails the comparison.
   q, k, v = _qkv(13, 5, 130, hq, 2, 16, dtype)
-  cache = DecodeCache.create(5, 128, 2, 16, block_size=8, branching=branching, dtype=dtype)
+  cache = DecodeCache.create(5, 128, 2, 16, block_size=block, branching=branching, dtype=dtype)
   lengths = jnp.asarray([120, 57, 0, 128, 8], jnp.int32)
   cache = cache.prefill(k[:, :128], v[:, :128], lengths)
   args = (q[:, -1], k[:, -1] * 1.5, v[:, -1] - 0.5, cache.k, cache.v, cache.summaries, lengths)
-  opts = dict(block_size=8, branching=branching, top_k=top_k, beam=beam, selector=selector,
+  opts = dict(block_size=block, branching=branching, top_k=top_k, beam=beam, selector=selector,
               scale=0.25)
   ref = dec.decode_step_reference(*args, **opts)
   got = kernels.decode_step_pallas(*args, **opts, interpret=True)

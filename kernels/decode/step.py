@@ -91,10 +91,18 @@ def _final_merge_kernel(pos_ref, cand_ref, score_ref, o_ref, m_ref, l_ref, idx_r
   m_all = jnp.max(m, axis=0)
   m_all = jnp.where(m_all == -jnp.inf, 0.0, m_all)
   o_head = jnp.arange(geo.gp)
+  # The kept mask as bits of int32 words, so that the loop reads slot i's flag with a shift, not
+  # a reduction over the slots per iteration.
+  slot = jnp.arange(geo.nc)
+  words = [jnp.sum(jnp.where(kept & ((slot >> 5) == w), jnp.left_shift(1, slot & 31), 0))
+           for w in range(-(-geo.nc // 32))]
 
   def body(i, carry):
     total, acc = carry
-    keep_i = jnp.sum(jnp.where(jnp.arange(geo.nc) == i, kept, False).astype(jnp.int32)) > 0
+    word = words[0]
+    for w in range(1, len(words)):
+      word = jnp.where((i >> 5) == w, words[w], word)
+    keep_i = (jnp.right_shift(word, i & 31) & 1) == 1
     m_i = load_row(m_ref, first + i, keep_i, geo.gp, geo.gp)
     l_i = load_row(l_ref, first + i, keep_i, geo.gp, geo.gp)
     w = jnp.where(keep_i & (m_i != -jnp.inf), jnp.exp2(m_i - m_all), 0.0)
