@@ -14,9 +14,8 @@ steps ended by one synchronisation, as benchmarks/timing.py; the length grows by
 well inside the cache), tokens/s (B / step time) and x_ours (dense over ours). `loop_ms` is the
 same step run LOOP times inside one jitted `fori_loop`, per step: the device's time without the
 host's dispatch of every step (what a compiled generation loop pays), and `loop_ms_append`,
-`_select`, `_append_select`, `_attention` each op of the PISA pipeline alone, timed the same
-way (the step itself is three launches: the append inside the walk's launch, the leaf scores
-with each leaf's attention partial, Select_K with the merge; the ops show where time goes). With
+`_select`, `_append_select`, `_attention` each stage of the PISA step alone, timed the same way
+(a step runs append_select, the append inside the walk's launch, then attention). With
 --select-warps W1,W2,.. (Pallas only) the selection stage is also timed at each launch width,
 `loop_ms_select_w<W>` (the prefill kernels' measured settings need not be the decode
 kernels' best: at small B there are few programs). Memory: cache_mb, every array a step threads
@@ -58,7 +57,8 @@ from benchmarks import _record, timing
 NAME = "decode"
 C = 64
 LOOP = 32  # steps per jitted loop for loop_ms
-# The ops of the step's pipeline, each timed alone.
+# What a step runs: append_select (one op: the append in the walk's launch) then attention;
+# append and select alone show the split.
 STAGES = ("append", "select", "append_select", "attention")
 LENGTHS = (32768, 131072, 524288, 1048576)
 BATCHES = (1, 16)

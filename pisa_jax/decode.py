@@ -214,13 +214,18 @@ def _step(q, k, v, cache: DecodeCache, new_document, *, top_k: int, selector: st
       jnp.all(positions < cache.capacity),
       f"decode_step: a row of length {{}} has no room for another token in cache.capacity="
       f"{cache.capacity}: grow the cache before the step (DecodeCache.grow)", jnp.max(positions))
-  # A token past capacity (only possible under jit) is dropped: its row gets NaN outputs and -1
-  # indices, loudly.
-  step = _dispatch.lookup("decode_step", implementation)
-  k_cache, v_cache, summaries, idx, out = step(
+  geometry = dict(block_size=cache.block_size)
+  append_select = _dispatch.lookup("decode_append_select", implementation)
+  k_cache, v_cache, summaries, idx = append_select(
       q[:, 0], k[:, 0], v[:, 0], cache.k, cache.v, cache.summaries, positions,
-      block_size=cache.block_size, branching=cache.branching, top_k=top_k, beam=beam,
-      selector=selector, scale=scale)
+      branching=cache.branching, top_k=top_k, beam=beam, selector=selector, scale=scale,
+      **geometry)
+  attend = _dispatch.lookup("decode_attention", implementation)
+  out = attend(q[:, 0], k_cache, v_cache, idx, positions, scale=scale, **geometry)
+  # A token past capacity (only possible under jit) was dropped: its row says so loudly.
+  over = (positions >= cache.capacity)[:, None, None]
+  out = jnp.where(over, jnp.asarray(jnp.nan, out.dtype), out)
+  idx = jnp.where(over, -1, idx)
   cache = dataclasses.replace(cache, k=k_cache, v=v_cache, summaries=summaries,
                               lengths=positions + 1)
   return out[:, None], cache, idx[:, None]
@@ -238,22 +243,6 @@ def decode_append_select_reference(q, k_new, v_new, k_cache, v_cache, summaries,
                                 branching=branching, top_k=top_k, beam=beam, selector=selector,
                                 scale=scale)
   return k_cache, v_cache, summaries, idx
-
-
-def decode_step_reference(q, k_new, v_new, k_cache, v_cache, summaries, positions, *,
-                          block_size: int, branching: int, top_k: int, beam: int, selector: str,
-                          scale: float):
-  """`decode_append_select_reference`, then `decode_attention_reference` over the selected
-  blocks: (k_cache, v_cache, summaries, indices, out). A row at or past capacity (its token
-  dropped) gets -1 indices and NaN outputs. The kernels run all of it in three launches."""
-  k_cache, v_cache, summaries, idx = decode_append_select_reference(
-      q, k_new, v_new, k_cache, v_cache, summaries, positions, block_size=block_size,
-      branching=branching, top_k=top_k, beam=beam, selector=selector, scale=scale)
-  out = decode_attention_reference(q, k_cache, v_cache, idx, positions, block_size=block_size,
-                                   scale=scale)
-  over = (positions >= k_cache.shape[1])[:, None, None]
-  return (k_cache, v_cache, summaries, jnp.where(over, -1, idx),
-          jnp.where(over, jnp.asarray(jnp.nan, out.dtype), out))
 
 
 _STATIC = ("top_k", "selector", "beam", "scale", "implementation")
@@ -392,11 +381,6 @@ _dispatch.register(
     "decode_append_select",
     xla=decode_append_select_reference,
     pallas=_dispatch.with_interpret(decode_kernels.decode_append_select_pallas),
-)
-_dispatch.register(
-    "decode_step",
-    xla=decode_step_reference,
-    pallas=_dispatch.with_interpret(decode_kernels.decode_step_pallas),
 )
 _dispatch.register(
     "decode_attention",

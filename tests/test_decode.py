@@ -285,39 +285,6 @@ def test_append_and_select_in_one_launch_equal_the_reference(selector, hq, branc
   np.testing.assert_array_equal(np.asarray(got[0][3]), np.asarray(cache.k[3]))
 
 
-@pytest.mark.parametrize("selector,hq,branching,top_k,beam,dtype,block", [
-    ("pisa", 4, 2, 6, 6, jnp.float32, 8), ("pisa1", 6, 2, 5, 8, jnp.float32, 8),
-    ("pisa2", 4, 3, 4, 4, jnp.float32, 8), ("bsa", 2, 2, 5, 5, jnp.float32, 8),
-    ("pisa", 4, 2, 6, 6, jnp.bfloat16, 8),
-    # 64 candidate slots: the row of 120 tokens has 48 leaf candidates, 20 kept, so the merge
-    # reads kept flags from both words of its bit mask (a lost word fails the outputs).
-    ("pisa", 4, 2, 20, 24, jnp.float32, 2)])
-def test_step_in_three_launches_equals_the_reference(selector, hq, branching, top_k, beam,
-                                                     dtype, block):
-  # Append, select and attend with the attention from the leaf programs' partials: the same
-  # caches, indices and outputs as the reference on rows of 120, 57, 0 and 8 cached tokens (the
-  # new token at a leaf's first, a middle, the very first position, and a row of fewer leaves
-  # than top_k), and a row past capacity (dropped: -1 indices, NaN outputs). Interpret mode
-  # starts float outputs as NaN, so an element no program writes fails the comparison.
-  q, k, v = _qkv(13, 5, 130, hq, 2, 16, dtype)
-  cache = DecodeCache.create(5, 128, 2, 16, block_size=block, branching=branching, dtype=dtype)
-  lengths = jnp.asarray([120, 57, 0, 128, 8], jnp.int32)
-  cache = cache.prefill(k[:, :128], v[:, :128], lengths)
-  args = (q[:, -1], k[:, -1] * 1.5, v[:, -1] - 0.5, cache.k, cache.v, cache.summaries, lengths)
-  opts = dict(block_size=block, branching=branching, top_k=top_k, beam=beam, selector=selector,
-              scale=0.25)
-  ref = dec.decode_step_reference(*args, **opts)
-  got = kernels.decode_step_pallas(*args, **opts, interpret=True)
-  for r, g in zip(ref[:3], got[:3]):
-    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), rtol=0,
-                               atol=PYRAMID_ATOL)
-  np.testing.assert_array_equal(np.asarray(got[3]), np.asarray(ref[3]))
-  assert (np.asarray(got[3][3]) == -1).all() and np.isnan(np.asarray(got[4][3], np.float32)).all()
-  tol = 1e-5 if dtype == jnp.float32 else 2e-2
-  np.testing.assert_allclose(np.asarray(got[4], np.float32), np.asarray(ref[4], np.float32),
-                             rtol=tol, atol=tol)
-
-
 @pytest.mark.parametrize("selector,hq,branching,top_k,beam", [
     ("pisa", 4, 2, 6, 6), ("pisa1", 6, 2, 5, 8), ("pisa2", 4, 3, 4, 4), ("pisa", 2, 2, 6, 6)])
 def test_select_kernel_equals_the_reference_on_rows_of_any_length(selector, hq, branching,
@@ -468,14 +435,13 @@ def test_decode_kernels_lower_for_sm90(captured, monkeypatch, selector, hq, d, t
   monkeypatch.setattr(pisa_jax._dispatch, "interpret_mode", lambda: False)
   jax.jit(step, donate_argnums=3).trace(q, kv, kv, cache).lower(lowering_platforms=("cuda",))
   names = {re.search(r"module @([A-Za-z0-9_]+)", m).group(1) for m in captured}
-  # BSA: append, its one selection kernel, attention; the walk selectors: three launches (the
-  # append in the walk's launch, the leaf scores and partials, Select_K and the merge), nothing
-  # else.
-  step_kernels = ({"pisa_decode_append", "pisa_decode_select_bsa", "pisa_decode_attention"}
-                  if selector == "bsa" else
+  # BSA: append, its one selection kernel, attention; the walk selectors: the append in the
+  # walk's launch, the leaf scores, Select_K, attention.
+  step_kernels = ({"pisa_decode_append", "pisa_decode_select_bsa"} if selector == "bsa" else
                   {f"pisa_decode_select_{selector}_append_walk",
-                   f"pisa_decode_step_{selector}_leaves", f"pisa_decode_step_{selector}_final"})
-  assert names == step_kernels, names
+                   f"pisa_decode_select_{selector}_leaves",
+                   f"pisa_decode_select_{selector}_final"})
+  assert {"pisa_decode_attention", *step_kernels} <= names, names
 
 
 def test_select_kernels_lower_for_sm90_at_1m_tokens(captured):

@@ -1,36 +1,32 @@
 """Pallas (Triton) kernels for one decode step (Section 3.3 "Decoding", Eq. 30-31, Appendix B
 "Decode cache"): the twins of `pisa_jax.decode.decode_append_reference`,
-`decode_select_reference`, `decode_attention_reference` and `decode_step_reference`.
+`decode_select_reference` and `decode_attention_reference`.
 
-One decode step (`decode_step_pallas`) is three launches:
-1. the append and the walk, one program per (batch row, KV head). The append writes the new key
-   and value at the row's own length, recomputes the current leaf's mean from its raw keys and
-   then each ancestor's mean from its children (Eq. 15): O(C + g log N) rows read, O(log N)
-   summaries written, in place (the cache buffers are aliased to the outputs). The walk (Eq.
-   30-31), all query heads of the GQA group as the rows of every dot, runs from the first level
-   with more than `beam` eligible nodes down to the leaf candidates (Eq. 16-18), each level's
-   candidates scored from their children's summaries (Eq. 21 / 33 / 34, summed over the group's
-   heads, Eq. 22). It never reads what the append wrote (those nodes are forced).
-2. one program per (row, KV head, candidate leaf), so that at small B the leaves' loads spread over
-   the GPU: the leaf's score from its raw keys where Select_K needs it and, from the same dot, its
-   attention partial (Eq. 6 over its keys j <= t: max, sum, unnormalised output).
-3. one program per (row, KV head): Select_K of the leaves, then the log-sum-exp merge of the kept
-   leaves' partials (split-K flash-decoding with one block per split).
-The flat BSA baseline selects in one kernel, O(N / C) per step, as BSA is, after its own append,
-and attends with the split-K attention kernel (program (row, KV head, split) over its share of
-the K selected blocks, merged by log-sum-exp in jnp). The append, the selection and the attention
-are also ops of their own (`decode_append_pallas`, `decode_select_pallas`,
-`decode_attention_pallas`), each the twin of its reference.
+One decode step is four launches and an XLA merge:
+1. append and walk, one program per (batch row, KV head). The append writes the new key and
+   value at the row's own length, recomputes the current leaf's mean from its raw keys and then
+   each ancestor's mean from its children (Eq. 15): O(C + g log N) rows read, O(log N) summaries
+   written, in place (the cache buffers are aliased to the outputs). The walk (Eq. 30-31), all
+   query heads of the GQA group as the rows of every dot, runs from the first level with more
+   than `beam` eligible nodes down to the leaf candidates (Eq. 16-18), each level's candidates
+   scored from their children's summaries (Eq. 21 / 33 / 34, summed over the group's heads, Eq.
+   22); it never reads what the append wrote (those nodes are all forced).
+2. the leaf scores from raw keys, one program per (row, KV head, candidate), so that at small B
+   the up to NC - 3 leaves' key loads spread over the GPU.
+3. Select_K per (row, KV head).
+4. attention, split-K flash-decoding: program (row, KV head, split) runs an online softmax over its
+   share of the K selected blocks and writes (o, m, l); a jnp merge combines the splits by
+   log-sum-exp. With one block per split, B = 1 still launches HKV * K programs.
+The flat BSA baseline selects in one kernel, O(N / C) per step, as BSA is, after its own append.
 
   config.py     DecodeConfig and the attention split heuristic
   layout.py     Geometry (static shapes), the row layout, loads and stores, launch
   scoring.py    dots in float32, the reductions of Eq. 21 / 33 / 34, ranking keys
   append.py     the append kernel (new key and value, leaf and ancestor summaries)
-  select.py     the walk, leaf-score and Select_K kernels (Select_K by rank),
-                decode_select_pallas
+  select.py     the walk (the append in its launch), leaf-score and Select_K kernels (Select_K
+                by rank), decode_select_pallas, decode_append_select_pallas
   bsa.py        the flat BSA kernel (two passes over the leaf summaries, running top-k)
   attention.py  the split-K attention kernel and the log-sum-exp merge
-  step.py       the step's leaf-partial and Select_K + merge launches, decode_step_pallas
 
 Layout: the cache keeps the model's `[B, capacity, HKV, D]` layout, viewed as rows
 `[B * capacity * HKV, D]`; the pyramid is one float32 array `[B, S, HKV, D]`, its levels stacked
@@ -51,8 +47,7 @@ from pisa_jax.kernels.decode.config import DecodeConfig, default_attend_blocks
 from pisa_jax.kernels.decode.layout import level_offsets
 from pisa_jax.kernels.decode.select import (SELECTORS, decode_append_select_pallas,
                                             decode_select_pallas)
-from pisa_jax.kernels.decode.step import decode_step_pallas
 
 __all__ = ["SELECTORS", "DecodeConfig", "decode_append_pallas", "decode_append_select_pallas",
-           "decode_attention_pallas", "decode_select_pallas", "decode_step_pallas",
-           "default_attend_blocks", "level_offsets"]
+           "decode_attention_pallas", "decode_select_pallas", "default_attend_blocks",
+           "level_offsets"]

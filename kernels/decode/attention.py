@@ -19,15 +19,6 @@ from pisa_jax.kernels.decode.layout import (Geometry, launch, load_group_queries
 from pisa_jax.kernels.decode.scoring import LOG2E, dot_t
 
 
-def weighted_values(p, vals, key_mode: str):
-  """p `[Gp, Cp]` float32 @ vals `[Cp, Dp]`, float32: a 16-bit tensor-core dot ("native" keys and
-  values, p rounded to their dtype as flash attention does) or IEEE float32."""
-  if key_mode == "native":
-    return jnp.dot(p.astype(vals.dtype), vals, preferred_element_type=jnp.float32)
-  return jnp.dot(p, vals.astype(jnp.float32), precision=lax.Precision.HIGHEST,
-                 preferred_element_type=jnp.float32)
-
-
 def _attend_kernel(pos_ref, q_ref, k_ref, v_ref, idx_ref, o_ref, m_ref, l_ref, *,
                    geo: Geometry, blocks: int, splits: int):
   """Program (batch row x KV head, split): the online softmax (Eq. 6) of the group's heads over
@@ -58,7 +49,11 @@ def _attend_kernel(pos_ref, q_ref, k_ref, v_ref, idx_ref, o_ref, m_ref, l_ref, *
     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     p = jnp.exp2(s - m_use[:, None])
     alpha = jnp.exp2(m - m_use)
-    pv = weighted_values(p, vals, geo.key_mode)
+    if geo.key_mode == "native":
+      pv = jnp.dot(p.astype(vals.dtype), vals, preferred_element_type=jnp.float32)
+    else:
+      pv = jnp.dot(p, vals.astype(jnp.float32), precision=lax.Precision.HIGHEST,
+                   preferred_element_type=jnp.float32)
     return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
 
   init = (jnp.full((geo.gp,), -jnp.inf, jnp.float32), jnp.zeros((geo.gp,), jnp.float32),

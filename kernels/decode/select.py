@@ -304,30 +304,21 @@ def decode_append_select_pallas(
     return k_cache, v_cache, summaries, idx
   geo, config = _prepare(q, k_cache, block_size=block_size, branching=branching, top_k=top_k,
                          beam=beam, selector=selector, scale=scale, config=config)
+  b, _, d = q.shape
+  hkv = k_cache.shape[2]
   positions = positions.astype(jnp.int32)
-  q_rows, k_rows, v_rows, s_rows, cand = append_walk(
-      q, k_new, v_new, k_cache, v_cache, summaries, positions, geo=geo, config=config,
-      interpret=interpret)
-  out = _scored_leaves(positions, q_rows, k_rows, cand, geo, config, interpret)
-  return (k_rows.reshape(k_cache.shape), v_rows.reshape(v_cache.shape),
-          s_rows.reshape(summaries.shape), out[:, :top_k].reshape(geo.batch, geo.hkv, top_k))
-
-
-def append_walk(q, k_new, v_new, k_cache, v_cache, summaries, positions, *, geo: Geometry,
-                config: DecodeConfig, interpret: bool):
-  """Launch 1 of a step: the append and the walk. Returns the rows of q `[B * HQ, D]`, of the
-  updated caches (in place when donated) and the leaf candidates `[B * HKV, NC]`."""
-  d = q.shape[-1]
   q_rows = q.reshape(-1, d)
   caches = (k_cache.reshape(-1, d), v_cache.reshape(-1, d), summaries.reshape(-1, d))
   kernel = functools.partial(_append_walk_kernel, geo=geo,
-                             append=append_geometry(k_cache, geo.block_size, geo.branching))
+                             append=append_geometry(k_cache, block_size, branching))
   shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in caches]
   k_rows, v_rows, s_rows, cand = launch(
-      kernel, shapes + [jax.ShapeDtypeStruct((geo.batch * geo.hkv, geo.nc), jnp.int32)],
-      (geo.batch * geo.hkv,), name=f"pisa_decode_select_{geo.selector}_append_walk",
-      aliases={4: 0, 5: 1, 6: 2}, **_launch_opts(config, interpret))(
+      kernel, shapes + [jax.ShapeDtypeStruct((b * hkv, geo.nc), jnp.int32)], (b * hkv,),
+      name=f"pisa_decode_select_{selector}_append_walk", aliases={4: 0, 5: 1, 6: 2},
+      **_launch_opts(config, interpret))(
           positions, k_new.astype(k_cache.dtype).reshape(-1, d),
           v_new.astype(v_cache.dtype).reshape(-1, d), q_rows, *caches,
-          _level_table(geo, geo.branching))
-  return q_rows, k_rows, v_rows, s_rows, cand
+          _level_table(geo, branching))
+  out = _scored_leaves(positions, q_rows, k_rows, cand, geo, config, interpret)
+  return (k_rows.reshape(k_cache.shape), v_rows.reshape(v_cache.shape),
+          s_rows.reshape(summaries.shape), out[:, :top_k].reshape(b, hkv, top_k))
