@@ -21,6 +21,9 @@ host's dispatch of every step (what a compiled generation loop pays), and `loop_
 kernels' best: at small B there are few programs). Memory: cache_mb, every array a step threads
 (keys, values and, for PISA, the pyramid), and step_temp_mb, the compiled step's scratch beyond
 its arguments and outputs (XLA's memory analysis): the goal is a scratch independent of N.
+kernels_per_step and device_ms, from a profile of 16 threaded steps: the GPU kernels a step
+launches and their device time (the in-loop time is about their sum; each dependent launch
+costs a few microseconds however little it does).
 
 Goals: at N = 1M, dense / ours >= 10 at B = 1 and >= 50 at B = 16; our step at 1M within 1.5x
 of our step at 32K (O(log N) work plus the K C keys attended).
@@ -148,7 +151,26 @@ def time_pisa(n, b, hq, hkv, d, top_k, implementation, steps_room: int):
                 step_temp_mb=temp_mib(step))
   ms = time_threaded(lambda s: step(q, k1, v1, s[1]), (None, cache))
   loop_ms = time_in_loop(lambda s: one(q, k1, v1, s[1]), (jnp.zeros_like(q), fresh_cache()))
+  memory.update(step_kernels(lambda s: step(q, k1, v1, s[1]), (None, fresh_cache())))
   return ms, loop_ms, memory
+
+
+def step_kernels(step, state, calls: int = 16) -> dict:
+  """The GPU kernels of one `state = step(state)`, from a profile of `calls` threaded calls:
+  kernels_per_step and their device_ms (the in-loop time, where launches queue back to back, is
+  about their sum). Empty on a CPU backend."""
+  state = [jax.block_until_ready(step(state))]
+
+  def run():
+    for _ in range(calls):
+      state[0] = step(state[0])
+    jax.block_until_ready(state[0])
+
+  events = timing.gpu_kernel_events(run)
+  if not events:
+    return {}
+  return dict(kernels_per_step=round(len(events) / calls, 1),
+              device_ms=round(sum(ns for _, ns in events) / 1e6 / calls, 4))
 
 
 def mib(nbytes) -> float:
@@ -265,6 +287,8 @@ def time_dense(n, b, hq, hkv, d, steps_room: int):
       plain = functools.partial(dense_step, implementation=implementation)
       loop_ms = time_in_loop(lambda s: plain(q, k1, v1, s[1], s[2]),
                              (jnp.zeros_like(q), (k, v), jnp.int32(n)))
+      k, v = filled(n + steps_room, b, hkv, d)
+      memory.update(step_kernels(call, (None, (k, v), jnp.int32(n))))
       return (ms, loop_ms, memory), implementation, errors
     except Exception as e:  # cuDNN refuses some one-query shapes: XLA then runs the step
       errors.append(f"{implementation}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
@@ -379,6 +403,8 @@ def table(record: dict) -> str:
                    dense.get("x_ours"), ours.get("x_own_shortest"), ours.get("loop_ms"),
                    dense.get("loop_ms"), dense.get("loop_x_ours"),
                    ours.get("loop_x_own_shortest")] + [ours.get(f"loop_ms_{k}") for k in STAGES]
+                  + [ours.get("kernels_per_step"), ours.get("device_ms"),
+                     dense.get("kernels_per_step"), dense.get("device_ms")]
                   + [ours.get("cache_mb"), ours.get("step_temp_mb"), dense.get("step_temp_mb")]
                   + [", ".join(f"{k.removeprefix('loop_ms_select_')} {v}" for k, v in ours.items()
                                if k.startswith("loop_ms_select_w"))
@@ -388,6 +414,7 @@ def table(record: dict) -> str:
          "ours / ours at shortest N", "in-loop ours ms", "in-loop dense ms",
          "in-loop dense / ours", "in-loop ours / at shortest N"]
         + [f"in-loop {k} ms" for k in STAGES]
+        + ["ours kernels/step", "ours device ms", "dense kernels/step", "dense device ms"]
         + ["ours cache MiB", "ours step scratch MiB", "dense step scratch MiB"]
         + ["in-loop select ms by warps (w)"], body))
   gen = [r for r in record["rows"] if r.get("part") == "generation"]

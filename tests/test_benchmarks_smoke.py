@@ -199,6 +199,24 @@ def test_decode_steps_run_on_the_reference(tmp_path):
   assert (tmp_path / "decode.png").exists()
 
 
+def test_decode_step_kernels_count_a_profile_per_step(monkeypatch):
+  # The per-step kernel count and device time divide the profile of `calls` threaded steps (a
+  # fake profile here: a CPU has no GPU stream), and the state is threaded through every call.
+  from benchmarks import decode
+  seen = []
+
+  def profile(run):
+    run()
+    return [("fusion", 1_000_000), ("pisa_decode_attention", 3_000_000)] * 4
+
+  monkeypatch.setattr(decode.timing, "gpu_kernel_events", profile)
+  got = decode.step_kernels(lambda s: seen.append(s) or s + 1, 0, calls=4)
+  assert got == {"kernels_per_step": 2.0, "device_ms": 4.0}, got
+  assert seen == [0, 1, 2, 3, 4]
+  monkeypatch.setattr(decode.timing, "gpu_kernel_events", lambda run: run() or [])
+  assert decode.step_kernels(lambda s: s, 0, calls=2) == {}
+
+
 @pytest.mark.slow
 def test_decode_select_sweeps_time_the_kernel_at_each_setting(tmp_path):
   from benchmarks import decode
