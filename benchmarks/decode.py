@@ -169,8 +169,8 @@ def step_kernels(step, state, calls: int = 16) -> dict:
   events = timing.gpu_kernel_events(run)
   if not events:
     return {}
-  return dict(kernels_per_step=round(len(events) / calls, 1),
-              device_ms=round(sum(ns for _, ns in events) / 1e6 / calls, 4))
+  kernels, ms = timing.per_call(events, calls)
+  return dict(kernels_per_step=round(kernels, 1), device_ms=round(ms, 4))
 
 
 def mib(nbytes) -> float:
@@ -319,8 +319,8 @@ def generation_device_time(model, prompt, new_tokens: int = 64) -> dict:
   events = timing.gpu_kernel_events(lambda: sum(1 for _ in stream))
   if not events:
     return {}
-  return dict(device_ms_per_step=round(sum(ns for _, ns in events) / 1e6 / steps, 3),
-              launches_per_step=round(len(events) / steps, 1))
+  launches, ms = timing.per_call(events, steps)
+  return dict(device_ms_per_step=round(ms, 3), launches_per_step=round(launches, 1))
 
 
 def generation_rows(args, rec: _record.Recorder) -> None:

@@ -45,6 +45,11 @@ def time_torch(fn: Callable, *, reps: int = 7, batch_s: float = 0.2) -> float:
   return _median_ms(fn, lambda _: torch.cuda.synchronize(), reps, batch_s)
 
 
+def per_call(events, calls: int) -> tuple[float, float]:
+  """(kernels, device ms) per call from the (name, duration ns) events of `calls` calls."""
+  return len(events) / calls, sum(ns for _, ns in events) / 1e6 / calls
+
+
 def kernel_totals(events, calls: int, top: int = 12) -> dict[str, float]:
   """ms per call of each kernel name from (name, duration ns) events of `calls` calls: XLA's
   numbered fusions and copies folded by name (`loop_fusion_12` -> `loop_fusion`), the `top`
