@@ -14,15 +14,16 @@ steps ended by one synchronisation, as benchmarks/timing.py; the length grows by
 well inside the cache), tokens/s (B / step time) and x_ours (dense over ours). `loop_ms` is the
 same step run LOOP times inside one jitted `fori_loop`, per step: the device's time without the
 host's dispatch of every step (what a compiled generation loop pays), and `loop_ms_append`,
-`_select`, `_append_select`, `_attention` each stage of the PISA step alone, timed the same way
-(a step runs append_select, the append inside the walk's launch, then attention). With
+`_select`, `_append_select`, `_attention` each stage of the PISA step alone through its own op,
+timed the same way (the step itself runs the append in the walk's launch, the leaf scores, then
+Select_K inside the attention's launch, so its stages overlap these). With
 --select-warps W1,W2,.. (Pallas only) the selection stage is also timed at each launch width,
 `loop_ms_select_w<W>` (the prefill kernels' measured settings need not be the decode
 kernels' best: at small B there are few programs). Memory: cache_mb, every array a step threads
 (keys, values and, for PISA, the pyramid), and step_temp_mb, the compiled step's scratch beyond
 its arguments and outputs (XLA's memory analysis): the goal is a scratch independent of N.
-kernels_per_step and device_ms, from a profile of 16 threaded steps: the GPU kernels a step
-launches and their device time (the in-loop time is about their sum; each dependent launch
+kernels_per_step, device_ms and kernel_us (microseconds a step of each kernel name), from a
+profile of 16 threaded steps: the GPU kernels a step launches and their device time (the in-loop time is about their sum; each dependent launch
 costs a few microseconds however little it does).
 
 Goals: at N = 1M, dense / ours >= 10 at B = 1 and >= 50 at B = 16; our step at 1M within 1.5x
@@ -60,8 +61,8 @@ from benchmarks import _record, timing
 NAME = "decode"
 C = 64
 LOOP = 32  # steps per jitted loop for loop_ms
-# What a step runs: append_select (one op: the append in the walk's launch) then attention;
-# append and select alone show the split.
+# The stages of a step, each through its own op: append_select (the append in the walk's launch)
+# and attention; append and select alone show the split.
 STAGES = ("append", "select", "append_select", "attention")
 LENGTHS = (32768, 131072, 524288, 1048576)
 BATCHES = (1, 16)
@@ -170,7 +171,9 @@ def step_kernels(step, state, calls: int = 16) -> dict:
   if not events:
     return {}
   kernels, ms = timing.per_call(events, calls)
-  return dict(kernels_per_step=round(kernels, 1), device_ms=round(ms, 4))
+  per_kernel = timing.kernel_totals(events, calls)
+  return dict(kernels_per_step=round(kernels, 1), device_ms=round(ms, 4),
+              kernel_us={name: round(v * 1e3, 2) for name, v in per_kernel.items()})
 
 
 def mib(nbytes) -> float:

@@ -28,8 +28,9 @@ a new document in the flagged rows; token by token, a packed sequence then decod
 Implementations ("xla" jnp reference, "pallas" kernels in `pisa_jax.kernels.decode`) are
 registered per op: "decode_append" (the cache update: in "xla" a scatter of the new token and
 its recomputed leaf-to-root path, in "pallas" one kernel), "decode_select", "decode_attention",
-and "decode_append_select", the step's append and selection together (in "pallas" the append
-runs in the walk's launch).
+"decode_append_select", the step's append and selection together (in "pallas" the append
+runs in the walk's launch), and "decode_step", the whole step `decode_step` runs (in "pallas"
+Select_K of the leaves runs in the attention's launch).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ from pisa_jax.selection import _bsa_chunk, _hierarchical_chunk
 
 __all__ = ["DECODE_SELECTORS", "DecodeCache", "bucket_capacity", "decode_append_reference",
            "decode_append_select_reference",
-           "decode_attention_reference", "decode_select_reference", "decode_step"]
+           "decode_attention_reference", "decode_select_reference", "decode_step",
+           "decode_step_reference"]
 
 _HIGHEST = lax.Precision.HIGHEST
 # Selectors a decode step supports; "exact" scores every past block's raw keys (O(N C) a step).
@@ -214,20 +216,12 @@ def _step(q, k, v, cache: DecodeCache, new_document, *, top_k: int, selector: st
       jnp.all(positions < cache.capacity),
       f"decode_step: a row of length {{}} has no room for another token in cache.capacity="
       f"{cache.capacity}: grow the cache before the step (DecodeCache.grow)", jnp.max(positions))
-  geometry = dict(block_size=cache.block_size)
-  append_select = _dispatch.lookup("decode_append_select", implementation)
-  k_cache, v_cache, summaries, idx = append_select(
+  step = _dispatch.lookup("decode_step", implementation)
+  k_cache, v_cache, summaries, idx, out, lengths = step(
       q[:, 0], k[:, 0], v[:, 0], cache.k, cache.v, cache.summaries, positions,
-      branching=cache.branching, top_k=top_k, beam=beam, selector=selector, scale=scale,
-      **geometry)
-  attend = _dispatch.lookup("decode_attention", implementation)
-  out = attend(q[:, 0], k_cache, v_cache, idx, positions, scale=scale, **geometry)
-  # A token past capacity (only possible under jit) was dropped: its row says so loudly.
-  over = (positions >= cache.capacity)[:, None, None]
-  out = jnp.where(over, jnp.asarray(jnp.nan, out.dtype), out)
-  idx = jnp.where(over, -1, idx)
-  cache = dataclasses.replace(cache, k=k_cache, v=v_cache, summaries=summaries,
-                              lengths=positions + 1)
+      block_size=cache.block_size, branching=cache.branching, top_k=top_k, beam=beam,
+      selector=selector, scale=scale)
+  cache = dataclasses.replace(cache, k=k_cache, v=v_cache, summaries=summaries, lengths=lengths)
   return out[:, None], cache, idx[:, None]
 
 
@@ -243,6 +237,23 @@ def decode_append_select_reference(q, k_new, v_new, k_cache, v_cache, summaries,
                                 branching=branching, top_k=top_k, beam=beam, selector=selector,
                                 scale=scale)
   return k_cache, v_cache, summaries, idx
+
+
+def decode_step_reference(q, k_new, v_new, k_cache, v_cache, summaries, positions, *,
+                          block_size: int, branching: int, top_k: int, beam: int, selector: str,
+                          scale: float):
+  """A whole step: `decode_append_select_reference`, then `decode_attention_reference`:
+  (k_cache, v_cache, summaries, indices `[B, HKV, top_k]`, output `[B, HQ, D]`, lengths `[B]` =
+  positions + 1). A row past capacity (possible only under jit) was dropped by the append: it
+  says so loudly, with -1 indices and a NaN output."""
+  k_cache, v_cache, summaries, idx = decode_append_select_reference(
+      q, k_new, v_new, k_cache, v_cache, summaries, positions, block_size=block_size,
+      branching=branching, top_k=top_k, beam=beam, selector=selector, scale=scale)
+  out = decode_attention_reference(q, k_cache, v_cache, idx, positions, block_size=block_size,
+                                   scale=scale)
+  over = (positions >= k_cache.shape[1])[:, None, None]
+  return (k_cache, v_cache, summaries, jnp.where(over, -1, idx),
+          jnp.where(over, jnp.asarray(jnp.nan, out.dtype), out), positions + 1)
 
 
 _STATIC = ("top_k", "selector", "beam", "scale", "implementation")
@@ -381,6 +392,11 @@ _dispatch.register(
     "decode_append_select",
     xla=decode_append_select_reference,
     pallas=_dispatch.with_interpret(decode_kernels.decode_append_select_pallas),
+)
+_dispatch.register(
+    "decode_step",
+    xla=decode_step_reference,
+    pallas=_dispatch.with_interpret(decode_kernels.decode_step_pallas),
 )
 _dispatch.register(
     "decode_attention",

@@ -211,7 +211,8 @@ def test_decode_step_kernels_count_a_profile_per_step(monkeypatch):
 
   monkeypatch.setattr(decode.timing, "gpu_kernel_events", profile)
   got = decode.step_kernels(lambda s: seen.append(s) or s + 1, 0, calls=4)
-  assert got == {"kernels_per_step": 2.0, "device_ms": 4.0}, got
+  assert got == {"kernels_per_step": 2.0, "device_ms": 4.0,
+                 "kernel_us": {"pisa_decode_attention": 3000.0, "fusion": 1000.0}}, got
   assert seen == [0, 1, 2, 3, 4]
   monkeypatch.setattr(decode.timing, "gpu_kernel_events", lambda run: run() or [])
   assert decode.step_kernels(lambda s: s, 0, calls=2) == {}

@@ -285,6 +285,38 @@ def test_append_and_select_in_one_launch_equal_the_reference(selector, hq, branc
   np.testing.assert_array_equal(np.asarray(got[0][3]), np.asarray(cache.k[3]))
 
 
+@pytest.mark.parametrize("selector,hq,branching,top_k,beam,attend_blocks", [
+    ("pisa", 4, 2, 6, 6, 0), ("pisa", 4, 2, 6, 6, 4), ("pisa1", 6, 2, 5, 8, 2),
+    ("pisa2", 4, 3, 4, 4, 0), ("bsa", 2, 2, 5, 5, 0)])
+def test_whole_step_kernels_equal_the_reference_step(selector, hq, branching, top_k, beam,
+                                                     attend_blocks):
+  # The step's three launches (Select_K of the leaves inside the attention's programs, which
+  # also write the indices and the lengths) against the reference step: rows of 120, 57 and 0
+  # cached tokens and one past capacity (dropped: -1 indices, NaN output, lengths + 1); one
+  # block per attention program, and 4 or 2, so that a program's last slots select nothing.
+  q, k, v = _qkv(13, 4, 130, hq, 2, 16, jnp.float32)
+  cache = DecodeCache.create(4, 128, 2, 16, block_size=8, branching=branching,
+                             dtype=jnp.float32)
+  cache = cache.prefill(k[:, :128], v[:, :128], jnp.asarray([120, 57, 0, 128], jnp.int32))
+  positions = jnp.asarray([120, 57, 0, 128], jnp.int32)
+  args = (q[:, -1], k[:, -1] * 1.5, v[:, -1] - 0.5, cache.k, cache.v, cache.summaries, positions)
+  opts = dict(block_size=8, branching=branching, top_k=top_k, beam=beam, selector=selector,
+              scale=0.25)
+  ref = dec.decode_step_reference(*args, **opts)
+  got = kernels.decode_step_pallas(*args, **opts, interpret=True,
+                                   config=kernels.DecodeConfig(attend_blocks=attend_blocks))
+  for r, g in zip(ref[:3], got[:3]):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=0, atol=PYRAMID_ATOL)
+  np.testing.assert_array_equal(np.asarray(got[3]), np.asarray(ref[3]))
+  assert (np.asarray(got[3][3]) == -1).all() and (np.asarray(got[3][:3, :, 0]) == 0).all()
+  out, want = np.asarray(got[4]), np.asarray(ref[4])
+  np.testing.assert_allclose(out[:3], want[:3], atol=1e-5, rtol=1e-5)
+  assert np.isnan(out[3]).all() and np.isnan(want[3]).all()
+  assert got[5].dtype == jnp.int32
+  np.testing.assert_array_equal(np.asarray(got[5]), [121, 58, 1, 129])
+  np.testing.assert_array_equal(np.asarray(ref[5]), [121, 58, 1, 129])
+
+
 @pytest.mark.parametrize("selector,hq,branching,top_k,beam", [
     ("pisa", 4, 2, 6, 6), ("pisa1", 6, 2, 5, 8), ("pisa2", 4, 3, 4, 4), ("pisa", 2, 2, 6, 6)])
 def test_select_kernel_equals_the_reference_on_rows_of_any_length(selector, hq, branching,
@@ -436,12 +468,12 @@ def test_decode_kernels_lower_for_sm90(captured, monkeypatch, selector, hq, d, t
   jax.jit(step, donate_argnums=3).trace(q, kv, kv, cache).lower(lowering_platforms=("cuda",))
   names = {re.search(r"module @([A-Za-z0-9_]+)", m).group(1) for m in captured}
   # BSA: append, its one selection kernel, attention; the walk selectors: the append in the
-  # walk's launch, the leaf scores, Select_K, attention.
-  step_kernels = ({"pisa_decode_append", "pisa_decode_select_bsa"} if selector == "bsa" else
+  # walk's launch, the leaf scores, Select_K in the attention's launch; then the merge.
+  step_kernels = ({"pisa_decode_append", "pisa_decode_select_bsa", "pisa_decode_attention"}
+                  if selector == "bsa" else
                   {f"pisa_decode_select_{selector}_append_walk",
-                   f"pisa_decode_select_{selector}_leaves",
-                   f"pisa_decode_select_{selector}_final"})
-  assert {"pisa_decode_attention", *step_kernels} <= names, names
+                   f"pisa_decode_select_{selector}_leaves", f"pisa_decode_{selector}_select_attend"})
+  assert step_kernels | {"pisa_decode_merge"} == names, names
 
 
 def test_select_kernels_lower_for_sm90_at_1m_tokens(captured):

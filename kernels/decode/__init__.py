@@ -47,7 +47,8 @@ from pisa_jax.kernels.decode.config import DecodeConfig, default_attend_blocks
 from pisa_jax.kernels.decode.layout import level_offsets
 from pisa_jax.kernels.decode.select import (SELECTORS, decode_append_select_pallas,
                                             decode_select_pallas)
+from pisa_jax.kernels.decode.step import decode_step_pallas
 
 __all__ = ["SELECTORS", "DecodeConfig", "decode_append_pallas", "decode_append_select_pallas",
-           "decode_attention_pallas", "decode_select_pallas", "default_attend_blocks",
-           "level_offsets"]
+           "decode_attention_pallas", "decode_select_pallas", "decode_step_pallas",
+           "default_attend_blocks", "level_offsets"]

@@ -1,6 +1,6 @@
 """Split-K flash-decoding over the selected blocks: program (batch row x KV head, split) runs the
-online softmax (Eq. 6) over its share of the K blocks, and a jnp merge combines the splits by
-log-sum-exp."""
+online softmax (Eq. 6) over its share of the K blocks (`attend`, which the step's fused Select_K
+and attention launch shares), and a merge kernel combines the splits by log-sum-exp."""
 
 from __future__ import annotations
 
@@ -10,35 +10,31 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
 from pisa_jax.kernels._common import next_pow2
 from pisa_jax.kernels.decode.config import DecodeConfig, default_attend_blocks
 from pisa_jax.kernels.decode.layout import (Geometry, launch, load_group_queries, load_rows,
-                                            load_scalar, make_geometry)
+                                            load_scalar, make_geometry, store_row)
 from pisa_jax.kernels.decode.scoring import LOG2E, dot_t
 
 
-def _attend_kernel(pos_ref, q_ref, k_ref, v_ref, idx_ref, o_ref, m_ref, l_ref, *,
-                   geo: Geometry, blocks: int, splits: int):
-  """Program (batch row x KV head, split): the online softmax (Eq. 6) of the group's heads over
-  selected slots split * blocks .. split * blocks + blocks - 1; writes the unnormalised output
-  `[Gp, Dp]`, the running max m and sum l `[Gp]` (base 2) for `_merge_splits`."""
-  c, top_k = geo.block_size, geo.top_k
-  i_bh, i_s = pl.program_id(0), pl.program_id(1)
-  i_b, i_h = i_bh // geo.hkv, i_bh % geo.hkv
-  t = jnp.clip(load_scalar(pos_ref, i_b), 0, geo.capacity - 1)
+def attend(block_at, qg, k_ref, v_ref, i_b, i_h, t, first_slot, *, geo: Geometry, blocks: int):
+  """The online softmax (Eq. 6) of the group's heads `qg` over the selected slots first_slot ..
+  first_slot + blocks - 1 of row i_b's token at position t; `block_at(slot)` gives the slot's
+  block and whether it selects one. Returns the running max m and sum l `[Gp]` (base 2) and the
+  unnormalised output `[Gp, Dp]`, float32."""
+  c = geo.block_size
   cur = t // c
-  qg, _ = load_group_queries(q_ref, i_b, i_h, geo)
   o_key = jnp.arange(geo.cp)
   qk_scale = geo.scale * LOG2E
 
   def body(j, carry):
     m, l, acc = carry
-    slot = i_s * blocks + j
-    blk = load_scalar(idx_ref, i_bh * top_k + jnp.minimum(slot, top_k - 1))
-    # -1 padding, blocks after the current one and slots past top_k select nothing.
-    ok = (slot < top_k) & (blk >= 0) & (blk <= cur)
+    blk, ok = block_at(first_slot + j)
+    # Blocks after the current one and slots that select nothing contribute no key.
+    ok = ok & (blk >= 0) & (blk <= cur)
     key_pos = jnp.clip(blk, 0, cur) * c + o_key
     visible = ok & (o_key < c) & (key_pos <= t)
     rows = (i_b * geo.capacity + jnp.minimum(key_pos, geo.capacity - 1)) * geo.hkv + i_h
@@ -58,23 +54,78 @@ def _attend_kernel(pos_ref, q_ref, k_ref, v_ref, idx_ref, o_ref, m_ref, l_ref, *
 
   init = (jnp.full((geo.gp,), -jnp.inf, jnp.float32), jnp.zeros((geo.gp,), jnp.float32),
           jnp.zeros((geo.gp, geo.dp), jnp.float32))
-  m, l, acc = lax.fori_loop(0, blocks, body, init)
-  row = i_bh * splits + i_s
+  return lax.fori_loop(0, blocks, body, init)
+
+
+def _attend_kernel(pos_ref, q_ref, k_ref, v_ref, idx_ref, o_ref, m_ref, l_ref, *,
+                   geo: Geometry, blocks: int, splits: int):
+  """Program (batch row x KV head, split): `attend` over the split's share of the indices
+  `[B * HKV * K]`; writes the partials (o, m, l) for `merge_splits`."""
+  i_bh, i_s = pl.program_id(0), pl.program_id(1)
+  i_b, i_h = i_bh // geo.hkv, i_bh % geo.hkv
+  qg, _ = load_group_queries(q_ref, i_b, i_h, geo)
+
+  def block_at(slot):
+    blk = load_scalar(idx_ref, i_bh * geo.top_k + jnp.minimum(slot, geo.top_k - 1))
+    return blk, slot < geo.top_k  # -1 padding selects nothing too (`attend`)
+
+  t = jnp.clip(load_scalar(pos_ref, i_b), 0, geo.capacity - 1)
+  m, l, acc = attend(block_at, qg, k_ref, v_ref, i_b, i_h, t, i_s * blocks, geo=geo,
+                     blocks=blocks)
+  store_partials(o_ref, m_ref, l_ref, i_bh * splits + i_s, m, l, acc)
+
+
+def store_partials(o_ref, m_ref, l_ref, row, m, l, acc):
   o_ref[row] = acc
   m_ref[row] = m
   l_ref[row] = l
 
 
-def _merge_splits(o, m, l):
-  """Log-sum-exp merge of the splits: o `[R, S, Gp, Dp]`, m, l `[R, S, Gp]` (base 2) ->
-  `[R, Gp, Dp]`. A row that saw no key gets zeros."""
-  m_all = jnp.max(m, axis=1, keepdims=True)
+def split_plan(geo: Geometry, config: DecodeConfig) -> tuple[int, int]:
+  """(selected blocks per attention program, programs per (row, KV head))."""
+  blocks = min(config.attend_blocks or default_attend_blocks(geo.batch, geo.hkv, geo.top_k),
+               next_pow2(geo.top_k))
+  return blocks, -(-geo.top_k // blocks)
+
+
+def partial_shapes(geo: Geometry, splits: int) -> list[jax.ShapeDtypeStruct]:
+  """The attention programs' outputs: o `[R, Gp, Dp]`, m and l `[R, Gp]`, R = B * HKV * splits."""
+  rows = geo.batch * geo.hkv * splits
+  return [jax.ShapeDtypeStruct((rows, geo.gp, geo.dp), jnp.float32),
+          jax.ShapeDtypeStruct((rows, geo.gp), jnp.float32),
+          jax.ShapeDtypeStruct((rows, geo.gp), jnp.float32)]
+
+
+def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, geo: Geometry, splits: int):
+  """Program (batch row x KV head, query head of the group): the log-sum-exp merge (base 2) of
+  the head's partials from the `splits` programs into its output row `[D]`."""
+  i_bh, i_g = pl.program_id(0), pl.program_id(1)
+  sp = max(2, next_pow2(splits))
+  o_split = jnp.arange(sp)
+  m_split = o_split < splits
+  rows = (i_bh * splits + jnp.minimum(o_split, splits - 1)) * geo.gp + i_g
+  m = plt.load(m_ref.at[rows], mask=m_split, other=-jnp.inf)
+  l = plt.load(l_ref.at[rows], mask=m_split, other=0.0)
+  o = load_rows(o_ref, rows, m_split, geo.dp, geo.dp)  # [Sp, Dp]
+  m_all = jnp.max(m)
   m_all = jnp.where(m_all == -jnp.inf, 0.0, m_all)
   w = jnp.where(m == -jnp.inf, 0.0, jnp.exp2(m - m_all))
-  total = jnp.sum(w * l, axis=1)
-  out = jnp.sum(w[..., None] * o, axis=1)
-  # != 0 rather than > 0: a NaN total (a NaN key it saw) must reach the output, not zero it.
-  return jnp.where(total[..., None] != 0, out / jnp.where(total != 0, total, 1.0)[..., None], 0.0)
+  total = jnp.sum(w * l)
+  out = jnp.sum(w[:, None] * o, axis=0)
+  # != 0 rather than > 0: a NaN total (a NaN key seen, a row past capacity) reaches the output.
+  out = jnp.where(total != 0, out / jnp.where(total != 0, total, 1.0), 0.0)
+  store_row(out_ref, i_bh * geo.group + i_g, out.astype(out_ref.dtype), True, geo.d, geo.dp)
+
+
+def merge_splits(o, m, l, geo: Geometry, splits: int, dtype, *, interpret: bool):
+  """The partials of `partial_shapes` merged into the output `[B, HQ, D]` in `dtype`, one
+  program per query head: a row that saw no key gets zeros, a NaN sum gives NaN. (XLA fused the
+  same merge into three or four kernels of a microsecond or two each, H200.)"""
+  out = launch(functools.partial(_merge_kernel, geo=geo, splits=splits),
+               jax.ShapeDtypeStruct((geo.batch * geo.hq, geo.d), dtype),
+               (geo.batch * geo.hkv, geo.group), warps=4, stages=1, interpret=interpret,
+               name="pisa_decode_merge")(o.reshape(-1, geo.dp), m.reshape(-1), l.reshape(-1))
+  return out.reshape(geo.batch, geo.hq, geo.d)
 
 
 def decode_attention_pallas(
@@ -91,23 +142,16 @@ def decode_attention_pallas(
 ) -> Float[Array, "B HQ D"]:
   """Kernel twin of `decode_attention_reference`: Eq. 6 for the token at `positions` over the
   keys j <= t of its selected blocks, split-K over programs. Returns `[B, HQ, D]` in q's dtype."""
-  b, hq, d = q.shape
-  hkv, top_k = k_cache.shape[2], block_indices.shape[-1]
+  d, top_k = q.shape[-1], block_indices.shape[-1]
   # The walk's fields (branching, beam, selector) are unused by the attention kernel.
   geo = make_geometry(q, k_cache, block_size=block_size, branching=2, top_k=top_k, beam=top_k,
                       selector="pisa", scale=scale)
   config = config or DecodeConfig.default(head_dim=d)
-  blocks = min(config.attend_blocks or default_attend_blocks(b, hkv, top_k), next_pow2(top_k))
-  splits = -(-top_k // blocks)
-  rows = b * hkv * splits
+  blocks, splits = split_plan(geo, config)
   call = launch(functools.partial(_attend_kernel, geo=geo, blocks=blocks, splits=splits),
-                [jax.ShapeDtypeStruct((rows, geo.gp, geo.dp), jnp.float32),
-                 jax.ShapeDtypeStruct((rows, geo.gp), jnp.float32),
-                 jax.ShapeDtypeStruct((rows, geo.gp), jnp.float32)],
-                (b * hkv, splits), warps=config.attend_warps, stages=config.num_stages,
-                interpret=interpret, name="pisa_decode_attention")
+                partial_shapes(geo, splits), (geo.batch * geo.hkv, splits),
+                warps=config.attend_warps, stages=config.num_stages, interpret=interpret,
+                name="pisa_decode_attention")
   o, m, l = call(positions.astype(jnp.int32), q.reshape(-1, d), k_cache.reshape(-1, d),
                  v_cache.reshape(-1, d), block_indices.astype(jnp.int32).reshape(-1))
-  out = _merge_splits(o.reshape(b * hkv, splits, geo.gp, geo.dp),
-                      m.reshape(b * hkv, splits, geo.gp), l.reshape(b * hkv, splits, geo.gp))
-  return out[:, :geo.group, :d].reshape(b, hq, d).astype(q.dtype)
+  return merge_splits(o, m, l, geo, splits, q.dtype, interpret=interpret)

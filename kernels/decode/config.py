@@ -15,8 +15,10 @@ class DecodeConfig:
   """Launch parameters of the decode kernels.
 
   Attributes:
-    select_warps: warps of each selection program (the walk's values are `[16, NC]`, its
-      candidates' all-pairs rank compare `[NC, NC]`; a leaf program's dot `[16, Cp]`).
+    select_warps: warps of a leaf-score and a Select_K program (a leaf program's dot is
+      `[16, Cp]`, Select_K's all-pairs rank compare `[NC, NC]`).
+    walk_warps: warps of the walk's launch (its values are `[16, NC]`, its candidates' rank
+      compare `[NC, NC]` at every level; the append shares the launch); 0 takes select_warps.
     bsa_block_tile: leaf summaries per step of the BSA kernel's loops (a power of two >= 16).
     bsa_warps: warps of the BSA program (its dots are `[16, D] x [D, bsa_block_tile]`).
     attend_blocks: selected blocks per attention program (a power of two); 0 picks
@@ -27,6 +29,7 @@ class DecodeConfig:
   """
 
   select_warps: int = 1
+  walk_warps: int = 0
   bsa_block_tile: int = 64
   bsa_warps: int = 4
   attend_blocks: int = 0

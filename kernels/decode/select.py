@@ -54,15 +54,19 @@ def _expand(cand, kept, rank, branching: int, width: int):
                  axis=1)
 
 
-def _sorted_ids(cand, kept, width: int):
-  """The kept ids ascending, -1 padded, `[width]`: a kept id's slot is its rank by id."""
-  pos = jnp.sum((kept[:, None] & (cand[:, None] < cand[None, :])).astype(jnp.int32), axis=0)
+def kept_order(cand, kept):
+  """Each kept candidate's rank by id among the kept ones `[N]` (its slot in the ascending list)."""
+  return jnp.sum((kept[:, None] & (cand[:, None] < cand[None, :])).astype(jnp.int32), axis=0)
+
+
+def kept_ids(cand, kept, order, width: int):
+  """The kept ids ascending, -1 padded, `[width]` (`order` from `kept_order`)."""
   slot = jnp.arange(width)
-  hit = kept[None, :] & (pos[None, :] == slot[:, None])
+  hit = kept[None, :] & (order[None, :] == slot[:, None])
   return jnp.max(jnp.where(hit, cand[None, :], -1), axis=1)
 
 
-def _current_leaf(pos_ref, i_b, geo: Geometry):
+def current_leaf(pos_ref, i_b, geo: Geometry):
   """The leaf of row i_b's token (its position clamped into the capacity)."""
   return jnp.clip(load_scalar(pos_ref, i_b), 0, geo.capacity - 1) // geo.block_size
 
@@ -71,7 +75,7 @@ def _row(pos_ref, q_ref, i_bh, geo: Geometry):
   """The program's batch row, KV head, current leaf and the group's queries `[Gp, Dp]`."""
   i_b, i_h = i_bh // geo.hkv, i_bh % geo.hkv
   qg, m_head = load_group_queries(q_ref, i_b, i_h, geo)
-  return i_b, i_h, _current_leaf(pos_ref, i_b, geo), qg, m_head
+  return i_b, i_h, current_leaf(pos_ref, i_b, geo), qg, m_head
 
 
 def _walk(qg, m_head, s_ref, tab_ref, i_b, i_h, cur, geo: Geometry):
@@ -145,10 +149,12 @@ def _leaf_score(qg, m_head, leaf_keys, geo: Geometry):
   return jnp.sum(jnp.where(m_head, per_head, 0.0))
 
 
-def _final(cand, valid, forced, need, scores, geo: Geometry):
-  """Select_K of the leaves, their ids ascending, -1 padded, `[1, KP]`."""
+def leaf_select(cand, cur, scores, geo: Geometry):
+  """Select_K of the leaf candidates `[NC]` of a row whose current leaf is `cur`, from their
+  scores `[NC]` (`_leaf_kernel`'s): (kept mask, each kept leaf's slot in ascending id order)."""
+  valid, forced, need = _leaf_slots(cand, cur, geo)
   kept, _ = _select_k(cand, valid, forced, jnp.where(need, scores, 0.0), geo.top_k)
-  return _sorted_ids(cand, kept, geo.kp)[None, :]
+  return kept, kept_order(cand, kept)
 
 
 # The selection is three launches, so that at small B the leaves' key loads (up to NC - 3 leaves
@@ -158,20 +164,33 @@ def _final(cand, valid, forced, need, scores, geo: Geometry):
 
 def _walk_kernel(pos_ref, q_ref, s_ref, tab_ref, cand_ref, *, geo: Geometry):
   """Launch 1, per (row, KV head): the walk; writes the leaf candidates `[NC]`."""
-  i_bh = pl.program_id(0)
+  _walk_program(pl.program_id(0), pos_ref, q_ref, s_ref, tab_ref, cand_ref, geo)
+
+
+def _walk_program(i_bh, pos_ref, q_ref, s_ref, tab_ref, cand_ref, geo: Geometry):
   i_b, i_h, cur, qg, m_head = _row(pos_ref, q_ref, i_bh, geo)
   cand_ref[pl.ds(i_bh, 1), :] = _walk(qg, m_head, s_ref, tab_ref, i_b, i_h, cur, geo)[None, :]
 
 
 def _append_walk_kernel(pos_ref, kn_ref, vn_ref, q_ref, k_ref, v_ref, s_ref, tab_ref, ko_ref,
                         vo_ref, so_ref, cand_ref, *, geo: Geometry, append: dict):
-  """Launch 1 of a whole step, per (row, KV head): the append, then the walk, in one program.
-  The walk need not see the append's writes: they are the current leaf and its ancestors, all
-  forced at every level (their scores are never used), and a non-forced candidate's children
-  are not ancestors of the current leaf. Only this program writes its (row, KV head)'s rows."""
-  append_token(pl.program_id(0), pos_ref, kn_ref, vn_ref, k_ref, v_ref, s_ref, ko_ref, vo_ref,
-               so_ref, **append)
-  _walk_kernel(pos_ref, q_ref, s_ref, tab_ref, cand_ref, geo=geo)
+  """Launch 1 of a whole step, program (row x KV head, role): role 0 the append, role 1 the walk,
+  side by side on two SMs (the append's O(log N) chain of loads ran before the walk in one
+  program). The walk need not see the append's writes: they are the current leaf and its
+  ancestors, all forced at every level (their scores, whatever a racing read gives, are never
+  used), and a non-forced candidate's children are not ancestors of the current leaf. Only the
+  append program writes its (row, KV head)'s cache rows."""
+  # Program ids are read outside the branches (interpret mode lowers none inside a `when`).
+  i_bh, role = pl.program_id(0), pl.program_id(1)
+
+  @pl.when(role == 0)
+  def _():
+    append_token(i_bh, pos_ref, kn_ref, vn_ref, k_ref, v_ref, s_ref, ko_ref, vo_ref, so_ref,
+                 **append)
+
+  @pl.when(role == 1)
+  def _():
+    _walk_program(i_bh, pos_ref, q_ref, s_ref, tab_ref, cand_ref, geo)
 
 
 def _leaf_kernel(pos_ref, q_ref, k_ref, cand_ref, score_ref, *, geo: Geometry):
@@ -194,26 +213,33 @@ def _final_kernel(pos_ref, cand_ref, score_ref, out_ref, *, geo: Geometry):
   i_bh = pl.program_id(0)
   cand = cand_ref[pl.ds(i_bh, 1), :].reshape(geo.nc)
   scores = score_ref[pl.ds(i_bh, 1), :].reshape(geo.nc)
-  valid, forced, need = _leaf_slots(cand, _current_leaf(pos_ref, i_bh // geo.hkv, geo), geo)
-  out_ref[pl.ds(i_bh, 1), :] = _final(cand, valid, forced, need, scores, geo)
+  kept, order = leaf_select(cand, current_leaf(pos_ref, i_bh // geo.hkv, geo), scores, geo)
+  out_ref[pl.ds(i_bh, 1), :] = kept_ids(cand, kept, order, geo.kp)[None, :]
 
 
-def _launch_opts(config: DecodeConfig, interpret: bool) -> dict:
-  return dict(warps=config.select_warps, stages=config.num_stages, interpret=interpret)
+def _launch_opts(config: DecodeConfig, interpret: bool, *, walk: bool = False) -> dict:
+  warps = (config.walk_warps or config.select_warps) if walk else config.select_warps
+  return dict(warps=warps, stages=config.num_stages, interpret=interpret)
 
 
-def _scored_leaves(positions, q, k, cand, geo: Geometry, config: DecodeConfig,
+def leaf_scores(positions, q_rows, k_rows, cand, geo: Geometry, config: DecodeConfig,
+                interpret: bool):
+  """Launch 2 after the walk's candidates `[B * HKV, NC]`: their scores `[B * HKV, NC]`."""
+  rows = geo.batch * geo.hkv
+  return launch(functools.partial(_leaf_kernel, geo=geo),
+                jax.ShapeDtypeStruct((rows, geo.nc), jnp.float32), (rows, geo.nc),
+                name=f"pisa_decode_select_{geo.selector}_leaves",
+                **_launch_opts(config, interpret))(positions, q_rows, k_rows, cand)
+
+
+def _scored_leaves(positions, q_rows, k_rows, cand, geo: Geometry, config: DecodeConfig,
                    interpret: bool):
   """Launches 2 and 3 after the walk's candidates `[B * HKV, NC]`: the leaf ids `[B * HKV, KP]`."""
-  rows = geo.batch * geo.hkv
-  opts = _launch_opts(config, interpret)
-  name = f"pisa_decode_select_{geo.selector}"
-  scores = launch(functools.partial(_leaf_kernel, geo=geo),
-                  jax.ShapeDtypeStruct((rows, geo.nc), jnp.float32), (rows, geo.nc),
-                  name=name + "_leaves", **opts)(positions, q, k, cand)
+  scores = leaf_scores(positions, q_rows, k_rows, cand, geo, config, interpret)
   return launch(functools.partial(_final_kernel, geo=geo),
-                jax.ShapeDtypeStruct((rows, geo.kp), jnp.int32), (rows,), name=name + "_final",
-                **opts)(positions, cand, scores)
+                jax.ShapeDtypeStruct((geo.batch * geo.hkv, geo.kp), jnp.int32),
+                (geo.batch * geo.hkv,), name=f"pisa_decode_select_{geo.selector}_final",
+                **_launch_opts(config, interpret))(positions, cand, scores)
 
 
 def _level_table(geo: Geometry, branching: int):
@@ -224,7 +250,7 @@ def _level_table(geo: Geometry, branching: int):
                      "the decode level table")
 
 
-def _prepare(q, k_cache, *, block_size, branching, top_k, beam, selector, scale, config):
+def prepare(q, k_cache, *, block_size, branching, top_k, beam, selector, scale, config):
   """The static geometry and the config of a selection (the selector checked)."""
   if selector not in SELECTORS:
     raise ValueError(f"{selector=} has no decode kernel: expected one of {SELECTORS}")
@@ -250,7 +276,7 @@ def decode_select_pallas(
 ) -> Int[Array, "B HKV K"]:
   """Kernel twin of `decode_select_reference`: the leaf blocks of the token at `positions`
   (already appended), int32 `[B, HKV, top_k]`, ascending, -1 padded."""
-  geo, config = _prepare(q, k_cache, block_size=block_size, branching=branching, top_k=top_k,
+  geo, config = prepare(q, k_cache, block_size=block_size, branching=branching, top_k=top_k,
                          beam=beam, selector=selector, scale=scale, config=config)
   b, _, d = q.shape
   hkv = k_cache.shape[2]
@@ -262,7 +288,7 @@ def decode_select_pallas(
     cand = launch(functools.partial(_walk_kernel, geo=geo),
                   jax.ShapeDtypeStruct((b * hkv, geo.nc), jnp.int32), (b * hkv,),
                   name=f"pisa_decode_select_{selector}_walk",
-                  **_launch_opts(config, interpret))(
+                  **_launch_opts(config, interpret, walk=True))(
                       positions, rows[0], rows[2], _level_table(geo, branching))
     out = _scored_leaves(positions, rows[0], rows[1], cand, geo, config, interpret)
   return out[:, :top_k].reshape(b, hkv, top_k)
@@ -302,23 +328,30 @@ def decode_append_select_pallas(
                                branching=branching, top_k=top_k, beam=beam, selector=selector,
                                scale=scale, interpret=interpret, config=config)
     return k_cache, v_cache, summaries, idx
-  geo, config = _prepare(q, k_cache, block_size=block_size, branching=branching, top_k=top_k,
-                         beam=beam, selector=selector, scale=scale, config=config)
-  b, _, d = q.shape
-  hkv = k_cache.shape[2]
+  geo, config = prepare(q, k_cache, block_size=block_size, branching=branching, top_k=top_k,
+                        beam=beam, selector=selector, scale=scale, config=config)
   positions = positions.astype(jnp.int32)
-  q_rows = q.reshape(-1, d)
-  caches = (k_cache.reshape(-1, d), v_cache.reshape(-1, d), summaries.reshape(-1, d))
-  kernel = functools.partial(_append_walk_kernel, geo=geo,
-                             append=append_geometry(k_cache, block_size, branching))
-  shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in caches]
-  k_rows, v_rows, s_rows, cand = launch(
-      kernel, shapes + [jax.ShapeDtypeStruct((b * hkv, geo.nc), jnp.int32)], (b * hkv,),
-      name=f"pisa_decode_select_{selector}_append_walk", aliases={4: 0, 5: 1, 6: 2},
-      **_launch_opts(config, interpret))(
-          positions, k_new.astype(k_cache.dtype).reshape(-1, d),
-          v_new.astype(v_cache.dtype).reshape(-1, d), q_rows, *caches,
-          _level_table(geo, branching))
+  q_rows = q.reshape(-1, q.shape[-1])
+  k_rows, v_rows, s_rows, cand = append_walk(q_rows, k_new, v_new, k_cache, v_cache, summaries,
+                                             positions, geo, config, interpret)
   out = _scored_leaves(positions, q_rows, k_rows, cand, geo, config, interpret)
   return (k_rows.reshape(k_cache.shape), v_rows.reshape(v_cache.shape),
-          s_rows.reshape(summaries.shape), out[:, :top_k].reshape(b, hkv, top_k))
+          s_rows.reshape(summaries.shape), out[:, :top_k].reshape(geo.batch, geo.hkv, top_k))
+
+
+def append_walk(q_rows, k_new, v_new, k_cache, v_cache, summaries, positions, geo: Geometry,
+                config: DecodeConfig, interpret: bool):
+  """Launch 1 of a step: the append and the walk. Returns the caches as rows `[*, D]` (in place
+  when donated) and the leaf candidates `[B * HKV, NC]`."""
+  d = geo.d
+  caches = (k_cache.reshape(-1, d), v_cache.reshape(-1, d), summaries.reshape(-1, d))
+  kernel = functools.partial(_append_walk_kernel, geo=geo,
+                             append=append_geometry(k_cache, geo.block_size, geo.branching))
+  shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in caches]
+  return launch(
+      kernel, shapes + [jax.ShapeDtypeStruct((geo.batch * geo.hkv, geo.nc), jnp.int32)],
+      (geo.batch * geo.hkv, 2), name=f"pisa_decode_select_{geo.selector}_append_walk",
+      aliases={4: 0, 5: 1, 6: 2}, **_launch_opts(config, interpret, walk=True))(
+          positions, k_new.astype(k_cache.dtype).reshape(-1, d),
+          v_new.astype(v_cache.dtype).reshape(-1, d), q_rows, *caches,
+          _level_table(geo, geo.branching))
