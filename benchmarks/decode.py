@@ -240,7 +240,8 @@ def time_stages(n, b, hq, hkv, d, top_k, implementation, select_warps=()) -> dic
   # The kernels' own default, the warps changed per variant.
   default = DecodeConfig.default(head_dim=d)
   widths = [(f"select_w{w}",
-             functools.partial(one_select, config=dataclasses.replace(default, select_warps=w)),
+             functools.partial(one_select, config=dataclasses.replace(default, select_warps=w,
+                                                                    walk_warps=w)),
              idx, (cache.k, cache.summaries)) for w in select_warps]
   for name, body, state, arrays in [
       ("select", one_select, idx, (cache.k, cache.summaries)), *widths,

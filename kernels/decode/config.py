@@ -46,12 +46,15 @@ class DecodeConfig:
       raise ValueError(f"bsa_block_tile={self.bsa_block_tile} must be >= {MIN_DOT} (dot size)")
 
   @classmethod
-  def default(cls, *, head_dim: int) -> "DecodeConfig":
-    """Heuristic, from sweeps of the selection stage inside a jitted decode loop on the H200
-    (32/2 heads, in-loop ms): 4 warps (2026-12-02, d128 K32, NC = 64, 1M B=1, one program per
-    row and KV head: 1 / 2 / 4 / 8 warps 0.225 / 0.145 / 0.116 / 0.126; d64 K8 32K 0.035 /
-    0.031 / 0.029 / 0.034); two warps per attention program at d >= 128."""
-    return cls(select_warps=4, attend_warps=2 if head_dim >= 128 else 1)
+  def default(cls, *, head_dim: int, candidate_slots: int = 0) -> "DecodeConfig":
+    """Heuristic, from sweeps inside a jitted decode loop on the H200 (32/2 heads, in-loop ms):
+    4 warps for the selection (2026-12-02, d128 K32, NC = 64, 1M B=1, one program per row and
+    KV head: 1 / 2 / 4 / 8 warps 0.225 / 0.145 / 0.116 / 0.126; d64 K8 32K 0.035 / 0.031 /
+    0.029 / 0.034); the walk's launch on 8 warps from 64 candidate slots (2026-12-03, d128
+    K32, whole step in-loop us, 4 / 8 walk warps: 1M B=1 56.0 / 52.8, B=16 81.7 / 77.4; 32K
+    B=1 31.8 / 31.3, B=16 53.4 / 54.6); two warps per attention program at d >= 128."""
+    return cls(select_warps=4, walk_warps=8 if candidate_slots >= 64 else 4,
+               attend_warps=2 if head_dim >= 128 else 1)
 
 
 def default_attend_blocks(batch: int, num_kv_heads: int, top_k: int, *,

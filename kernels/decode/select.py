@@ -256,7 +256,7 @@ def prepare(q, k_cache, *, block_size, branching, top_k, beam, selector, scale, 
     raise ValueError(f"{selector=} has no decode kernel: expected one of {SELECTORS}")
   geo = make_geometry(q, k_cache, block_size=block_size, branching=branching, top_k=top_k,
                       beam=beam if selector != "bsa" else top_k, selector=selector, scale=scale)
-  return geo, config or DecodeConfig.default(head_dim=q.shape[-1])
+  return geo, config or DecodeConfig.default(head_dim=q.shape[-1], candidate_slots=geo.nc)
 
 
 def decode_select_pallas(
