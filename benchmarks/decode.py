@@ -31,10 +31,11 @@ of our step at 32K (O(log N) work plus the K C keys attended).
 
 The second part times generation end to end (`pisa_jax.generate`, greedy) with the `small`
 preset's decoder, its attention pisa against dense, randomly initialised: prefill of a prompt
-of each --gen-prompt length (32K and 128K tokens), then --gen-tokens new tokens, twice:
+of each --gen-prompt length (32K and 128K tokens), then --gen-tokens new tokens, twice, with
+--gen-steps-per-call tokens a jitted call (generate's `steps_per_call`: a loop on the device):
 first_token_s is the first call's time to its first token (compilation included), prefill_s the
 second call's; tokens/s and ms_per_step count the second call's new tokens after the first;
-device_ms_per_step and launches_per_step, from a profile of 64 more steps, are the GPU kernels'
+device_ms_per_step and launches_per_step, from a profile of 4 more calls, are the GPU kernels'
 share of a step (the rest is the host's: dispatch and kernel launches).
 
   python -m benchmarks.decode                              # the default cases, benchmarks/results/
@@ -300,10 +301,11 @@ def time_dense(n, b, hq, hkv, d, steps_room: int):
   return None, None, errors
 
 
-def generation_times(model, prompt, new_tokens: int) -> tuple[float, int, float]:
+def generation_times(model, prompt, new_tokens: int, steps_per_call: int):
   """(seconds to the first token, tokens after it, seconds for them) of one generation."""
   t0 = time.perf_counter()
-  stream = pisa_jax.generate_stream(model, prompt, max_new_tokens=new_tokens)
+  stream = pisa_jax.generate_stream(model, prompt, max_new_tokens=new_tokens,
+                                    steps_per_call=steps_per_call)
   next(stream)  # the prefill and the first token
   first = time.perf_counter() - t0
   t0 = time.perf_counter()
@@ -311,15 +313,17 @@ def generation_times(model, prompt, new_tokens: int) -> tuple[float, int, float]
   return first, count, time.perf_counter() - t0
 
 
-def generation_device_time(model, prompt, new_tokens: int = 64) -> dict:
-  """Per generated token, from a profile of `new_tokens` warm steps: the GPU kernels' total ms
-  and their count (each a launch the host issues). Empty on a CPU backend."""
-  stream = pisa_jax.generate_stream(model, prompt, max_new_tokens=new_tokens + 1)
-  next(stream)  # the first token; step 1 is dispatched
-  # One kernel queued behind step 1 on the same stream: once it is done, so is step 1, and the
-  # profile holds exactly steps 2 .. new_tokens.
+def generation_device_time(model, prompt, steps_per_call: int, calls: int = 4) -> dict:
+  """Per generated token, from a profile of `calls` warm calls of steps_per_call steps each:
+  the GPU kernels' total ms and their count. Empty on a CPU backend."""
+  stream = pisa_jax.generate_stream(model, prompt,
+                                    max_new_tokens=1 + (calls + 1) * steps_per_call,
+                                    steps_per_call=steps_per_call)
+  next(stream)  # the first token; the first call is dispatched
+  # One kernel queued behind the first call on the same stream: once it is done, so is the
+  # call, and the profile holds exactly the next `calls` calls.
   (jnp.arange(2) + 1).block_until_ready()
-  steps = new_tokens - 1
+  steps = calls * steps_per_call
   events = timing.gpu_kernel_events(lambda: sum(1 for _ in stream))
   if not events:
     return {}
@@ -339,12 +343,14 @@ def generation_rows(args, rec: _record.Recorder) -> None:
     prompt = np.random.default_rng(0).integers(0, config.vocab_size,
                                                (args.gen_batch, prompt_len), dtype=np.int32)
     base = dict(part="generation", preset=args.gen_preset, attention=attention,
-                batch=args.gen_batch, prompt=prompt_len, new_tokens=args.gen_tokens)
+                batch=args.gen_batch, prompt=prompt_len, new_tokens=args.gen_tokens,
+                steps_per_call=args.gen_steps_per_call)
     try:
       # The first call compiles the prefill and the step; the second reuses both.
-      (first, _, _), (prefill, count, rest) = (generation_times(model, prompt, args.gen_tokens)
-                                               for _ in range(2))
-      device = generation_device_time(model, prompt)
+      (first, _, _), (prefill, count, rest) = (
+          generation_times(model, prompt, args.gen_tokens, args.gen_steps_per_call)
+          for _ in range(2))
+      device = generation_device_time(model, prompt, args.gen_steps_per_call)
     except Exception as e:
       rec.add(**base, error=f"{type(e).__name__}: {str(e)[:300]}")
       continue
@@ -466,7 +472,8 @@ def settings(args) -> dict:
               implementation=args.implementation, generation=args.generation,
               gen_preset=args.gen_preset, gen_batch=args.gen_batch,
               gen_prompt=list(args.gen_prompt),
-              gen_tokens=args.gen_tokens, select_warps=list(args.select_warps),
+              gen_tokens=args.gen_tokens, gen_steps_per_call=args.gen_steps_per_call,
+              select_warps=list(args.select_warps),
               timing="median of 7 batches of back-to-back steps, the cache threaded and donated",
               loop_steps=LOOP)
 
@@ -489,6 +496,8 @@ def main(argv=None) -> dict:
   p.add_argument("--gen-prompt", type=parse_ints, default=GEN_PROMPTS,
                  help="prompt lengths, comma-separated")
   p.add_argument("--gen-tokens", type=int, default=256)
+  p.add_argument("--gen-steps-per-call", type=int, default=16,
+                 help="generate's steps_per_call (tokens a jitted call generates)")
   args = p.parse_args(argv)
   args.heads = args.heads or list(HEADS)
   if args.select_warps and args.implementation != "pallas":

@@ -22,7 +22,7 @@ from flax import nnx
 
 import pisa_jax
 from pisa_jax.configs import apply_overrides, get_config, validate
-from pisa_jax.generate import PAD, DecodeModel, _sample, _step
+from pisa_jax.generate import PAD, DecodeModel, _sample, _steps
 from pisa_jax.models.config import ModelConfig
 from pisa_jax.models.decoder import Decoder
 
@@ -73,11 +73,12 @@ def _full_forward_per_step(model, prompts, generated: np.ndarray) -> np.ndarray:
                          ids=lambda value: value)
 def test_greedy_generation_is_the_full_forward_argmax(attention, implementation):
   model = _model(attention, implementation)
-  compiled = _step._cache_size()
+  compiled = _steps._cache_size()
   out = pisa_jax.generate(model, PROMPTS, max_new_tokens=NEW_TOKENS,
-                          initial_capacity=INITIAL_CAPACITY, return_logits=True)
-  # One compile of the step per capacity bucket (32, then 64), none per token.
-  assert _step._cache_size() - compiled == 2
+                          initial_capacity=INITIAL_CAPACITY, return_logits=True,
+                          steps_per_call=4)
+  # One compile of the steps per capacity bucket (32, then 64), none per call or token.
+  assert _steps._cache_size() - compiled == 2
   assert out.tokens.shape == (3, NEW_TOKENS) and out.lengths.tolist() == [NEW_TOKENS] * 3
   # The reference runs the jnp implementation on the same parameters.
   full = _full_forward_per_step(_model(attention, "xla"), PROMPTS, out.tokens)
@@ -120,6 +121,30 @@ def test_stop_tokens_end_their_rows_and_the_others_go_on(dense_greedy):
                           initial_capacity=INITIAL_CAPACITY, stop_tokens=first)
   assert out.tokens.shape == (3, 1) and out.stopped.all()
   np.testing.assert_array_equal(out.tokens[:, 0], free.tokens[:, 0])
+
+
+@pytest.mark.parametrize("attention", ["dense", "pisa"])
+def test_any_steps_per_call_generates_the_same_tokens_and_logits(attention, dense_greedy):
+  # Calls of 1, 3 and 16 steps (a loop on the device that ends when every row has stopped): the
+  # same tokens, logits and stops, whether the stop falls inside a call or at its end.
+  model = _model(attention)
+  free = dense_greedy if attention == "dense" else pisa_jax.generate(
+      model, PROMPTS, max_new_tokens=NEW_TOKENS, initial_capacity=INITIAL_CAPACITY)
+  stop = (int(free.tokens[1, 4]),)
+  runs = [pisa_jax.generate(model, PROMPTS, max_new_tokens=NEW_TOKENS, stop_tokens=stop,
+                            initial_capacity=INITIAL_CAPACITY, return_logits=True,
+                            steps_per_call=n) for n in (1, 3, 16)]
+  for run in runs[1:]:
+    np.testing.assert_array_equal(run.tokens, runs[0].tokens)
+    np.testing.assert_array_equal(run.stopped, runs[0].stopped)
+    live = runs[0].tokens != PAD
+    np.testing.assert_allclose(run.logits[live], runs[0].logits[live], rtol=1e-6, atol=1e-6)
+  assert runs[0].lengths[1] == 5 and runs[0].stopped[1]
+  # Every row stops inside the first call: the stream ends there.
+  first = tuple(sorted({int(t) for t in free.tokens[:, 1]} | {int(t) for t in free.tokens[:, 0]}))
+  out = pisa_jax.generate(model, PROMPTS, max_new_tokens=NEW_TOKENS, stop_tokens=first,
+                          initial_capacity=INITIAL_CAPACITY, steps_per_call=16)
+  assert out.tokens.shape[1] <= 2 and out.stopped.all()
 
 
 def test_an_array_of_prompts_with_lengths_generates_as_the_list(dense_greedy):
@@ -186,6 +211,7 @@ def test_nucleus_sampling_draws_from_the_renormalised_head_of_the_distribution()
     ([[1]], {"stop_tokens": (64,)}, "stop_tokens"),
     ([[1]], {"seed": 1.0}, "seed=1.0"),
     ([[1]], {"initial_capacity": 0}, "initial_capacity=0"),
+    ([[1]], {"steps_per_call": 0}, "steps_per_call=0 must be an int >= 1"),
 ])
 def test_bad_arguments_name_themselves(prompts, kw, pattern):
   kw = {"max_new_tokens": 4, **kw}
@@ -273,6 +299,7 @@ def test_cli_mistakes_are_one_line_naming_the_argument(tiny_run, tmp_path, capsy
   fails(run + ["--prompt", "1", "--temperature", "-1"], "argument --temperature")
   fails(run + ["--prompt", "1", "--top-p", "0"], "argument --top-p")
   fails(run + ["--prompt", "1", "--max-new-tokens", "0"], "argument --max-new-tokens")
+  fails(run + ["--prompt", "1", "--steps-per-call", "0"], "argument --steps-per-call")
   fails(["--prompt", "1"], "--workdir")
 
 
@@ -310,9 +337,11 @@ def test_the_jitted_step_has_no_effects(attention, implementation):
   token = jax.ShapeDtypeStruct((2,), jnp.int32)
   done = jax.ShapeDtypeStruct((2,), jnp.bool_)
   scalars = (jax.random.key(0), jnp.float32(1), jnp.float32(1), jnp.full((8,), -1, jnp.int32))
-  traced = _step.trace(treedef, leaves, token, done, state, jnp.int32(1), *scalars, greedy=True)
+  opts = dict(greedy=True, chunk=4, with_logits=False)
+  traced = _steps.trace(treedef, leaves, token, done, state, jnp.int32(1), jnp.int32(4),
+                        *scalars, **opts)
   assert not traced.jaxpr.effects, traced.jaxpr.effects
   with pisa_jax.traced_checks(True):
     if attention == "pisa":  # the capacity check is traced, and is an effect
-      assert _step.trace(treedef, leaves, token, done, state, jnp.int32(1), *scalars,
-                         greedy=True).jaxpr.effects
+      assert _steps.trace(treedef, leaves, token, done, state, jnp.int32(1), jnp.int32(4),
+                          *scalars, **opts).jaxpr.effects

@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--context", type=_number(int, lambda n: n >= 1, ">= 1"), default=None,
                       help="tokens (prompt and new ones) the model may see; default: the run's "
                            "train.seq_len")
+  parser.add_argument("--steps-per-call", type=_number(int, lambda n: n >= 1, ">= 1"),
+                      default=16, help="tokens each device call generates before they print "
+                                       "(1: each token as soon as it exists, slower)")
   args = parser.parse_args(argv)
   if not args.prompt:
     parser.error("--prompt: empty: give the text to continue")
@@ -133,7 +136,7 @@ def _generate(args) -> int:
   out = sys.stdout
   for step in generate_stream(model, [tokens], max_new_tokens=new_tokens,
                               temperature=args.temperature, top_p=args.top_p, stop_tokens=stop,
-                              seed=args.seed):
+                              seed=args.seed, steps_per_call=args.steps_per_call):
     token = int(step[0])
     if token < 0 or token in stop:
       break
