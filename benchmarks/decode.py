@@ -429,12 +429,13 @@ def table(record: dict) -> str:
         + ["in-loop select ms by warps (w)"], body))
   gen = [r for r in record["rows"] if r.get("part") == "generation"]
   if gen:
-    body = [[r["preset"], r["attention"], r["batch"], r["prompt"], r.get("first_token_s"),
-             r.get("prefill_s"), r.get("tokens_per_s"), r.get("ms_per_step"),
-             r.get("device_ms_per_step"), r.get("launches_per_step"), r.get("error")]
-            for r in gen]
-    lines.append(_record.markdown(["preset", "attention", "B", "prompt", "first token s (cold)",
-                                   "prefill s (warm)", "tokens/s", "ms/step",
+    body = [[r["preset"], r["attention"], r["batch"], r["prompt"], r.get("steps_per_call", 1),
+             r.get("first_token_s"), r.get("prefill_s"), r.get("tokens_per_s"),
+             r.get("ms_per_step"), r.get("device_ms_per_step"), r.get("launches_per_step"),
+             r.get("error")] for r in gen]
+    lines.append(_record.markdown(["preset", "attention", "B", "prompt", "steps a call",
+                                   "first token s (cold)", "prefill s (warm)", "tokens/s",
+                                   "ms/step",
                                    "device kernels ms/step", "launches/step", "error"], body))
   return "\n\n".join(lines)
 
