@@ -1,6 +1,7 @@
 """Autoregressive generation with a decode cache: a batch of prompts of different lengths is
-prefilled by one jitted call, then every row advances one token per jitted step (Section 3.3
-"Decoding": a sparse layer's step appends, selects and attends in O(log N)).
+prefilled by one jitted call, then every row advances one token a step, `steps_per_call` steps
+in each jitted call (a loop on the device; Section 3.3 "Decoding": a sparse layer's step
+appends, selects and attends in O(log N)).
 
 `pisa_jax` never imports a model: `generate` drives anything that implements `DecodeModel` (a
 `pisa_jax.models.Decoder` does, its sparse layers through `decode_step`, its dense ones through a

@@ -262,14 +262,11 @@ def test_append_kernel_equals_reference_append():
   np.testing.assert_array_equal(np.asarray(ref[0][2]), np.asarray(cache.k[2]))
 
 
-@pytest.mark.parametrize("selector,hq,branching,top_k,beam", [
-    ("pisa", 4, 2, 6, 6), ("pisa1", 6, 2, 5, 8), ("pisa2", 4, 3, 4, 4), ("bsa", 2, 2, 5, 5)])
-def test_append_and_select_in_one_launch_equal_the_reference(selector, hq, branching, top_k,
-                                                             beam):
-  # The step's append run in the walk's program: the same caches and indices as the reference's
-  # append then select, on rows of 120, 57 and 0 cached tokens (the new token at a leaf's first,
-  # a middle and the very first position), and a row past capacity (dropped, no blocks).
-  q, k, v = _qkv(11, 4, 130, hq, 2, 16, jnp.float32)
+def _step_case(seed, hq, branching, selector, top_k, beam):
+  """(cache, args, opts) of one step for the step-level kernels: rows of 120, 57 and 0 cached
+  tokens (the new token at a leaf's first, a middle and the very first position) and one past
+  capacity (dropped)."""
+  q, k, v = _qkv(seed, 4, 130, hq, 2, 16, jnp.float32)
   cache = DecodeCache.create(4, 128, 2, 16, block_size=8, branching=branching,
                              dtype=jnp.float32)
   cache = cache.prefill(k[:, :128], v[:, :128], jnp.asarray([120, 57, 0, 128], jnp.int32))
@@ -277,6 +274,16 @@ def test_append_and_select_in_one_launch_equal_the_reference(selector, hq, branc
   args = (q[:, -1], k[:, -1] * 1.5, v[:, -1] - 0.5, cache.k, cache.v, cache.summaries, positions)
   opts = dict(block_size=8, branching=branching, top_k=top_k, beam=beam, selector=selector,
               scale=0.25)
+  return cache, args, opts
+
+
+@pytest.mark.parametrize("selector,hq,branching,top_k,beam", [
+    ("pisa", 4, 2, 6, 6), ("pisa1", 6, 2, 5, 8), ("pisa2", 4, 3, 4, 4), ("bsa", 2, 2, 5, 5)])
+def test_append_and_select_in_one_launch_equal_the_reference(selector, hq, branching, top_k,
+                                                             beam):
+  # The step's append run in the walk's program: the same caches and indices as the reference's
+  # append then select; the row past capacity is left unchanged and selects no blocks.
+  cache, args, opts = _step_case(11, hq, branching, selector, top_k, beam)
   ref = dec.decode_append_select_reference(*args, **opts)
   got = kernels.decode_append_select_pallas(*args, **opts, interpret=True)
   for r, g in zip(ref[:3], got[:3]):
@@ -290,23 +297,17 @@ def test_append_and_select_in_one_launch_equal_the_reference(selector, hq, branc
     ("pisa2", 4, 3, 4, 4, 0), ("bsa", 2, 2, 5, 5, 0)])
 def test_whole_step_kernels_equal_the_reference_step(selector, hq, branching, top_k, beam,
                                                      attend_blocks):
-  # The step's three launches (Select_K of the leaves inside the attention's programs, which
-  # also write the indices and the lengths) against the reference step: rows of 120, 57 and 0
-  # cached tokens and one past capacity (dropped: -1 indices, NaN output, lengths + 1); one
-  # block per attention program, and 4 or 2, so that a program's last slots select nothing.
-  q, k, v = _qkv(13, 4, 130, hq, 2, 16, jnp.float32)
-  cache = DecodeCache.create(4, 128, 2, 16, block_size=8, branching=branching,
-                             dtype=jnp.float32)
-  cache = cache.prefill(k[:, :128], v[:, :128], jnp.asarray([120, 57, 0, 128], jnp.int32))
-  positions = jnp.asarray([120, 57, 0, 128], jnp.int32)
-  args = (q[:, -1], k[:, -1] * 1.5, v[:, -1] - 0.5, cache.k, cache.v, cache.summaries, positions)
-  opts = dict(block_size=8, branching=branching, top_k=top_k, beam=beam, selector=selector,
-              scale=0.25)
+  # The step's launches (Select_K of the leaves inside the attention's programs, which also
+  # write the indices and the lengths; the merge kernel) against the reference step; the row
+  # past capacity gets -1 indices, a NaN output and lengths + 1. One block per attention
+  # program, and 4 or 2, so that a program's last slots select nothing.
+  cache, args, opts = _step_case(13, hq, branching, selector, top_k, beam)
   ref = dec.decode_step_reference(*args, **opts)
   got = kernels.decode_step_pallas(*args, **opts, interpret=True,
                                    config=kernels.DecodeConfig(attend_blocks=attend_blocks))
   for r, g in zip(ref[:3], got[:3]):
     np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=0, atol=PYRAMID_ATOL)
+  np.testing.assert_array_equal(np.asarray(got[0][3]), np.asarray(cache.k[3]))
   np.testing.assert_array_equal(np.asarray(got[3]), np.asarray(ref[3]))
   assert (np.asarray(got[3][3]) == -1).all() and (np.asarray(got[3][:3, :, 0]) == 0).all()
   out, want = np.asarray(got[4]), np.asarray(ref[4])
