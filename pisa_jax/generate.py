@@ -284,8 +284,10 @@ def _steps(model_def, model_leaves, token, done, state, first, count, key, tempe
   def more(carry):
     return (carry[0] < count) & ~jnp.all(carry[2])
 
-  vocab = jax.eval_shape(lambda: one(0, token, done, state)[3]).shape[-1]
-  logits_out = jnp.zeros((chunk, batch, vocab), jnp.float32) if with_logits else None
+  logits_out = None
+  if with_logits:  # the logits' width, from an abstract trace of one step
+    vocab = jax.eval_shape(lambda: one(0, token, done, state)[3]).shape[-1]
+    logits_out = jnp.zeros((chunk, batch, vocab), jnp.float32)
   carry = (jnp.int32(0), token, done, state, jnp.full((chunk, batch), PAD, jnp.int32),
            logits_out)
   ran, token, done, state, tokens_out, logits_out = jax.lax.while_loop(more, body, carry)

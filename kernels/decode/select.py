@@ -2,7 +2,8 @@
 the pyramid to the leaf candidates, one per (row, KV head, candidate) scores a leaf from its raw
 keys, one per (row, KV head) keeps top_k leaves by Select_K; `decode_select_pallas`, which
 launches them or the flat BSA kernel, and `decode_append_select_pallas`, a step's append and
-selection with the append in the walk's program."""
+selection with the append in the walk's launch (a program of its own beside the walk's); the
+launches `decode_step_pallas` shares (`append_walk`, `leaf_scores`, `leaf_select`)."""
 
 from __future__ import annotations
 
@@ -277,7 +278,7 @@ def decode_select_pallas(
   """Kernel twin of `decode_select_reference`: the leaf blocks of the token at `positions`
   (already appended), int32 `[B, HKV, top_k]`, ascending, -1 padded."""
   geo, config = prepare(q, k_cache, block_size=block_size, branching=branching, top_k=top_k,
-                         beam=beam, selector=selector, scale=scale, config=config)
+                        beam=beam, selector=selector, scale=scale, config=config)
   b, _, d = q.shape
   hkv = k_cache.shape[2]
   rows = (q.reshape(-1, d), k_cache.reshape(-1, d), summaries.reshape(-1, d))
