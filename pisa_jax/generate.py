@@ -235,9 +235,11 @@ def _stream(model, tokens: np.ndarray, lengths: np.ndarray, segments: np.ndarray
     pending = None
     if done_steps < max_new_tokens:
       pending = dispatch(token, done, state)
+    # One read-back per call (not a device slice per token).
     tokens_out, ran = np.asarray(tokens_out), int(ran)
+    logits_out = np.asarray(logits_out) if return_logits else None
     for i in range(ran):
-      yield (tokens_out[i], np.asarray(logits_out[i])) if return_logits else tokens_out[i]
+      yield (tokens_out[i], logits_out[i]) if return_logits else tokens_out[i]
     if ran < count:  # every row has stopped
       return
 

@@ -262,7 +262,7 @@ class _Stdout(io.StringIO):
 
 
 # The CLI reads text through the GPT-2 BPE file (CI installs it with `pip install --no-deps
-# openai-whisper==20250625`; a machine without it skips these).
+# openai-whisper==20250625`); without it these tests skip).
 needs_bpe = pytest.mark.skipif(
     gpt2_bpe_path() is None,
     reason="gpt2.tiktoken absent: pip install --no-deps openai-whisper==20250625",

@@ -55,19 +55,19 @@ def _expand(cand, kept, rank, branching: int, width: int):
                  axis=1)
 
 
-def kept_order(cand, kept):
+def _kept_order(cand, kept):
   """Each kept candidate's rank by id among the kept ones `[N]` (its slot in the ascending list)."""
   return jnp.sum((kept[:, None] & (cand[:, None] < cand[None, :])).astype(jnp.int32), axis=0)
 
 
 def kept_ids(cand, kept, order, width: int):
-  """The kept ids ascending, -1 padded, `[width]` (`order` from `kept_order`)."""
+  """The kept ids ascending, -1 padded, `[width]` (`order` from `_kept_order`)."""
   slot = jnp.arange(width)
   hit = kept[None, :] & (order[None, :] == slot[:, None])
   return jnp.max(jnp.where(hit, cand[None, :], -1), axis=1)
 
 
-def current_leaf(pos_ref, i_b, geo: Geometry):
+def _current_leaf(pos_ref, i_b, geo: Geometry):
   """The leaf of row i_b's token (its position clamped into the capacity)."""
   return jnp.clip(load_scalar(pos_ref, i_b), 0, geo.capacity - 1) // geo.block_size
 
@@ -76,7 +76,7 @@ def _row(pos_ref, q_ref, i_bh, geo: Geometry):
   """The program's batch row, KV head, current leaf and the group's queries `[Gp, Dp]`."""
   i_b, i_h = i_bh // geo.hkv, i_bh % geo.hkv
   qg, m_head = load_group_queries(q_ref, i_b, i_h, geo)
-  return i_b, i_h, current_leaf(pos_ref, i_b, geo), qg, m_head
+  return i_b, i_h, _current_leaf(pos_ref, i_b, geo), qg, m_head
 
 
 def _walk(qg, m_head, s_ref, tab_ref, i_b, i_h, cur, geo: Geometry):
@@ -155,7 +155,7 @@ def leaf_select(cand, cur, scores, geo: Geometry):
   scores `[NC]` (`_leaf_kernel`'s): (kept mask, each kept leaf's slot in ascending id order)."""
   valid, forced, need = _leaf_slots(cand, cur, geo)
   kept, _ = _select_k(cand, valid, forced, jnp.where(need, scores, 0.0), geo.top_k)
-  return kept, kept_order(cand, kept)
+  return kept, _kept_order(cand, kept)
 
 
 # The selection is three launches, so that at small B the leaves' key loads (up to NC - 3 leaves
@@ -214,7 +214,7 @@ def _final_kernel(pos_ref, cand_ref, score_ref, out_ref, *, geo: Geometry):
   i_bh = pl.program_id(0)
   cand = cand_ref[pl.ds(i_bh, 1), :].reshape(geo.nc)
   scores = score_ref[pl.ds(i_bh, 1), :].reshape(geo.nc)
-  kept, order = leaf_select(cand, current_leaf(pos_ref, i_bh // geo.hkv, geo), scores, geo)
+  kept, order = leaf_select(cand, _current_leaf(pos_ref, i_bh // geo.hkv, geo), scores, geo)
   out_ref[pl.ds(i_bh, 1), :] = kept_ids(cand, kept, order, geo.kp)[None, :]
 
 
