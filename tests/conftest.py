@@ -7,6 +7,10 @@ import jax
 import pytest
 from jax._src.pallas.triton import pallas_call_registration as registration
 
+# The tools' persistent compilation cache stays off in tests: nothing is written under the home
+# folder, and no test reads what another compiled (tests/test_compilation_cache.py turns it on).
+os.environ["PISA_COMPILATION_CACHE"] = "off"
+
 # The reference is compared at Precision.HIGHEST; make that the default for every jnp op in tests.
 jax.config.update("jax_default_matmul_precision", "highest")
 

@@ -16,6 +16,7 @@ import argparse
 import sys
 
 from pisa_jax.configs import PRESETS, apply_overrides, get_config, validate
+from pisa_jax.train import compilation_cache
 
 
 def _positive(kind):
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
   if not args.workdir:
     parser.error("--workdir is required to train")
+  compilation_cache.enable_for(parser)
 
   try:
     # Imported after validation: a bad config fails before JAX starts or anything compiles.

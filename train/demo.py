@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from pisa_jax.configs import apply_overrides, get_config, validate
+from pisa_jax.train import compilation_cache
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
       configs[kind] = validate(apply_overrides(base, overrides + [f"model.attention={kind}"]))
   except ValueError as e:
     parser.error(str(e))
+  compilation_cache.enable_for(parser)
 
   from pisa_jax.models.decoder import count_params
   from pisa_jax.train import trainer

@@ -24,7 +24,7 @@ import math
 import sys
 from pathlib import Path
 
-from pisa_jax.train import restore
+from pisa_jax.train import compilation_cache, restore
 
 PROG = "pisa-generate"
 DEFAULT_NEW_TOKENS = 64
@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   if not args.prompt:
     parser.error("--prompt: empty: give the text to continue")
+  compilation_cache.enable_for(parser)
 
   try:
     return _generate(args)

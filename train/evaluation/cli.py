@@ -36,6 +36,8 @@ import json
 import sys
 from pathlib import Path
 
+from pisa_jax.train import compilation_cache
+
 PROG = "pisa-eval"
 SUITES = ("ppl", "ruler", "mqar", "selection")
 DEFAULT_SAMPLES = 16
@@ -178,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     args.beam_factors = list(DEFAULT_BEAM_FACTORS)
   if args.seed is None:
     args.seed = 0
+  if not args.compare:
+    compilation_cache.enable_for(parser)
   # Imported once the arguments are known good: a mistake costs no JAX start-up.
   from pisa_jax.train.evaluation import common, report
 

@@ -106,6 +106,7 @@ except ImportError as e:
 from pisa_jax import _validation
 from pisa_jax.generate import PAD, generate_stream
 from pisa_jax.models.decoder import output_logits
+from pisa_jax.train import compilation_cache
 from pisa_jax.train.restore import restore_model
 from pisa_jax.train.tokenizer import EOT_TOKEN, VOCAB_SIZE, gpt2_encoding
 
@@ -436,6 +437,10 @@ def main(argv: list[str] | None = None) -> None:
   lm_eval's."""
   from lm_eval.__main__ import cli_evaluate
 
+  try:
+    compilation_cache.enable(prog="pisa-lm-eval")
+  except ValueError as e:
+    raise SystemExit(f"pisa-lm-eval: error: {e}") from None
   # lm-eval's parser reads sys.argv itself (it inserts `run` when no subcommand is given).
   sys.argv = ["lm_eval", *(sys.argv[1:] if argv is None else argv)]
   cli_evaluate()
