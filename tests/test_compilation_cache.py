@@ -15,10 +15,10 @@ from pisa_jax.train import compilation_cache, generate
 
 def test_cache_dir_default_explicit_and_off(tmp_path):
   cache_dir = compilation_cache.cache_dir
-  assert cache_dir({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "pisa-jax" / "xla"
-  assert cache_dir({}) == Path.home() / ".cache" / "pisa-jax" / "xla"
+  assert cache_dir({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "pisa_jax" / "xla"
+  assert cache_dir({}) == Path.home() / ".cache" / "pisa_jax" / "xla"
   assert cache_dir({"PISA_COMPILATION_CACHE": str(tmp_path / "c")}) == tmp_path / "c"
-  for off in ("off", "OFF", "0", "none"):
+  for off in ("off", "OFF", " Off "):
     assert compilation_cache.cache_dir({"PISA_COMPILATION_CACHE": off}) is None
     assert compilation_cache.enable({"PISA_COMPILATION_CACHE": off}) is None
 
@@ -68,3 +68,14 @@ def test_compiled_programs_land_in_the_folder_and_are_read_back(tmp_path):
   second = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                           check=True)
   assert second.stdout.splitlines()[1] != "hits 0", second.stdout
+
+
+def test_jax_own_folder_is_kept_when_ours_is_unset(tmp_path):
+  env = {k: v for k, v in os.environ.items() if k != "PISA_COMPILATION_CACHE"}
+  env.update(JAX_COMPILATION_CACHE_DIR=str(tmp_path / "own"), JAX_PLATFORMS="cpu",
+             XDG_CACHE_HOME=str(tmp_path / "xdg"))
+  out = subprocess.run([sys.executable, "-c", "from pisa_jax.train import compilation_cache\n"
+                        "print(compilation_cache.enable())"], env=env, capture_output=True,
+                       text=True, check=True).stdout
+  assert out.strip() == str(tmp_path / "own")
+  assert not (tmp_path / "xdg").exists()

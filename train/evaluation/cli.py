@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     args.beam_factors = list(DEFAULT_BEAM_FACTORS)
   if args.seed is None:
     args.seed = 0
-  if not args.compare:
+  if not args.compare:  # --compare reads result files and compiles nothing
     compilation_cache.enable_for(parser)
   # Imported once the arguments are known good: a mistake costs no JAX start-up.
   from pisa_jax.train.evaluation import common, report

@@ -440,7 +440,8 @@ def main(argv: list[str] | None = None) -> None:
   try:
     compilation_cache.enable(prog="pisa-lm-eval")
   except ValueError as e:
-    raise SystemExit(f"pisa-lm-eval: error: {e}") from None
+    print(f"pisa-lm-eval: error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
   # lm-eval's parser reads sys.argv itself (it inserts `run` when no subcommand is given).
   sys.argv = ["lm_eval", *(sys.argv[1:] if argv is None else argv)]
   cli_evaluate()
