@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the benchmark suite on your GPU: selection, attention, packed documents, layer, training,
-# decode and the long-context training ladder, each writing
+# decode, the long-context training ladder and the kernels' ceilings, each writing
 # <out>/<name>.json and <out>/<name>.png (default out: benchmarks/results).
 #
 #   benchmarks/run_all.sh [--out DIR] [--wheels DIR] [--gpu-tests] [--multi-gpu] [--only A,B]
@@ -12,7 +12,7 @@
 #   --gpu-tests    first run the GPU correctness tests (pytest -m gpu), stop if they fail
 #   --multi-gpu    also run benchmarks.multi_gpu over every local GPU
 #   --only A,B     run only these steps, of: selection attention packed layer training evals decode
-#                  long_context (evals: pisa-eval's suite on the dense and PISA `small` runs that
+#                  long_context ceilings (evals: pisa-eval's suite on the dense and PISA `small` runs that
 #                  the training step keeps in <out>/runs, written to <out>/evals/<run>)
 #
 # The project must be importable from the repository root: `pip install -e .` (done here when it
@@ -25,7 +25,7 @@ OUT=benchmarks/results
 WHEELS=""
 GPU_TESTS=0
 MULTI=0
-ONLY="selection,attention,packed,layer,training,evals,decode,long_context"
+ONLY="selection,attention,packed,layer,training,evals,decode,long_context,ceilings"
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT=$2; shift 2 ;;
@@ -39,7 +39,7 @@ while [ $# -gt 0 ]; do
 done
 for step in $(echo "$ONLY" | tr ',' ' '); do
   case $step in
-    selection|attention|packed|layer|training|evals|decode|long_context) ;;
+    selection|attention|packed|layer|training|evals|decode|long_context|ceilings) ;;
     *) echo "run_all.sh: --only: unknown step $step" >&2; exit 2 ;;
   esac
 done
@@ -76,6 +76,7 @@ if want evals; then
 fi
 if want decode; then "$PY" -m benchmarks.decode --out "$OUT"; fi
 if want long_context; then "$PY" -m benchmarks.long_context --out "$OUT"; fi
+if want ceilings; then "$PY" -m benchmarks.ceilings --out "$OUT"; fi
 if [ "$MULTI" = 1 ]; then
   data=()
   [ -f data/corpus/meta.json ] && data=(--set data.source=tokens --set data.path=data/corpus)

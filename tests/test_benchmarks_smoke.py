@@ -20,7 +20,7 @@ from pisa_jax.testing import random_block_indices
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ("selection", "attention", "layer", "training", "multi_gpu", "decode",
-           "context_parallel", "packed")
+           "context_parallel", "packed", "ceilings")
 
 # One small fake result per script, rows as the script writes them.
 FAKE_ROWS = {
@@ -80,6 +80,14 @@ FAKE_ROWS = {
         + [dict(case="128K d64 K8", d=64, top_k=8, side="pisa-jax", stage="fwd+bwd kernels",
                 layout=layout, kernels={"pisa_sparse_attention_dq": dq, "loop_fusion": 0.5})
            for layout, dq in (("unpacked", 1.0), ("packed", 1.5))],
+    "ceilings": [
+        dict(part="walk floor", variant=v, warps=8, rows=128, d=128, kb_per_level=kb,
+             us_at={"1": 10.0, "17": 10.0 + 16 * us}, us_per_level=us)
+        for v, kb, us in (("f32 dots", 64.0, 1.2), ("bf16 dot", 32.0, 0.2))]
+        + [dict(part="tile ceiling", kind=kind, d=128, blocks=blocks, side=side, config=side,
+                phase="fwd", ms=1.0, tflops=t)
+           for kind, blocks in (("long", 256), ("tile", 32), ("tile", 64))
+           for side, t in (("cudnn", 560.0), ("mosaic", 450.0))],
 }
 SETTINGS = {
     "selection": dict(hq=32, hkv=2, d=64, block_size=64, top_k=8, branching=2, dtype="bfloat16"),
@@ -91,6 +99,7 @@ SETTINGS = {
     "context_parallel": dict(preset="small-1m", runs="1:1048576,2:2097152,2:1048576"),
     "packed": dict(total=131072, min_doc=2048, max_doc=16384, hq=32, hkv=2, block_size=64,
                    documents=[16384] * 8),
+    "ceilings": dict(parts=["walk", "tile"], nodes=32768, d=128, candidates=64, levels=[1, 17]),
 }
 
 
@@ -440,3 +449,36 @@ def test_long_context_curve_only_needs_resume_and_workdir(tmp_path, capsys):
     long_context.main(["--curve-only", "--curve-workdir", str(tmp_path / "c"), "--out",
                        str(tmp_path)])
   assert "--curve-only needs --resume" in capsys.readouterr().err
+
+
+def test_ceilings_walk_floor_runs_in_interpret_mode(tmp_path):
+  # The walk part's chain kernel in Pallas interpret mode; the tile part is noted as GPU-only.
+  from benchmarks import ceilings
+  record = ceilings.main(["--nodes", "64", "--d", "32", "--candidates", "16", "--levels", "1,2",
+                          "--out", str(tmp_path)])
+  walk = [r for r in record["rows"] if r["part"] == "walk floor"]
+  assert [(r["variant"], r["warps"]) for r in walk] == [
+      (v, w) for v, warps in ceilings.WALK_VARIANTS for w in warps]
+  assert all(r["us_at"]["1"] > 0 and r["us_at"]["2"] > 0 for r in walk)
+  assert record["notes"] == ["tile ceiling: cuDNN and Mosaic GPU need a GPU; part skipped"]
+  with pytest.raises(SystemExit):
+    ceilings.main(["--levels", "3,2", "--out", str(tmp_path)])
+
+
+def test_ceilings_chain_follows_the_loaded_values():
+  # Each level's next nodes come from the signs of the previous level's scores: a reference walk
+  # of the same rule in numpy gives the kernel's last nodes.
+  from benchmarks import ceilings
+  nodes, d, width, levels = 32, 16, 8, 3
+  s = jax.random.normal(jax.random.key(3), (nodes * ceilings.HKV, d), jnp.float32)
+  q = jax.random.normal(jax.random.key(4), (ceilings.GROUP, d), jnp.bfloat16)
+  start = jnp.array([5], jnp.int32)
+  out = ceilings.chain(start, s, q, levels=levels, variant="f32 sum", warps=4, width=width,
+                       interpret=True)
+  s_np = np.asarray(s)
+  for head in range(ceilings.HKV):
+    node = (5 + np.arange(width) * 7) % nodes
+    for i in range(levels):
+      value = s_np[node * ceilings.HKV + head].sum(axis=1)
+      node = (node * 2 + (value > 0) + i) % nodes
+    np.testing.assert_array_equal(np.asarray(out[head]), node)
