@@ -253,6 +253,10 @@ def main(argv=None) -> dict:
     p.error(f"--levels {args.levels}: expected two counts 1 <= L1 < L2")
   if args.candidates & (args.candidates - 1) or args.candidates < 8:
     p.error(f"--candidates {args.candidates}: expected a power of two >= 8")
+  if args.d & (args.d - 1) or args.d < 16:
+    p.error(f"--d {args.d}: expected a power of two >= 16 (a Triton dot's dimension)")
+  if args.nodes < 1:
+    p.error(f"--nodes {args.nodes}: expected >= 1")
   return _record.run(NAME, args, measure, settings, plot, table)
 
 

@@ -461,8 +461,9 @@ def test_ceilings_walk_floor_runs_in_interpret_mode(tmp_path):
       (v, w) for v, warps in ceilings.WALK_VARIANTS for w in warps]
   assert all(r["us_at"]["1"] > 0 and r["us_at"]["2"] > 0 for r in walk)
   assert record["notes"] == ["tile ceiling: cuDNN and Mosaic GPU need a GPU; part skipped"]
-  with pytest.raises(SystemExit):
-    ceilings.main(["--levels", "3,2", "--out", str(tmp_path)])
+  for bad in (["--levels", "3,2"], ["--d", "48"], ["--candidates", "12"], ["--parts", "x"]):
+    with pytest.raises(SystemExit):
+      ceilings.main(bad + ["--out", str(tmp_path)])
 
 
 def test_ceilings_chain_follows_the_loaded_values():
