@@ -40,15 +40,12 @@ from jax.experimental.pallas import triton as plt
 
 from benchmarks import _record, timing
 from pisa_jax.kernels._common import triton_deprecation_silenced
+from pisa_jax.kernels.decode.layout import load_scalar
+from pisa_jax.kernels.decode.scoring import dot_t, split_logits
 
 NAME = "ceilings"
 HKV, GROUP, LOOP = 2, 16, 200
 WALK_VARIANTS = (("f32 dots", (4, 8, 16)), ("bf16 dot", (8,)), ("f32 sum", (8, 16)))
-DOTS = (((1,), (1,)), ((), ()))
-
-
-def _dot(q, x):
-  return lax.dot_general(q, x, DOTS, preferred_element_type=jnp.float32)
 
 
 def _chain_kernel(start_ref, s_ref, q_ref, o_ref, *, levels: int, variant: str, nodes: int,
@@ -65,15 +62,12 @@ def _chain_kernel(start_ref, s_ref, q_ref, o_ref, *, levels: int, variant: str, 
     if variant == "f32 sum":
       value = jnp.sum(rows, axis=1)
     elif variant == "bf16 dot":
-      value = jnp.sum(_dot(q, rows), axis=0)
-    else:
-      bits = lax.bitcast_convert_type(rows, jnp.uint32) & jnp.uint32(0xFFFF0000)
-      hi = lax.bitcast_convert_type(bits, jnp.float32)
-      value = jnp.sum(_dot(q, hi.astype(jnp.bfloat16))
-                      + _dot(q, (rows - hi).astype(jnp.bfloat16)), axis=0)
+      value = jnp.sum(dot_t(q, rows, "native"), axis=0)
+    else:  # the walk's own scoring of float32 summaries (`summary_logits`)
+      value = jnp.sum(split_logits(q, rows), axis=0)
     return (node * 2 + (value > 0).astype(jnp.int32) + i) % nodes
 
-  start = jnp.max(plt.load(start_ref.at[jnp.zeros((2,), jnp.int32)]))
+  start = load_scalar(start_ref, 0)
   node = lax.fori_loop(0, levels, level, (start + jnp.arange(width, dtype=jnp.int32) * 7) % nodes)
   o_ref[pl.ds(head, 1), :] = node[None, :]
 

@@ -36,6 +36,12 @@ def summary_logits(qg, s_ref, rows, m_row, geo: Geometry):
   s = load_rows(s_ref, rows, m_row, geo.d, geo.dp)
   if geo.score_mode != "split":
     return dot_t(qg, s, "f32")
+  return split_logits(qg, s)
+
+
+def split_logits(qg, s):
+  """qg `[Gp, Dp]` (bfloat16) @ s.T, s float32 `[N, Dp]`, as two bfloat16 dots: s's high half
+  (bits truncated to bfloat16's, so exact) and the bfloat16 rounding of the rest, `[Gp, N]`."""
   bits = lax.bitcast_convert_type(s, jnp.uint32) & jnp.uint32(0xFFFF0000)
   hi = lax.bitcast_convert_type(bits, jnp.float32)
   return (dot_t(qg, hi.astype(jnp.bfloat16), "native")
