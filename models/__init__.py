@@ -1,8 +1,21 @@
-"""Flax NNX decoder, its config type and the logical-axis sharding table."""
+"""Flax NNX decoder, its config type and the logical-axis sharding table.
+
+Names are imported on first use (PEP 562): the config types load without jax or flax.
+"""
+
+import importlib
 
 from pisa_jax.models.config import ATTENTION_KINDS, SPARSE_ATTENTION_KINDS, ModelConfig
-from pisa_jax.models.decoder import Decoder, compute_dtype, count_params, flops_per_token
-from pisa_jax.models.sharding import LOGICAL_AXIS_RULES, make_mesh, param_shardings
+
+_EXPORTS = {
+    "Decoder": "pisa_jax.models.decoder",
+    "compute_dtype": "pisa_jax.models.decoder",
+    "count_params": "pisa_jax.models.decoder",
+    "flops_per_token": "pisa_jax.models.decoder",
+    "LOGICAL_AXIS_RULES": "pisa_jax.models.sharding",
+    "make_mesh": "pisa_jax.models.sharding",
+    "param_shardings": "pisa_jax.models.sharding",
+}
 
 __all__ = [
     "ATTENTION_KINDS",
@@ -16,3 +29,16 @@ __all__ = [
     "make_mesh",
     "param_shardings",
 ]
+
+
+def __getattr__(name: str):
+  module = _EXPORTS.get(name)
+  if module is None:
+    raise AttributeError(f"module 'pisa_jax.models' has no attribute {name!r}")
+  value = getattr(importlib.import_module(module), name)
+  globals()[name] = value
+  return value
+
+
+def __dir__():
+  return sorted(set(globals()) | set(__all__))

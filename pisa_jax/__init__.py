@@ -28,16 +28,28 @@ Decoding (Section 3.3 "Decoding", Appendix B "Decode cache"):
   generate           greedy or nucleus generation with any `DecodeModel` (models.Decoder is one)
 """
 
-from pisa_jax._validation import traced_checks
-from pisa_jax.attention import pisa_attention, sparse_attention
-# Registers the "sparse_attention_packed" op that sparse_attention dispatches segment_ids to.
-from pisa_jax import packed_attention  # noqa: F401
-from pisa_jax.decode import DecodeCache, bucket_capacity, decode_step
-from pisa_jax.generate import DecodeModel, Generation, generate, generate_stream
-from pisa_jax.pyramid import Pyramid, build_pyramid
-from pisa_jax.quality import SelectionQuality, selection_quality
-from pisa_jax.segments import PackedPyramid
-from pisa_jax.selection import select_blocks
+import importlib
+
+# Names are imported on first use (PEP 562), so `import pisa_jax.configs` or a command line's
+# argument parser does not pay for jax: a tool checks its arguments before importing the library.
+_EXPORTS = {
+    "DecodeCache": "pisa_jax.decode",
+    "DecodeModel": "pisa_jax.generate",
+    "Generation": "pisa_jax.generate",
+    "PackedPyramid": "pisa_jax.segments",
+    "Pyramid": "pisa_jax.pyramid",
+    "SelectionQuality": "pisa_jax.quality",
+    "bucket_capacity": "pisa_jax.decode",
+    "build_pyramid": "pisa_jax.pyramid",
+    "decode_step": "pisa_jax.decode",
+    "generate": "pisa_jax.generate",
+    "generate_stream": "pisa_jax.generate",
+    "pisa_attention": "pisa_jax.attention",
+    "select_blocks": "pisa_jax.selection",
+    "selection_quality": "pisa_jax.quality",
+    "sparse_attention": "pisa_jax.attention",
+    "traced_checks": "pisa_jax._validation",
+}
 
 __version__ = "0.1.0"
 
@@ -59,3 +71,16 @@ __all__ = [
     "sparse_attention",
     "traced_checks",
 ]
+
+
+def __getattr__(name: str):
+  module = _EXPORTS.get(name)
+  if module is None:
+    raise AttributeError(f"module 'pisa_jax' has no attribute {name!r}")
+  value = getattr(importlib.import_module(module), name)
+  globals()[name] = value
+  return value
+
+
+def __dir__():
+  return sorted(set(globals()) | set(__all__))

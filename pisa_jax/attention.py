@@ -450,6 +450,8 @@ def _attend(q, k, v, block_indices, segment_ids, *, block_size: int, scale: floa
   """Dispatches validated arguments to the reference or the kernel (packed rows: the
   "sparse_attention_packed" op of `pisa_jax.packed_attention`)."""
   if segment_ids is not None:
+    # packed_attention builds on this module, so it is imported here, not at the top.
+    from pisa_jax import packed_attention  # noqa: F401  (registers the packed op)
     attend = _dispatch.lookup("sparse_attention_packed", implementation)
     return attend(q, k, v, block_indices, segment_ids, block_size=block_size, scale=scale)
   attend = _dispatch.lookup("sparse_attention", implementation)
