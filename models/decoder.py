@@ -386,7 +386,7 @@ class Decoder(nnx.Module):
                        f"{tuple(getattr(positions, 'shape', ()))}")
     return rope_at(positions, cfg.head_dim, cfg.rope_base)
 
-  # Decoding: `pisa_jax.generate.DecodeModel`. The state holds one cache per layer (sparse
+  # Decoding: `pisa_jax.generation.DecodeModel`. The state holds one cache per layer (sparse
   # layers a `DecodeCache`, dense ones a `KVCache`); a row's next position is its length.
 
   @property

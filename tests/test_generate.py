@@ -22,7 +22,7 @@ from flax import nnx
 
 import pisa_jax
 from pisa_jax.configs import apply_overrides, get_config, validate
-from pisa_jax.generate import PAD, DecodeModel, _sample, _steps
+from pisa_jax.generation import PAD, DecodeModel, _sample, _steps
 from pisa_jax.models.config import ModelConfig
 from pisa_jax.models.decoder import Decoder
 from pisa_jax.train.tokenizer import gpt2_bpe_path
@@ -318,7 +318,7 @@ def test_the_prefill_lowers_each_kernel_once_whatever_the_depth(captured, monkey
   # The layers are scanned: a deeper model adds no Pallas call site to the compiled prefill
   # (XLA compiles each call site's Triton module on its own, ~1 s apiece on the H200).
   import importlib
-  generate_module = importlib.import_module("pisa_jax.generate")
+  generate_module = importlib.import_module("pisa_jax.generation")
   monkeypatch.setattr(pisa_jax._dispatch, "interpret_mode", lambda: False)
   counts = []
   for layers in (1, 3):

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _generate(args) -> int:
   # Imported once the arguments are known good: a mistake costs no JAX start-up.
-  from pisa_jax.generate import generate_stream
+  from pisa_jax.generation import generate_stream
   from pisa_jax.models.decoder import count_params
   from pisa_jax.train.tokenizer import EOT_TOKEN, gpt2_encoding
 

@@ -104,7 +104,7 @@ except ImportError as e:
                     f"({e})") from None
 
 from pisa_jax import _validation
-from pisa_jax.generate import PAD, generate_stream
+from pisa_jax.generation import PAD, generate_stream
 from pisa_jax.models.decoder import output_logits
 from pisa_jax.train import compilation_cache
 from pisa_jax.train.restore import restore_model

@@ -17,7 +17,7 @@ from collections import defaultdict
 import numpy as np
 
 import pisa_jax
-from pisa_jax.generate import MIN_BUCKET
+from pisa_jax.generation import MIN_BUCKET
 from pisa_jax.train.evaluation import common
 from pisa_jax.train.tokenizer import EOT_TOKEN, VOCAB_SIZE
 

@@ -16,8 +16,8 @@ prompt plus max_new_tokens. A smaller `initial_capacity` starts the cache small 
 between buckets as the rows advance: the step then compiles once per bucket, O(log N) times in a
 generation, never per token.
 
-`pisa_jax.generate` is the function; import the rest by name (`from pisa_jax.generate import
-DecodeModel`), as `import pisa_jax.generate as m` binds the function too.
+`pisa_jax.generate` is the function; this module (`pisa_jax.generation`) holds it with the
+`DecodeModel` protocol and the sampling helpers.
 """
 
 from __future__ import annotations
@@ -323,7 +323,7 @@ def _check_model(model) -> None:
   missing = [name for name in ("vocab_size", "init_decode_state", "grow_decode_state",
                                "prefill", "decode") if not hasattr(model, name)]
   if missing:
-    raise TypeError(f"model must implement pisa_jax.generate.DecodeModel: "
+    raise TypeError(f"model must implement pisa_jax.generation.DecodeModel: "
                     f"{type(model).__name__} has no {', '.join(missing)}")
   leaves = jax.tree.leaves(model)
   if len(leaves) == 1 and leaves[0] is model:
