@@ -20,7 +20,9 @@ Under `jax.jit` the arrays are traced and the options (sizes, names, scale) must
 with `functools.partial` first; a traced option raises a TypeError that says so. Block indices
 passed in are checked eagerly; under `jit` they are checked when traced inside
 `pisa_jax.traced_checks(True)` and run under `jax.experimental.checkify.checkify` (opt-in: a
-check adds an effect that takes a jitted function off jax's fast C++ dispatch).
+check adds an effect that takes a jitted function off jax's fast C++ dispatch). Unchecked,
+sparse_attention treats an out-of-range entry like -1, and an entry that repeats an earlier one
+of its row like -1 too (each block counts once), in both implementations.
 
 Decoding (Section 3.3 "Decoding", Appendix B "Decode cache"):
   DecodeCache        keys, values and the summary pyramid of a batch of rows of different lengths

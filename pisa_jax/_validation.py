@@ -204,11 +204,25 @@ def check_block_indices(block_indices, *, batch: int, seq_len: int, num_kv_heads
     raise ValueError(
         f"block_indices must lie in [-1, {num_blocks}) for T={seq_len} and {block_size=}: "
         f"found values in [{idx.min()}, {idx.max()}]")
-  # The attended set is a set of blocks (Eq. 6 sums over their union): a repeated index would be
-  # counted twice by a kernel, so it is rejected rather than silently deduplicated.
+  # The attended set is a set of blocks (Eq. 6 sums over their union): a repeat is a caller's
+  # mistake, reported where it can be. Under jit it cannot: `drop_repeated_blocks` applies the rule.
   srt = np.sort(idx, axis=-1)
   if np.any((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)):
     raise ValueError("block_indices must not repeat a block index within one [b, t, h] row (-1 may repeat)")
+
+
+def drop_repeated_blocks(block_indices):
+  """block_indices `[..., K]` as int32, each entry equal to an earlier entry of its row set to -1.
+
+  The rule for unchecked traced indices: the selection is a set of blocks (Eq. 6 attends their
+  union), so a repeated block counts once, as out-of-range entries count as -1. A `[..., K, K]`
+  compare that XLA fuses into one pass over the indices.
+  """
+  idx = block_indices.astype(jnp.int32)
+  top_k = idx.shape[-1]
+  earlier = np.tril(np.ones((top_k, top_k), bool), -1)  # [j, i]: entry i comes before entry j
+  repeated = jnp.any((idx[..., :, None] == idx[..., None, :]) & earlier, axis=-1)
+  return jnp.where(repeated, -1, idx)
 
 
 def check_segment_ids(segment_ids, *, batch: int, seq_len: int) -> None:

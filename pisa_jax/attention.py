@@ -415,8 +415,9 @@ def sparse_attention(
     block_indices: int32 `[B, T, HKV, K]`, entries in [-1, ceil(T / block_size)), no repeats in a
       row. Concrete indices are checked (ValueError). Traced ones (under `jit`) are checked only
       when traced inside `pisa_jax.traced_checks(True)` and run under
-      `jax.experimental.checkify.checkify`; an unchecked call ignores out-of-range entries
-      like -1 and attends a repeated block once per repetition (its keys weigh double).
+      `jax.experimental.checkify.checkify`; an unchecked call treats out-of-range entries like
+      -1, and an entry equal to an earlier one of its `[b, t, hkv]` row like -1 too (a block
+      is attended once however often it is listed), in both implementations.
     block_size: C, keys per leaf block.
     scale: logit scale, default 1/sqrt(D).
     segment_ids: None, or int32 `[B, T]` non-decreasing within a row: packed documents (runs of
@@ -441,6 +442,11 @@ def sparse_attention(
   _validation.check_block_indices(
       block_indices, batch=b, seq_len=t, num_kv_heads=hkv, block_size=int(block_size))
   _validation.check_segment_ids(segment_ids, batch=b, seq_len=t)
+  if isinstance(block_indices, jax.core.Tracer):
+    # Concrete indices with a repeat have raised; traced ones count a repeat once, in every
+    # implementation: the rule is applied here, before dispatch. (pisa_attention skips this
+    # pass: its selection never repeats a block.)
+    block_indices = _validation.drop_repeated_blocks(block_indices)
   return _attend(q, k, v, block_indices, segment_ids, block_size=int(block_size),
                  scale=_validation.resolve_scale(scale, d), implementation=implementation)
 

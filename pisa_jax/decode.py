@@ -264,6 +264,8 @@ _step_keeping = jax.jit(_step, static_argnames=_STATIC)
 def _check_step(q, k, v, cache, new_document) -> None:
   if not isinstance(cache, DecodeCache):
     raise TypeError(f"cache must be a DecodeCache, got {type(cache).__name__}")
+  # Before anything reads the cache (the lengths, outside jit).
+  cache.check_not_donated("decode_step")
   if new_document is not None and (getattr(new_document, "dtype", None) != jnp.bool_
                                    or tuple(new_document.shape) != (cache.batch,)):
     raise ValueError(f"new_document must be a bool array [B] = [{cache.batch}], got "
@@ -332,8 +334,9 @@ def decode_step(
       step reports it as an error. Grow ahead of the
       step from a host-side count instead (`bucket_capacity` says which capacity a count needs).
     donate: outside `jit`, update the cache's buffers in place: the `cache` passed in is
-      consumed (use the returned one). False keeps it valid at the price of a full copy of the
-      cache per step. Under `jit`, donate the cache to the jitted function instead.
+      consumed (use the returned one; passing it again raises a ValueError that says so). False
+      keeps it valid at the price of a full copy of the cache per step. Under `jit`, donate the
+      cache to the jitted function instead.
 
   Returns:
     (out, cache), or (out, cache, indices) with `return_indices`: out `[B, 1, HQ, D]` in q's

@@ -183,6 +183,7 @@ class DecodeCache:
     """
     if not _validation._is_int(min_capacity):
       raise ValueError(f"{min_capacity=} must be an int")
+    self.check_not_donated("DecodeCache.grow")
     if min_capacity <= self.capacity:
       return self
     if not self.growable:
@@ -199,6 +200,23 @@ class DecodeCache:
     k, v, summaries = _grow(self.k, self.v, self.summaries, capacity=capacity,
                             block_size=self.block_size, branching=self.branching)
     return dataclasses.replace(self, k=k, v=v, summaries=summaries)
+
+  def check_not_donated(self, caller: str) -> None:
+    """Raises ValueError if a buffer of this cache was donated to an earlier call and deleted.
+
+    decode_step donates the cache it is given (donate=True): the cache it returns holds the
+    buffers from then on. Reading a deleted one would raise jax's bare "Array has been deleted";
+    this names the cause. A few microseconds of Python, nothing beside a step's dispatch; traced
+    fields (under `jit`) and host arrays have no device buffers and are skipped.
+    """
+    for name in ("k", "v", "summaries", "lengths"):
+      x = getattr(self, name)
+      if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted():
+        raise ValueError(
+            f"{caller}: cache.{name} was deleted because this cache was donated to an earlier "
+            "decode_step (donate=True, the default) or to a jit with donate_argnames: use the "
+            "cache that call returned (out, cache = decode_step(q, k, v, cache)), or pass "
+            "donate=False to keep this one valid (a full copy of the cache per step)")
 
   def _check_tokens(self, x, name: str, seq_len: int | None) -> None:
     """x `[B, T, HKV, D]` in the cache dtype (T = seq_len when given)."""

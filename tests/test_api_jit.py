@@ -13,6 +13,7 @@ import pytest
 from jax.experimental import checkify
 
 import pisa_jax
+from pisa_jax import testing
 
 T, HQ, HKV, D, C, K = 96, 4, 2, 16, 16, 4
 
@@ -111,10 +112,10 @@ def test_checkify_reports_invalid_indices_under_jit(implementation):
     pisa_jax.sparse_attention(q, k, v, out_of_range, block_size=C, implementation=implementation)
 
 
-def test_unchecked_invalid_indices_do_what_the_docstrings_say():
+def test_unchecked_out_of_range_indices_do_what_the_docstrings_say():
   q, k, v = make_qkv(seed=1)
   idx = indices(q, k)
-  out_of_range, repeated = invalid_indices(idx)
+  out_of_range, _ = invalid_indices(idx)
   ignored = out_of_range.at[0, 70, 1, 1].set(-1)
   attend = {(impl, masked): jax.jit(functools.partial(
       _attend, implementation=impl, masked=masked)) for impl, masked in
@@ -123,19 +124,57 @@ def test_unchecked_invalid_indices_do_what_the_docstrings_say():
   want = attend["xla", False](q, k, v, ignored)
   for fn in attend.values():
     np.testing.assert_allclose(fn(q, k, v, out_of_range), want, atol=1e-5)
-  # A repeated block is attended once per repetition: row 80's selection with the block twice
-  # is its softmax with that block's keys weighted double (the kernel, the masked and the
-  # gathered forms all agree, and differ from the deduplicated row).
-  outs = [np.asarray(fn(q, k, v, repeated)) for fn in attend.values()]
-  for out in outs[1:]:
-    np.testing.assert_allclose(out, outs[0], atol=1e-5)
-  clean = np.asarray(attend["xla", False](q, k, v, idx))
-  assert not np.allclose(outs[0][0, 80, :2], clean[0, 80, :2], atol=1e-3)
-  others = np.arange(T) != 80
-  np.testing.assert_allclose(outs[0][:, others], clean[:, others], atol=1e-5)
   # selection_quality ignores out-of-range entries too (it used to read a NaN mass).
   quality = jax.jit(functools.partial(pisa_jax.selection_quality, block_size=C))
   assert_same(quality(q, k, out_of_range), pisa_jax.selection_quality(q, k, ignored, block_size=C))
+
+
+def messy_indices(idx, seed):
+  """idx `[B, T, HKV, K]` (no repeats) behind K more entries per row: copies of the row's own
+  entries (its blocks again, repeats among them), -1, and out-of-range values, repeated too. The
+  row still names exactly idx's blocks, so under the rule it attends what idx does."""
+  rng = np.random.default_rng(seed)
+  extra = np.take_along_axis(idx, rng.integers(0, idx.shape[-1], idx.shape), axis=-1)
+  noise = rng.choice(np.array([-1, -7, T // C + 3]), idx.shape)
+  extra = np.where(rng.random(idx.shape) < 0.25, noise, extra)
+  messy = np.concatenate([extra, idx], axis=-1)
+  # The premise of the test: most rows repeat a block.
+  srt = np.sort(messy, axis=-1)
+  assert np.mean(np.any((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0), axis=-1)) > 0.5
+  return messy
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_unchecked_repeated_blocks_count_once(implementation, packed):
+  # Under jit, an entry equal to an earlier one of its row is ignored like -1: the output and the
+  # gradients equal those of the same rows without the repeats (and without the -1 and
+  # out-of-range entries mixed among them).
+  q, k, v = make_qkv(seed=3)
+  seg = jnp.asarray(np.repeat([0, 1, 2], [37, 16, 43])[None].astype(np.int32)) if packed else None
+  idx = testing.random_block_indices(3, T, HKV, K, C)
+  messy = messy_indices(idx, seed=4)
+  # The same blocks, no repeats: -1 where messy has its extra entries (one shape, one compile).
+  clean = np.concatenate([np.full_like(idx, -1), idx], axis=-1)
+  w = jax.random.normal(jax.random.key(5), q.shape)
+
+  @jax.jit
+  def loss_and_grads(q, k, v, idx):
+    def loss(q, k, v):
+      out = pisa_jax.sparse_attention(q, k, v, idx, block_size=C, segment_ids=seg,
+                                      implementation=implementation)
+      return jnp.sum(out * w), out
+    return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+
+  (_, want), want_grads = loss_and_grads(q, k, v, clean)
+  (_, got), got_grads = loss_and_grads(q, k, v, messy)
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+  for name, g, h in zip("qkv", got_grads, want_grads):
+    np.testing.assert_allclose(g, h, atol=1e-5, rtol=1e-5, err_msg=f"d{name}")
+  # Eagerly the same indices still raise.
+  with pytest.raises(ValueError, match="must lie in"):
+    pisa_jax.sparse_attention(q, k, v, messy, block_size=C, segment_ids=seg,
+                              implementation=implementation)
 
 
 def _attend(q, k, v, idx, *, implementation, masked):

@@ -210,8 +210,14 @@ def test_eager_steps_grow_the_cache_between_buckets(implementation):
     out, cache, idx = decode_step(take(q), take(k), take(v), cache, top_k=4,
                                   implementation=implementation, return_indices=True)
     if step == 0:
-      # Donation: the step consumed the cache it was given (its buffers were updated in place).
+      # Donation: the step consumed the cache it was given (its buffers were updated in place),
+      # and using it again says so instead of jax's bare "Array has been deleted".
       assert before.k.is_deleted()
+      with pytest.raises(ValueError, match=r"decode_step: cache.k was deleted because this "
+                                           r"cache was donated.*donate=False"):
+        decode_step(take(q), take(k), take(v), before, top_k=4, implementation=implementation)
+      with pytest.raises(ValueError, match=r"DecodeCache.grow: cache.k was deleted .*donated"):
+        before.grow(1000)
     capacities.append(cache.capacity)
     outs.append(out[:, 0])
     idxs.append(idx[:, 0])
