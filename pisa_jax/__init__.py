@@ -29,6 +29,8 @@ Decoding (Section 3.3 "Decoding", Appendix B "Decode cache"):
 """
 
 import importlib
+import sys
+import types
 
 # Names are imported on first use (PEP 562), so `import pisa_jax.configs` or a command line's
 # argument parser does not pay for jax: a tool checks its arguments before importing the library.
@@ -84,3 +86,17 @@ def __getattr__(name: str):
 
 def __dir__():
   return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+  """The package's module type. Importing the submodule `pisa_jax.generate` binds it as the
+  package's attribute `generate`, which would hide the function of that name from a lazy
+  `__getattr__`: such a binding keeps the public name, as the eager `from ... import` did."""
+
+  def __setattr__(self, name, value):
+    if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == value.__name__:
+      value = getattr(value, name)
+    super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

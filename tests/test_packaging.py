@@ -30,3 +30,16 @@ def test_pisa_demo_is_the_readme_main_job():
   run_sh = (ROOT / "run.sh").read_text()
   module, _ = scripts["pisa-demo"].split(":")
   assert f"-m {module} " in run_sh, f"./run.sh demo must run pisa-demo's module {module}"
+
+
+def test_public_names_survive_the_import_of_their_submodule():
+  # `pisa_jax.generate` is both a submodule and the function it defines; importing the one must
+  # not hide the other (names are imported on first use).
+  import importlib
+  import sys
+
+  import pisa_jax
+
+  module = importlib.import_module("pisa_jax.generate")
+  assert sys.modules["pisa_jax.generate"] is module
+  assert pisa_jax.generate is module.generate
