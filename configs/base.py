@@ -15,7 +15,7 @@ import types
 import typing
 from typing import Any
 
-from pisa_jax import _validation
+from pisa_jax import _checks
 from pisa_jax.models.config import (
     ATTENTION_KINDS,
     COMPUTE_DTYPES,
@@ -43,8 +43,8 @@ class DataConfig:
   # (True) or token 0 (False, no distractors).
   mqar_random_filler: bool = True
   # Token files: cut attention (and the loss) at each <|endoftext|>, with RoPE positions restarting
-  # per document (`pisa_jax.train.data` gives the rule). Sparse attention then needs
-  # model.attention_implementation="xla" (or None off a GPU): the kernels take no documents yet.
+  # per document (`pisa_jax.train.data` gives the rule). Sparse attention takes the documents as
+  # `segment_ids` on both implementations, the jnp reference and the Pallas kernels.
   packing: bool = False
 
 
@@ -198,13 +198,14 @@ def validate(config: Config) -> Config:
   if m.remat not in REMAT_POLICIES:
     raise ValueError(f"model.remat={m.remat!r} must be one of {REMAT_POLICIES}")
   if m.attention in SPARSE_ATTENTION_KINDS:
-    # The library's own argument checks, naming the config fields.
-    _validation.check_block_size(m.block_size, name="model.block_size")
-    _validation.check_top_k(m.top_k, name="model.top_k")
-    _validation.check_branching(m.branching, name="model.branching")
-    _validation.check_beam(m.beam, m.top_k, m.attention, name="model.beam",
+    # The library's own argument checks (jax-free: a tool reports a bad field before importing
+    # jax), naming the config fields.
+    _checks.check_block_size(m.block_size, name="model.block_size")
+    _checks.check_top_k(m.top_k, name="model.top_k")
+    _checks.check_branching(m.branching, name="model.branching")
+    _checks.check_beam(m.beam, m.top_k, m.attention, name="model.beam",
                            top_k_name="model.top_k", selector_name="model.attention")
-    _validation.check_implementation(m.attention_implementation,
+    _checks.check_implementation(m.attention_implementation,
                                      name="model.attention_implementation")
     if m.block_size > t.seq_len:
       raise ValueError(

@@ -86,3 +86,4 @@ def __getattr__(name: str):
 
 def __dir__():
   return sorted(set(globals()) | set(__all__))
+

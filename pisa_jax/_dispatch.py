@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import jax
 
-IMPLEMENTATIONS = ("xla", "pallas")
+from pisa_jax._checks import IMPLEMENTATIONS
 
 _REGISTRY: dict[str, dict[str, Callable]] = {}
 

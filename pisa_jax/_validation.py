@@ -15,13 +15,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from pisa_jax import _dispatch
-
-SELECTORS = ("pisa", "pisa1", "pisa2", "bsa", "exact")
-# Selectors that walk the pyramid; "bsa" and "exact" are flat.
-HIERARCHICAL_SELECTORS = ("pisa", "pisa1", "pisa2")
-# Forced blocks per query: the first, the previous and the current leaf block (Appendix B).
-NUM_FORCED = 3
+# The checks that need no array live in `_checks` (importable without jax); they are part of
+# this module's interface too.
+from pisa_jax._checks import (  # noqa: F401
+    HIERARCHICAL_SELECTORS,
+    NUM_FORCED,
+    SELECTORS,
+    _is_int,
+    check_beam,
+    check_block_size,
+    check_branching,
+    check_implementation,
+    check_selector,
+    check_top_k,
+    resolve_beam,
+)
 
 # Whether value checks on traced arrays are part of the traced computation. A `debug_check`
 # puts a checkify error effect in the jaxpr even when nothing discharges it, and an effectful
@@ -107,61 +115,6 @@ def check_static(function: str, **options) -> None:
           f"but it fixes shapes or compiled code and must be a Python value. Mark it static, "
           f"jax.jit({function}, static_argnames={tuple(options)}), or bind it before jitting, "
           f"functools.partial({function}, {name}=...)")
-
-
-def _is_int(x) -> bool:
-  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-# `name` is how the caller's user spells the argument: "top_k" for a function argument,
-# "model.top_k" for a config field (`pisa_jax.configs.validate` calls these same checks).
-
-
-def check_block_size(block_size, *, name: str = "block_size") -> None:
-  if not _is_int(block_size) or block_size < 1:
-    raise ValueError(f"{name}={block_size!r} must be an int >= 1")
-
-
-def check_branching(branching, *, name: str = "branching") -> None:
-  if not _is_int(branching) or branching < 2:
-    raise ValueError(
-        f"{name}={branching!r} must be an int >= 2: each upper node merges at least two children")
-
-
-def check_top_k(top_k, *, name: str = "top_k") -> None:
-  if not _is_int(top_k) or top_k < NUM_FORCED:
-    raise ValueError(
-        f"{name}={top_k!r} must be an int >= 3: the first, previous and current blocks are forced")
-
-
-def check_selector(selector, *, name: str = "selector") -> None:
-  if selector not in SELECTORS:
-    raise ValueError(f"{name}={selector!r} is unknown: expected one of {SELECTORS}")
-
-
-def check_beam(beam, top_k: int, selector: str, *, name: str = "beam",
-               top_k_name: str = "top_k", selector_name: str = "selector") -> None:
-  """beam: None, or an int >= top_k for a hierarchical selector."""
-  if beam is None:
-    return
-  if not _is_int(beam) or beam < top_k:
-    raise ValueError(f"{name}={beam!r} must be None or an int >= {top_k_name}={top_k}")
-  if selector not in HIERARCHICAL_SELECTORS:
-    raise ValueError(
-        f"{name}={beam!r} applies only to the hierarchical selectors {HIERARCHICAL_SELECTORS}; "
-        f"{selector_name}={selector!r} has no levels above the leaves: use {name}=None")
-
-
-def check_implementation(implementation, *, name: str = "implementation") -> None:
-  if implementation is not None and implementation not in _dispatch.IMPLEMENTATIONS:
-    raise ValueError(
-        f"{name}={implementation!r} is unknown: expected one of {_dispatch.IMPLEMENTATIONS} or None")
-
-
-def resolve_beam(beam, top_k: int, selector: str) -> int:
-  """`beam=None` keeps top_k nodes at every level, the paper's rule."""
-  check_beam(beam, top_k, selector)
-  return top_k if beam is None else int(beam)
 
 
 def resolve_scale(scale, head_dim: int) -> float:

@@ -10,15 +10,15 @@ from __future__ import annotations
 import argparse
 import time
 
-import jax
-import jax.numpy as jnp
-from tqdm import tqdm
-
-import pisa_jax
+from pisa_jax import _checks
+from pisa_jax._command_line import ArgumentParser
 
 
 def planted_inputs(seq_len: int, num_q_heads: int, num_kv_heads: int, head_dim: int, seed: int):
   """q, k, v `[1, T, H, D]` where a few key blocks share a direction with the queries."""
+  import jax
+  import jax.numpy as jnp
+
   kq, kk, kv, kd, kb = jax.random.split(jax.random.key(seed), 5)
   q = jax.random.normal(kq, (1, seq_len, num_q_heads, head_dim))
   k = jax.random.normal(kk, (1, seq_len, num_kv_heads, head_dim))
@@ -32,12 +32,27 @@ def planted_inputs(seq_len: int, num_q_heads: int, num_kv_heads: int, head_dim: 
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__)
-  parser.add_argument("--seq-len", type=int, default=2048)
-  parser.add_argument("--block-size", type=int, default=64)
-  parser.add_argument("--top-k", type=int, default=8)
+  parser = ArgumentParser(prog="pisa-tour", description=__doc__,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--seq-len", type=int, default=2048, help="tokens T (>= 1)")
+  parser.add_argument("--block-size", type=int, default=64, help="keys per leaf block C")
+  parser.add_argument("--top-k", type=int, default=8, help="blocks per query K (>= 3)")
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(argv)
+  if args.seq_len < 1:
+    parser.error(f"--seq-len={args.seq_len} must be >= 1")
+  try:
+    _checks.check_block_size(args.block_size, name="--block-size")
+    _checks.check_top_k(args.top_k, name="--top-k")
+  except ValueError as e:
+    parser.error(str(e))
+  # Imported once the arguments are known good: a mistake costs no jax start-up.
+  import jax
+  import jax.numpy as jnp
+  from tqdm import tqdm
+
+  import pisa_jax
+
   q, k, v = planted_inputs(args.seq_len, 8, 2, 64, args.seed)
   dense = jax.nn.dot_product_attention(q, k, v, is_causal=True)
   print(f"T={args.seq_len}, 8 query heads / 2 KV heads, D=64, block_size={args.block_size}, "

@@ -41,6 +41,9 @@ def test_default_folder_that_cannot_be_made_runs_uncached(tmp_path, capsys):
 
 
 def test_a_tool_rejects_a_bad_value_before_any_work(tmp_path, monkeypatch, capsys):
+  from pisa_jax.configs import get_config
+
+  (tmp_path / "config.json").write_text(get_config("tiny").to_json())  # a run folder's marker
   monkeypatch.setenv("PISA_COMPILATION_CACHE", "")
   with pytest.raises(SystemExit) as exit_info:
     generate.main(["--workdir", str(tmp_path), "--prompt", "hi"])

@@ -208,6 +208,52 @@ def test_selection_on_arrays_from_an_npz(evaluated, tmp_path):
   np.testing.assert_allclose(pisa["recall"], np.mean(want), rtol=1e-6)
 
 
+def test_ctrl_c_keeps_the_finished_parts_whole_and_says_how_to_finish(evaluated, tmp_path,
+                                                                     capsys, monkeypatch):
+  import os
+  import signal
+
+  from pisa_jax.train.evaluation import report
+
+  saved, _ = evaluated
+  result = {**saved, "parts": {}}
+  real_plots = report.write_plots
+
+  def plots_under_ctrl_c(result, out):
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while ppl's files are being written
+    return real_plots(result, out)
+
+  def interrupted():
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(report, "write_plots", plots_under_ctrl_c)
+  run = {"ppl": lambda: dict(saved["parts"]["ppl"]), "mqar": interrupted,
+         "selection": interrupted}
+  assert cli._run_parts(run, result, tmp_path, report) == 130
+  err = capsys.readouterr().err
+  assert err.strip() == (
+      f"pisa-eval: interrupted during mqar: {tmp_path / 'eval.json'} keeps ppl of this run; "
+      f"rerun with --suite mqar,selection to finish (parts already in eval.json from the same "
+      f"checkpoint are kept)"), err
+  # The Ctrl-C waited for ppl's files: eval.json, eval.md and the plot are whole.
+  assert list(json.loads((tmp_path / "eval.json").read_text())["parts"]) == ["ppl"]
+  assert sorted(os.listdir(tmp_path)) == ["eval.json", "eval.md", "ppl.png"]
+  assert "## ppl" in (tmp_path / "eval.md").read_text()
+  # Nothing written yet: the command says so, with status 130.
+  monkeypatch.setattr(report, "write_plots", real_plots)
+  from pisa_jax.train.evaluation import selection
+  monkeypatch.setattr(selection, "run_on_arrays", lambda *a, **kw: interrupted())
+  good = np.zeros((1, 1, 16, 2, 8), np.float32)
+  out = tmp_path / "arrays"
+  assert cli.main(["--npz", _npz(tmp_path / "qk.npz", q=good, k=good), "--out", str(out),
+                   "--block-size", "4", "--top-k", "4"]) == 130
+  assert capsys.readouterr().err.strip() == (
+      f"pisa-eval: interrupted during selection: nothing of this run was written to {out}; "
+      f"rerun with --suite selection to finish (parts already in eval.json from the same "
+      f"checkpoint are kept)")
+  assert os.listdir(out) == []
+
+
 def test_compare_puts_runs_in_one_table(evaluated, tiny_run, tmp_path, capsys):
   out = tmp_path / "arrays"
   rng = np.random.default_rng(2)
@@ -399,7 +445,11 @@ def test_bad_input_is_one_line_naming_it(tiny_run, text, tmp_path, capsys):
 
   good = np.zeros((1, 1, 16, 2, 8), np.float32)
   npz = ["--out", str(tmp_path / "out")]
-  fails(["--npz", str(tmp_path / "missing.npz")] + npz, r"--npz: .* not a readable \.npz")
+  fails(["--npz", str(tmp_path / "missing.npz")] + npz, r"--npz: .*missing\.npz does not exist")
+  (tmp_path / "notes.txt").write_text("not arrays")
+  fails(["--npz", str(tmp_path / "notes.txt")] + npz,
+        r"--npz: .*notes\.txt is not an \.npz file \(it is not a zip archive\); expected an "
+        r"\.npz archive \(np\.savez\) of q \[L, B, T, HQ, D\] and k")
   fails(["--npz", _npz(tmp_path / "a.npz", q=good)] + npz, r"--npz: .* has no array 'k'")
   fails(["--npz", _npz(tmp_path / "b.npz", q=good[0], k=good)] + npz,
         r"--npz: q has shape \(1, 16, 2, 8\), rank 4; expected rank 5")

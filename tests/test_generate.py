@@ -314,6 +314,32 @@ def test_cli_mistakes_are_one_line_naming_the_argument(tiny_run, tmp_path, capsy
   fails(["--prompt", "1"], "--workdir")
 
 
+@needs_bpe
+def test_corrupt_checkpoints_are_reported_without_advice_to_delete(tiny_run, tmp_path, capsys):
+  import shutil
+
+  from pisa_jax.train import generate as cli
+
+  run = tmp_path / "run"
+  shutil.copytree(tiny_run, run)
+  for step_dir in (run / "checkpoints").iterdir():
+    if step_dir.name.isdigit():
+      path = max((p for p in (step_dir / "state").rglob("*") if p.is_file()),
+                 key=lambda p: p.stat().st_size)
+      data = bytearray(path.read_bytes())
+      data[len(data) // 2] ^= 0x01
+      path.write_bytes(bytes(data))
+  before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+  assert cli.main(["--workdir", str(run), "--prompt", "1+1="]) == 1
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and err.startswith("pisa-generate: error: no checkpoint in "), err
+  assert re.search(r"passes its checksums \(2: \S+ does not match its checksum\); nothing was "
+                   r"read or changed\. If pisa-train is still writing this run, wait for its "
+                   r"next checkpoint; otherwise .* copy the run's checkpoints again", err), err
+  assert "delete" not in err and "start over" not in err
+  assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
 def test_the_prefill_lowers_each_kernel_once_whatever_the_depth(captured, monkeypatch):
   # The layers are scanned: a deeper model adds no Pallas call site to the compiled prefill
   # (XLA compiles each call site's Triton module on its own, ~1 s apiece on the H200).

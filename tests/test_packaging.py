@@ -30,3 +30,19 @@ def test_pisa_demo_is_the_readme_main_job():
   run_sh = (ROOT / "run.sh").read_text()
   module, _ = scripts["pisa-demo"].split(":")
   assert f"-m {module} " in run_sh, f"./run.sh demo must run pisa-demo's module {module}"
+
+
+
+def test_public_functions_are_not_shadowed_by_submodules():
+  # Names are imported on first use: a submodule of the same name would take the package
+  # attribute once imported, so no public name is also a submodule's name.
+  import importlib
+  import pkgutil
+
+  import pisa_jax
+
+  submodules = {m.name for m in pkgutil.iter_modules(pisa_jax.__path__)}
+  assert not submodules & set(pisa_jax.__all__)
+  for module in submodules - {"demo"}:
+    importlib.import_module(f"pisa_jax.{module}")
+  assert callable(pisa_jax.generate) and pisa_jax.generate.__module__ == "pisa_jax.generation"

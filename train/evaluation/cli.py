@@ -26,17 +26,23 @@ earlier on the same checkpoint are kept. --compare reads the eval.json of runs (
 its eval folder or the file) and writes one table across them to stdout and --out/compare.md.
 
 A mistake ends in one line on stderr: exit status 2 for a bad argument or input (one that names
-it), 1 for a checkpoint, tokenizer or haystack that cannot be read, 130 for Ctrl-C.
+it), 1 for a checkpoint, tokenizer or haystack that cannot be read. Ctrl-C ends it with status
+130 and a line naming the parts kept in eval.json (each is saved whole as it finishes) and the
+--suite that finishes the rest.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
-from pisa_jax.train import compilation_cache
+from pisa_jax._command_line import ArgumentParser, deferred_interrupt
+from pisa_jax.train import compilation_cache, restore
+from pisa_jax.train.evaluation import arguments
+from pisa_jax.train.evaluation.arguments import EvalArgumentError
 
 PROG = "pisa-eval"
 SUITES = ("ppl", "ruler", "mqar", "selection")
@@ -49,12 +55,6 @@ DEFAULT_BEAM_FACTORS = (1.0, 2.0)
 OPTION_SUITES = {"data": ("ppl", "selection"), "mqar_pairs": ("mqar",),
                  "top_k": ("selection",), "block_size": ("selection",),
                  "beam_factors": ("selection",)}
-
-
-class _Parser(argparse.ArgumentParser):
-  def error(self, message: str):
-    print(f"{PROG}: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def _ints(text: str, *, increasing: bool = False) -> list[int]:
@@ -108,8 +108,8 @@ def _positive(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = _Parser(prog=PROG, description=__doc__,
-                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = ArgumentParser(prog=PROG, description=__doc__,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
   what = parser.add_mutually_exclusive_group(required=True)
   what.add_argument("--workdir", type=Path, help="the run folder of pisa-train")
   what.add_argument("--compare", nargs="+", type=Path, metavar="RUN",
@@ -180,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     args.beam_factors = list(DEFAULT_BEAM_FACTORS)
   if args.seed is None:
     args.seed = 0
+  try:
+    arrays = _check_before_jax(args)
+  except EvalArgumentError as e:
+    parser.error(str(e))
   if not args.compare:  # --compare reads result files and compiles nothing
     compilation_cache.enable_for(parser)
   # Imported once the arguments are known good: a mistake costs no JAX start-up.
@@ -188,11 +192,12 @@ def main(argv: list[str] | None = None) -> int:
   try:
     if args.compare:
       return _compare(args, report)
-    return _evaluate(args, common, report)
+    return _evaluate(args, arrays, common, report)
   except KeyboardInterrupt:
-    print(f"\n{PROG}: interrupted", file=sys.stderr)
+    print(f"\n{PROG}: interrupted before any part ran: nothing was written; rerun the same "
+          f"command", file=sys.stderr)
     return 130
-  except common.EvalArgumentError as e:
+  except EvalArgumentError as e:
     parser.error(str(e))
   except (ValueError, OSError) as e:
     # Corrupt or incompatible checkpoints, a missing tokenizer or haystack file.
@@ -200,31 +205,44 @@ def main(argv: list[str] | None = None) -> int:
     return 1
 
 
+def _check_before_jax(args):
+  """What can be checked without a model: --workdir is a run folder, the arrays of --npz, the
+  selection flags given. Returns --npz's (q, k) (else None); raises EvalArgumentError."""
+  if args.workdir is not None:
+    try:
+      restore.read_run_config(args.workdir)
+    except restore.NoCheckpointError as e:
+      raise EvalArgumentError(f"--{e}") from None
+  if args.top_k is not None or args.block_size is not None:
+    arguments.check_selection_options(block_size=args.block_size, top_ks=args.top_k or [],
+                                       beam_factors=args.beam_factors, lengths=args.lengths)
+  if args.npz is None:
+    return None
+  q, k = arguments.load_npz(args.npz)
+  if args.lengths and args.lengths[-1] > q.shape[2]:
+    raise EvalArgumentError(f"--lengths: {args.lengths[-1]} exceeds the arrays' T = "
+                            f"{q.shape[2]} (--npz; each length is a prefix)")
+  return q, k
+
+
 def restore_model(workdir: Path):
   """`pisa_jax.train.restore.restore_model`, its missing-run error as a bad --workdir."""
-  from pisa_jax.train import restore
-  from pisa_jax.train.evaluation.common import EvalArgumentError
-
   try:
     return restore.restore_model(workdir)
   except restore.NoCheckpointError as e:
     raise EvalArgumentError(f"--{e}") from None
 
 
-def _evaluate(args, common, report) -> int:
+def _evaluate(args, arrays, common, report) -> int:
   from pisa_jax.train.evaluation import mqar, needles, perplexity, selection
 
   progress = not args.no_progress
   if args.npz:
-    q, k = selection.load_npz(args.npz)
-    seq_len = q.shape[2]
-    lengths = args.lengths or [seq_len]
-    if lengths[-1] > seq_len:
-      raise common.EvalArgumentError(f"--lengths: {lengths[-1]} exceeds the arrays' T = "
-                                     f"{seq_len} (--npz; each length is a prefix)")
+    q, k = arrays
+    lengths = args.lengths or [q.shape[2]]
     opts = dict(block_size=args.block_size or NPZ_BLOCK_SIZE, top_ks=args.top_k or [NPZ_TOP_K],
                 beam_factors=args.beam_factors)
-    selection.check_options(lengths=lengths, **opts)
+    arguments.check_selection_options(lengths=lengths, **opts)
     result = _new_result(common, None, None)
     run = {"selection": lambda: selection.run_on_arrays(q, k, path=str(args.npz),
                                                         lengths=lengths, progress=progress,
@@ -250,7 +268,7 @@ def _evaluate(args, common, report) -> int:
   if "selection" in args.suite:
     opts = dict(block_size=args.block_size or config.model.block_size,
                 top_ks=args.top_k or [config.model.top_k], beam_factors=args.beam_factors)
-    selection.check_options(lengths=lengths, **opts)
+    arguments.check_selection_options(lengths=lengths, **opts)
 
   out = args.out or args.workdir / "eval"
   result = _new_result(common, {"workdir": str(args.workdir), "step": step}, config.to_dict())
@@ -260,8 +278,8 @@ def _evaluate(args, common, report) -> int:
   def ruler_part():
     part, records = needles.run_ruler(model, config, batch_size=batch, **kw)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / part["predictions"], "w") as f:
-      f.writelines(json.dumps(r) + "\n" for r in records)
+    with deferred_interrupt():
+      _write_whole(out / part["predictions"], "".join(json.dumps(r) + "\n" for r in records))
     return part
 
   run = {
@@ -294,25 +312,53 @@ def _run_parts(run: dict, result: dict, out: Path, report) -> int:
     if kept:
       print(f"kept {', '.join(kept)} from the earlier {out / 'eval.json'} (same checkpoint)")
     result["parts"].update(kept)
-  for name, part_fn in run.items():
-    part = part_fn()
-    part.update(commit=result["commit"], date=result["date"])
-    result["parts"][name] = part
-    result["parts"] = {k: result["parts"][k] for k in report.PARTS if k in result["parts"]}
-    paths = _save(result, out, report)
-    label = Path(result["checkpoint"]["workdir"]).name if result["checkpoint"] else "arrays"
-    body = (report.ruler_markdown(part, label) if name == "ruler" else
-            {"ppl": report.ppl_markdown, "mqar": report.mqar_markdown,
-             "selection": report.selection_markdown}[name](part))
-    print(f"\n## {name} ({part['wall_seconds']:.1f} s)\n\n{body}\n", flush=True)
+  done: list[str] = []
+  try:
+    for name, part_fn in run.items():
+      part = part_fn()
+      part.update(commit=result["commit"], date=result["date"])
+      result["parts"][name] = part
+      result["parts"] = {k: result["parts"][k] for k in report.PARTS if k in result["parts"]}
+      with deferred_interrupt():  # a part is in eval.json whole, or not at all
+        paths = _save(result, out, report)
+        done.append(name)
+      label = Path(result["checkpoint"]["workdir"]).name if result["checkpoint"] else "arrays"
+      body = (report.ruler_markdown(part, label) if name == "ruler" else
+              {"ppl": report.ppl_markdown, "mqar": report.mqar_markdown,
+               "selection": report.selection_markdown}[name](part))
+      print(f"\n## {name} ({part['wall_seconds']:.1f} s)\n\n{body}\n", flush=True)
+  except KeyboardInterrupt:
+    print(f"\n{_interrupted_line(list(run), done, out)}", file=sys.stderr)
+    return 130
   print(f"wrote {', '.join(str(p) for p in paths)}")
   return 0
 
 
+def _interrupted_line(parts: list[str], done: list[str], out: Path) -> str:
+  """What an interrupted evaluation kept, and the command line that finishes it."""
+  left = [name for name in parts if name not in done]
+  kept = (f"{out / 'eval.json'} keeps {', '.join(done)} of this run" if done else
+          f"nothing of this run was written to {out}")
+  return (f"{PROG}: interrupted during {left[0]}: {kept}; rerun with --suite {','.join(left)} "
+          f"to finish (parts already in eval.json from the same checkpoint are kept)")
+
+
+def _write_whole(path: Path, text: str) -> None:
+  """Writes `path` through a temporary file renamed over it: it is never half-written."""
+  partial = path.with_name(f".{path.name}.partial")
+  try:
+    partial.write_text(text)
+    os.replace(partial, path)
+  finally:
+    partial.unlink(missing_ok=True)
+
+
 def _save(result: dict, out: Path, report) -> list[Path]:
-  (out / "eval.json").write_text(json.dumps(result, indent=1) + "\n")
-  (out / "eval.md").write_text(report.markdown(result))
-  return [out / "eval.json", out / "eval.md"] + report.write_plots(result, out)
+  _write_whole(out / "eval.md", report.markdown(result))
+  plots = report.write_plots(result, out)
+  # Last: eval.json names the parts that are complete.
+  _write_whole(out / "eval.json", json.dumps(result, indent=1) + "\n")
+  return [out / "eval.json", out / "eval.md"] + plots
 
 
 def _read_json(path: Path) -> dict | None:
@@ -323,8 +369,6 @@ def _read_json(path: Path) -> dict | None:
 
 
 def _compare(args, report) -> int:
-  from pisa_jax.train.evaluation.common import EvalArgumentError
-
   labelled = []
   for given in args.compare:
     candidates = [given] if given.suffix == ".json" else [given / "eval" / "eval.json",

@@ -14,15 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from pisa_jax.models.decoder import output_logits
+# The error every part raises for a bad argument (defined where the checks without jax live).
+from pisa_jax.train.evaluation.arguments import EvalArgumentError
 
 # The paper's evaluation lengths (Table 3, Appendix C.2).
 PAPER_LENGTHS = (1024, 2048, 4096, 8192, 16384)
 # float32 logits per chunk of the output projection: [batch, chunk, Vp] stays near 256 MiB.
 _LOGIT_ELEMENTS = 1 << 26
-
-
-class EvalArgumentError(ValueError):
-  """A bad argument or input; the message starts with its name (`--lengths: ...`)."""
 
 
 def model_context(config, context: int | None) -> tuple[int, str]:

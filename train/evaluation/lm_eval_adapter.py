@@ -6,11 +6,11 @@
 How lm-eval finds the model. lm-eval 0.4.13 resolves `--model NAME` in its model registry, which
 holds the names its own `lm_eval.models` maps and whatever the running process has registered with
 `lm_eval.api.registry.register_model`. It reads no entry points and has no plugin hook, so no line
-in pyproject can make the plain `lm_eval` command see a model of another package. Running this
-module with `python -m` imports it, which registers `PisaLM` as "pisa-jax", and then hands the
-arguments, unchanged, to lm-eval's own command line (`lm_eval.__main__.cli_evaluate`): every
-option of `lm_eval` (and of `lm_eval run`, `lm_eval ls tasks`, ...) works with its own meaning.
-From Python, importing the module is enough:
+in pyproject can make the plain `lm_eval` command see a model of another package. `pisa-lm-eval`
+(`pisa_jax.train.evaluation.lm_eval_cli`; `python -m` on this module runs the same) parses the
+arguments with lm-eval's own command line, imports this module, which registers `PisaLM` as
+"pisa-jax", and runs lm-eval: every option of `lm_eval` (and of `lm_eval run`,
+`lm_eval ls tasks`, ...) works with its own meaning. From Python, importing the module is enough:
 
   import lm_eval
   from lm_eval.tasks import TaskManager
@@ -73,11 +73,12 @@ HF_HOME to move its cache.
 from __future__ import annotations
 
 if __name__ == "__main__":
-  # `python -m` runs this file as `__main__`: the model is registered by the module under its own
-  # name, once (a second copy of the class under "pisa-jax" would be refused by lm-eval).
+  # `python -m` runs this file as `__main__`: the command line imports the module under its own
+  # name, which registers the model once (a second copy of the class under "pisa-jax" would be
+  # refused by lm-eval), and this copy ends here, before jax is imported.
   import sys
 
-  from pisa_jax.train.evaluation.lm_eval_adapter import main
+  from pisa_jax.train.evaluation.lm_eval_cli import main
 
   sys.exit(main())
 
@@ -85,7 +86,6 @@ import dataclasses
 import functools
 import json
 import logging
-import sys
 from pathlib import Path
 
 import jax
@@ -103,10 +103,9 @@ except ImportError as e:
   raise ImportError(f"the pisa-jax lm-eval model needs lm-eval==0.4.13: pip install -e '.[eval]' "
                     f"({e})") from None
 
-from pisa_jax import _validation
+from pisa_jax import _checks
 from pisa_jax.generation import PAD, generate_stream
 from pisa_jax.models.decoder import output_logits
-from pisa_jax.train import compilation_cache
 from pisa_jax.train.restore import restore_model
 from pisa_jax.train.tokenizer import EOT_TOKEN, VOCAB_SIZE, gpt2_encoding
 
@@ -176,7 +175,7 @@ class PisaLM(TemplateLM):
     if isinstance(seed, bool) or not isinstance(seed, int):
       raise ValueError(f"seed={seed!r} must be an int")
     self.seed = seed
-    _validation.check_implementation(implementation, name="implementation")
+    _checks.check_implementation(implementation, name="implementation")
     if max_length is not None:
       max_length = _positive_int(max_length, "max_length", "(tokens per forward pass)")
     _check_vocab_early(self.workdir)
@@ -430,18 +429,3 @@ def _with_implementation(workdir: Path, config, model, implementation: str):
                      f"{e}") from None
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(model_config, rngs=nnx.Rngs(0))))
   return nnx.merge(graphdef, nnx.state(model))
-
-
-def main(argv: list[str] | None = None) -> None:
-  """lm-eval's command line with "pisa-jax" registered; argv (default: sys.argv[1:]) is exactly
-  lm_eval's."""
-  from lm_eval.__main__ import cli_evaluate
-
-  try:
-    compilation_cache.enable(prog="pisa-lm-eval")
-  except ValueError as e:
-    print(f"pisa-lm-eval: error: {e}", file=sys.stderr)
-    raise SystemExit(2) from None
-  # lm-eval's parser reads sys.argv itself (it inserts `run` when no subcommand is given).
-  sys.argv = ["lm_eval", *(sys.argv[1:] if argv is None else argv)]
-  cli_evaluate()

@@ -22,21 +22,17 @@ the attention uses them (L layers, B windows, T positions; HQ a multiple of HKV)
 from __future__ import annotations
 
 import time
-import zipfile
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import pisa_jax
-from pisa_jax import _validation
 from pisa_jax.models.decoder import apply_rope, compute_dtype, rope_angles
 from pisa_jax.train.evaluation import common
 
 FLAT = ("bsa", "pisa1", "pisa2")
-NPZ_LAYOUT = "q [L, B, T, HQ, D] and k [L, B, T, HKV, D]"
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -68,57 +64,6 @@ def capture_layers(model, tokens: np.ndarray) -> Iterator[tuple[jax.Array, jax.A
   for block in model.blocks:
     q, k, x = _layer(block, x, cos, sin)
     yield q, k
-
-
-def load_npz(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
-  """q `[L, B, T, HQ, D]` and k `[L, B, T, HKV, D]` of an .npz, checked; errors name the array."""
-  try:
-    archive = np.load(path, allow_pickle=False)
-  except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
-    raise common.EvalArgumentError(f"--npz: {path} is not a readable .npz file ({e})") from None
-  if not isinstance(archive, np.lib.npyio.NpzFile):
-    raise common.EvalArgumentError(f"--npz: {path} holds one array, not an .npz archive of "
-                                   f"{NPZ_LAYOUT}")
-  with archive:
-    for name in ("q", "k"):
-      if name not in archive.files:
-        raise common.EvalArgumentError(f"--npz: {path} has no array {name!r} (it holds "
-                                       f"{sorted(archive.files)}); expected {NPZ_LAYOUT}")
-    q, k = archive["q"], archive["k"]
-  for name, a, heads in (("q", q, "HQ"), ("k", k, "HKV")):
-    if a.ndim != 5:
-      raise common.EvalArgumentError(f"--npz: {name} has shape {a.shape}, rank {a.ndim}; expected "
-                                     f"rank 5 [L, B, T, {heads}, D]")
-    if not np.issubdtype(a.dtype, np.floating):
-      raise common.EvalArgumentError(f"--npz: {name} has dtype {a.dtype}; expected float16, "
-                                     f"float32 or float64")
-    if 0 in a.shape:
-      raise common.EvalArgumentError(f"--npz: {name} has shape {a.shape}: every axis needs >= 1")
-  if q.shape[:3] != k.shape[:3] or q.shape[4] != k.shape[4]:
-    raise common.EvalArgumentError(f"--npz: k has shape {k.shape} and q {q.shape}: k must share "
-                                   f"q's L, B, T and D ({NPZ_LAYOUT})")
-  if q.shape[3] % k.shape[3]:
-    raise common.EvalArgumentError(f"--npz: q has {q.shape[3]} heads, not a multiple of k's "
-                                   f"{k.shape[3]} (HQ must be a multiple of HKV)")
-  return q, k
-
-
-def check_options(*, block_size: int, top_ks: list[int], beam_factors: list[float],
-                  lengths: list[int]) -> None:
-  """The selection options, by the library's own rules, named as the command line names them."""
-  try:
-    _validation.check_block_size(block_size, name="--block-size")
-    for top_k in top_ks:
-      _validation.check_top_k(top_k, name="--top-k")
-  except ValueError as e:
-    raise common.EvalArgumentError(str(e)) from None
-  for f in beam_factors:
-    if not f >= 1:
-      raise common.EvalArgumentError(f"--beam-factors: {f} must be >= 1 (beam = factor x K, "
-                                     f"at least K)")
-  if block_size > lengths[0]:
-    raise common.EvalArgumentError(f"--block-size: {block_size} exceeds the shortest of "
-                                   f"--lengths ({lengths[0]})")
 
 
 # ----------------------------------------------------------------------------- quality
@@ -230,7 +175,8 @@ def run_on_checkpoint(model, config, *, lengths: list[int], samples: int, seed: 
 def run_on_arrays(q: np.ndarray, k: np.ndarray, *, path: str, lengths: list[int],
                   block_size: int, top_ks: list[int], beam_factors: list[float],
                   progress: bool) -> dict:
-  """`run_selection` on the layers of an .npz (`load_npz`); each length is a prefix of T."""
+  """`run_selection` on the layers of an .npz (`arguments.load_npz`); each length is a prefix
+  of T."""
 
   device = jax.devices()[0]
 

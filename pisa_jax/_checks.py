@@ -1,0 +1,72 @@
+"""The argument rules that need no array: sizes, names and options, checked in plain Python.
+
+`pisa_jax._validation` re-exports them beside the array checks; `pisa_jax.configs.validate` and
+the command-line tools call them too, before jax is imported (a mistake on a command line is
+reported at once). Every check raises ValueError naming the argument as its caller spells it
+(`name=`: "top_k" for a function argument, "model.top_k" for a config field, "--top-k" for a
+flag) and the value expected.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+SELECTORS = ("pisa", "pisa1", "pisa2", "bsa", "exact")
+# Selectors that walk the pyramid; "bsa" and "exact" are flat.
+HIERARCHICAL_SELECTORS = ("pisa", "pisa1", "pisa2")
+# Forced blocks per query: the first, the previous and the current leaf block (Appendix B).
+NUM_FORCED = 3
+# The names `implementation=` accepts (`pisa_jax._dispatch` keeps one registry per op).
+IMPLEMENTATIONS = ("xla", "pallas")
+
+
+def _is_int(x) -> bool:
+  # numbers.Integral covers Python and numpy integers without importing numpy.
+  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def check_block_size(block_size, *, name: str = "block_size") -> None:
+  if not _is_int(block_size) or block_size < 1:
+    raise ValueError(f"{name}={block_size!r} must be an int >= 1")
+
+
+def check_branching(branching, *, name: str = "branching") -> None:
+  if not _is_int(branching) or branching < 2:
+    raise ValueError(
+        f"{name}={branching!r} must be an int >= 2: each upper node merges at least two children")
+
+
+def check_top_k(top_k, *, name: str = "top_k") -> None:
+  if not _is_int(top_k) or top_k < NUM_FORCED:
+    raise ValueError(
+        f"{name}={top_k!r} must be an int >= 3: the first, previous and current blocks are forced")
+
+
+def check_selector(selector, *, name: str = "selector") -> None:
+  if selector not in SELECTORS:
+    raise ValueError(f"{name}={selector!r} is unknown: expected one of {SELECTORS}")
+
+
+def check_beam(beam, top_k: int, selector: str, *, name: str = "beam",
+               top_k_name: str = "top_k", selector_name: str = "selector") -> None:
+  """beam: None, or an int >= top_k for a hierarchical selector."""
+  if beam is None:
+    return
+  if not _is_int(beam) or beam < top_k:
+    raise ValueError(f"{name}={beam!r} must be None or an int >= {top_k_name}={top_k}")
+  if selector not in HIERARCHICAL_SELECTORS:
+    raise ValueError(
+        f"{name}={beam!r} applies only to the hierarchical selectors {HIERARCHICAL_SELECTORS}; "
+        f"{selector_name}={selector!r} has no levels above the leaves: use {name}=None")
+
+
+def check_implementation(implementation, *, name: str = "implementation") -> None:
+  if implementation is not None and implementation not in IMPLEMENTATIONS:
+    raise ValueError(
+        f"{name}={implementation!r} is unknown: expected one of {IMPLEMENTATIONS} or None")
+
+
+def resolve_beam(beam, top_k: int, selector: str) -> int:
+  """`beam=None` keeps top_k nodes at every level, the paper's rule."""
+  check_beam(beam, top_k, selector)
+  return top_k if beam is None else int(beam)
