@@ -483,3 +483,51 @@ def test_ceilings_chain_follows_the_loaded_values():
       value = s_np[node * ceilings.HKV + head].sum(axis=1)
       node = (node * 2 + (value > 0) + i) % nodes
     np.testing.assert_array_equal(np.asarray(out[head]), node)
+
+
+@pytest.mark.parametrize("preset", ["cpt-418m", "cpt-1.47b"])
+def test_long_context_and_training_configs_take_the_cpt_presets(preset):
+  # The continued-pretraining presets give their warm-up as a fraction of the steps; the
+  # benchmarks set it in steps, which must replace the fraction, not add to it.
+  import argparse
+
+  from benchmarks import long_context, training
+  spec = dict(preset=preset, attention="pisa", seq_len=16384, steps=8, warmup=2, curve_steps=0,
+              data=[], set=[])
+  config = long_context.config_for(spec)
+  assert (config.train.warmup_steps, config.train.warmup_fraction) == (1, 0.0)
+  assert (config.model.top_k, config.train.seq_len) == (32, 16384)
+  args = argparse.Namespace(preset=preset, tokens_per_step=32768, data_overrides=[], set=[])
+  config = training.config_for(args, "dense", 16384, "full_save_attention")
+  assert (config.train.warmup_steps, config.train.warmup_fraction) == (50, 0.0)
+  assert (config.model.remat, config.train.per_device_batch) == ("full_save_attention", 2)
+
+
+# Kernel names as a profile of two training steps reports them.
+_STEP_EVENTS = [("pisa_pool_g64", 1e6), ("pisa_select_two_stage_leaves", 2e6),
+                ("pisa_sparse_attention_fwd", 3e6), ("pisa_sparse_attention_dq", 4e6),
+                ("pisa_sparse_attention_dkv", 2e6), ("loop_fusion_3", 5e5),
+                ("loop_fusion_7", 5e5), ("cudnn_sdpa_fprop_sm90", 1e6)] * 2
+
+
+def test_training_kernels_summarise_a_step_by_kernel_and_group(tmp_path):
+  from benchmarks import _record, training
+  got = training.summarise_kernels(_STEP_EVENTS, steps=2)
+  assert (got["launches_per_step"], got["device_ms"]) == (8.0, 14.0), got
+  assert got["groups_ms"] == {"selection": 3.0, "attention fwd": 3.0, "attention bwd": 6.0,
+                              "cudnn attention": 1.0, "other": 1.0}, got
+  fusion = next(k for k in got["kernels"] if k["name"] == "loop_fusion")
+  assert (fusion["launches_per_step"], fusion["ms_per_step"]) == (2.0, 1.0)
+  assert got["kernels"][0]["name"] == "pisa_sparse_attention_dq"  # largest first
+  assert training.summarise_kernels([], steps=2) == {}
+  # The kernels result replots as its own kind; a training result keeps the training plot.
+  rec = _record.Recorder(training.KERNELS_NAME, {"preset": "cpt-418m"}, tmp_path / "run")
+  for kept in (True, False):
+    rec.add(attention="pisa", seq_len=16384, remat="full", indices_kept=kept, **got)
+  record = training.main(["--replot", str(rec.path), "--out", str(tmp_path / "plot")])
+  assert (tmp_path / "plot" / "training_kernels.png").stat().st_size > 0
+  table = training.table(record)
+  assert "| pisa 16384, full | 8 | 14 | 3 | 3 | 6 | 1 | 1 |" in table, table
+  assert "pisa 16384, full, no indices" in table and "pisa_select_two_stage_leaves" in table
+  with pytest.raises(SystemExit):
+    training.main(["--without-indices", "--out", str(tmp_path)])
