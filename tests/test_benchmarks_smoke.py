@@ -20,7 +20,7 @@ from pisa_jax.testing import random_block_indices
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ("selection", "attention", "layer", "training", "multi_gpu", "decode",
-           "context_parallel", "packed", "ceilings")
+           "context_parallel", "packed", "ceilings", "paper_settings")
 
 # One small fake result per script, rows as the script writes them.
 FAKE_ROWS = {
@@ -88,6 +88,19 @@ FAKE_ROWS = {
                 phase="fwd", ms=1.0, tflops=t)
            for kind, blocks in (("long", 256), ("tile", 32), ("tile", 64))
            for side, t in (("cudnn", 560.0), ("mosaic", 450.0))],
+    "paper_settings": [
+        dict(setting=f"{preset}@{n}", preset=preset, attention=a, seq_len=n, top_k=k, batch=b,
+             remat=remat, loss_chunk=chunk, compile_s=40.0, compiled_temp_gib=20.0,
+             compiled_peak_gib=30.0, tokens_per_step=b * n, step_s=b * n / t, tokens_per_s=t,
+             model_flops_per_token=3e9, mfu=0.3, timed_steps=3, last_loss=10.9)
+        for preset, n, k, b, remat, chunk, pisa, dense in (
+            ("418m", 4096, 8, 8, "none", 0, 1.3e5, 1.15e5),
+            ("cpt-418m", 65536, 32, 1, "full_save_attention", 8192, 3.6e4, 1.4e4))
+        for a, t in (("pisa", pisa), ("dense", dense))]
+        + [dict(goal="PISA / dense tokens/s, 418m@4096", setting="418m@4096", value=1.13,
+                target=1.1, met=True),
+           dict(goal="PISA / dense tokens/s, cpt-418m@65536", setting="cpt-418m@65536",
+                value=2.57, target=4.0, met=False)],
 }
 SETTINGS = {
     "selection": dict(hq=32, hkv=2, d=64, block_size=64, top_k=8, branching=2, dtype="bfloat16"),
@@ -100,6 +113,7 @@ SETTINGS = {
     "packed": dict(total=131072, min_doc=2048, max_doc=16384, hq=32, hkv=2, block_size=64,
                    documents=[16384] * 8),
     "ceilings": dict(parts=["walk", "tile"], nodes=32768, d=128, candidates=64, levels=[1, 17]),
+    "paper_settings": dict(attention=["pisa", "dense"], steps=3, warmup=1),
 }
 
 
@@ -531,3 +545,37 @@ def test_training_kernels_summarise_a_step_by_kernel_and_group(tmp_path):
   assert "pisa 16384, full, no indices" in table and "pisa_select_two_stage_leaves" in table
   with pytest.raises(SystemExit):
     training.main(["--without-indices", "--out", str(tmp_path)])
+
+
+def test_paper_settings_goals_and_table():
+  from benchmarks import paper_settings
+  rows = FAKE_ROWS["paper_settings"][:4]
+  goal = paper_settings.goal_row(paper_settings.Setting("418m", 4096, 8, 8, "none", 0), rows)
+  assert (goal["value"], goal["target"], goal["met"]) == (1.13, 1.1, True), goal
+  missing = paper_settings.goal_row(
+      paper_settings.Setting("cpt-418m", 16384, 32, 2, "none", 0), rows)
+  assert (missing["value"], missing["met"]) == (None, None)
+  table = paper_settings.table({"rows": FAKE_ROWS["paper_settings"]})
+  assert "| cpt-418m@65536 | pisa | 32 | 1 | full_save_attention | 8192 | 3.6e+04 |" in table
+  assert "| PISA / dense tokens/s, cpt-418m@65536 | 2.57 | 4 | NO |" in table
+  # The paper's settings: each at its K, preset and context, every one with a goal.
+  assert [(s.key, s.top_k) for s in paper_settings.SETTINGS] == [
+      ("418m@4096", 8), ("cpt-418m@16384", 32), ("cpt-418m@65536", 32), ("cpt-1.47b@16384", 32)]
+  assert all(s.seq_len in paper_settings.GOALS for s in paper_settings.SETTINGS)
+
+
+def test_paper_settings_toy_runs_both_sides_in_one_process(tmp_path):
+  from benchmarks import paper_settings
+  record = paper_settings.main(["--toy", "--out", str(tmp_path)])
+  runs = {r["attention"]: r for r in record["rows"] if "goal" not in r}
+  assert set(runs) == {"pisa", "dense"}, record["rows"]
+  for r in runs.values():
+    assert r["tokens_per_s"] > 0 and "error" not in r, r
+    assert (r["remat"], r["loss_chunk"], r["seq_len"]) == ("full_save_attention", 64, 128), r
+    assert r["model_flops_per_token"] > 0
+  # The same count on both sides: PISA's attends fewer keys, so fewer model FLOPs a token.
+  assert runs["pisa"]["model_flops_per_token"] < runs["dense"]["model_flops_per_token"]
+  assert any(n.startswith("MFU = ") for n in record["notes"])
+  assert (tmp_path / "paper_settings.json").exists() and (tmp_path / "paper_settings.png").exists()
+  with pytest.raises(SystemExit, match="--only"):
+    paper_settings.main(["--toy", "--only", "418m@4096", "--out", str(tmp_path)])
