@@ -54,7 +54,9 @@ def config_for(spec: dict):
   overrides = [
       f"model.attention={spec['attention']}", f"train.seq_len={spec['seq_len']}",
       "train.per_device_batch=1", "train.grad_accum=1",
-      f"train.steps={steps}", f"train.warmup_steps={max(1, steps // 10)}",
+      # The warm-up in steps, also for the presets that give it as a fraction (cpt-*).
+      f"train.steps={steps}", "train.warmup_fraction=0",
+      f"train.warmup_steps={max(1, steps // 10)}",
       f"train.decay_steps={steps // 5}", f"train.log_every={max(1, steps // 60)}",
       "train.eval_batches=0", f"train.eval_every={10 * steps}",
       f"train.checkpoint_every={10 * steps}", "train.async_checkpointing=false",

@@ -38,11 +38,12 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
-from pisa_jax import segments
+from pisa_jax import checkpoint_names, segments
 from pisa_jax.kernels._common import call_kernel as _call_kernel
 from pisa_jax.kernels._common import dot_precision as _dot_precision
 from pisa_jax.kernels._common import next_pow2
@@ -405,9 +406,17 @@ def _sparse_attention_core(q5, k, v, block_indices, starts, offset, block_size, 
   return o5
 
 
+# The forward rule's kernel runs inside a jit, and its outputs are tagged: a remat policy that
+# saves both leaves the jit unused in a checkpointed backward, which then drops it (jax keeps
+# every bare pallas_call; `pisa_jax.checkpoint_names`).
+_forward_jit = jax.jit(_forward, static_argnames=("block_size", "scale", "interpret", "config"))
+
+
 def _core_fwd(q5, k, v, block_indices, starts, offset, block_size, scale, interpret, config):
-  o5, lse = _forward(q5, k, v, block_indices, starts, offset, block_size=block_size, scale=scale,
-                     interpret=interpret, config=config)
+  o5, lse = _forward_jit(q5, k, v, block_indices, starts, offset, block_size=block_size,
+                         scale=scale, interpret=interpret, config=config)
+  o5 = checkpoint_name(o5, checkpoint_names.ATTENTION_OUT)
+  lse = checkpoint_name(lse, checkpoint_names.ATTENTION_LSE)
   return o5, (q5, k, v, block_indices, starts, offset, o5, lse)
 
 

@@ -14,8 +14,10 @@ SPARSE_ATTENTION_KINDS = ("pisa", "pisa1", "pisa2", "bsa")
 PARAM_DTYPES = ("float32", "bfloat16")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 # What each decoder block keeps for the backward pass, most memory first (`decoder.REMAT_POLICIES`
-# says what each saves and recomputes).
-REMAT_POLICIES = ("none", "dots", "dots_except_mlp", "full")
+# says what each saves and recomputes, and its memory a layer). Every policy keeps the selected
+# block indices; the "save_attention" ones the attention's output and log-sum-exp too.
+REMAT_POLICIES = ("none", "dots_save_attention", "dots", "dots_except_mlp",
+                  "full_save_attention", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +45,11 @@ class ModelConfig:
   param_dtype: str = "float32"
   # "auto": bfloat16 on a GPU, float32 elsewhere (CPU matmuls in bf16 are slow and emulated).
   compute_dtype: str = "auto"
-  # Rematerialisation of each block in the backward pass: one of REMAT_POLICIES.
+  # Rematerialisation of each block in the backward pass: one of REMAT_POLICIES. Every policy
+  # keeps the selected block indices (4 HKV K bytes a token and layer): no block selects twice.
+  # "dots_save_attention" / "full_save_attention" also keep the attention output and log-sum-exp
+  # (2 HQ D + 4 HQ bytes), so the backward does not run the attention forward again either.
+  # `decoder.REMAT_POLICIES` lists what each keeps and recomputes, with its bytes.
   remat: str = "none"
 
   @property

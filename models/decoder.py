@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 import pisa_jax
-from pisa_jax import _validation
+from pisa_jax import _validation, checkpoint_names
 from pisa_jax.decode import DecodeCache, bucket_capacity, decode_step
 from pisa_jax.decode_cache import last_document
 from pisa_jax.models.config import SPARSE_ATTENTION_KINDS, ModelConfig
@@ -467,23 +467,60 @@ def output_logits(x: Float[Array, "B T E"], lm_head: Float[Array, "E Vp"],
 
 _ATTENTION_PROJECTIONS = ("query_proj", "key_proj", "value_proj", "out_proj")
 _MLP_PROJECTIONS = ("mlp_gate", "mlp_up", "mlp_down")
+# Sparse attention's block selection has no gradient (its indices are held fixed, Appendix B): the
+# backward needs the indices only as an input of the attention backward. Every policy keeps them,
+# so a block's pyramid and selection run once a step (`pisa_jax.checkpoint_names` says how jax
+# sees these names through the attention's `custom_vjp`).
+_SELECTION = (checkpoint_names.BLOCK_INDICES,)
+# The attention forward's residuals (its output and log-sum-exp): kept, the backward runs only the
+# attention's dq and dk/dv kernels, not its forward.
+_ATTENTION_RESIDUALS = (checkpoint_names.ATTENTION_OUT, checkpoint_names.ATTENTION_LSE)
+# Dense attention's twin of those residuals: the outputs of cuDNN's fused forward (out and its
+# float32 softmax statistics), the primitive under `jax.nn.dot_product_attention(implementation=
+# "cudnn")`. A policy that keeps the attention keeps the same for either kind.
+_CUDNN_FORWARD = "dot_product_attention_fwd_wrapper"
+
+
+def _cudnn_forward_outputs(prim, *_, **__) -> bool:
+  return prim.name == _CUDNN_FORWARD
+
+
+def _keep(*names: str, attention: bool = False):
+  """A policy saving the named values, and cuDNN's forward outputs when `attention`."""
+  policy = jax.checkpoint_policies.save_only_these_names(*names)
+  if attention:
+    policy = jax.checkpoint_policies.save_from_both_policies(policy, _cudnn_forward_outputs)
+  return policy
+
 
 # What a block's forward pass keeps for the backward (`model.remat`); the rest is recomputed there,
-# from the block's input. Sparse attention's block selection has no gradient (its indices are
-# held fixed, Appendix B): under every policy but "none" the backward selects again from the
-# recomputed q and k, then runs the attention forward for its residuals, then the backward.
+# from the block's input `[B, T, E]`, which every policy but "none" keeps. What each keeps beyond
+# it, in bytes a layer per token with bf16 compute (E model width, M MLP width, HQ / HKV heads
+# of D dims, K selected blocks; in brackets cpt-418m's E 1024, M 2816, HQ 32, HKV 2, D 64, K 32),
+# built of the indices 4 HKV K (int32 `[B, T, HKV, K]`, PISA only: 256) and the attention residuals
+# 2 HQ D + 4 HQ (out `[B, T, HQ, D]` and float32 lse `[B, T, HQ]`: 4,224). Dense attention under
+# a "save_attention" policy keeps cuDNN's out and statistics: the same 2 HQ D + 4 HQ.
 REMAT_POLICIES = {
     # Every intermediate the backward reads: no recomputation, the most memory.
     "none": None,
-    # The seven projections' outputs (q, k, v, attention out, MLP gate, up and down): the matmuls
-    # do not run again; the norms, RoPE, SiLU and attention do.
-    "dots": jax.checkpoint_policies.save_only_these_names(
-        *_ATTENTION_PROJECTIONS, *_MLP_PROJECTIONS),
-    # The four attention projections only: the MLP (its [B, T, mlp_dim] gate and up are the
-    # block's largest activations) is recomputed as well.
-    "dots_except_mlp": jax.checkpoint_policies.save_only_these_names(*_ATTENTION_PROJECTIONS),
-    # Nothing but the block's input `[B, T, E]`: the whole block runs again in the backward.
-    "full": jax.checkpoint_policies.nothing_saveable,
+    # "dots" and the attention residuals: of the block's forward only the norms, RoPE and SiLU
+    # run again. 2 (HQ D + 2 HKV D + 2 E + 2 M) + indices + residuals [24,448].
+    "dots_save_attention": _keep(*_ATTENTION_PROJECTIONS, *_MLP_PROJECTIONS, *_SELECTION,
+                                 *_ATTENTION_RESIDUALS, attention=True),
+    # The seven projections' outputs (q, k, v, attention out, MLP gate, up and down) and the
+    # indices: the matmuls and the selection do not run again; the norms, RoPE, SiLU and the
+    # attention forward do. 2 (HQ D + 2 HKV D + 2 E + 2 M) + indices [20,224].
+    "dots": _keep(*_ATTENTION_PROJECTIONS, *_MLP_PROJECTIONS, *_SELECTION),
+    # The four attention projections and the indices: the MLP (its [B, T, mlp_dim] gate and up
+    # are the block's largest activations) and the attention forward are recomputed as well.
+    # 2 (HQ D + 2 HKV D + E) + indices [6,912].
+    "dots_except_mlp": _keep(*_ATTENTION_PROJECTIONS, *_SELECTION),
+    # The block's input, the indices and the attention residuals: the projections, RoPE and the
+    # MLP run again, the selection and the attention forward do not. Indices + residuals [4,480].
+    "full_save_attention": _keep(*_SELECTION, *_ATTENTION_RESIDUALS, attention=True),
+    # The block's input and the indices: the whole block but the selection runs again. Indices
+    # [256].
+    "full": _keep(*_SELECTION),
 }
 
 

@@ -16,9 +16,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
-from pisa_jax import _chunking, _dispatch, _validation
+from pisa_jax import _chunking, _dispatch, _validation, checkpoint_names
 from pisa_jax.kernels import attention as attention_kernels
 from pisa_jax.selection import select_blocks
 
@@ -257,6 +258,9 @@ def _sparse_attention_f32(q, k, v, block_indices, positions, block_size, scale):
 
 def _sparse_attention_fwd(q, k, v, block_indices, positions, block_size, scale):
   out, lse = _forward(q, k, v, block_indices, positions, block_size, scale)
+  # Tagged for remat policies, as the kernel's forward rule tags its own (`checkpoint_names`).
+  out = checkpoint_name(out, checkpoint_names.ATTENTION_OUT)
+  lse = checkpoint_name(lse, checkpoint_names.ATTENTION_LSE)
   return out, (q, k, v, block_indices, positions, out, lse)
 
 
@@ -464,6 +468,12 @@ def _attend(q, k, v, block_indices, segment_ids, *, block_size: int, scale: floa
   return attend(q, k, v, block_indices, block_size=block_size, scale=scale)
 
 
+# Selection inside a jit: a checkpointed backward that has the indices saved leaves it unused and
+# drops it (jax keeps every bare pallas_call; `pisa_jax.checkpoint_names`).
+_select_blocks_jit = jax.jit(select_blocks, static_argnames=(
+    "block_size", "top_k", "branching", "selector", "scale", "beam", "implementation"))
+
+
 def pisa_attention(
     q: Float[Array, "B T HQ D"],
     k: Float[Array, "B T HKV D"],
@@ -487,6 +497,10 @@ def pisa_attention(
   queries' outputs instead of being dropped. With segment_ids (packed documents), each query
   selects and attends within its own document, as the document alone would.
 
+  Under `jax.checkpoint` a policy may save the indices and the attention's residuals by the
+  names of `pisa_jax.checkpoint_names`; the backward pass then does not select again (nor run
+  the attention forward, when the residuals are saved too).
+
   Returns:
     `[B, T, HQ, D]` in q's dtype, differentiable in q, k and v.
   """
@@ -495,13 +509,17 @@ def pisa_attention(
                            implementation=implementation)
   _validation.check_qk(q, k)
   _validation.check_v(v, k)
-  block_indices = select_blocks(
+  # Concrete segment ids are checked here, where they are still concrete (not inside the jit).
+  _validation.check_segment_ids(segment_ids, batch=q.shape[0], seq_len=q.shape[1])
+  block_indices = _select_blocks_jit(
       lax.stop_gradient(q), lax.stop_gradient(k), block_size=block_size, top_k=top_k,
       branching=branching, selector=selector, scale=scale, beam=beam, segment_ids=segment_ids,
       implementation=implementation)
+  # Tagged so that a remat policy can keep the indices: a backward then never selects again.
+  block_indices = checkpoint_name(lax.stop_gradient(block_indices), checkpoint_names.BLOCK_INDICES)
   # select_blocks has validated every argument, and its indices are valid by construction: no
   # second check (which would copy concrete indices to the host on every eager call).
-  return _attend(q, k, v, lax.stop_gradient(block_indices), segment_ids,
+  return _attend(q, k, v, block_indices, segment_ids,
                  block_size=int(block_size), scale=_validation.resolve_scale(scale, q.shape[-1]),
                  implementation=implementation)
 

@@ -26,14 +26,16 @@ array, since `lax.axis_index` is traced under `shard_map`), registered as the op
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
-from pisa_jax import _dispatch, _validation
+from pisa_jax import _dispatch, _validation, checkpoint_names
 from pisa_jax.attention import sparse_attention_reference_at
 from pisa_jax.kernels import attention as attention_kernels
 from pisa_jax.kernels import selection as selection_kernels
@@ -107,13 +109,21 @@ def pisa_attention_at(
   beam = _validation.resolve_beam(beam, top_k, selector)
   scale = _validation.resolve_scale(scale, q.shape[-1])
   offset = jnp.asarray(query_offset, jnp.int32)
-  select = _dispatch.lookup("select_blocks_offset", implementation)
+  select = _jitted(_dispatch.lookup("select_blocks_offset", implementation))
   block_indices = select(
       lax.stop_gradient(q), lax.stop_gradient(k), offset, block_size=int(block_size),
       top_k=int(top_k), branching=int(branching), selector=selector, scale=scale, beam=beam)
+  # Selected in a jit and tagged, as in `pisa_attention`: a remat policy can keep the indices,
+  # and a checkpointed backward then drops the selection (`checkpoint_names`).
+  block_indices = checkpoint_name(lax.stop_gradient(block_indices), checkpoint_names.BLOCK_INDICES)
   attend = _dispatch.lookup("sparse_attention_offset", implementation)
-  return attend(q, k, v, lax.stop_gradient(block_indices), offset, block_size=int(block_size),
-                scale=scale)
+  return attend(q, k, v, block_indices, offset, block_size=int(block_size), scale=scale)
+
+
+@functools.cache
+def _jitted(select: Callable) -> Callable:
+  return jax.jit(select, static_argnames=("block_size", "top_k", "branching", "selector", "scale",
+                                          "beam"))
 
 
 def dense_attention_at(

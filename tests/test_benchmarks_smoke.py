@@ -20,7 +20,7 @@ from pisa_jax.testing import random_block_indices
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ("selection", "attention", "layer", "training", "multi_gpu", "decode",
-           "context_parallel", "packed", "ceilings")
+           "context_parallel", "packed", "ceilings", "paper_settings")
 
 # One small fake result per script, rows as the script writes them.
 FAKE_ROWS = {
@@ -88,6 +88,19 @@ FAKE_ROWS = {
                 phase="fwd", ms=1.0, tflops=t)
            for kind, blocks in (("long", 256), ("tile", 32), ("tile", 64))
            for side, t in (("cudnn", 560.0), ("mosaic", 450.0))],
+    "paper_settings": [
+        dict(setting=f"{preset}@{n}", preset=preset, attention=a, seq_len=n, top_k=k, batch=b,
+             remat=remat, loss_chunk=chunk, compile_s=40.0, compiled_temp_gib=20.0,
+             compiled_peak_gib=30.0, tokens_per_step=b * n, step_s=b * n / t, tokens_per_s=t,
+             model_flops_per_token=3e9, mfu=0.3, timed_steps=3, last_loss=10.9)
+        for preset, n, k, b, remat, chunk, pisa, dense in (
+            ("418m", 4096, 8, 8, "none", 0, 1.3e5, 1.15e5),
+            ("cpt-418m", 65536, 32, 1, "full_save_attention", 8192, 3.6e4, 1.4e4))
+        for a, t in (("pisa", pisa), ("dense", dense))]
+        + [dict(goal="PISA / dense tokens/s, 418m@4096", setting="418m@4096", value=1.13,
+                target=1.1, met=True),
+           dict(goal="PISA / dense tokens/s, cpt-418m@65536", setting="cpt-418m@65536",
+                value=2.57, target=4.0, met=False)],
 }
 SETTINGS = {
     "selection": dict(hq=32, hkv=2, d=64, block_size=64, top_k=8, branching=2, dtype="bfloat16"),
@@ -100,6 +113,7 @@ SETTINGS = {
     "packed": dict(total=131072, min_doc=2048, max_doc=16384, hq=32, hkv=2, block_size=64,
                    documents=[16384] * 8),
     "ceilings": dict(parts=["walk", "tile"], nodes=32768, d=128, candidates=64, levels=[1, 17]),
+    "paper_settings": dict(attention=["pisa", "dense"], steps=3, warmup=1),
 }
 
 
@@ -483,3 +497,85 @@ def test_ceilings_chain_follows_the_loaded_values():
       value = s_np[node * ceilings.HKV + head].sum(axis=1)
       node = (node * 2 + (value > 0) + i) % nodes
     np.testing.assert_array_equal(np.asarray(out[head]), node)
+
+
+@pytest.mark.parametrize("preset", ["cpt-418m", "cpt-1.47b"])
+def test_long_context_and_training_configs_take_the_cpt_presets(preset):
+  # The continued-pretraining presets give their warm-up as a fraction of the steps; the
+  # benchmarks set it in steps, which must replace the fraction, not add to it.
+  import argparse
+
+  from benchmarks import long_context, training
+  spec = dict(preset=preset, attention="pisa", seq_len=16384, steps=8, warmup=2, curve_steps=0,
+              data=[], set=[])
+  config = long_context.config_for(spec)
+  assert (config.train.warmup_steps, config.train.warmup_fraction) == (1, 0.0)
+  assert (config.model.top_k, config.train.seq_len) == (32, 16384)
+  args = argparse.Namespace(preset=preset, tokens_per_step=32768, data_overrides=[], set=[])
+  config = training.config_for(args, "dense", 16384, "full_save_attention")
+  assert (config.train.warmup_steps, config.train.warmup_fraction) == (50, 0.0)
+  assert (config.model.remat, config.train.per_device_batch) == ("full_save_attention", 2)
+
+
+# Kernel names as a profile of two training steps reports them.
+_STEP_EVENTS = [("pisa_pool_g64", 1e6), ("pisa_select_two_stage_leaves", 2e6),
+                ("pisa_sparse_attention_fwd", 3e6), ("pisa_sparse_attention_dq", 4e6),
+                ("pisa_sparse_attention_dkv", 2e6), ("loop_fusion_3", 5e5),
+                ("loop_fusion_7", 5e5), ("cudnn_sdpa_fprop_sm90", 1e6)] * 2
+
+
+def test_training_kernels_summarise_a_step_by_kernel_and_group(tmp_path):
+  from benchmarks import _record, training
+  got = training.summarise_kernels(_STEP_EVENTS, steps=2)
+  assert (got["launches_per_step"], got["device_ms"]) == (8.0, 14.0), got
+  assert got["groups_ms"] == {"selection": 3.0, "attention fwd": 3.0, "attention bwd": 6.0,
+                              "cudnn attention": 1.0, "other": 1.0}, got
+  fusion = next(k for k in got["kernels"] if k["name"] == "loop_fusion")
+  assert (fusion["launches_per_step"], fusion["ms_per_step"]) == (2.0, 1.0)
+  assert got["kernels"][0]["name"] == "pisa_sparse_attention_dq"  # largest first
+  assert training.summarise_kernels([], steps=2) == {}
+  # The kernels result replots as its own kind; a training result keeps the training plot.
+  rec = _record.Recorder(training.KERNELS_NAME, {"preset": "cpt-418m"}, tmp_path / "run")
+  for kept in (True, False):
+    rec.add(attention="pisa", seq_len=16384, remat="full", indices_kept=kept, **got)
+  record = training.main(["--replot", str(rec.path), "--out", str(tmp_path / "plot")])
+  assert (tmp_path / "plot" / "training_kernels.png").stat().st_size > 0
+  table = training.table(record)
+  assert "| pisa 16384, full | 8 | 14 | 3 | 3 | 6 | 1 | 1 |" in table, table
+  assert "pisa 16384, full, no indices" in table and "pisa_select_two_stage_leaves" in table
+  with pytest.raises(SystemExit):
+    training.main(["--without-indices", "--out", str(tmp_path)])
+
+
+def test_paper_settings_goals_and_table():
+  from benchmarks import paper_settings
+  rows = FAKE_ROWS["paper_settings"][:4]
+  goal = paper_settings.goal_row(paper_settings.Setting("418m", 4096, 8, 8, "none", 0), rows)
+  assert (goal["value"], goal["target"], goal["met"]) == (1.13, 1.1, True), goal
+  missing = paper_settings.goal_row(
+      paper_settings.Setting("cpt-418m", 16384, 32, 2, "none", 0), rows)
+  assert (missing["value"], missing["met"]) == (None, None)
+  table = paper_settings.table({"rows": FAKE_ROWS["paper_settings"]})
+  assert "| cpt-418m@65536 | pisa | 32 | 1 | full_save_attention | 8192 | 3.6e+04 |" in table
+  assert "| PISA / dense tokens/s, cpt-418m@65536 | 2.57 | 4 | NO |" in table
+  # The paper's settings: each at its K, preset and context, every one with a goal.
+  assert [(s.key, s.top_k) for s in paper_settings.SETTINGS] == [
+      ("418m@4096", 8), ("cpt-418m@16384", 32), ("cpt-418m@65536", 32), ("cpt-1.47b@16384", 32)]
+  assert all(s.seq_len in paper_settings.GOALS for s in paper_settings.SETTINGS)
+
+
+def test_paper_settings_toy_runs_both_sides_in_one_process(tmp_path):
+  from benchmarks import paper_settings
+  record = paper_settings.main(["--toy", "--out", str(tmp_path)])
+  runs = {r["attention"]: r for r in record["rows"] if "goal" not in r}
+  assert set(runs) == {"pisa", "dense"}, record["rows"]
+  for r in runs.values():
+    assert r["tokens_per_s"] > 0 and "error" not in r, r
+    assert (r["remat"], r["loss_chunk"], r["seq_len"]) == ("full_save_attention", 64, 128), r
+    assert r["model_flops_per_token"] > 0
+  # The same count on both sides: PISA's attends fewer keys, so fewer model FLOPs a token.
+  assert runs["pisa"]["model_flops_per_token"] < runs["dense"]["model_flops_per_token"]
+  assert any(n.startswith("MFU = ") for n in record["notes"])
+  assert (tmp_path / "paper_settings.json").exists() and (tmp_path / "paper_settings.png").exists()
+  with pytest.raises(SystemExit, match="--only"):
+    paper_settings.main(["--toy", "--only", "418m@4096", "--out", str(tmp_path)])

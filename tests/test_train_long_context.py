@@ -84,12 +84,13 @@ def _saved_per_token(remat: str, num_layers: int, seq_len: int = 160) -> float:
   return sum(np.prod(shape) for shape in shapes if seq_len in shape) / seq_len
 
 
-def test_each_policy_keeps_less_and_full_keeps_only_the_block_input():
+def test_each_policy_keeps_less_and_full_keeps_only_the_block_input_and_indices():
   # Per layer, what each policy adds to the saved activations: strictly less down the list, and
-  # under "full" one [B, T, E] per block (its input), whatever the attention needs inside.
+  # under "full" one [B, T, E] per block (its input) and the selected block indices
+  # [B, T, HKV, K], whatever else the attention needs inside.
   per_layer = [_saved_per_token(r, 2) - _saved_per_token(r, 1) for r in model_config.REMAT_POLICIES]
   assert all(a > b for a, b in zip(per_layer, per_layer[1:])), per_layer
-  assert per_layer[-1] == MODEL.d_model
+  assert per_layer[-1] == MODEL.d_model + MODEL.num_kv_heads * MODEL.top_k
 
 
 @pytest.mark.parametrize("attention,implementation,remat", [
@@ -99,10 +100,13 @@ def test_each_policy_keeps_less_and_full_keeps_only_the_block_input():
     pytest.param("pisa", "xla", "dots", marks=pytest.mark.slow),
     pytest.param("pisa", "xla", "dots_except_mlp", marks=pytest.mark.slow), ("pisa", "xla", "full"),
     ("pisa", "pallas", "dots"), ("pisa", "pallas", "full"),
+    ("pisa", "pallas", "full_save_attention"),
+    pytest.param("pisa", "pallas", "dots_save_attention", marks=pytest.mark.slow),
 ])
 def test_remat_gradients_equal_the_plain_gradients(attention, implementation, remat):
-  # The backward recomputes the block (for PISA: selects again from the recomputed q and k, whose
-  # indices get no gradient) and must give the gradients of the run that kept everything.
+  # The backward recomputes the block (for PISA with the saved indices, and under the
+  # "save_attention" policies with the attention's saved residuals) and must give the gradients
+  # of the run that kept everything.
   loss, grads = _loss_and_grads(attention, implementation, remat)
   want_loss, want_grads = _loss_and_grads(attention, implementation, "none")
   assert float(loss) == pytest.approx(float(want_loss), rel=FLOAT32_ROUNDING)
@@ -110,7 +114,8 @@ def test_remat_gradients_equal_the_plain_gradients(attention, implementation, re
 
 
 def test_an_unknown_remat_policy_names_the_field():
-  with pytest.raises(ValueError, match=r"model.remat='dot' must be one of \('none', 'dots'"):
+  with pytest.raises(ValueError,
+                     match=r"model.remat='dot' must be one of \('none', 'dots_save_attention'"):
     Decoder(dataclasses.replace(MODEL, remat="dot"), rngs=nnx.Rngs(0))(jnp.zeros((1, 8), jnp.int32))
 
 
