@@ -119,10 +119,16 @@ def test_a_held_run_folder_is_refused_before_anything_is_written(tmp_path, capsy
     assert held.notice is None
     started = json.loads((folder / run_folder.LOCK).read_text())["started"]
     before = _tree(folder)
-    assert cli.main([*TINY, "--workdir", str(folder)]) == 1
-    assert capsys.readouterr().err == (
-        f"pisa-train: error: {folder} is in use by process {os.getpid()} (started at {started}): "
-        f"wait for that run to end (or stop it), or give another --workdir\n")
+    refusal = (f"{folder} is in use by process {os.getpid()} (started at {started}): wait for "
+               f"that run to end (or stop it), or give another --workdir")
+    with pytest.MonkeyPatch.context() as patch:  # the CLI refuses it before the trainer starts
+      patch.setattr(trainer_lib, "train", lambda *a, **k: pytest.fail("the trainer started"))
+      assert cli.main([*TINY, "--workdir", str(folder)]) == 1
+    assert capsys.readouterr().err == f"pisa-train: error: {refusal}\n"
+    # The trainer takes the lock itself: a library call is refused the same way.
+    with pytest.raises(run_folder.RunFolderInUseError) as refused:
+      trainer_lib.train(get_config("tiny"), folder, quiet=True)
+    assert str(refused.value) == refusal
     assert _tree(folder) == before
   finally:
     held.release()

@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     # Checked again by the trainer; here a folder that cannot hold a run is refused before jax.
     run_folder.check_workdir(workdir)
     run_folder.inspect_run_folder(workdir)
+    run_folder.check_not_in_use(workdir)
   except (run_folder.RunFolderError, OSError) as e:
     print(f"pisa-train: error: {e}", file=sys.stderr)
     return 1

@@ -195,6 +195,33 @@ def _who(record: dict) -> str:
   return f"process {record['pid']}{where} (started at {record.get('started', '?')})"
 
 
+def _flock_or_refuse(fd: int, workdir: Path) -> None:
+  """Locks `fd` exclusively, or raises RunFolderInUseError naming the process that holds it."""
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError as e:
+    if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+      raise
+    record = _holder(fd)
+    who = _who(record) if record else "another process"
+    raise RunFolderInUseError(
+        f"{workdir} is in use by {who}: wait for that run to end (or stop it), or give "
+        f"another --workdir") from None
+
+
+def check_not_in_use(workdir: Path) -> None:
+  """Raises RunFolderInUseError when a process holds `workdir`'s lock; writes nothing (the lock is
+  taken and dropped at once), so a command can refuse a held folder before its slow imports."""
+  try:
+    fd = os.open(workdir / LOCK, os.O_RDONLY)
+  except FileNotFoundError:
+    return
+  try:
+    _flock_or_refuse(fd, workdir)
+  finally:
+    os.close(fd)
+
+
 def lock(workdir: Path, command: list[str]) -> RunLock:
   """Takes the exclusive lock of `workdir` (creating the folder), or raises RunFolderInUseError.
 
@@ -215,16 +242,10 @@ def lock(workdir: Path, command: list[str]) -> RunLock:
       except FileNotFoundError:  # removed in between by a set-up that failed
         continue
     try:
-      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-      record = _holder(fd)
+      _flock_or_refuse(fd, workdir)
+    except BaseException:
       os.close(fd)
-      if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-        raise
-      who = _who(record) if record else "another process"
-      raise RunFolderInUseError(
-          f"{workdir} is in use by {who}: wait for that run to end (or stop it), or give "
-          f"another --workdir") from None
+      raise
     try:
       same = os.stat(path).st_ino == os.fstat(fd).st_ino
     except FileNotFoundError:
