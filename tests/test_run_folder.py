@@ -228,3 +228,21 @@ def test_argument_errors_come_before_jax_is_imported():
   if out["configs_import_jax"]:
     pytest.xfail("pisa_jax.configs imports jax: a bad --config is reported after jax starts")
   assert not out["preset"][1], "the CLI imported jax before it checked --config"
+
+
+@pytest.mark.parametrize("reason,status,stream,line", [
+    (None, 0, "out", "done: step 8 of 8, eval loss 1.2346, eval accuracy 0.500; metrics in "
+                     "runs/x/metrics.jsonl"),
+    ("run_steps", 3, "out", "stopped at step 8 of 8 (--run-steps); rerun to continue"),
+    ("max_seconds", 3, "out", "stopped at step 8 of 8 (--max-seconds); rerun to continue"),
+    ("SIGINT", 130, "err", "interrupted at step 8; rerun the same command to resume"),
+    ("SIGTERM", 143, "err", "terminated (SIGTERM) at step 8; rerun the same command to resume"),
+])
+def test_the_last_line_and_exit_status_say_how_the_run_ended(reason, status, stream, line,
+                                                             capsys):
+  result = trainer_lib.TrainResult(
+      start_step=0, end_step=8, losses={}, accuracies={},
+      evals=[{"step": 8, "eval_loss": 1.23456, "eval_accuracy": 0.5}],
+      stopped_early=reason is not None, workdir="runs/x", stop_reason=reason)
+  assert cli._report(result, 8) == status
+  assert getattr(capsys.readouterr(), stream) == line + "\n"

@@ -400,7 +400,7 @@ def test_sigterm_saves_a_checkpoint_and_stops(tmp_path, micro_trainer, capsys):
   assert signal.getsignal(signal.SIGTERM) == previous
   assert result.stop_reason == "SIGTERM" and result.end_step == 3
   assert (tmp_path / "checkpoints" / "3" / ckpt_lib.MANIFEST).is_file()
-  assert cli._report(result, cfg.train.steps, None) == 143
+  assert cli._report(result, cfg.train.steps) == 143
   assert capsys.readouterr().err.endswith(
       "terminated (SIGTERM) at step 3; rerun the same command to resume\n")
 

@@ -144,10 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     return 1
   finally:
     signal.signal(signal.SIGTERM, previous)
-  return _report(result, config.train.steps, args)
+  return _report(result, config.train.steps)
 
 
-def _report(result, steps: int, args: argparse.Namespace) -> int:
+def _report(result, steps: int) -> int:
   """Prints the last line, which says how the run ended, and returns the exit status."""
   step = result.end_step
   if result.stop_reason in ("SIGINT", "SIGTERM"):
