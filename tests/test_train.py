@@ -25,6 +25,7 @@ import pytest
 
 from pisa_jax.configs import apply_overrides, get_config, validate
 from pisa_jax.train import checkpoint as ckpt_lib
+from pisa_jax.train import cli, run_folder
 from pisa_jax.train import memory as memory_lib
 from pisa_jax.train import trainer as trainer_lib
 from pisa_jax.train.checkpoint import CorruptCheckpointError, IncompatibleCheckpointError
@@ -112,7 +113,10 @@ def test_kill_and_resume_gives_identical_losses(tmp_path, micro_trainer, micro_r
   first = train(cfg, tmp_path / "cut", run_steps=3, progress=False, quiet=True, trainer=trainer)
   assert first.stopped_early and first.end_step == 3
   assert (tmp_path / "cut" / "checkpoints" / "3").is_dir()
+  # Without its marker (a run folder from before markers), it still resumes, and is marked.
+  (tmp_path / "cut" / run_folder.MARKER).unlink()
   rest = train(cfg, tmp_path / "cut", progress=False, quiet=True, trainer=trainer)
+  assert (tmp_path / "cut" / run_folder.MARKER).is_file()
   assert rest.start_step == 3 and rest.end_step == 8
   resumed = {**first.losses, **rest.losses}
   assert resumed == full.losses  # bit-identical: same data from (seed, step), same state
@@ -187,6 +191,9 @@ def test_sigkill_at_any_point_resumes_to_the_same_losses(tmp_path, micro_referen
   proc = run("none")
   out, _ = proc.communicate(timeout=240)
   assert proc.returncode == 0, out[-3000:]
+  # The killed run's lock was dropped by the kernel; its record is taken over in one line.
+  assert len(re.findall(r"took over the lock left by process \d+ .*, which ended without "
+                        r"releasing it", out)) == 1, out
   # The checkpoint committed without its checksums is set aside in one line.
   skipped = [l for l in out.splitlines() if l.startswith("skipped checkpoint")]
   assert len(skipped) == 1 and "stopped before the checkpoint was sealed" in skipped[0], out
@@ -268,9 +275,13 @@ def test_a_refused_resume_leaves_the_run_folder_as_it_was(tmp_path, micro_traine
   assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == snapshot
   # Asked for explicitly, the change goes ahead.
   result = train(dense, tmp_path, run_steps=1, progress=False, quiet=True,
-                 allow_attention_change=True)
+                 allow_attention_change=True, command=["pisa-train", "--allow-attention-change"])
   assert result.start_step == 2 and result.end_step == 3
-  assert json.loads((tmp_path / "config.json").read_text())["model"]["attention"] == "dense"
+  # config.json keeps the run's first config; the change is recorded beside it.
+  assert json.loads((tmp_path / "config.json").read_text())["model"]["attention"] == "pisa"
+  (row,) = [json.loads(l) for l in (tmp_path / "config_history.jsonl").read_text().splitlines()]
+  assert row["step"] == 2 and row["command"] == ["pisa-train", "--allow-attention-change"]
+  assert row["changes"] == {"model.attention": {"old": "pisa", "new": "dense"}}
 
 
 def test_a_run_that_cannot_fit_stops_before_it_starts(tmp_path, micro_trainer, monkeypatch):
@@ -361,15 +372,37 @@ def test_ctrl_c_during_set_up_writes_nothing(tmp_path, monkeypatch):
   assert not (tmp_path / "run").exists()
 
 
-def test_a_second_ctrl_c_exits_at_once(monkeypatch, capfd):
+def test_a_second_ctrl_c_or_sigterm_exits_at_once(monkeypatch, capfd):
   exits = []
-  monkeypatch.setattr(trainer_lib.os, "_exit", exits.append)
-  interrupt = trainer_lib._Interrupt()
-  interrupt._handle(2, None)
-  assert interrupt.requested and not exits
-  interrupt._handle(2, None)
-  assert exits == [130]
-  assert "second Ctrl-C: stopped without saving" in capfd.readouterr().err
+  monkeypatch.setattr(os, "_exit", exits.append)
+  for signum, status, name in ((signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM")):
+    stop = run_folder.StopRequest()
+    stop._handle(signum, None)
+    assert stop.signal == signum and not exits
+    stop._handle(signum, None)
+    assert exits == [status]
+    exits.clear()
+    assert f"second {name}: stopped without saving" in capfd.readouterr().err
+
+
+def test_sigterm_saves_a_checkpoint_and_stops(tmp_path, micro_trainer, capsys):
+  cfg, trainer = micro_trainer
+  good_step = trainer.train_step
+
+  def terminated_at_step_3(state, batch):
+    if int(state["step"]) == 2:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return good_step(state, batch)
+
+  previous = signal.getsignal(signal.SIGTERM)
+  result = train(cfg, tmp_path, progress=False, quiet=True,
+                 trainer=dataclasses.replace(trainer, train_step=terminated_at_step_3))
+  assert signal.getsignal(signal.SIGTERM) == previous
+  assert result.stop_reason == "SIGTERM" and result.end_step == 3
+  assert (tmp_path / "checkpoints" / "3" / ckpt_lib.MANIFEST).is_file()
+  assert cli._report(result, cfg.train.steps) == 143
+  assert capsys.readouterr().err.endswith(
+      "terminated (SIGTERM) at step 3; rerun the same command to resume\n")
 
 
 def test_cli_mistakes_are_one_line(tmp_path, micro_trainer, micro_reference, capsys):
@@ -536,7 +569,10 @@ def test_ctrl_c_saves_a_checkpoint_and_the_run_resumes(tmp_path):
   sets = [a for s in MICRO + ["train.steps=100000", "train.checkpoint_every=100000",
                               "train.eval_every=100000", "train.decay_steps=10"]
           for a in ("--set", s)]
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  # The rerun loads the first run's compiled steps from this cache.
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax"),
+         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
   proc = subprocess.Popen(args + sets, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True)
   metrics = workdir / "metrics.jsonl"
@@ -547,14 +583,28 @@ def test_ctrl_c_saves_a_checkpoint_and_the_run_resumes(tmp_path):
     time.sleep(0.5)
   proc.send_signal(signal.SIGINT)
   out, _ = proc.communicate(timeout=120)
-  assert proc.returncode == 0, out[-3000:]
-  assert "Ctrl-C" in out and "stopped at step" in out
+  assert proc.returncode == 130, out[-3000:]
   saved = [int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()]
   assert len(saved) == 1 and saved[0] >= 2
-  again = subprocess.run(args + sets + ["--run-steps", "1"], env=env, capture_output=True,
-                         text=True, timeout=240)
-  assert again.returncode == 0, again.stderr[-3000:]
-  assert f"resumed from {workdir / 'checkpoints'}/{saved[0]}" in again.stdout + again.stderr
+  assert "Ctrl-C: finishing this step" in out
+  assert out.splitlines()[-1] == f"interrupted at step {saved[0]}; rerun the same command to resume"
+  config_json = (workdir / "config.json").read_text()
+  # The rerun resumes with a changed field and stops after one step (--run-steps). The field is
+  # one the compiled step does not depend on (train.peak_lr would be a constant in it), so the
+  # rerun compiles nothing.
+  again = subprocess.run(args + sets + ["--set", "train.log_every=2", "--run-steps", "1"],
+                         env=env, capture_output=True, text=True, timeout=240)
+  out = again.stdout + again.stderr
+  assert again.returncode == cli.EXIT_STOPPED == 3, out[-3000:]
+  assert f"resumed from {workdir / 'checkpoints'}/{saved[0]}" in out
+  assert "\n  train.log_every: 1 -> 2\n" in out
+  assert again.stdout.splitlines()[-1] == (f"stopped at step {saved[0] + 1} of 100000 "
+                                           f"(--run-steps); rerun to continue")
+  assert (workdir / "config.json").read_text() == config_json
+  (row,) = [json.loads(l) for l in (workdir / "config_history.jsonl").read_text().splitlines()]
+  assert row["step"] == saved[0] and row["command"][-4:] == ["--set", "train.log_every=2",
+                                                             "--run-steps", "1"]
+  assert row["changes"] == {"train.log_every": {"old": 1, "new": 2}}
 
 
 def test_a_trainer_built_for_another_config_is_refused(tmp_path, micro_trainer):

@@ -4,19 +4,51 @@
   pisa-train --config small --set data.path=data/corpus --set train.steps=500 --workdir runs/s
   pisa-train --config cpt-1.47b --set train.init_from=runs/pretrain --workdir runs/cpt
 
-Running the same command again resumes from the newest checkpoint that passes its checksums; Ctrl-C
-saves one and exits. `--print-config` shows the resolved config and exits without compiling
-anything. A mistake ends in one line on stderr: exit status 2 for a bad argument or config, 1 for
-a run that cannot start or continue, 130 for Ctrl-C.
+--workdir is a new or empty folder, which becomes a run folder (marked by its pisa-run.json), or a
+run folder to resume; any other folder is refused untouched, and one run at a time may use a run
+folder. Running the same command again resumes from the newest checkpoint that passes its
+checksums; a field set differently than in that checkpoint is listed (old -> new) and recorded in
+the folder's config_history.jsonl, while config.json keeps the run's first config. Ctrl-C (or
+SIGTERM) finishes the step, saves a checkpoint and exits. `--print-config` shows the resolved
+config and exits without compiling anything.
+
+Exit status, and the last line printed:
+  0    train.steps are complete: "done: step N of N ..."
+  3    --run-steps or --max-seconds stopped the run first, after saving a checkpoint:
+       "stopped at step S of N (--run-steps); rerun to continue"
+  130  Ctrl-C, after saving a checkpoint: "interrupted at step S; rerun the same command to
+       resume" (143: the same for SIGTERM; a second signal exits at once, without saving)
+  2    a bad argument or config, in one line
+  1    a run that cannot start or continue (a folder in use or not a run folder, missing data,
+       no usable checkpoint, not enough memory, a non-finite loss), in one line
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+from pathlib import Path
 
-from pisa_jax.configs import PRESETS, apply_overrides, get_config, validate
-from pisa_jax.train import compilation_cache
+# Exit status of a run that --run-steps or --max-seconds stopped before train.steps.
+EXIT_STOPPED = 3
+
+
+class _PresetNames:
+  """The preset names, read from `pisa_jax.configs` only when argparse asks for them: a mistake
+  in any other argument is reported before the configs (and jax) are imported."""
+
+  @staticmethod
+  def _names() -> list[str]:
+    from pisa_jax.configs import PRESETS
+
+    return sorted(PRESETS)
+
+  def __contains__(self, name) -> bool:
+    return name in self._names()
+
+  def __iter__(self):
+    return iter(self._names())
 
 
 def _positive(kind):
@@ -33,25 +65,38 @@ def _positive(kind):
   return parse
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="pisa-train", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--config", default="tiny", choices=sorted(PRESETS))
+  parser.add_argument("--config", default="tiny", choices=_PresetNames(), metavar="PRESET",
+                      help="the preset to start from: %(choices)s (default %(default)s)")
   parser.add_argument("--set", dest="overrides", action="append", default=[],
                       metavar="SECTION.FIELD=VALUE", help="override a config field (repeatable)")
   parser.add_argument("--workdir",
-                      help="checkpoints, config.json, memory.json and metrics.jsonl go here")
+                      help="the run folder: checkpoints, config.json, config_history.jsonl, "
+                           "memory.json and metrics.jsonl go here")
   parser.add_argument("--run-steps", type=_positive(int), default=None,
-                      help="stop (with a checkpoint) after this many steps of this invocation")
+                      help=f"stop (with a checkpoint, exit status {EXIT_STOPPED}) after this many "
+                           f"steps of this invocation")
   parser.add_argument("--max-seconds", type=_positive(float), default=None,
-                      help="stop (with a checkpoint) after this much training wall time")
+                      help=f"stop (with a checkpoint, exit status {EXIT_STOPPED}) after this much "
+                           f"training wall time")
   parser.add_argument("--allow-attention-change", action="store_true",
                       help="resume even though model.attention (or its block_size, top_k, "
                            "branching or beam) differs from the checkpoint's: the weights trained "
                            "with the old attention continue under the new one")
   parser.add_argument("--print-config", action="store_true")
   parser.add_argument("--no-progress", action="store_true")
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  parser = _parser()
   args = parser.parse_args(argv)
+  # Imported once the arguments parse: a mistake in them is reported before jax starts.
+  from pisa_jax.configs import apply_overrides, get_config, validate
+  from pisa_jax.train import run_folder
 
   try:
     config = validate(apply_overrides(get_config(args.config), args.overrides))
@@ -62,28 +107,64 @@ def main(argv: list[str] | None = None) -> int:
     return 0
   if not args.workdir:
     parser.error("--workdir is required to train")
+  workdir = Path(args.workdir)
+  try:
+    # Checked again by the trainer; here a folder that cannot hold a run is refused before jax.
+    run_folder.check_workdir(workdir)
+    run_folder.inspect_run_folder(workdir)
+    run_folder.check_not_in_use(workdir)
+  except (run_folder.RunFolderError, OSError) as e:
+    print(f"pisa-train: error: {e}", file=sys.stderr)
+    return 1
+  from pisa_jax.train import compilation_cache
+
   compilation_cache.enable_for(parser)
 
+  # SIGTERM during the set-up stops it as Ctrl-C does (the loop catches both signals itself).
+  terminated = []
+
+  def on_sigterm(signum, frame):
+    terminated.append(signum)
+    raise KeyboardInterrupt
+
+  previous = signal.signal(signal.SIGTERM, on_sigterm)
   try:
-    # Imported after validation: a bad config fails before JAX starts or anything compiles.
     from pisa_jax.train import trainer
 
-    result = trainer.train(config, args.workdir, run_steps=args.run_steps,
+    result = trainer.train(config, workdir, run_steps=args.run_steps,
                            max_seconds=args.max_seconds, progress=not args.no_progress,
-                           allow_attention_change=args.allow_attention_change)
+                           allow_attention_change=args.allow_attention_change,
+                           command=["pisa-train", *argv])
   except KeyboardInterrupt as e:
     print(f"pisa-train: {str(e) or 'interrupted'}", file=sys.stderr)
-    return 130
+    return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
   except (ValueError, OSError, trainer.NonFiniteLossError, trainer.InsufficientMemoryError) as e:
     # ValueError covers the config, data, run-folder and checkpoint errors.
     print(f"pisa-train: error: {e}", file=sys.stderr)
     return 1
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+  return _report(result, config.train.steps)
+
+
+def _report(result, steps: int) -> int:
+  """Prints the last line, which says how the run ended, and returns the exit status."""
+  step = result.end_step
+  if result.stop_reason in ("SIGINT", "SIGTERM"):
+    what = "interrupted" if result.stop_reason == "SIGINT" else "terminated (SIGTERM)"
+    print(f"{what} at step {step}; rerun the same command to resume", file=sys.stderr)
+    return 128 + signal.Signals[result.stop_reason]
+  if result.stop_reason is not None:
+    flag = "--run-steps" if result.stop_reason == "run_steps" else "--max-seconds"
+    print(f"stopped at step {step} of {steps} ({flag}); rerun to continue")
+    return EXIT_STOPPED
   if result.already_complete:
+    print(f"done: step {step} of {steps}, reached before this run; nothing was trained")
     return 0
   final = result.evals[-1] if result.evals else None
-  if final:
-    print(f"done: step {result.end_step}, eval loss {final['eval_loss']:.4f}, "
-          f"eval accuracy {final['eval_accuracy']:.3f}; metrics in {result.workdir}/metrics.jsonl")
+  evals = (f", eval loss {final['eval_loss']:.4f}, eval accuracy {final['eval_accuracy']:.3f}"
+           if final else "")
+  print(f"done: step {step} of {steps}{evals}; metrics in {result.workdir}/metrics.jsonl")
   return 0
 
 

@@ -18,9 +18,8 @@ import functools
 import json
 import logging
 import math
-import os
 import shutil
-import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -39,8 +38,10 @@ from pisa_jax.models.sharding import batch_sharding, batch_ways, make_mesh, para
 from pisa_jax.train import checkpoint as ckpt_lib
 from pisa_jax.train.data import make_batches
 from pisa_jax.train.loss import token_loss_sums
-from pisa_jax.train.run_folder import (RunFolderError, _truncate_metrics,  # noqa: F401
-                                       check_workdir, console_logging)
+from pisa_jax.train import run_folder
+from pisa_jax.train.run_folder import (InterruptedBeforeStart, RunFolderError,  # noqa: F401
+                                       RunFolderInUseError, _truncate_metrics, check_workdir,
+                                       console_logging)
 from pisa_jax.train.memory import (PEAK_FLOPS, InsufficientMemoryError, _fmt_bytes,  # noqa: F401
                                    _memory_summary, check_memory, device_memory,
                                    memory_record, peak_flops, step_memory)
@@ -259,7 +260,10 @@ class _CompiledOnFirstCall:
 
 @dataclasses.dataclass
 class TrainResult:
-  """What a call to `train` did: per-step losses of this invocation, evals, and how it ended."""
+  """What a call to `train` did: per-step losses of this invocation, evals, and how it ended.
+
+  stop_reason: None when train.steps were reached, else what stopped the run first (a checkpoint
+  saved): "run_steps", "max_seconds", "SIGINT" (Ctrl-C) or "SIGTERM"."""
 
   start_step: int
   end_step: int
@@ -270,6 +274,7 @@ class TrainResult:
   workdir: Path
   # The run folder's checkpoint had already reached train.steps: nothing was trained.
   already_complete: bool = False
+  stop_reason: str | None = None
 
 
 def evaluate(trainer: Trainer, params, batches, num_batches: int) -> dict:
@@ -286,39 +291,6 @@ def evaluate(trainer: Trainer, params, batches, num_batches: int) -> dict:
   return {"eval_loss": loss / weight, "eval_accuracy": hits / weight}
 
 
-class InterruptedBeforeStart(KeyboardInterrupt):
-  """Ctrl-C while the run was being set up: nothing was written to the run folder."""
-
-
-class _Interrupt:
-  """First Ctrl-C asks the loop to checkpoint and stop; a second one exits at once."""
-
-  def __init__(self):
-    self.requested = False
-    self._previous = None
-
-  def __enter__(self):
-    try:
-      self._previous = signal.signal(signal.SIGINT, self._handle)
-    except ValueError:  # not the main thread: Ctrl-C stays with whoever owns it
-      self._previous = None
-    return self
-
-  def _handle(self, signum, frame):
-    if self.requested:
-      # Exits without unwinding: an exception here would carry Orbax's and XLA's running threads
-      # into interpreter shutdown, which aborts. An unfinished save is only a temporary folder.
-      os.write(2, b"\nsecond Ctrl-C: stopped without saving; run the same command again to resume "
-                  b"from the last complete checkpoint\n")
-      os._exit(130)
-    self.requested = True
-    tqdm.write("Ctrl-C: finishing this step, saving a checkpoint and exiting (again to abort)")
-
-  def __exit__(self, *exc):
-    if self._previous is not None:
-      signal.signal(signal.SIGINT, self._previous)
-
-
 @dataclasses.dataclass
 class _Start:
   """What the set-up found: the compiled trainer, the state to start from and where it came from."""
@@ -328,24 +300,30 @@ class _Start:
   point: ckpt_lib.ResumePoint | None
   train_batches: Any
   val_batches: Any
+  # The fields that differ from the restored checkpoint's config: {"section.field": (old, new)}.
+  changes: dict
 
 
 def train(config: Config, workdir: str | Path, *, run_steps: int | None = None,
           max_seconds: float | None = None,
           progress: bool = True, mesh: Mesh | None = None, quiet: bool = False,
           print_config: bool = True, trainer: Trainer | None = None,
-          allow_attention_change: bool = False) -> TrainResult:
+          allow_attention_change: bool = False, command: list[str] | None = None) -> TrainResult:
   """Trains `config` in `workdir`, resuming from its newest checkpoint that passes its checksums.
 
   run_steps: stop after this many steps of this invocation (checkpointing first), as Ctrl-C does.
   max_seconds: likewise, once this much wall time has passed in the loop (compilation excluded).
   allow_attention_change: resume a checkpoint trained with other attention fields (attention,
     block_size, top_k, branching, beam), which is refused otherwise.
+  command: the command line recorded with a resume's changed fields (default `sys.argv`).
 
-  Nothing is written to `workdir` until the run is sure to start: the data, the checkpoints
-  (checksums, model), the compiled step and its memory are checked first, and a folder that this
-  call created is removed again if the set-up fails. Status lines go to the `pisa_jax.train`
-  loggers (see `console_logging`).
+  `workdir` is new, empty or a run folder (`pisa_jax.train.run_folder`), else refused untouched;
+  its lock is held for the whole call (a second call on it is refused). A resume logs each field
+  that differs from the checkpoint's config (old -> new) and appends them to config_history.jsonl
+  (config.json keeps the first config). Beside the lock, nothing is written until the run is sure
+  to start: the data, the checkpoints (checksums, model), the compiled step and its memory are
+  checked first; a folder this call created is removed if the set-up fails. Status lines go to
+  the `pisa_jax.train` loggers (see `console_logging`).
   """
   cfg, t = config, config.train
   if run_steps is not None and run_steps < 1:
@@ -357,46 +335,63 @@ def train(config: Config, workdir: str | Path, *, run_steps: int | None = None,
                      "build_trainer(config) or pass trainer=None")
   workdir = Path(workdir)
   check_workdir(workdir)
+  run_folder.inspect_run_folder(workdir)  # a foreign folder is refused before anything is written
   if not quiet:
     console_logging()
   say = (lambda *a: None) if quiet else log.info
   checkpoint_dir = (workdir / "checkpoints").absolute()
+  command = list(sys.argv if command is None else command)
+  primary = jax.process_index() == 0  # owns the folder's lock and records in a multi-host run
 
-  created = not workdir.exists()
+  created = run_folder.first_missing(workdir)  # removed again if the set-up fails
+  held = run_folder.lock(workdir, command) if primary else None
   try:
-    begin = _set_up(cfg, checkpoint_dir, mesh=mesh, trainer=trainer, say=say,
-                    print_config=print_config, allow_attention_change=allow_attention_change)
-    if isinstance(begin, TrainResult):
-      return dataclasses.replace(begin, workdir=workdir)
-    # The run starts: from here on the run folder is written.
-    start = int(begin.state["step"])
-    workdir.mkdir(parents=True, exist_ok=True)
-    if begin.point is not None and begin.point.skipped:
-      skipped = [step for step, _ in begin.point.skipped]
-      moved = ckpt_lib.set_aside(checkpoint_dir, skipped, workdir / "skipped_checkpoints")
-      log.warning("; ".join(
-          f"skipped checkpoint {checkpoint_dir}/{step} ({reason}): moved it to {target}"
-          for (step, reason), target in zip(begin.point.skipped, moved)))
-    (workdir / "config.json").write_text(cfg.to_json() + "\n")
-    (workdir / "memory.json").write_text(json.dumps(memory_record(begin.trainer), indent=1) + "\n")
-    dropped = _truncate_metrics(workdir / "metrics.jsonl", start)
-    checkpoints = ckpt_lib.Checkpointer(checkpoint_dir, keep=t.keep_checkpoints,
-                                        use_async=t.async_checkpointing)
-  except KeyboardInterrupt:
-    if created:
-      shutil.rmtree(workdir, ignore_errors=True)
-    raise InterruptedBeforeStart(
-        f"interrupted before training started: nothing was written to {workdir}") from None
-  except BaseException:
-    if created:
-      shutil.rmtree(workdir, ignore_errors=True)
-    raise
-  if begin.point is not None:
-    say(f"resumed from {checkpoint_dir}/{begin.point.step} (step {start} of {t.steps})")
-  if dropped:
-    say(f"dropped {dropped} rows past step {start} from metrics.jsonl: those steps run again")
-  return _loop(cfg, workdir, begin, checkpoints, run_steps=run_steps, max_seconds=max_seconds,
-               progress=progress, say=say)
+    try:
+      kind = run_folder.inspect_run_folder(workdir)  # again, now that no other run can change it
+      if held is not None and held.notice:
+        log.warning(held.notice)
+      begin = _set_up(cfg, checkpoint_dir, mesh=mesh, trainer=trainer, say=say,
+                      print_config=print_config, allow_attention_change=allow_attention_change)
+      if isinstance(begin, TrainResult):
+        return dataclasses.replace(begin, workdir=workdir)
+      # The run starts: from here on the run folder is written.
+      start = int(begin.state["step"])
+      workdir.mkdir(parents=True, exist_ok=True)
+      if primary and kind != "run":
+        run_folder.mark(workdir, say if kind == "unmarked run" else None)
+      if begin.point is not None and begin.point.skipped:
+        skipped = [step for step, _ in begin.point.skipped]
+        moved = ckpt_lib.set_aside(checkpoint_dir, skipped, workdir / "skipped_checkpoints")
+        log.warning("; ".join(
+            f"skipped checkpoint {checkpoint_dir}/{step} ({reason}): moved it to {target}"
+            for (step, reason), target in zip(begin.point.skipped, moved)))
+      if begin.point is None or not (workdir / "config.json").exists():
+        (workdir / "config.json").write_text(cfg.to_json() + "\n")
+      if begin.changes and primary:
+        run_folder.append_history(workdir, step=start, changes=begin.changes, command=command)
+      memory = json.dumps(memory_record(begin.trainer), indent=1)
+      (workdir / "memory.json").write_text(memory + "\n")
+      dropped = _truncate_metrics(workdir / "metrics.jsonl", start)
+      checkpoints = ckpt_lib.Checkpointer(checkpoint_dir, keep=t.keep_checkpoints,
+                                          use_async=t.async_checkpointing)
+    except BaseException as e:
+      if created is not None:
+        shutil.rmtree(created, ignore_errors=True)
+      if held is not None:
+        held.release(remove=held.created)
+      if isinstance(e, KeyboardInterrupt):
+        raise InterruptedBeforeStart(
+            f"interrupted before training started: nothing was written to {workdir}") from None
+      raise
+    if begin.point is not None:
+      say(f"resumed from {checkpoint_dir}/{begin.point.step} (step {start} of {t.steps})")
+    if dropped:
+      say(f"dropped {dropped} rows past step {start} from metrics.jsonl: those steps run again")
+    return _loop(cfg, workdir, begin, checkpoints, run_steps=run_steps, max_seconds=max_seconds,
+                 progress=progress, say=say)
+  finally:
+    if held is not None:
+      held.release()
 
 
 def _set_up(cfg: Config, checkpoint_dir: Path, *, mesh, trainer, say, print_config: bool,
@@ -424,6 +419,11 @@ def _set_up(cfg: Config, checkpoint_dir: Path, *, mesh, trainer, say, print_conf
                        already_complete=True)
   if print_config:
     say("resolved config:\n" + cfg.to_json())
+  changed = {} if point is None else run_folder.config_changes(point.meta["config"], cfg)
+  if changed:
+    log.warning(f"resuming checkpoint {point.step} with changed fields (config.json keeps the "
+                f"original; {run_folder.HISTORY} records the changes):\n"
+                + run_folder.describe_changes(changed))
   if point is not None and allow_attention_change:
     changes = ckpt_lib.attention_changes(point.meta["config"]["model"], cfg.model)
     if changes:
@@ -451,7 +451,7 @@ def _set_up(cfg: Config, checkpoint_dir: Path, *, mesh, trainer, say, print_conf
   else:
     state = trainer.init_state()
   return _Start(trainer=trainer, state=state, point=point, train_batches=train_batches,
-                val_batches=val_batches)
+                val_batches=val_batches, changes=changed)
 
 
 def _loop(cfg: Config, workdir: Path, begin: _Start, checkpoints: ckpt_lib.Checkpointer, *,
@@ -529,14 +529,14 @@ def _loop(cfg: Config, workdir: Path, begin: _Start, checkpoints: ckpt_lib.Check
   def save(step: int, force: bool = False) -> None:
     checkpoints.save(step, state, cfg, force=force)
 
-  stopped_early = False
+  stop_reason, out_of_time = None, False
   t_loop = time.perf_counter()
   bar = tqdm(total=t.steps, initial=start, disable=not progress, desc="train", unit="step",
              dynamic_ncols=True)
   pending = None
   step = start
-  # Ctrl-C is caught until the last checkpoint is written: a second one exits at once.
-  with _Interrupt() as interrupt:
+  # Ctrl-C and SIGTERM are caught until the last checkpoint is written: a second exits at once.
+  with run_folder.StopRequest() as interrupt:
     try:
       while step < stop_at:
         batch = trainer.place_batch(begin.train_batches.batch(step), trainer.batch_shardings)
@@ -561,17 +561,16 @@ def _loop(cfg: Config, workdir: Path, begin: _Start, checkpoints: ckpt_lib.Check
         if ckpt:
           save(step)
         if interrupt.requested or out_of_time:
-          stopped_early = True
           break
-      if step == stop_at and stop_at < t.steps:
-        stopped_early = True
-      if stopped_early:
+      if step < t.steps:
+        stop_reason = (interrupt.signal.name if interrupt.requested else
+                       "max_seconds" if out_of_time else "run_steps")
         log_interval(step)
         if not evals or evals[-1]["step"] != step:
           run_eval(step)
         save(step, force=True)
-        say(f"stopped at step {step}; checkpoint saved to {checkpoints.directory}/{step}; run the "
-            f"same command again to resume")
+        say(f"stopped at step {step} of {t.steps}; checkpoint saved to "
+            f"{checkpoints.directory}/{step}")
       stats = jax.local_devices()[0].memory_stats() or {}
       if "peak_bytes_in_use" in stats:
         metrics_file.write(
@@ -586,7 +585,8 @@ def _loop(cfg: Config, workdir: Path, begin: _Start, checkpoints: ckpt_lib.Check
         if tb is not None:
           tb.close()
   return TrainResult(start_step=start, end_step=step, losses=losses, accuracies=accuracies,
-                     evals=evals, stopped_early=stopped_early, workdir=workdir)
+                     evals=evals, stopped_early=stop_reason is not None, workdir=workdir,
+                     stop_reason=stop_reason)
 
 
 def _tensorboard(workdir: Path):
