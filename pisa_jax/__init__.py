@@ -6,8 +6,12 @@ Public API (shapes follow `jax.nn.dot_product_attention`: q `[B, T, HQ, D]`, k/v
   sparse_attention   causal attention over selected blocks (Eq. 6)
   pisa_attention     selection under stop_gradient, then sparse attention
   selection_quality  Recall@K, captured mass and mass ratio against full attention (App. D.2)
-Each takes `implementation="xla" | "pallas" | None` (selection_quality has only "xla": "pallas"
-raises).
+  nsa_attention      Native Sparse Attention (Yuan et al., 2025): compressed, selected and
+                     sliding-window branches, gated; its pieces nsa_compress,
+                     compressed_attention, nsa_select_blocks, sliding_window_attention
+                     (`pisa_jax.nsa`)
+Each takes `implementation="xla" | "pallas" | None` (selection_quality and the NSA pieces but
+nsa_attention have only "xla": "pallas" raises, None means "xla").
 
 Packed documents: build_pyramid, select_blocks, sparse_attention and pisa_attention take
 `segment_ids` `[B, T]` int32 (non-decreasing within a row; a document is a run of equal ids).
@@ -33,6 +37,7 @@ import importlib
 # Names are imported on first use (PEP 562), so `import pisa_jax.configs` or a command line's
 # argument parser does not pay for jax: a tool checks its arguments before importing the library.
 _EXPORTS = {
+    "CompressionMLP": "pisa_jax.nsa",
     "DecodeCache": "pisa_jax.decode",
     "DecodeModel": "pisa_jax.generate",
     "Generation": "pisa_jax.generate",
@@ -41,12 +46,18 @@ _EXPORTS = {
     "SelectionQuality": "pisa_jax.quality",
     "bucket_capacity": "pisa_jax.decode",
     "build_pyramid": "pisa_jax.pyramid",
+    "compressed_attention": "pisa_jax.nsa",
     "decode_step": "pisa_jax.decode",
     "generate": "pisa_jax.generate",
     "generate_stream": "pisa_jax.generate",
+    "init_compression_mlp": "pisa_jax.nsa",
+    "nsa_attention": "pisa_jax.nsa",
+    "nsa_compress": "pisa_jax.nsa",
+    "nsa_select_blocks": "pisa_jax.nsa",
     "pisa_attention": "pisa_jax.attention",
     "select_blocks": "pisa_jax.selection",
     "selection_quality": "pisa_jax.quality",
+    "sliding_window_attention": "pisa_jax.nsa",
     "sparse_attention": "pisa_jax.attention",
     "traced_checks": "pisa_jax._validation",
 }
@@ -54,6 +65,7 @@ _EXPORTS = {
 __version__ = "0.1.0"
 
 __all__ = [
+    "CompressionMLP",
     "DecodeCache",
     "DecodeModel",
     "Generation",
@@ -62,12 +74,18 @@ __all__ = [
     "SelectionQuality",
     "bucket_capacity",
     "build_pyramid",
+    "compressed_attention",
     "decode_step",
     "generate",
     "generate_stream",
+    "init_compression_mlp",
+    "nsa_attention",
+    "nsa_compress",
+    "nsa_select_blocks",
     "pisa_attention",
     "select_blocks",
     "selection_quality",
+    "sliding_window_attention",
     "sparse_attention",
     "traced_checks",
 ]
