@@ -245,3 +245,48 @@ def test_bad_sizes_are_rejected_in_one_line_naming_the_argument(case):
   with pytest.raises(error, match=match) as info:
     call()
   assert "\n" not in str(info.value)
+
+
+# A two-layer NSA decoder.
+DECODER = dict(vocab_size=64, vocab_pad_multiple=64, num_layers=2, d_model=64, mlp_dim=128,
+               num_heads=4, num_kv_heads=2, head_dim=16, init_std=0.1, param_dtype="float32",
+               compute_dtype="float32", attention="nsa", nsa_block_length=8, nsa_stride=4,
+               nsa_select_block_size=8, nsa_top_n=4, nsa_window=6)
+
+
+@pytest.mark.parametrize("compression", ["mlp", "mean"])
+def test_decoder_counts_and_shards_its_nsa_parameters(compression):
+  from flax import nnx
+
+  from pisa_jax.models.config import ModelConfig
+  from pisa_jax.models.decoder import Decoder, count_params
+  from pisa_jax.models.sharding import LOGICAL_AXIS_RULES
+
+  fields = dict(DECODER, nsa_compression=compression)
+  if compression == "mean":
+    fields.update(nsa_block_length=4)
+  cfg = ModelConfig(**fields)
+  state = nnx.state(Decoder(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+  assert sum(x.size for x in jax.tree.leaves(state)) == count_params(cfg)
+  names = set()
+  for path, var in nnx.to_flat_state(state):
+    names.update(str(p) for p in path)
+    axes = var.get_metadata()["logical_axes"]
+    assert len(axes) == var.get_value().ndim and all(
+        a is None or a in LOGICAL_AXIS_RULES for a in axes), (path, axes)
+  assert "wg" in names and (("key_compressor" in names) == (compression == "mlp"))
+
+
+@pytest.mark.parametrize("override,match", [
+    ("model.nsa_stride=5", r"model.nsa_stride=5 must divide model.nsa_block_length=32"),
+    ("model.nsa_top_n=2", r"model.nsa_top_n=2 must be an int >= 3"),
+    ("model.nsa_compression=mean", r"model.nsa_stride=16 must equal model.nsa_block_length=32"),
+    ("train.context_parallel=2", r"model.attention='nsa' does not split the sequence"),
+])
+def test_config_rejects_bad_nsa_fields_by_name(override, match):
+  from pisa_jax.configs import apply_overrides, get_config, validate
+
+  validate(apply_overrides(get_config("tiny"), ["model.attention=nsa"]))
+  with pytest.raises(ValueError, match=match) as info:
+    validate(apply_overrides(get_config("tiny"), ["model.attention=nsa", override]))
+  assert "\n" not in str(info.value)
