@@ -41,6 +41,7 @@ from pisa_jax.models.config import SPARSE_ATTENTION_KINDS, ModelConfig
 from pisa_jax.models.context_parallel import sequence_axis, sequence_sharded_attention
 from pisa_jax.models.sharding import axes_size, batch_axes_of, constrain_batch
 from pisa_jax.nsa import CompressionMLP
+from pisa_jax.nsa_decode import NSACache, nsa_decode_step
 from pisa_jax.segments import document_bounds
 
 # Logit given to the padding rows of the output embedding: they never win and carry no mass.
@@ -281,11 +282,15 @@ class Attention(nnx.Module):
 
   # Decoding (`pisa_jax.generate`): the projections and RoPE of `__call__`, with a cache.
 
-  def init_cache(self, batch: int, capacity: int, dtype) -> DecodeCache | KVCache:
+  def init_cache(self, batch: int, capacity: int, dtype) -> DecodeCache | KVCache | NSACache:
     """An empty cache of this layer for `batch` rows of `capacity` tokens."""
     cfg = self.cfg
     if cfg.attention == "dense":
       return KVCache.create(batch, capacity, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
+    if cfg.attention == "nsa":
+      return NSACache.create(batch, capacity, cfg.num_kv_heads, cfg.head_dim,
+                             compression=cfg.nsa_compression, block_length=cfg.nsa_block_length,
+                             stride=cfg.nsa_stride, dtype=dtype)
     return DecodeCache.create(batch, capacity, cfg.num_kv_heads, cfg.head_dim,
                               block_size=cfg.block_size, branching=cfg.branching, dtype=dtype)
 
@@ -305,6 +310,12 @@ class Attention(nnx.Module):
     # k and v are projected again beside `__call__` (with few KV heads, a few percent of its
     # matmuls), so that the prefill is the training forward pass itself.
     k, v = self._project_kv(x)
+    if self.cfg.attention == "nsa":
+      # The cache's compressed tokens are made by the layer's MLPs.
+      key_mlp, value_mlp = self._nsa_mlps()
+      return (self(x, cos, sin, segment_ids),
+              cache.prefill(apply_rope(k, cos, sin), v, lengths, key_mlp=key_mlp,
+                            value_mlp=value_mlp, segment_ids=segment_ids))
     return (self(x, cos, sin, segment_ids),
             cache.prefill(apply_rope(k, cos, sin), v, lengths, segment_ids=segment_ids))
 
@@ -319,6 +330,12 @@ class Attention(nnx.Module):
     q, k = rope(q, cos, sin), rope(k, cos, sin)
     if cfg.attention == "dense":
       out, cache = dense_decode_attention(q, k, v, cache)
+    elif cfg.attention == "nsa":
+      key_mlp, value_mlp = self._nsa_mlps()
+      out, cache = nsa_decode_step(
+          q, k, v, self._nsa_gates(x), cache, key_mlp=key_mlp, value_mlp=value_mlp,
+          select_block_size=cfg.nsa_select_block_size, top_n=cfg.nsa_top_n,
+          window=cfg.nsa_window, implementation=cfg.attention_implementation)
     else:
       out, cache = decode_step(q, k, v, cache, top_k=cfg.top_k, selector=cfg.attention,
                                beam=cfg.beam, implementation=cfg.attention_implementation)

@@ -30,6 +30,7 @@ Decoding (Section 3.3 "Decoding", Appendix B "Decode cache"):
   DecodeCache        keys, values and the summary pyramid of a batch of rows of different lengths
   decode_step        one token per row: append, select, attend; `implementation=` as above
   generate           greedy or nucleus generation with any `DecodeModel` (models.Decoder is one)
+  NSACache, nsa_decode_step   NSA's cache (keys, values, compressed tokens) and one step
 """
 
 import importlib
@@ -41,6 +42,7 @@ _EXPORTS = {
     "DecodeCache": "pisa_jax.decode",
     "DecodeModel": "pisa_jax.generate",
     "Generation": "pisa_jax.generate",
+    "NSACache": "pisa_jax.nsa_decode",
     "PackedPyramid": "pisa_jax.segments",
     "Pyramid": "pisa_jax.pyramid",
     "SelectionQuality": "pisa_jax.quality",
@@ -53,6 +55,7 @@ _EXPORTS = {
     "init_compression_mlp": "pisa_jax.nsa",
     "nsa_attention": "pisa_jax.nsa",
     "nsa_compress": "pisa_jax.nsa",
+    "nsa_decode_step": "pisa_jax.nsa_decode",
     "nsa_select_blocks": "pisa_jax.nsa",
     "pisa_attention": "pisa_jax.attention",
     "select_blocks": "pisa_jax.selection",
@@ -69,6 +72,7 @@ __all__ = [
     "DecodeCache",
     "DecodeModel",
     "Generation",
+    "NSACache",
     "PackedPyramid",
     "Pyramid",
     "SelectionQuality",
@@ -81,6 +85,7 @@ __all__ = [
     "init_compression_mlp",
     "nsa_attention",
     "nsa_compress",
+    "nsa_decode_step",
     "nsa_select_blocks",
     "pisa_attention",
     "select_blocks",

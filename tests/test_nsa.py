@@ -209,6 +209,7 @@ def test_packed_documents_equal_each_document_alone():
 def _bad_calls():
   q, k, v, gates, key_mlp, value_mlp = make_inputs()
   k_cmp = nsa.nsa_compress(k, key_mlp, block_length=8, stride=4)
+  cache = pisa_jax.NSACache.create(2, 16, HKV, D, block_length=8, stride=4, dtype=jnp.float32)
   layer = functools.partial(nsa.nsa_attention, q, k, v, gates, key_mlp=key_mlp,
                             value_mlp=value_mlp, **SIZES)
   return {
@@ -235,11 +236,19 @@ def _bad_calls():
       "pallas": (lambda: nsa.nsa_compress(k, key_mlp, block_length=8, stride=4,
                                           implementation="pallas"),
                  ValueError, r"implementation='pallas' is not available for nsa_compress"),
+      "decode": (lambda: pisa_jax.nsa_decode_step(q[:, :2], k[:, :2], v[:, :2], gates[:, :2],
+                                                  cache, key_mlp=key_mlp, value_mlp=value_mlp),
+                 ValueError, r"must be one token per row"),
+      "decode_pallas": (lambda: pisa_jax.nsa_decode_step(
+          q[:, :1], k[:, :1], v[:, :1], gates[:, :1], cache, key_mlp=key_mlp,
+          value_mlp=value_mlp, implementation="pallas"),
+                        ValueError, r"implementation='pallas' is not available for nsa_decode"),
   }
 
 
 @pytest.mark.parametrize("case", ["stride", "mean", "select", "top_n", "window", "kind", "gates",
-                                  "no_mlp", "mean_mlp", "mlp_shape", "k_cmp", "lse", "pallas"])
+                                  "no_mlp", "mean_mlp", "mlp_shape", "k_cmp", "lse", "pallas",
+                                  "decode", "decode_pallas"])
 def test_bad_sizes_are_rejected_in_one_line_naming_the_argument(case):
   call, error, match = _bad_calls()[case]
   with pytest.raises(error, match=match) as info:
@@ -247,11 +256,40 @@ def test_bad_sizes_are_rejected_in_one_line_naming_the_argument(case):
   assert "\n" not in str(info.value)
 
 
-# A two-layer NSA decoder.
+# Decoding: a two-layer NSA decoder's greedy generation against its full forward pass.
 DECODER = dict(vocab_size=64, vocab_pad_multiple=64, num_layers=2, d_model=64, mlp_dim=128,
                num_heads=4, num_kv_heads=2, head_dim=16, init_std=0.1, param_dtype="float32",
                compute_dtype="float32", attention="nsa", nsa_block_length=8, nsa_stride=4,
                nsa_select_block_size=8, nsa_top_n=4, nsa_window=6)
+
+
+@pytest.mark.parametrize("compression", ["mlp", "mean"])
+def test_decode_steps_equal_the_full_forward_rows(compression):
+  """Prompts of 27, 3 and 12 tokens and 22 new tokens each: the prefill's logits and those of
+  every step (the compressed blocks and the window extended token by token, the cache grown
+  from 32 tokens to 64 on the way) equal the forward pass over the whole sequence."""
+  from flax import nnx
+
+  from pisa_jax.models.config import ModelConfig
+  from pisa_jax.models.decoder import Decoder
+
+  fields = dict(DECODER, nsa_compression=compression)
+  if compression == "mean":
+    fields.update(nsa_block_length=4, nsa_select_block_size=8)
+  model = Decoder(ModelConfig(**fields), rngs=nnx.Rngs(0))
+  prompts = [[(7 * i + 3) % 64 for i in range(27)], [5, 9, 1], [(11 * i) % 64 for i in range(12)]]
+  steps = 22
+  out = pisa_jax.generate(model, prompts, max_new_tokens=steps, initial_capacity=32,
+                          return_logits=True, steps_per_call=8)
+  width = 27 + steps
+  tokens = np.zeros((3, width), np.int32)
+  for b, prompt in enumerate(prompts):
+    tokens[b, :len(prompt) + steps] = prompt + out.tokens[b].tolist()
+  # Row t of one forward pass over each whole sequence is the step that fed token t (causal).
+  full = np.asarray(jax.jit(model)(jnp.asarray(tokens)))
+  want = np.stack([full[b, len(p) - 1:len(p) - 1 + steps] for b, p in enumerate(prompts)])
+  np.testing.assert_allclose(out.logits, want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(out.tokens, want.argmax(-1))
 
 
 @pytest.mark.parametrize("compression", ["mlp", "mean"])
