@@ -109,7 +109,7 @@ def test_window_matches_oracle(window):
 
 def _layer(q, k, v, gates, key_mlp, value_mlp, **kw):
   return nsa.nsa_attention(q, k, v, gates, key_mlp=key_mlp, value_mlp=value_mlp,
-                           implementation="xla", **{**SIZES, **kw})
+                           **{"implementation": "xla", **SIZES, **kw})
 
 
 def _oracle_layer(q, k, v, gates, key_mlp, value_mlp, b):
@@ -263,7 +263,8 @@ DECODER = dict(vocab_size=64, vocab_pad_multiple=64, num_layers=2, d_model=64, m
                nsa_select_block_size=8, nsa_top_n=4, nsa_window=6)
 
 
-@pytest.mark.parametrize("compression", ["mlp", "mean"])
+@pytest.mark.parametrize("compression", [
+    "mlp", pytest.param("mean", marks=pytest.mark.slow)])  # "mean": the same step, its pooling
 def test_decode_steps_equal_the_full_forward_rows(compression):
   """Prompts of 27, 3 and 12 tokens and 22 new tokens each: the prefill's logits and those of
   every step (the compressed blocks and the window extended token by token, the cache grown
@@ -328,3 +329,18 @@ def test_config_rejects_bad_nsa_fields_by_name(override, match):
   with pytest.raises(ValueError, match=match) as info:
     validate(apply_overrides(get_config("tiny"), ["model.attention=nsa", override]))
   assert "\n" not in str(info.value)
+
+
+def test_pallas_runs_the_selected_branch_on_the_kernel_and_equals_xla():
+  """implementation="pallas": the selected branch on the Pallas sparse-attention kernel (the
+  interpreter off a GPU), the rest the reference: outputs and gradients equal "xla"'s."""
+  args = make_inputs()
+  cotangent = jax.random.normal(jax.random.key(6), args[0].shape)
+  results = []
+  for implementation in ("xla", "pallas"):
+    out, vjp = jax.vjp(functools.partial(_layer, implementation=implementation), *args)
+    results.append((out, vjp(cotangent)))
+  (want, want_grads), (got, got_grads) = results
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+    np.testing.assert_allclose(g, w, rtol=5e-5, atol=5e-5)
