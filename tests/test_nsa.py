@@ -271,6 +271,7 @@ def test_decode_steps_equal_the_full_forward_rows(compression):
   from 32 tokens to 64 on the way) equal the forward pass over the whole sequence."""
   from flax import nnx
 
+  from pisa_jax.generate import generate
   from pisa_jax.models.config import ModelConfig
   from pisa_jax.models.decoder import Decoder
 
@@ -280,7 +281,7 @@ def test_decode_steps_equal_the_full_forward_rows(compression):
   model = Decoder(ModelConfig(**fields), rngs=nnx.Rngs(0))
   prompts = [[(7 * i + 3) % 64 for i in range(27)], [5, 9, 1], [(11 * i) % 64 for i in range(12)]]
   steps = 22
-  out = pisa_jax.generate(model, prompts, max_new_tokens=steps, initial_capacity=32,
+  out = generate(model, prompts, max_new_tokens=steps, initial_capacity=32,
                           return_logits=True, steps_per_call=8)
   width = 27 + steps
   tokens = np.zeros((3, width), np.int32)
