@@ -211,6 +211,19 @@ def validate(config: Config) -> Config:
       raise ValueError(
           f"model.block_size={m.block_size} must be <= train.seq_len={t.seq_len}"
       )
+  elif m.attention == "nsa":
+    from pisa_jax import nsa  # imported here: the other kinds need none of it
+
+    nsa.check_options(
+        compression=m.nsa_compression, block_length=m.nsa_block_length, stride=m.nsa_stride,
+        select_block_size=m.nsa_select_block_size, top_n=m.nsa_top_n, window=m.nsa_window,
+        names={f: "model.nsa_" + f for f in ("compression", "block_length", "stride",
+                                             "select_block_size", "top_n", "window")})
+    _validation.check_implementation(m.attention_implementation,
+                                     name="model.attention_implementation")
+    if t.context_parallel > 1:
+      raise ValueError(f"model.attention='nsa' does not split the sequence over devices: set "
+                       f"train.context_parallel=1 (got {t.context_parallel})")
   elif m.attention_implementation is not None:
     raise ValueError(
         f"model.attention_implementation={m.attention_implementation!r} applies to sparse attention "

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 
-ATTENTION_KINDS = ("dense", "pisa", "pisa1", "pisa2", "bsa")
-# The sparse kinds are `pisa_jax.pisa_attention` selectors (not "exact": the O(T^2) oracle).
+ATTENTION_KINDS = ("dense", "pisa", "pisa1", "pisa2", "bsa", "nsa")
+# The sparse kinds are `pisa_jax.pisa_attention` selectors (not "exact": the O(T^2) oracle);
+# "nsa" is `pisa_jax.nsa_attention`, sized by the nsa_* fields.
 SPARSE_ATTENTION_KINDS = ("pisa", "pisa1", "pisa2", "bsa")
 PARAM_DTYPES = ("float32", "bfloat16")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
@@ -51,6 +52,17 @@ class ModelConfig:
   # (2 HQ D + 4 HQ bytes), so the backward does not run the attention forward again either.
   # `decoder.REMAT_POLICIES` lists what each keeps and recomputes, with its bytes.
   remat: str = "none"
+  # attention="nsa" (`pisa_jax.nsa_attention`; block_size, top_k, branching and beam are PISA's):
+  # compression "mlp" or "mean" (then nsa_stride = nsa_block_length), compressed blocks of l =
+  # nsa_block_length tokens at stride d = nsa_stride, n = nsa_top_n selected blocks of l' =
+  # nsa_select_block_size tokens, a window of w = nsa_window tokens. NSA's defaults; the
+  # paper's comparison (Appendix C) selects C = 64, K = 8.
+  nsa_compression: str = "mlp"
+  nsa_block_length: int = 32
+  nsa_stride: int = 16
+  nsa_select_block_size: int = 64
+  nsa_top_n: int = 16
+  nsa_window: int = 512
 
   @property
   def padded_vocab_size(self) -> int:

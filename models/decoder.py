@@ -2,8 +2,9 @@
 
 Pre-RMSNorm blocks with GQA attention and a SiLU-gated MLP, no dropout, untied input and output
 embeddings padded to a multiple of `vocab_pad_multiple` rows (50,257 -> 50,432), RoPE on the
-high-frequency half of each head. The attention is dense (`jax.nn.dot_product_attention`) or
-block-sparse through `pisa_jax.pisa_attention` (PISA, PISA-1, PISA-2, BSA), chosen by the config.
+high-frequency half of each head. The attention is dense (`jax.nn.dot_product_attention`),
+block-sparse through `pisa_jax.pisa_attention` (PISA, PISA-1, PISA-2, BSA), or NSA through
+`pisa_jax.nsa_attention` (its gates and compression MLPs are the layer's), chosen by the config.
 Packed documents: with `segment_ids` `[B, T]` (a document is a run of equal ids) no token attends
 across a document boundary, in either kind, and RoPE positions restart at 0 with each document,
 so each document's activations are the ones it would have alone.
@@ -39,6 +40,8 @@ from pisa_jax.decode_cache import last_document
 from pisa_jax.models.config import SPARSE_ATTENTION_KINDS, ModelConfig
 from pisa_jax.models.context_parallel import sequence_axis, sequence_sharded_attention
 from pisa_jax.models.sharding import axes_size, batch_axes_of, constrain_batch
+from pisa_jax.nsa import CompressionMLP
+from pisa_jax.nsa_decode import NSACache, nsa_decode_step
 from pisa_jax.segments import document_bounds
 
 # Logit given to the padding rows of the output embedding: they never win and carry no mass.
@@ -191,6 +194,12 @@ class Attention(nnx.Module):
     self.wv = _normal(rngs, (d, hkv, hd), std, pdt, ("embed", "kv_heads", "head_dim"))
     # GPT-2's residual-branch scaling of the output projection.
     self.wo = _normal(rngs, (hq, hd, d), out_std, pdt, ("q_heads", "head_dim", "embed"))
+    if cfg.attention == "nsa":
+      # NSA's gates (Eq. 5), sigmoid(x wg): one per head for each of its three branches.
+      self.wg = _normal(rngs, (d, hq, 3), std, pdt, ("embed", "q_heads", None))
+      if cfg.nsa_compression == "mlp":
+        self.key_compressor = Compressor(cfg, rngs=rngs)
+        self.value_compressor = Compressor(cfg, rngs=rngs)
 
   def __call__(self, x: Float[Array, "B T E"], cos: Array, sin: Array,
                segment_ids: Int[Array, "B T"] | None = None) -> Float[Array, "B T E"]:
@@ -229,20 +238,59 @@ class Attention(nnx.Module):
       else:
         out = per_batch_shard(lambda q, k, v, ids: attend(q, k, v, segment_ids=ids))(
             q, k, v, segment_ids)
+    elif cfg.attention == "nsa":
+      out = self._nsa(x, q, k, v, segment_ids)
     else:
       raise ValueError(f"model.attention={cfg.attention!r} is unknown")
     chex.assert_shape(out, q.shape)  # [B, T, HQ, D]
     return _saveable("out_proj",
                      jnp.einsum("bthd,hde->bte", out.astype(cdt), self.wo[...].astype(cdt)))
 
+  def _nsa(self, x: Float[Array, "B T E"], q, k, v, segment_ids) -> Float[Array, "B T HQ D"]:
+    """`pisa_jax.nsa_attention` of q, k, v with gates sigmoid(x wg) `[B, T, HQ, 3]`, on each
+    device's slice of the batch (the compression MLPs whole on every device)."""
+    cfg = self.cfg
+    gates, mlps = self._nsa_gates(x), self._nsa_mlps()
+    attend = functools.partial(
+        pisa_jax.nsa_attention, compression=cfg.nsa_compression,
+        block_length=cfg.nsa_block_length, stride=cfg.nsa_stride,
+        select_block_size=cfg.nsa_select_block_size, top_n=cfg.nsa_top_n,
+        window=cfg.nsa_window, implementation=cfg.attention_implementation)
+    batched = (q, k, v, gates) + (() if segment_ids is None else (segment_ids,))
+
+    def run(mlps, q, k, v, gates, segment_ids=None):
+      return attend(q, k, v, gates, key_mlp=mlps[0], value_mlp=mlps[1], segment_ids=segment_ids)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = batch_axes_of(mesh)
+    if axes is None:
+      return run(mlps, *batched)
+    # As `per_batch_shard`, with the MLPs replicated.
+    sharded = jax.shard_map(run, mesh=mesh, in_specs=(P(),) + (P(axes),) * len(batched),
+                            out_specs=P(axes), check_vma=False)
+    return sharded(mlps, *batched)
+
+  def _nsa_gates(self, x: Float[Array, "B T E"]) -> Float[Array, "B T HQ 3"]:
+    """NSA's gates sigmoid(x wg) (Eq. 5), float32."""
+    return jax.nn.sigmoid(jnp.einsum("bte,ehc->bthc", x, self.wg[...].astype(x.dtype),
+                                     preferred_element_type=jnp.float32))
+
+  def _nsa_mlps(self) -> tuple[CompressionMLP | None, CompressionMLP | None]:
+    if self.cfg.nsa_compression != "mlp":
+      return None, None
+    return self.key_compressor.value(), self.value_compressor.value()
 
   # Decoding (`pisa_jax.generate`): the projections and RoPE of `__call__`, with a cache.
 
-  def init_cache(self, batch: int, capacity: int, dtype) -> DecodeCache | KVCache:
+  def init_cache(self, batch: int, capacity: int, dtype) -> DecodeCache | KVCache | NSACache:
     """An empty cache of this layer for `batch` rows of `capacity` tokens."""
     cfg = self.cfg
     if cfg.attention == "dense":
       return KVCache.create(batch, capacity, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
+    if cfg.attention == "nsa":
+      return NSACache.create(batch, capacity, cfg.num_kv_heads, cfg.head_dim,
+                             compression=cfg.nsa_compression, block_length=cfg.nsa_block_length,
+                             stride=cfg.nsa_stride, dtype=dtype)
     return DecodeCache.create(batch, capacity, cfg.num_kv_heads, cfg.head_dim,
                               block_size=cfg.block_size, branching=cfg.branching, dtype=dtype)
 
@@ -262,6 +310,12 @@ class Attention(nnx.Module):
     # k and v are projected again beside `__call__` (with few KV heads, a few percent of its
     # matmuls), so that the prefill is the training forward pass itself.
     k, v = self._project_kv(x)
+    if self.cfg.attention == "nsa":
+      # The cache's compressed tokens are made by the layer's MLPs.
+      key_mlp, value_mlp = self._nsa_mlps()
+      return (self(x, cos, sin, segment_ids),
+              cache.prefill(apply_rope(k, cos, sin), v, lengths, key_mlp=key_mlp,
+                            value_mlp=value_mlp, segment_ids=segment_ids))
     return (self(x, cos, sin, segment_ids),
             cache.prefill(apply_rope(k, cos, sin), v, lengths, segment_ids=segment_ids))
 
@@ -276,6 +330,12 @@ class Attention(nnx.Module):
     q, k = rope(q, cos, sin), rope(k, cos, sin)
     if cfg.attention == "dense":
       out, cache = dense_decode_attention(q, k, v, cache)
+    elif cfg.attention == "nsa":
+      key_mlp, value_mlp = self._nsa_mlps()
+      out, cache = nsa_decode_step(
+          q, k, v, self._nsa_gates(x), cache, key_mlp=key_mlp, value_mlp=value_mlp,
+          select_block_size=cfg.nsa_select_block_size, top_n=cfg.nsa_top_n,
+          window=cfg.nsa_window, implementation=cfg.attention_implementation)
     else:
       out, cache = decode_step(q, k, v, cache, top_k=cfg.top_k, selector=cfg.attention,
                                beam=cfg.beam, implementation=cfg.attention_implementation)
@@ -286,6 +346,26 @@ def _attend_within_documents(attend, q, k, v, segment_ids):
   """Dense causal attention under a `[B, 1, T, T]` mask of same-document pairs."""
   mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
   return attend(q, k, v, mask=mask)
+
+
+class Compressor(nnx.Module):
+  """NSA's compression MLP phi (Eq. 7) for keys or values: `pisa_jax.nsa.CompressionMLP`'s
+  arrays, hidden width 4 * head_dim, weights normal with std 1 / sqrt(fan-in) (a compressed token
+  starts at the scale of a key), biases zero, the intra-block positions at init_std."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    pdt = jnp.dtype(cfg.param_dtype)
+    length, hd = cfg.nsa_block_length, cfg.head_dim
+    hidden = 4 * hd
+    self.position = _normal(rngs, (length, hd), cfg.init_std, pdt, (None, "head_dim"))
+    self.w1 = _normal(rngs, (length * hd, hidden), 1 / math.sqrt(length * hd), pdt, (None, None))
+    self.b1 = nnx.Param(jnp.zeros((hidden,), pdt), logical_axes=(None,))
+    self.w2 = _normal(rngs, (hidden, hd), 1 / math.sqrt(hidden), pdt, (None, "head_dim"))
+    self.b2 = nnx.Param(jnp.zeros((hd,), pdt), logical_axes=("head_dim",))
+
+  def value(self) -> CompressionMLP:
+    return CompressionMLP(self.position[...], self.w1[...], self.b1[...], self.w2[...],
+                          self.b2[...])
 
 
 class GatedMLP(nnx.Module):
@@ -543,6 +623,12 @@ def count_params(cfg: ModelConfig) -> int:
   e, m, hd = cfg.d_model, cfg.mlp_dim, cfg.head_dim
   attn = e * hd * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
   per_layer = attn + 3 * e * m + 2 * e
+  if cfg.attention == "nsa":
+    # The gates, and two compression MLPs (positions, w1, b1, w2, b2; hidden 4 * head_dim).
+    per_layer += 3 * e * cfg.num_heads
+    if cfg.nsa_compression == "mlp":
+      length, hidden = cfg.nsa_block_length, 4 * hd
+      per_layer += 2 * (length * hd + length * hd * hidden + hidden + hidden * hd + hd)
   return cfg.num_layers * per_layer + 2 * cfg.padded_vocab_size * e + e
 
 
@@ -557,6 +643,12 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
   attended = (seq_len + 1) / 2
   if cfg.attention in SPARSE_ATTENTION_KINDS:
     attended = min(attended, cfg.top_k * cfg.block_size)
+  elif cfg.attention == "nsa":
+    # Its three branches: the compressed blocks complete at t, the selected blocks' keys and the
+    # window's (each at most the causal (T+1)/2 on average).
+    compressed = max(0, (seq_len - cfg.nsa_block_length) // cfg.nsa_stride + 1) / 2
+    attended = (compressed + min(attended, cfg.nsa_top_n * cfg.nsa_select_block_size)
+                + min(attended, cfg.nsa_window))
   attention = cfg.num_layers * 4 * cfg.num_heads * cfg.head_dim * attended
   return 6 * matmul_params + 3 * attention
 

@@ -6,8 +6,12 @@ Public API (shapes follow `jax.nn.dot_product_attention`: q `[B, T, HQ, D]`, k/v
   sparse_attention   causal attention over selected blocks (Eq. 6)
   pisa_attention     selection under stop_gradient, then sparse attention
   selection_quality  Recall@K, captured mass and mass ratio against full attention (App. D.2)
-Each takes `implementation="xla" | "pallas" | None` (selection_quality has only "xla": "pallas"
-raises).
+  nsa_attention      Native Sparse Attention (Yuan et al., 2025): compressed, selected and
+                     sliding-window branches, gated; its pieces nsa_compress,
+                     compressed_attention, nsa_select_blocks, sliding_window_attention
+                     (`pisa_jax.nsa`)
+Each takes `implementation="xla" | "pallas" | None` (selection_quality and the NSA pieces but
+nsa_attention have only "xla": "pallas" raises, None means "xla").
 
 Packed documents: build_pyramid, select_blocks, sparse_attention and pisa_attention take
 `segment_ids` `[B, T]` int32 (non-decreasing within a row; a document is a run of equal ids).
@@ -28,6 +32,7 @@ Decoding (Section 3.3 "Decoding", Appendix B "Decode cache"):
   DecodeCache        keys, values and the summary pyramid of a batch of rows of different lengths
   decode_step        one token per row: append, select, attend; `implementation=` as above
   generate           greedy or nucleus generation with any `DecodeModel` (models.Decoder is one)
+  NSACache, nsa_decode_step   NSA's cache (keys, values, compressed tokens) and one step
 """
 
 import importlib
@@ -35,20 +40,29 @@ import importlib
 # Names are imported on first use (PEP 562), so `import pisa_jax.configs` or a command line's
 # argument parser does not pay for jax: a tool checks its arguments before importing the library.
 _EXPORTS = {
+    "CompressionMLP": "pisa_jax.nsa",
     "DecodeCache": "pisa_jax.decode",
     "DecodeModel": "pisa_jax.generation",
     "Generation": "pisa_jax.generation",
+    "NSACache": "pisa_jax.nsa_decode",
     "PackedPyramid": "pisa_jax.segments",
     "Pyramid": "pisa_jax.pyramid",
     "SelectionQuality": "pisa_jax.quality",
     "bucket_capacity": "pisa_jax.decode",
     "build_pyramid": "pisa_jax.pyramid",
+    "compressed_attention": "pisa_jax.nsa",
     "decode_step": "pisa_jax.decode",
     "generate": "pisa_jax.generation",
     "generate_stream": "pisa_jax.generation",
+    "init_compression_mlp": "pisa_jax.nsa",
+    "nsa_attention": "pisa_jax.nsa",
+    "nsa_compress": "pisa_jax.nsa",
+    "nsa_decode_step": "pisa_jax.nsa_decode",
+    "nsa_select_blocks": "pisa_jax.nsa",
     "pisa_attention": "pisa_jax.attention",
     "select_blocks": "pisa_jax.selection",
     "selection_quality": "pisa_jax.quality",
+    "sliding_window_attention": "pisa_jax.nsa",
     "sparse_attention": "pisa_jax.attention",
     "traced_checks": "pisa_jax._validation",
 }
@@ -56,20 +70,29 @@ _EXPORTS = {
 __version__ = "0.1.0"
 
 __all__ = [
+    "CompressionMLP",
     "DecodeCache",
     "DecodeModel",
     "Generation",
+    "NSACache",
     "PackedPyramid",
     "Pyramid",
     "SelectionQuality",
     "bucket_capacity",
     "build_pyramid",
+    "compressed_attention",
     "decode_step",
     "generate",
     "generate_stream",
+    "init_compression_mlp",
+    "nsa_attention",
+    "nsa_compress",
+    "nsa_decode_step",
+    "nsa_select_blocks",
     "pisa_attention",
     "select_blocks",
     "selection_quality",
+    "sliding_window_attention",
     "sparse_attention",
     "traced_checks",
 ]

@@ -135,3 +135,158 @@ def full_attention_reference_set(q, k, *, block_size, top_k, scale):
       rest = sorted((-mass[t, h, i], i) for i in range(1, cur - 1))
       ref[t, h] = sorted([0, cur - 1, cur] + [i for _, i in rest[:top_k - 3]])
   return mass, ref
+
+
+# ----------------------------------------------------------------------------- NSA (Yuan et al.)
+# One document of T tokens, float64, loops over (t, head): compressed blocks [i d, i d + l),
+# selection blocks [j l', (j + 1) l'), the window t - w < j <= t.
+
+
+def nsa_compress(x, mlp, *, block_length, stride):
+  """x `[T, H, D]` -> `[NC, H, D]` for every complete block (NC may be 0): phi(block + position)
+  with phi = silu(. w1 + b1) w2 + b2 over the flattened block, or the mean when mlp is None."""
+  x = np.asarray(x, np.float64)
+  seq_len, heads, _ = x.shape
+  count = (seq_len - block_length) // stride + 1 if seq_len >= block_length else 0
+  out = []
+  for i in range(count):
+    block = x[i * stride:i * stride + block_length]  # [l, H, D]
+    if mlp is None:
+      out.append(block.mean(0))
+      continue
+    position, w1, b1, w2, b2 = (np.asarray(p, np.float64) for p in mlp)
+    rows = []
+    for h in range(heads):
+      z = (block[:, h] + position).reshape(-1) @ w1 + b1
+      rows.append((z / (1.0 + np.exp(-z))) @ w2 + b2)
+    out.append(np.stack(rows))
+  return np.stack(out) if out else np.zeros((0, heads, x.shape[2]))
+
+
+def nsa_compressed_attention(q, k_cmp, v_cmp, *, block_length, stride, scale):
+  """q `[T, HQ, D]` over compressed blocks wholly at or before t: out `[T, HQ, D]`, lse `[T, HQ]`
+  (-inf and zeros where no block is complete)."""
+  q = np.asarray(q, np.float64)
+  seq_len, hq, d = q.shape
+  hkv = k_cmp.shape[1]
+  group = hq // hkv
+  out = np.zeros((seq_len, hq, d))
+  lse = np.full((seq_len, hq), -np.inf)
+  for t in range(seq_len):
+    seen = [i for i in range(k_cmp.shape[0]) if i * stride + block_length - 1 <= t]
+    if not seen:
+      continue
+    for hh in range(hq):
+      z = np.array([scale * q[t, hh] @ k_cmp[i, hh // group] for i in seen])
+      m = z.max()
+      w = np.exp(z - m)
+      lse[t, hh] = m + np.log(w.sum())
+      out[t, hh] = sum(wi / w.sum() * v_cmp[i, hh // group] for wi, i in zip(w, seen))
+  return out, lse
+
+
+def nsa_select(q, k_cmp, *, block_length, stride, select_block_size, top_n, scale):
+  """NSA's selection `[T, HKV, top_n]` (ascending, -1 padded): each head's softmax over the
+  complete compressed blocks, block i's probability credited to selection block j once per
+  d-token piece they share (|[i d, i d + l) & [j l', (j + 1) l')| / d), summed over the group;
+  the first, previous and current blocks forced, the rest by score, ties to the lower index."""
+  q = np.asarray(q, np.float64)
+  k_cmp = np.asarray(k_cmp, np.float64)
+  seq_len, hq, _ = q.shape
+  hkv = k_cmp.shape[1]
+  group = hq // hkv
+  lb, out = select_block_size, np.full((seq_len, hkv, top_n), -1, np.int64)
+  for t in range(seq_len):
+    cur = t // lb
+    if cur + 1 <= top_n:
+      out[t, :, :cur + 1] = np.arange(cur + 1)
+      continue
+    seen = [i for i in range(k_cmp.shape[0]) if i * stride + block_length - 1 <= t]
+    for h in range(hkv):
+      score = np.zeros(cur + 1)
+      for hh in range(h * group, (h + 1) * group):
+        z = np.array([scale * q[t, hh] @ k_cmp[i, h] for i in seen])
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        for pi, i in zip(p, seen):
+          for j in range(cur + 1):
+            shared = min(i * stride + block_length, (j + 1) * lb) - max(i * stride, j * lb)
+            score[j] += pi * max(shared, 0) / stride
+      rest = sorted((-score[j], j) for j in range(1, cur - 1))
+      out[t, h] = sorted([0, cur - 1, cur] + [j for _, j in rest[:top_n - 3]])
+  return out
+
+
+def sliding_window_attention(q, k, v, *, window, scale):
+  """Causal attention of query t over keys t - w < j <= t, `[T, HQ, D]`."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  seq_len, hq, d = q.shape
+  group = hq // k.shape[1]
+  out = np.zeros((seq_len, hq, d))
+  for t in range(seq_len):
+    keys = range(max(0, t - window + 1), t + 1)
+    for hh in range(hq):
+      z = np.array([scale * q[t, hh] @ k[j, hh // group] for j in keys])
+      w = np.exp(z - z.max())
+      out[t, hh] = (w / w.sum()) @ v[list(keys), hh // group]
+  return out
+
+
+def selected_attention(q, k, v, block_indices, *, block_size, scale):
+  """Attention of query t over the keys j <= t of its KV head's selected blocks, `[T, HQ, D]`."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  seq_len, hq, d = q.shape
+  group = hq // k.shape[1]
+  out = np.zeros((seq_len, hq, d))
+  for t in range(seq_len):
+    for hh in range(hq):
+      keys = [j for b in block_indices[t, hh // group] if b >= 0
+              for j in range(b * block_size, min((b + 1) * block_size, t + 1))]
+      z = np.array([scale * q[t, hh] @ k[j, hh // group] for j in keys])
+      w = np.exp(z - z.max())
+      out[t, hh] = (w / w.sum()) @ v[keys, hh // group]
+  return out
+
+
+def nsa_attention(q, k, v, gates, key_mlp, value_mlp, *, block_length, stride,
+                  select_block_size, top_n, window, scale):
+  """Eq. 5 of NSA for one document: gates `[T, HQ, 3]` (compressed, selected, window); the
+  MLPs None for mean compression. Returns (out `[T, HQ, D]`, selected blocks)."""
+  k_cmp = nsa_compress(k, key_mlp, block_length=block_length, stride=stride)
+  v_cmp = nsa_compress(v, value_mlp, block_length=block_length, stride=stride)
+  o_cmp, _ = nsa_compressed_attention(q, k_cmp, v_cmp, block_length=block_length,
+                                      stride=stride, scale=scale)
+  idx = nsa_select(q, k_cmp, block_length=block_length, stride=stride,
+                   select_block_size=select_block_size, top_n=top_n, scale=scale)
+  o_slc = selected_attention(q, k, v, idx, block_size=select_block_size, scale=scale)
+  o_win = sliding_window_attention(q, k, v, window=window, scale=scale)
+  g = np.asarray(gates, np.float64)[..., None]
+  return g[:, :, 0] * o_cmp + g[:, :, 1] * o_slc + g[:, :, 2] * o_win, idx
+
+
+def fla_parallel_nsa_topk(q, k, *, block_size, block_counts, scale):
+  """fla's `parallel_nsa_topk` rule, as its kernel reads: keys mean-pooled in blocks of C
+  (`mean_pooling`); lse over the blocks c < (t + 1) // C; candidates c <= t // C, the first and
+  the last two scoring 1 per head, the others exp(q k_c scale - lse) per head, summed over the
+  group; the block_counts best kept. Returned as sets: sorted ascending, -1 padded."""
+  q = np.asarray(q, np.float64)
+  k = np.asarray(k, np.float64)
+  seq_len, hq, _ = q.shape
+  hkv = k.shape[1]
+  group = hq // hkv
+  num = -(-seq_len // block_size)
+  k_cmp = np.stack([k[c * block_size:(c + 1) * block_size].mean(0) for c in range(num)])
+  out = np.full((seq_len, hkv, block_counts), -1, np.int64)
+  for t in range(seq_len):
+    complete, cur = (t + 1) // block_size, t // block_size
+    for h in range(hkv):
+      score = np.zeros(cur + 1)
+      for hh in range(h * group, (h + 1) * group):
+        z = scale * k_cmp[:cur + 1, h] @ q[t, hh]
+        lse = np.log(np.exp(z[:complete] - z[:complete].max()).sum()) + z[:complete].max() \
+            if complete else 0.0
+        for c in range(cur + 1):
+          score[c] += 1.0 if c in (0, cur - 1, cur) else np.exp(z[c] - lse)
+      best = sorted(range(cur + 1), key=lambda c: -score[c])[:block_counts]
+      out[t, h, :len(best)] = sorted(best)
+  return out

@@ -1,0 +1,347 @@
+"""NSA (`pisa_jax.nsa`) against float64 oracles: each branch, the selection (and fla's
+`parallel_nsa_topk` rule with mean compression at l = d = l' = 64), the whole layer and its
+gradients, causality, packed documents and bad sizes."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pisa_jax
+from pisa_jax import nsa
+import oracles
+
+# The layer's tiny geometry: l = 8, d = 4 (overlapping), l' = 8, n = 4 (one free slot beside the
+# three forced ones), w = 6; T = 53 is no multiple of any of them, and queries past position 39
+# choose among at least two scored blocks.
+SIZES = dict(block_length=8, stride=4, select_block_size=8, top_n=4, window=6)
+T, HQ, HKV, D, HIDDEN = 53, 4, 2, 8, 16
+SCALE = 1 / np.sqrt(D)
+
+
+def make_inputs(seq_len=T, hq=HQ, hkv=HKV, batch=2, seed=0, block_length=8):
+  keys = jax.random.split(jax.random.key(seed), 6)
+  q = jax.random.normal(keys[0], (batch, seq_len, hq, D))
+  k = jax.random.normal(keys[1], (batch, seq_len, hkv, D))
+  v = jax.random.normal(keys[2], (batch, seq_len, hkv, D))
+  gates = jax.nn.sigmoid(jax.random.normal(keys[3], (batch, seq_len, hq, 3)))
+  # Larger positions than the decoder's initial ones, so that the encoding matters here.
+  mlps = [nsa.init_compression_mlp(key, block_length=block_length, head_dim=D, hidden=HIDDEN,
+                                   position_std=0.5) for key in keys[4:]]
+  return q, k, v, gates, *mlps
+
+
+def np64(tree):
+  return jax.tree.map(lambda x: np.asarray(x, np.float64), tree)
+
+
+@pytest.mark.parametrize("compression", ["mlp", "mean"])
+def test_compression_matches_oracle(compression):
+  _, k, _, _, key_mlp, _ = make_inputs(seq_len=37)
+  length, stride = (8, 4) if compression == "mlp" else (8, 8)
+  mlp = key_mlp if compression == "mlp" else None
+  got = pisa_jax.nsa_compress(k, mlp, compression=compression, block_length=length,
+                              stride=stride, implementation="xla")
+  for b in range(k.shape[0]):
+    want = oracles.nsa_compress(k[b], None if mlp is None else np64(mlp),
+                                block_length=length, stride=stride)
+    np.testing.assert_allclose(got[b, :len(want)], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got[b, len(want):], 0.0)
+
+
+@pytest.mark.parametrize("hq,hkv", [(3, 3), (6, 2)])
+def test_compressed_attention_matches_oracle(hq, hkv):
+  q, k, v, _, key_mlp, value_mlp = make_inputs(hq=hq, hkv=hkv)
+  k_cmp = nsa.nsa_compress(k, key_mlp, block_length=8, stride=4)
+  v_cmp = nsa.nsa_compress(v, value_mlp, block_length=8, stride=4)
+  out, lse = nsa.compressed_attention(q, k_cmp, v_cmp, block_length=8, stride=4)
+  for b in range(q.shape[0]):
+    want_out, want_lse = oracles.nsa_compressed_attention(
+        q[b], np64(k_cmp[b]), np64(v_cmp[b]), block_length=8, stride=4, scale=SCALE)
+    np.testing.assert_allclose(out[b], want_out, rtol=1e-5, atol=1e-5)
+    # Queries before position l - 1 see no block: lse -inf, zero output.
+    np.testing.assert_allclose(lse[b], want_lse, rtol=1e-5, atol=1e-5)
+  assert np.all(np.isneginf(lse[:, :7])) and np.all(np.isfinite(lse[:, 7:]))
+
+
+@pytest.mark.parametrize("select_block_size", [8, 16])
+def test_selection_matches_oracle(select_block_size):
+  # Group 3: any GQA group. Longer T so that l' = 16 leaves scored blocks.
+  q, k, _, _, key_mlp, _ = make_inputs(seq_len=97, hq=6, hkv=2, batch=1, seed=1)
+  k_cmp = nsa.nsa_compress(k, key_mlp, block_length=8, stride=4)
+  _, lse = nsa.compressed_attention(q, k_cmp, k_cmp, block_length=8, stride=4)
+  got = nsa.nsa_select_blocks(q, k_cmp, lse, block_length=8, stride=4,
+                              select_block_size=select_block_size, top_n=4)
+  want = oracles.nsa_select(q[0], np64(k_cmp[0]), block_length=8, stride=4,
+                            select_block_size=select_block_size, top_n=4, scale=SCALE)
+  np.testing.assert_array_equal(got[0], want)
+
+
+def test_selection_with_mean_blocks_of_64_is_flas_rule():
+  """compression="mean" with l = d = l' = 64 selects what fla's `parallel_nsa_topk` selects
+  (its group of 16; the sets, since fla orders its blocks by score)."""
+  seq_len, top_n = 64 * 12 + 17, 8
+  q, k, _, _, _, _ = make_inputs(seq_len=seq_len, hq=16, hkv=1, batch=1, seed=2)
+  # Keys that vary slowly give blocks distinct means, so that the scores spread.
+  k = k + 2.0 * jnp.sin(jnp.arange(seq_len) / 90.0)[None, :, None, None]
+  sizes = dict(block_length=64, stride=64)
+  k_cmp = nsa.nsa_compress(k, compression="mean", **sizes)
+  _, lse = nsa.compressed_attention(q, k_cmp, k_cmp, **sizes)
+  got = nsa.nsa_select_blocks(q, k_cmp, lse, select_block_size=64, top_n=top_n, **sizes)
+  want = oracles.fla_parallel_nsa_topk(q[0], k[0], block_size=64, block_counts=top_n,
+                                       scale=1 / np.sqrt(D))
+  np.testing.assert_array_equal(got[0], want)
+  assert np.any(got[0, :, :, 3:] > 0), "no query chose among scored blocks"
+
+
+@pytest.mark.parametrize("window", [6, 80])
+def test_window_matches_oracle(window):
+  q, k, v, *_ = make_inputs(hq=6, hkv=2)
+  got = nsa.sliding_window_attention(q, k, v, window=window)
+  for b in range(q.shape[0]):
+    want = oracles.sliding_window_attention(q[b], k[b], v[b], window=window, scale=SCALE)
+    np.testing.assert_allclose(got[b], want, rtol=1e-5, atol=1e-5)
+
+
+def _layer(q, k, v, gates, key_mlp, value_mlp, **kw):
+  return nsa.nsa_attention(q, k, v, gates, key_mlp=key_mlp, value_mlp=value_mlp,
+                           **{"implementation": "xla", **SIZES, **kw})
+
+
+def _oracle_layer(q, k, v, gates, key_mlp, value_mlp, b):
+  return oracles.nsa_attention(
+      q[b], k[b], v[b], gates[b], key_mlp, value_mlp, scale=SCALE, **SIZES)
+
+
+def test_layer_matches_oracle():
+  args = make_inputs()
+  got = _layer(*args)
+  q, k, v, gates, key_mlp, value_mlp = np64(args)
+  chosen = 0
+  for b in range(q.shape[0]):
+    want, idx = _oracle_layer(q, k, v, gates, key_mlp, value_mlp, b)
+    np.testing.assert_allclose(got[b], want, rtol=2e-5, atol=2e-5)
+    chosen += np.sum(idx[:, :, 3] > 3)
+  assert chosen, "no query's selection depended on the scores"
+
+
+def test_gradients_of_every_parameter_match_finite_differences():
+  """jax.grad of the float32 layer against central differences of the float64 oracle, along a
+  random direction per argument: q, k, v, the gates and each array of both MLPs."""
+  args = make_inputs(seed=3)
+  # Row 1's cotangent is zero (rows are independent): the oracle runs row 0 alone. Same shapes as
+  # the other tests, whose compiled gradient this reuses.
+  cotangent = jax.random.normal(jax.random.key(9), (2, T, HQ, D)).at[1].set(0.0)
+  loss = lambda *a: jnp.sum(_layer(*a) * cotangent)
+  grads = jax.grad(loss, argnums=tuple(range(6)))(*args)
+  base = np64(args)
+  ct = np.asarray(cotangent, np.float64)
+
+  def oracle_loss(values):
+    return float(np.sum(_oracle_layer(*values, 0)[0] * ct[0]))
+
+  leaves, treedef = jax.tree.flatten(base)
+  grad_leaves = jax.tree.leaves(grads)
+  rng = np.random.default_rng(0)
+  eps = 1e-5
+  for i, (x, g) in enumerate(zip(leaves, grad_leaves, strict=True)):
+    direction = rng.standard_normal(x.shape)
+    moved = []
+    for sign in (1, -1):
+      values = list(leaves)
+      values[i] = x + sign * eps * direction
+      moved.append(oracle_loss(jax.tree.unflatten(treedef, values)))
+    want = (moved[0] - moved[1]) / (2 * eps)
+    got = float(np.sum(np.asarray(g, np.float64) * direction))
+    assert abs(got - want) <= 1e-4 * (1 + abs(want)), (i, got, want)
+
+
+def test_future_tokens_never_change_past_outputs():
+  q, k, v, gates, key_mlp, value_mlp = make_inputs()
+  cut = 29
+  noise = make_inputs(seed=5)[:4]
+  later = jnp.arange(T)[None, :, None, None] > cut
+  moved = [jnp.where(later, x + 3.0 * n, x) for x, n in zip((q, k, v, gates), noise)]
+  before = _layer(q, k, v, gates, key_mlp, value_mlp)
+  after = _layer(*moved, key_mlp, value_mlp)
+  np.testing.assert_array_equal(before[:, :cut + 1], after[:, :cut + 1])
+  assert not np.allclose(before[:, cut + 1:], after[:, cut + 1:])
+
+
+def test_packed_documents_equal_each_document_alone():
+  """Rows of documents of 20 and 33 tokens (33 and 20 in the second): every output row and every
+  gradient equals the document's own, run alone from position 0 (on the plain path, each
+  document at the start of a row of its own: causal, so what follows it changes none of it)."""
+  args = make_inputs()
+  first = np.array([20, 33])
+  segment_ids = jnp.asarray((np.arange(T)[None, :] >= first[:, None]).astype(np.int32))
+  cotangent = jax.random.normal(jax.random.key(4), args[0].shape)
+  packed, vjp = jax.vjp(lambda *a: _layer(*a, segment_ids=segment_ids), *args)
+  packed_grads = vjp(cotangent)
+  # (row, lo, hi) of each document.
+  docs = [(0, 0, 20), (0, 20, T), (1, 0, 33), (1, 33, T)]
+
+  def alone(x, pair):  # [2, T, ...]: document i at the start of row i, zeros after it
+    return jnp.stack([jnp.pad(x[b, lo:hi], [(0, T - hi + lo)] + [(0, 0)] * (x.ndim - 2))
+                      for b, lo, hi in pair])
+
+  mlp_grads = None
+  # Two documents at a time: the shapes of the other tests, whose compiled gradient this reuses.
+  for pair in (docs[:2], docs[2:]):
+    out, vjp = jax.vjp(_layer, *[alone(x, pair) for x in args[:4]], *args[4:])
+    grads = vjp(alone(cotangent, pair))
+    for r, (b, lo, hi) in enumerate(pair):
+      np.testing.assert_allclose(packed[b, lo:hi], out[r, :hi - lo], rtol=1e-5, atol=1e-5)
+      for g_packed, g_alone in zip(packed_grads[:4], grads[:4]):
+        np.testing.assert_allclose(g_packed[b, lo:hi], g_alone[r, :hi - lo], rtol=1e-4,
+                                   atol=1e-5)
+    mlp_grads = grads[4:] if mlp_grads is None else jax.tree.map(jnp.add, mlp_grads, grads[4:])
+  # The MLPs are shared: their gradient sums every document's.
+  for g_packed, g_alone in zip(jax.tree.leaves(packed_grads[4:]), jax.tree.leaves(mlp_grads)):
+    np.testing.assert_allclose(g_packed, g_alone, rtol=1e-4, atol=1e-5)
+
+
+@functools.cache
+def _bad_calls():
+  q, k, v, gates, key_mlp, value_mlp = make_inputs()
+  k_cmp = nsa.nsa_compress(k, key_mlp, block_length=8, stride=4)
+  cache = pisa_jax.NSACache.create(2, 16, HKV, D, block_length=8, stride=4, dtype=jnp.float32)
+  layer = functools.partial(nsa.nsa_attention, q, k, v, gates, key_mlp=key_mlp,
+                            value_mlp=value_mlp, **SIZES)
+  return {
+      "stride": (lambda: layer(stride=3), ValueError, r"stride=3 must divide block_length=8"),
+      "mean": (lambda: layer(compression="mean", key_mlp=None, value_mlp=None), ValueError,
+               r"stride=4 must equal block_length=8 for compression='mean'"),
+      "select": (lambda: layer(select_block_size=6), ValueError,
+                 r"select_block_size=6 must be a multiple of stride=4"),
+      "top_n": (lambda: layer(top_n=2), ValueError, r"top_n=2 must be an int >= 3"),
+      "window": (lambda: layer(window=0), ValueError, r"window=0 must be an int >= 1"),
+      "kind": (lambda: layer(compression="max"), ValueError, r"compression='max' is unknown"),
+      "gates": (lambda: nsa.nsa_attention(q, k, v, gates[..., :2], key_mlp=key_mlp,
+                                          value_mlp=value_mlp), ValueError, r"gates.shape="),
+      "no_mlp": (lambda: layer(key_mlp=None), TypeError, r"key_mlp must be a CompressionMLP"),
+      "mean_mlp": (lambda: layer(compression="mean", block_length=4, select_block_size=4),
+                   ValueError, r"key_mlp applies to compression='mlp' only"),
+      "mlp_shape": (lambda: layer(value_mlp=value_mlp._replace(position=value_mlp.position[1:])),
+                    ValueError, r"value_mlp.position.shape=\(7, 8\) must be \(8, 8\)"),
+      "k_cmp": (lambda: nsa.compressed_attention(q, k_cmp[:, 1:], k_cmp, block_length=8,
+                                                 stride=4), ValueError, r"k_cmp.shape="),
+      "lse": (lambda: nsa.nsa_select_blocks(q, k_cmp, jnp.zeros((2, T, 2)), block_length=8,
+                                            stride=4, select_block_size=8, top_n=4),
+              ValueError, r"lse.shape="),
+      "pallas": (lambda: nsa.nsa_compress(k, key_mlp, block_length=8, stride=4,
+                                          implementation="pallas"),
+                 ValueError, r"implementation='pallas' is not available for nsa_compress"),
+      "decode": (lambda: pisa_jax.nsa_decode_step(q[:, :2], k[:, :2], v[:, :2], gates[:, :2],
+                                                  cache, key_mlp=key_mlp, value_mlp=value_mlp),
+                 ValueError, r"must be one token per row"),
+      "decode_pallas": (lambda: pisa_jax.nsa_decode_step(
+          q[:, :1], k[:, :1], v[:, :1], gates[:, :1], cache, key_mlp=key_mlp,
+          value_mlp=value_mlp, implementation="pallas"),
+                        ValueError, r"implementation='pallas' is not available for nsa_decode"),
+  }
+
+
+@pytest.mark.parametrize("case", ["stride", "mean", "select", "top_n", "window", "kind", "gates",
+                                  "no_mlp", "mean_mlp", "mlp_shape", "k_cmp", "lse", "pallas",
+                                  "decode", "decode_pallas"])
+def test_bad_sizes_are_rejected_in_one_line_naming_the_argument(case):
+  call, error, match = _bad_calls()[case]
+  with pytest.raises(error, match=match) as info:
+    call()
+  assert "\n" not in str(info.value)
+
+
+# Decoding: a two-layer NSA decoder's greedy generation against its full forward pass.
+DECODER = dict(vocab_size=64, vocab_pad_multiple=64, num_layers=2, d_model=64, mlp_dim=128,
+               num_heads=4, num_kv_heads=2, head_dim=16, init_std=0.1, param_dtype="float32",
+               compute_dtype="float32", attention="nsa", nsa_block_length=8, nsa_stride=4,
+               nsa_select_block_size=8, nsa_top_n=4, nsa_window=6)
+
+
+@pytest.mark.parametrize("compression", [
+    "mlp", pytest.param("mean", marks=pytest.mark.slow)])  # "mean": the same step, its pooling
+def test_decode_steps_equal_the_full_forward_rows(compression):
+  """Prompts of 27, 3 and 12 tokens and 22 new tokens each: the prefill's logits and those of
+  every step (the compressed blocks and the window extended token by token, the cache grown
+  from 32 tokens to 64 on the way) equal the forward pass over the whole sequence."""
+  from flax import nnx
+
+  from pisa_jax.generation import generate
+  from pisa_jax.models.config import ModelConfig
+  from pisa_jax.models.decoder import Decoder
+
+  fields = dict(DECODER, nsa_compression=compression)
+  if compression == "mean":
+    fields.update(nsa_block_length=4, nsa_select_block_size=8)
+  model = Decoder(ModelConfig(**fields), rngs=nnx.Rngs(0))
+  prompts = [[(7 * i + 3) % 64 for i in range(27)], [5, 9, 1], [(11 * i) % 64 for i in range(12)]]
+  steps = 22
+  out = generate(model, prompts, max_new_tokens=steps, initial_capacity=32,
+                          return_logits=True, steps_per_call=8)
+  width = 27 + steps
+  tokens = np.zeros((3, width), np.int32)
+  for b, prompt in enumerate(prompts):
+    tokens[b, :len(prompt) + steps] = prompt + out.tokens[b].tolist()
+  # Row t of one forward pass over each whole sequence is the step that fed token t (causal).
+  full = np.asarray(jax.jit(model)(jnp.asarray(tokens)))
+  want = np.stack([full[b, len(p) - 1:len(p) - 1 + steps] for b, p in enumerate(prompts)])
+  np.testing.assert_allclose(out.logits, want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(out.tokens, want.argmax(-1))
+
+
+@pytest.mark.parametrize("compression", ["mlp", "mean"])
+def test_decoder_counts_and_shards_its_nsa_parameters(compression):
+  from flax import nnx
+
+  from pisa_jax.models.config import ModelConfig
+  from pisa_jax.models.decoder import Decoder, count_params
+  from pisa_jax.models.sharding import LOGICAL_AXIS_RULES
+
+  fields = dict(DECODER, nsa_compression=compression)
+  if compression == "mean":
+    fields.update(nsa_block_length=4)
+  cfg = ModelConfig(**fields)
+  state = nnx.state(Decoder(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+  assert sum(x.size for x in jax.tree.leaves(state)) == count_params(cfg)
+  names = set()
+  for path, var in nnx.to_flat_state(state):
+    names.update(str(p) for p in path)
+    axes = var.get_metadata()["logical_axes"]
+    assert len(axes) == var.get_value().ndim and all(
+        a is None or a in LOGICAL_AXIS_RULES for a in axes), (path, axes)
+  assert "wg" in names and (("key_compressor" in names) == (compression == "mlp"))
+
+
+@pytest.mark.parametrize("override,match", [
+    ("model.nsa_stride=5", r"model.nsa_stride=5 must divide model.nsa_block_length=32"),
+    ("model.nsa_top_n=2", r"model.nsa_top_n=2 must be an int >= 3"),
+    ("model.nsa_compression=mean", r"model.nsa_stride=16 must equal model.nsa_block_length=32"),
+    ("train.context_parallel=2", r"model.attention='nsa' does not split the sequence"),
+])
+def test_config_rejects_bad_nsa_fields_by_name(override, match):
+  from pisa_jax.configs import apply_overrides, get_config, validate
+
+  validate(apply_overrides(get_config("tiny"), ["model.attention=nsa"]))
+  with pytest.raises(ValueError, match=match) as info:
+    validate(apply_overrides(get_config("tiny"), ["model.attention=nsa", override]))
+  assert "\n" not in str(info.value)
+
+
+def test_pallas_runs_the_selected_branch_on_the_kernel_and_equals_xla():
+  """implementation="pallas": the selected branch on the Pallas sparse-attention kernel (the
+  interpreter off a GPU), the rest the reference: outputs and gradients equal "xla"'s."""
+  args = make_inputs()
+  cotangent = jax.random.normal(jax.random.key(6), args[0].shape)
+  results = []
+  for implementation in ("xla", "pallas"):
+    out, vjp = jax.vjp(functools.partial(_layer, implementation=implementation), *args)
+    results.append((out, vjp(cotangent)))
+  (want, want_grads), (got, got_grads) = results
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+    np.testing.assert_allclose(g, w, rtol=5e-5, atol=5e-5)
