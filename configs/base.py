@@ -219,7 +219,7 @@ def validate(config: Config) -> Config:
         select_block_size=m.nsa_select_block_size, top_n=m.nsa_top_n, window=m.nsa_window,
         names={f: "model.nsa_" + f for f in ("compression", "block_length", "stride",
                                              "select_block_size", "top_n", "window")})
-    _validation.check_implementation(m.attention_implementation,
+    _checks.check_implementation(m.attention_implementation,
                                      name="model.attention_implementation")
     if t.context_parallel > 1:
       raise ValueError(f"model.attention='nsa' does not split the sequence over devices: set "

@@ -479,8 +479,8 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, micr
     ("model.attention=flash", "model.attention"),
     ("train.steps=ten", "train.steps"),
     ("train.warmup_fraction=0.1", "train.warmup_fraction"),
-    ("model.remat=dot", "model.remat='dot' must be one of ('none', 'dots', 'dots_except_mlp', "
-                        "'full')"),
+    ("model.remat=dot", "model.remat='dot' must be one of ('none', 'dots_save_attention', "
+                        "'dots', 'dots_except_mlp', 'full_save_attention', 'full')"),
     ("train.loss_chunk=-8", "train.loss_chunk=-8 must be None or 0"),
     ("train.loss_chunk=48", "train.loss_chunk=48 must divide train.seq_len=128"),
 ])
