@@ -50,7 +50,8 @@ class DataConfig:
   # training batch holds needle documents (keys and values planted in haystack text, a question,
   # its answer) instead of windows of data.path. The haystack is the train split of
   # retrieval_path, a pisa-prepare-data folder; documents are retrieval_min_length tokens to
-  # train.seq_len long; the loss on answer tokens is weighted retrieval_answer_weight. Needs packing.
+  # train.seq_len long; the loss on answer tokens is weighted retrieval_answer_weight. Needs
+  # packing.
   retrieval_fraction: float = 0.0
   retrieval_path: str | None = None
   retrieval_min_length: int = 256

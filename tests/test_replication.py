@@ -248,7 +248,8 @@ def test_training_templates_keys_and_values_are_disjoint_from_rulers():
 
   ours = list(retrieval.NEEDLES) + list(retrieval.PREAMBLES) + [
       t for pair in retrieval.QUESTIONS_ONE + retrieval.QUESTIONS_KEYS
-      + retrieval.QUESTIONS_VALUES for t in pair] + [a for pair in retrieval.ATTRIBUTES for a in pair]
+      + retrieval.QUESTIONS_VALUES for t in pair]
+  ours += [a for pair in retrieval.ATTRIBUTES for a in pair]
   theirs = [ruler.NEEDLE, ruler.NOISE, ruler.TEMPLATE, ruler.ANSWER_PREFIX, ruler.TEMPLATE_ONE,
             ruler.ANSWER_PREFIX_ONE]
   shared = set().union(*map(_ngrams, ours)) & set().union(*map(_ngrams, theirs))
@@ -470,7 +471,8 @@ def test_summary_from_stand_in_results(tmp_path):
   # Means over seeds with +- half their range; RULER cells in percent.
   assert "| PISA | 2 | 3.510 ±0.010 | 3.010 ±0.010 | 80.0 ±10.0 | 57.5 ±2.5 |" in text
   assert "| Full attention | 1 | 3.600 | 3.100 | 95.0 | 76.2 |" in text
-  assert "| Method | single-key 512 | multi-key 512 | multi-query 512 | multi-value 512 | Avg |" in text
+  assert ("| Method | single-key 512 | multi-key 512 | multi-query 512 | multi-value 512 | Avg |"
+          in text)
   assert "`nsa-s0.json` (made from other settings" in text
   claims = {c[1]: (c[2], c[3]) for c in report.claims(report.Results(m, folder))}
   assert claims["Full attention has the highest RULER average after CPT"][0] == "reproduced"
@@ -579,3 +581,14 @@ def _run_toy(path: Path, tmp_path: Path, monkeypatch) -> dict:
   assert pre["mixture"]["rows_per_step"] == 2 and cpt["mixture"]["token_fraction"] == 0.5
   assert record["data"]["text_train_tokens"] > 0 and pre["passes"]["text"] > 0
   return copy.deepcopy(record)
+
+
+@needs_bpe
+def test_prepare_keeps_what_is_there(toy_data, tmp_path, capsys):
+  """--prepare fetches nothing that is already prepared (the corpora, RULER's essays)."""
+  path = _manifest(tmp_path, TOY, root=toy_data)
+  before = {p: p.stat().st_mtime_ns for p in toy_data.rglob("*") if p.is_file()}
+  assert rep.main(["--manifest", str(path), "--prepare"]) == 0
+  out = capsys.readouterr().out
+  assert f"kept {toy_data / 'text'}" in out and f"kept {toy_data / 'haystack'}" in out
+  assert {p: p.stat().st_mtime_ns for p in toy_data.rglob("*") if p.is_file()} == before

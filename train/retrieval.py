@@ -13,7 +13,7 @@ lines. Four families, as RULER's (Hsieh et al., 2024), each with its own draws:
 
   family       keys  values per key  keys asked  haystack
   single_key   1     1               1           prose
-  multi_key    2-8   1               1           prose, or (a quarter) a ledger of distractor records
+  multi_key    2-8   1               1           prose, or (1 in 4) a ledger of distractor records
   multi_query  2-4   1               2-all       prose
   multi_value  1     2-4             1           prose; every value answered
 
