@@ -265,10 +265,41 @@ def test_training_templates_keys_and_values_are_disjoint_from_rulers():
       value = retrieval.draw_value(rng, kind)
       assert not re.fullmatch(r"\d{7}", value) and not uuid.match(value), value
     for kind in retrieval.KEY_FORMATS:
-      key = retrieval.draw_key(rng, kind)
+      key = retrieval.draw_key(rng, kind, words=("quietly", "harvesting"))
       # RULER's keys: adjective-noun word pairs, seven-digit numbers, uuids.
       assert not re.fullmatch(r"[a-z]+-[a-z]+", key) and not uuid.match(key), key
       assert not re.fullmatch(r"\d{7}", key), key
+
+
+@needs_bpe
+def test_word_keys_come_from_the_haystack_less_rulers_word_lists():
+  from pisa_jax.train import retrieval
+  from pisa_jax.train.tokenizer import gpt2_encoding
+
+  haystack = pytest.importorskip("pisa_jax.train.evaluation.haystack")
+  try:
+    adjectives, nouns = haystack.word_lists()
+  except ModuleNotFoundError:
+    pytest.skip("wonderwords absent")
+  encoding = gpt2_encoding()
+  rng = np.random.default_rng(2)
+  own = sorted({retrieval.pseudo_word(rng, 3) for _ in range(150)})
+  ruler_words = list(adjectives[:50]) + list(nouns[:50])
+  # Each word twice (key words must recur), RULER's words many times, one word only once.
+  text = " ".join(own * 2 + ruler_words * 3 + ["solitaryword"]) + "."
+  tokens = np.array(encoding.encode_ordinary(text) + [EOT_TOKEN], np.uint16)
+  words = retrieval.haystack_key_words(tokens, encoding)
+  assert set(words) == {w for w in own if 4 <= len(w) <= 12}
+  maker = retrieval.NeedleMaker(np.tile(tokens, 4), encoding)
+  assert "words" in maker.key_formats
+  seen = 0
+  for i in range(60):
+    doc = maker.make(np.random.default_rng([3, i]), 400, "multi_key")
+    for key in doc.keys:
+      parts = key.split(" ")
+      if len(parts) == 2 and all(p in words for p in parts):
+        seen += 1
+  assert seen > 0
 
 
 def test_pseudo_words_are_not_rulers_key_words():

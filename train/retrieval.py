@@ -19,8 +19,10 @@ lines. Four families, as RULER's (Hsieh et al., 2024), each with its own draws:
 
 The templates, keys and values are this module's own and disjoint from `pisa-eval --suite ruler`
 (`train.evaluation.ruler`), so that the evaluation measures retrieval, not a memorised template:
-keys are capitalised pseudo-word names ("Vorandel Kestrum"), letter-digit tags ("QX-482") or
-lowercase pseudo-words, never RULER's adjective-noun pairs or uuids; values are 4-6, 8 or 9 digit
+keys are capitalised pseudo-word names ("Vorandel Kestrum"), letter-digit tags ("QX-482"),
+lowercase pseudo-words, or two words of the haystack's own prose outside RULER's adjective and noun
+lists ("harvest fielding"; `haystack_key_words`), never RULER's adjective-noun pairs or uuids;
+values are 4-6, 8 or 9 digit
 numbers, groups of hex digits ("3fa9-91bc") or pseudo-words, never seven digits or uuids; no
 template shares a four-word sequence or one of RULER's telling words ("special", "magic",
 "mentioned", ...) with RULER's (tests/test_replication.py checks all three).
@@ -33,9 +35,11 @@ host count, sees the same documents.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
+import re
 
 import numpy as np
 
@@ -91,7 +95,9 @@ PREAMBLES = (
     "The following document lists some {attrs} among other things. A question comes at the end.",
     "Below is a long text with a few {attrs} scattered through it.",
 )
-KEY_FORMATS = ("name", "tag", "word")
+KEY_FORMATS = ("name", "tag", "word", "words")
+# "words" keys are drawn only from a haystack that offers at least this many key words.
+MIN_KEY_WORDS = 100
 VALUE_FORMATS = ("digits", "hex", "word")
 # Numbers of every length but RULER's seven digits.
 DIGIT_LENGTHS = (4, 5, 6, 8, 9)
@@ -115,7 +121,7 @@ def pseudo_word(rng: np.random.Generator, syllables: int) -> str:
                  for _ in range(syllables))
 
 
-def draw_key(rng: np.random.Generator, kind: str) -> str:
+def draw_key(rng: np.random.Generator, kind: str, words: tuple[str, ...] = ()) -> str:
   if kind == "name":    # "Vorandel Kestrum"
     return " ".join(pseudo_word(rng, 3).capitalize() for _ in range(2))
   if kind == "tag":     # "QX-482"
@@ -123,6 +129,11 @@ def draw_key(rng: np.random.Generator, kind: str) -> str:
     return f"{letters}-{int(rng.integers(10, 10_000))}"
   if kind == "word":    # "taxoumirk"
     return pseudo_word(rng, 3)
+  if kind == "words":   # "harvest fielding"
+    if len(words) < 2:
+      raise ValueError(f"key kind 'words' needs at least two key words, got {len(words)}")
+    first, second = rng.choice(len(words), 2, replace=False)
+    return f"{words[first]} {words[second]}"
   raise ValueError(f"key kind {kind!r}: expected one of {KEY_FORMATS}")
 
 
@@ -178,23 +189,24 @@ class _Draw:
   value_kind: str
 
 
-def _distinct(rng, draw, kind, n: int, avoid=()) -> list[str]:
+def _distinct(rng, draw, kind, n: int, avoid=(), **kw) -> list[str]:
   out: list[str] = []
   while len(out) < n:
-    item = draw(rng, kind)
+    item = draw(rng, kind, **kw)
     if item not in out and item not in avoid:
       out.append(item)
   return out
 
 
-def _draw_text(rng: np.random.Generator, family: str, size: int) -> _Draw:
+def _draw_text(rng: np.random.Generator, family: str, size: int, key_formats: tuple[str, ...],
+               words: tuple[str, ...]) -> _Draw:
   """The keys, values and sentences of one document; `size` is its number of keys (multi_key,
   multi_query) or values (multi_value), ignored for single_key."""
   attr, attrs = _pick(rng, ATTRIBUTES)
-  key_kind, value_kind = _pick(rng, KEY_FORMATS), _pick(rng, VALUE_FORMATS)
+  key_kind, value_kind = _pick(rng, key_formats), _pick(rng, VALUE_FORMATS)
   n_keys = size if family in ("multi_key", "multi_query") else 1
   n_values = size if family == "multi_value" else 1
-  keys = _distinct(rng, draw_key, key_kind, n_keys)
+  keys = _distinct(rng, draw_key, key_kind, n_keys, words=words)
   values = _distinct(rng, draw_value, value_kind, n_keys * n_values)
   pairs = [(keys[i // n_values], values[i]) for i in range(len(values))]
   needles = [_pick(rng, NEEDLES).format(attr=attr, key=k, value=v) for k, v in pairs]
@@ -229,6 +241,25 @@ def _draw_text(rng: np.random.Generator, family: str, size: int) -> _Draw:
 _SIZES = {"single_key": (1, 1), "multi_key": (2, 8), "multi_query": (2, 4), "multi_value": (2, 4)}
 
 
+def haystack_key_words(haystack: np.ndarray, encoding, *, sample: int = 2_000_000,
+                       min_count: int = 2) -> tuple[str, ...]:
+  """Lowercase words of 4 to 12 letters seen at least `min_count` times in the first `sample`
+  tokens of the haystack, less every word of RULER's adjective and noun lists (its word keys are
+  pairs of those), sorted."""
+  from pisa_jax.train.evaluation.haystack import word_lists
+
+  try:
+    adjectives, nouns = word_lists()
+  except ModuleNotFoundError as e:
+    raise ModuleNotFoundError(f"the retrieval mixture keeps RULER's key words out of its own: "
+                              f"{e}") from None
+  tokens = np.asarray(haystack[:sample])
+  text = encoding.decode(tokens[tokens != EOT_TOKEN].tolist())
+  counts = collections.Counter(re.findall(r"\b[a-z]{4,12}\b", text))
+  banned = set(adjectives) | set(nouns)
+  return tuple(sorted(w for w, c in counts.items() if c >= min_count and w not in banned))
+
+
 @functools.cache
 def sentence_ends(encoding) -> np.ndarray:
   """bool `[vocab]`: the tokens whose text ends a sentence (., ! or ?, then any closing quotes or
@@ -254,6 +285,11 @@ class NeedleMaker:
     self.haystack = haystack
     self.encoding = encoding
     self.ends = sentence_ends(encoding)
+    self.key_words = haystack_key_words(haystack, encoding)
+    # A haystack too small to offer key words of its own draws the other formats only (the
+    # run's record lists the formats in use).
+    self.key_formats = tuple(k for k in KEY_FORMATS
+                             if k != "words" or len(self.key_words) >= MIN_KEY_WORDS)
 
   def encode(self, text: str) -> list[int]:
     return self.encoding.encode_ordinary(text)
@@ -268,7 +304,7 @@ class NeedleMaker:
     size = int(rng.integers(low, high + 1))
     tries = [(family, s) for s in range(size, low - 1, -1)] + [("single_key", 1)]
     for fam, s in tries:
-      draw = _draw_text(rng, fam, s)
+      draw = _draw_text(rng, fam, s, self.key_formats, self.key_words)
       for preamble in dict.fromkeys((draw.preamble, None)):
         draw = dataclasses.replace(draw, preamble=preamble)
         doc = self._build(rng, draw, length)
@@ -333,7 +369,7 @@ class NeedleMaker:
     total = 0
     used = set(draw.keys)
     while True:
-      key = _distinct(rng, draw_key, draw.key_kind, 1, avoid=used)[0]
+      key = _distinct(rng, draw_key, draw.key_kind, 1, avoid=used, words=self.key_words)[0]
       used.add(key)
       line = self.encode("\n" + _pick(rng, NEEDLES).format(
           attr=draw.attr, key=key, value=draw_value(rng, draw.value_kind)))
@@ -414,4 +450,5 @@ class RetrievalMixture:
     """What the mixture is, for a run's record."""
     return {"rows_per_step": self.rows_per_step, "token_fraction": self.token_fraction,
             "min_length": self.min_length, "answer_weight": self.answer_weight,
-            "haystack_tokens": self.haystack_tokens, "families": list(FAMILIES)}
+            "haystack_tokens": self.haystack_tokens, "families": list(FAMILIES),
+            "key_formats": list(self.maker.key_formats), "key_words": len(self.maker.key_words)}
