@@ -126,7 +126,7 @@ _STAGE = {
     "peak_lr": (float, _REQUIRED), "warmup_fraction": (float, 0.1),
     "lr_schedule": (str, "cosine"), "final_lr_ratio": (float, 0.1),
     "loss_chunk": ((int,), None), "remat": (str, "none"), "max_seconds": ((float,), None),
-    "log_every": (int, 10), "eval": ("table", {}),
+    "log_every": (int, 10), "match_wall": ((str,), None), "eval": ("table", {}),
 }
 _STAGE_EVAL = {name: ("ints", ()) for name in EVAL_SUITES}
 _EVAL = {
@@ -159,6 +159,9 @@ class Stage:
   remat: str
   max_seconds: float | None
   log_every: int
+  # A method whose run of the same seed sets this stage's wall time: the other methods train
+  # for as many steps as fit in the time its steps took (same wall time, not same tokens).
+  match_wall: str | None
   eval: dict  # suite -> lengths
 
   def runs_for(self, method: str) -> bool:
@@ -295,6 +298,10 @@ def _check(m: Manifest) -> None:
       if method not in known:
         raise ManifestError(f"{at}: methods lists {method!r}, which is no [[method]] of the "
                             f"manifest ({', '.join(known)})")
+    if stage.match_wall is not None and (stage.match_wall not in known or stage.methods
+                                         and stage.match_wall not in stage.methods):
+      raise ManifestError(f"{at}: match_wall={stage.match_wall!r} is no method of this stage "
+                          f"({', '.join(stage.methods or known)})")
     if stage.max_seconds is not None and not stage.max_seconds > 0:
       raise ManifestError(f"{at}: max_seconds={stage.max_seconds} must be > 0")
     previous = [s for s in m.stages[:i] if s.enabled]
@@ -505,11 +512,63 @@ def _metrics(workdir: Path) -> list[dict]:
   return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
+def waits_for(m: Manifest, run: Run, dirs: list[Path]) -> Run | None:
+  """The run whose result a stage of `run` matches its wall time to, while that is not done."""
+  for _, stage in m.stages_of(run.method):
+    if stage.match_wall and stage.match_wall != run.method:
+      other = Run(stage.match_wall, run.seed)
+      if status(m, other, dirs)[0] != "done":
+        return other
+  return None
+
+
+def matched_steps(m: Manifest, run: Run, stage: Stage, config, dirs: list[Path]) -> dict:
+  """Steps of `stage` for `run` that take the wall time the `match_wall` run's steps took.
+
+  That run's time is its steady-state loop time (steps x tokens per step / tokens per second);
+  this run's time per step is measured on a few steps of the compiled stage from fresh
+  parameters (the time of a step does not depend on the weights)."""
+  import jax
+
+  from pisa_jax.train.data import make_batches
+  from pisa_jax.train.trainer import build_trainer
+
+  other = Run(stage.match_wall, run.seed)
+  state, path = status(m, other, dirs)
+  if state != "done":
+    raise ManifestError(f"stage {stage.name!r} of {run.name} trains for the wall time of "
+                        f"{other.name}'s, which is not done ({state}): run {other.name} first")
+  row = next((r for r in read_result(path)["rows"] if r["stage"] == stage.name), None)
+  if row is None or not row.get("tokens_per_s"):
+    raise ManifestError(f"{path} has no timed stage {stage.name!r} to match")
+  target = row["steps"] * row["tokens_per_step"] / row["tokens_per_s"]
+  trainer = build_trainer(config)
+  batches = make_batches(config, "train", global_batch=trainer.global_batch,
+                         accum=config.train.grad_accum)
+  state = trainer.init_state()
+  timed = 3
+  for i in range(timed + 1):
+    if i == 1:  # the first step warms up
+      jax.block_until_ready(state)
+      t0 = time.perf_counter()
+    state, metrics = trainer.train_step(
+        state, trainer.place_batch(batches.batch(i), trainer.batch_shardings))
+  jax.block_until_ready(metrics)
+  per_step = (time.perf_counter() - t0) / timed
+  del state, trainer
+  steps = max(1, int(target / per_step))
+  print(f"== {run.name}: {stage.name}: {other.name} trained {target:.1f} s; at {per_step:.3f} s "
+        f"a step that is {steps} steps", flush=True)
+  return {"run": other.name, "target_seconds": target, "seconds_per_step": per_step,
+          "steps": steps}
+
+
 def train_stage(m: Manifest, run: Run, index: int, workdir: Path, init_from: Path | None,
-                record: Record, *, progress: bool) -> dict:
+                record: Record, *, progress: bool, dirs: list[Path]) -> dict:
   """Trains one stage (or finds it trained in `workdir`) and returns its row."""
   import jax
 
+  from pisa_jax.configs import validate
   from pisa_jax.models.decoder import count_params
   from pisa_jax.train.trainer import build_trainer, train
 
@@ -519,8 +578,17 @@ def train_stage(m: Manifest, run: Run, index: int, workdir: Path, init_from: Pat
   print(f"== {run.name}: stage {stage.name} ({stage.steps} steps of {stage.batch} x "
         f"{stage.seq_len} tokens, K={stage.top_k}, RoPE base {stage.rope_base:g})", flush=True)
   done_file = workdir / "stage.json"
+  matched = None
+  if stage.match_wall and stage.match_wall != run.method and not done_file.is_file():
+    matched = matched_steps(m, run, stage, config, dirs)
+    config = validate(dataclasses.replace(config, train=dataclasses.replace(
+        config.train, steps=matched["steps"], checkpoint_every=matched["steps"])))
   if done_file.is_file():
     timing = json.loads(done_file.read_text())
+    if timing.get("matched_wall"):
+      steps = timing["matched_wall"]["steps"]
+      config = dataclasses.replace(config, train=dataclasses.replace(
+          config.train, steps=steps, checkpoint_every=steps))
     if timing["config"] != json.loads(config.to_json()):
       raise ManifestError(f"--workdir: {workdir} holds stage {stage.name} trained with other "
                           f"settings; remove it or give another --workdir")
@@ -536,11 +604,11 @@ def train_stage(m: Manifest, run: Run, index: int, workdir: Path, init_from: Pat
     tail = losses[-max(1, len(losses) // 20):]
     timing = {"compile_seconds": round(compile_s, 1),
               "train_seconds": round(time.perf_counter() - t1, 1),
-              "end_step": result.end_step, "truncated": result.end_step < stage.steps,
+              "end_step": result.end_step, "truncated": result.end_step < config.train.steps,
               "final_loss": float(sum(tail) / len(tail)) if tail else None,
               "tokens_per_step": trainer.tokens_per_step,
               "mixture": _mixture(config, trainer.global_batch),
-              "config": json.loads(config.to_json())}
+              "config": json.loads(config.to_json()), "matched_wall": matched}
     done_file.write_text(json.dumps(timing) + "\n")
     del trainer
   rows = _metrics(workdir)
@@ -551,7 +619,8 @@ def train_stage(m: Manifest, run: Run, index: int, workdir: Path, init_from: Pat
   text_tokens = tokens * (1 - mixture["token_fraction"])
   row = {
       "stage": stage.name, "config": config.to_dict(), "params": count_params(config.model),
-      "steps": timing["end_step"], "planned_steps": stage.steps, "truncated": timing["truncated"],
+      "steps": timing["end_step"], "planned_steps": config.train.steps,
+      "truncated": timing["truncated"], "matched_wall": timing.get("matched_wall"),
       "tokens": tokens, "tokens_per_step": timing["tokens_per_step"],
       "passes": {"text": text_tokens / record.record["data"]["text_train_tokens"],
                  # At most: a needle document's haystack is its length less its needles and
@@ -566,7 +635,8 @@ def train_stage(m: Manifest, run: Run, index: int, workdir: Path, init_from: Pat
       "loss_curve": [[r["step"], r["loss"]] for r in logged],
       "lr_curve": [[r["step"], r["lr"]] for r in logged], "eval": {}}
   if timing["truncated"]:
-    record.note(f"stage {stage.name} stopped at step {timing['end_step']} of {stage.steps} "
+    record.note(f"stage {stage.name} stopped at step {timing['end_step']} of "
+                f"{config.train.steps} "
                 f"(max_seconds={stage.max_seconds}): its schedule did not finish, so this run is "
                 f"not comparable with the others; raise max_seconds or lower steps")
   return row
@@ -622,7 +692,8 @@ def evaluate_stage(m: Manifest, run: Run, stage, workdir: Path, row: dict, recor
     record.save()
 
 
-def run_one(m: Manifest, run: Run, *, out: Path, workdir: Path, progress: bool) -> dict:
+def run_one(m: Manifest, run: Run, *, out: Path, workdir: Path, progress: bool,
+            dirs: list[Path] = ()) -> dict:
   """The whole pipeline of one run: every stage, trained then evaluated; returns the record."""
   preflight(m, run)
   record = Record(m, run, out)
@@ -637,7 +708,8 @@ def run_one(m: Manifest, run: Run, *, out: Path, workdir: Path, progress: bool) 
   try:
     for index, stage in m.stages_of(run.method):
       folder = workdir / run.name / stage.name
-      row = train_stage(m, run, index, folder, previous, record, progress=progress)
+      row = train_stage(m, run, index, folder, previous, record, progress=progress,
+                        dirs=[*dirs, out])
       r["rows"].append(row)
       record.save()
       evaluate_stage(m, run, stage, folder, row, record, progress=progress)
@@ -752,6 +824,9 @@ def main(argv: list[str] | None = None) -> int:
       return 0
     if args.next is not None:
       runs = [r for r in m.runs if status(m, r, dirs)[0] in ("pending", "stale", "incomplete")]
+      for r in [r for r in runs if waits_for(m, r, dirs)]:
+        print(f"{r.name} waits for {waits_for(m, r, dirs).name}: later")
+        runs.remove(r)
       runs = runs[:args.next]
       if not runs:
         print("every run of the manifest is done (or waits for its attention kind)")
@@ -764,13 +839,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
       if state == "unavailable":
         raise ManifestError(_unavailable(run))
+      if (other := waits_for(m, run, dirs)) is not None:
+        raise ManifestError(f"run {run.name} matches a stage's wall time to {other.name}, which "
+                            f"is not done: run {other.name} first")
       runs = [run]
     set_environment(m)
     from pisa_jax.train import compilation_cache
 
     compilation_cache.enable_for(parser)
     for run in runs:
-      run_one(m, run, out=out, workdir=args.workdir, progress=not args.no_progress)
+      run_one(m, run, out=out, workdir=args.workdir, progress=not args.no_progress, dirs=dirs)
     return 0
   except ManifestError as e:
     print(f"replication: {e}", file=sys.stderr)

@@ -483,6 +483,43 @@ def test_done_runs_are_skipped_and_the_next_ones_run(tmp_path, capsys, monkeypat
   assert "model.attention='nsa' is not an attention kind" in capsys.readouterr().err
 
 
+# A third stage whose dense steps fit the wall time pisa's took (the 64K stage's `match_wall`).
+LONG = """
+[[stage]]
+name = "long"
+methods = ["pisa", "dense"]
+match_wall = "pisa"
+seq_len = 256
+top_k = 8
+rope_base = 160000.0
+batch = 2
+steps = 2
+peak_lr = 1e-4
+log_every = 1
+"""
+
+
+def test_a_run_matching_another_runs_wall_time_waits_for_it(tmp_path, capsys, monkeypatch):
+  path = _manifest(tmp_path, TOY.replace("\n[eval]", LONG + "\n[eval]", 1))
+  m = rep.load_manifest(path)
+  assert m.stage("long").match_wall == "pisa"
+  ran = []
+  monkeypatch.setattr(rep, "run_one", lambda m, run, **kw: ran.append(run.name))
+  common = ["--manifest", str(path), "--results", str(tmp_path / "results")]
+  assert rep.main(common + ["--next", "5"]) == 0
+  assert ran == ["pisa-s0", "pisa-s1"]
+  assert "dense-s0 waits for pisa-s0" in capsys.readouterr().out
+  assert rep.main(common + ["--run", "dense-s0"]) == 2
+  assert "matches a stage's wall time to pisa-s0" in capsys.readouterr().err
+  _write(tmp_path / "results", _fake_record(m, rep.Run("pisa", 0)))
+  assert rep.main(common + ["--next", "1"]) == 0
+  assert ran[-1] == "dense-s0"
+  bad = TOY.replace("\n[eval]", LONG.replace('match_wall = "pisa"', 'match_wall = "bsa"')
+                    + "\n[eval]", 1)
+  assert rep.main(["--manifest", str(_manifest(tmp_path, bad)), "--list"]) == 2
+  assert "match_wall='bsa' is no method of this stage (pisa, dense)" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- summary
 
 
@@ -570,9 +607,20 @@ def test_toy_pipeline_smoke(toy_data, tmp_path, monkeypatch):
 @needs_bpe
 def test_toy_pipeline_end_to_end(toy_data, tmp_path, monkeypatch, capsys):
   pytest.importorskip("wonderwords")
-  path = _manifest(tmp_path, TOY, root=toy_data)
+  path = _manifest(tmp_path, TOY.replace("\n[eval]", LONG + "\n[eval]", 1), root=toy_data)
+  m = rep.load_manifest(path)
+  # pisa-s0's stand-in result: its "long" stage took 4 steps of 512 tokens at 200 tokens/s.
+  pisa = _fake_record(m, rep.Run("pisa", 0))
+  pisa["rows"].append({**pisa["rows"][1], "stage": "long", "steps": 4, "tokens_per_step": 512,
+                       "tokens_per_s": 200.0})
+  _write(tmp_path / "out", pisa)
   record = _run_toy(path, tmp_path, monkeypatch)
-  pre, cpt = record["rows"]
+  pre, cpt, long = record["rows"]
+  matched = long["matched_wall"]
+  assert matched["run"] == "pisa-s0" and matched["target_seconds"] == pytest.approx(10.24)
+  assert long["steps"] == long["planned_steps"] == matched["steps"] == max(
+      1, int(matched["target_seconds"] / matched["seconds_per_step"]))
+  assert long["config"]["train"]["init_from"].endswith("dense-s0/cpt")
   assert set(pre["eval"]) == {"ppl", "selection"}
   assert set(cpt["eval"]) == {"ppl", "ruler", "mqar"}
   ruler = cpt["eval"]["ruler"]
@@ -600,7 +648,7 @@ def _run_toy(path: Path, tmp_path: Path, monkeypatch) -> dict:
                    "--workdir", str(work), "--no-progress"]) == 0
   record = json.loads((out / "dense-s0.json").read_text())
   assert record["status"] == "complete" and record["fingerprint"] == m.fingerprint
-  pre, cpt = record["rows"]
+  pre, cpt = record["rows"][:2]
   assert [pre["stage"], cpt["stage"]] == ["pretrain", "cpt"]
   assert pre["steps"] == m.stages[0].steps and not pre["truncated"]
   assert pre["tokens"] == m.stages[0].steps * 4 * 256
