@@ -67,7 +67,7 @@ PAPER_T7 = {"bsa": (85.91, 85.67, 98.42), "pisa1": (84.75, 85.50, 98.22),
 
 
 class Results:
-  """The complete results of this manifest's fingerprint, by method; the rest listed aside."""
+  """The complete results made from this manifest's settings, by method; the rest aside."""
 
   def __init__(self, manifest, folder: Path):
     self.manifest = manifest
@@ -80,7 +80,7 @@ class Results:
         continue
       if record.get("benchmark") != "replication":
         continue
-      if record.get("fingerprint") != manifest.fingerprint:
+      if record.get("fingerprint") != manifest.fingerprint(record.get("method")):
         self.aside.append((path.name, f"made from other settings (fingerprint "
                                       f"{record.get('fingerprint')})"))
       elif record.get("status") != "complete":
@@ -180,7 +180,7 @@ def setup_section(res: Results) -> str:
   m = res.manifest
   b, d = m.backbone, m.data
   lines = [
-      f"Manifest `{m.path.name}` (fingerprint `{m.fingerprint}`). Backbone: {b['num_layers']} "
+      f"Manifest `{m.path.name}`. Backbone: {b['num_layers']} "
       f"layers, d {b['d_model']}, MLP {b['mlp_dim']}, {b['num_heads']} query / "
       f"{b['num_kv_heads']} KV heads of {b['head_dim']}, C = {b['block_size']}, GPT-2 "
       f"vocabulary. Text: `{d['text']}` ({', '.join(d['text_corpora']) or 'as prepared'}); "

@@ -18,8 +18,8 @@ passes over the data, wall time, loss curve, every evaluation number), is rewrit
 stage and every evaluation, so a run stopped early keeps what it finished.
 
 A run is done when `<results>/<run>.json` (or `<out>/<run>.json`) is complete and was made from
-this manifest's settings (its fingerprint); `--next` and `--run` skip done runs (`--force` runs
-again). A run folder left by an interrupted run on the same machine resumes from its checkpoint.
+this manifest's settings for it (`Manifest.fingerprint`); `--next` and `--run` skip done runs
+(`--force` runs again). A run folder left by an interrupted run resumes from its checkpoint.
 Methods whose attention kind this build lacks (nsa, hils) are listed as pending.
 """
 
@@ -188,7 +188,6 @@ class Manifest:
   eval: dict
   methods: tuple[tuple[str, tuple[int, ...]], ...]
   summary: dict
-  fingerprint: str
 
   @property
   def runs(self) -> list[Run]:
@@ -205,6 +204,24 @@ class Manifest:
 
   def stages_of(self, method: str) -> list[tuple[int, Stage]]:
     return [(i, s) for i, s in enumerate(self.stages) if s.runs_for(method)]
+
+  def fingerprint(self, method: str) -> str:
+    """A hash of every setting a run of `method` depends on: the backbone, optimizer, data and
+    evaluation, and the stages it trains (not the list of runs, the other methods' stages, or
+    max_seconds and log_every, which change no result of a run that finished). A result counts
+    for this manifest only with its method's fingerprint."""
+    stages = []
+    for _, stage in self.stages_of(method):
+      fields = dataclasses.asdict(stage)
+      for name in ("enabled", "methods", "max_seconds", "log_every"):
+        fields.pop(name)
+      if fields["match_wall"] == method:
+        fields["match_wall"] = None  # the run that sets the time trains as it would alone
+      stages.append(fields)
+    settled = {"backbone": self.backbone, "optimizer": self.optimizer,
+               "data": _data_settings(self.data), "eval": self.eval, "stages": stages}
+    return hashlib.sha256(json.dumps(settled, sort_keys=True, default=list)
+                          .encode()).hexdigest()[:12]
 
   def stage(self, name: str | None) -> Stage | None:
     return next((s for s in self.stages if s.name == name), None)
@@ -256,22 +273,17 @@ def load_manifest(path: str | Path) -> Manifest:
     if fields["name"] in [m for m, _ in methods]:
       raise ManifestError(f"{where}: method {fields['name']!r} is listed twice")
     methods.append((fields["name"], fields["seeds"]))
-  # The settings every result depends on (not the list of runs): results from another
-  # fingerprint are not comparable with this manifest's.
-  settled = {"backbone": backbone, "optimizer": optimizer, "data": _data_settings(data),
-             "stages": [dataclasses.asdict(s) for s in stages], "eval": ev}
-  fingerprint = hashlib.sha256(json.dumps(settled, sort_keys=True, default=list)
-                               .encode()).hexdigest()[:12]
   manifest = Manifest(path=path, backbone=backbone, optimizer=optimizer, data=data,
-                      stages=tuple(stages), eval=ev, methods=tuple(methods), summary=summary,
-                      fingerprint=fingerprint)
+                      stages=tuple(stages), eval=ev, methods=tuple(methods), summary=summary)
   _check(manifest)
   return manifest
 
 
 def _data_settings(data: dict) -> dict:
-  """The data fields that shape a result (not where the tools and wheels are kept)."""
-  return {k: v for k, v in data.items() if k not in ("tokenizer", "ruler_dir", "wheels")}
+  """The data fields that shape a result: the corpora and the mixture (not the folders they are
+  kept in, nor where the tools and wheels are)."""
+  return {k: v for k, v in data.items()
+          if k not in ("text", "haystack", "tokenizer", "ruler_dir", "wheels")}
 
 
 def _check(m: Manifest) -> None:
@@ -384,9 +396,10 @@ def status(m: Manifest, run: Run, dirs: list[Path]) -> tuple[str, Path | None]:
     record = read_result(folder / f"{run.name}.json")
     if record is None:
       continue
-    if record.get("status") == "complete" and record.get("fingerprint") == m.fingerprint:
+    current = record.get("fingerprint") == m.fingerprint(run.method)
+    if record.get("status") == "complete" and current:
       return "done", folder / f"{run.name}.json"
-    found.append((record.get("fingerprint") == m.fingerprint, folder / f"{run.name}.json"))
+    found.append((current, folder / f"{run.name}.json"))
   if run.method not in ATTENTION_KINDS:
     return "unavailable", None
   if found:
@@ -485,7 +498,7 @@ class Record:
     out.mkdir(parents=True, exist_ok=True)
     self.record = {
         "benchmark": "replication", "run": run.name, "method": run.method, "seed": run.seed,
-        "status": "running", "fingerprint": m.fingerprint, **environment(),
+        "status": "running", "fingerprint": m.fingerprint(run.method), **environment(),
         "settings": {"manifest": str(m.path), "backbone": m.backbone, "optimizer": m.optimizer,
                      "data": m.data, "eval": m.eval,
                      "stages": [dataclasses.asdict(s) for _, s in m.stages_of(run.method)]},

@@ -98,6 +98,7 @@ _WORDS = ("the a river stone house garden light evening morning road market wind
 
 
 def _manifest(tmp_path: Path, text: str = TOY, root: Path | None = None) -> Path:
+  tmp_path.mkdir(parents=True, exist_ok=True)
   path = tmp_path / "toy.toml"
   path.write_text(text.replace("{root}", str(root or tmp_path / "data")))
   return path
@@ -445,7 +446,7 @@ def _fake_record(m, run: rep.Run, *, status="complete", fingerprint=None, **numb
                             "records": records},
                   "mqar": {"rows": [{"pairs": 16, "length": 256, "accuracy": 0.5}]}}}
   return {"benchmark": "replication", "run": run.name, "method": run.method, "seed": run.seed,
-          "status": status, "fingerprint": fingerprint or m.fingerprint, "commit": "abc",
+          "status": status, "fingerprint": fingerprint or m.fingerprint(run.method), "commit": "abc",
           "jax": "0.11.2", "jaxlib": "0.11.2", "device": "1 x cpu", "date": "2026-12-04T00:00:00Z",
           "settings": {}, "notes": [], "rows": [pre, cpt], "data": {}, "wall_seconds": 10.0}
 
@@ -497,6 +498,22 @@ steps = 2
 peak_lr = 1e-4
 log_every = 1
 """
+
+
+def test_a_stage_for_some_methods_leaves_the_others_results_done(tmp_path):
+  m = rep.load_manifest(_manifest(tmp_path))
+  longer = rep.load_manifest(_manifest(tmp_path / "x", TOY.replace("\n[eval]", LONG + "\n[eval]",
+                                                                   1)))
+  assert longer.fingerprint("nsa") == m.fingerprint("nsa")
+  assert longer.fingerprint("pisa") != m.fingerprint("pisa")
+  assert longer.fingerprint("dense") not in (m.fingerprint("dense"), longer.fingerprint("pisa"))
+  # Budgets that change no finished result change no fingerprint; a hyper-parameter does.
+  assert rep.load_manifest(_manifest(tmp_path / "y", TOY.replace(
+      "log_every = 1", "log_every = 2").replace("peak_lr = 1e-3", "peak_lr = 1e-3\nmax_seconds"
+                                               " = 60.0"))).fingerprint("pisa") == (
+      m.fingerprint("pisa"))
+  assert rep.load_manifest(_manifest(tmp_path / "z", TOY.replace(
+      "peak_lr = 1e-3", "peak_lr = 2e-3"))).fingerprint("pisa") != m.fingerprint("pisa")
 
 
 def test_a_run_matching_another_runs_wall_time_waits_for_it(tmp_path, capsys, monkeypatch):
@@ -647,7 +664,7 @@ def _run_toy(path: Path, tmp_path: Path, monkeypatch) -> dict:
   assert rep.main(["--manifest", str(path), "--run", "dense-s0", "--results", str(out),
                    "--workdir", str(work), "--no-progress"]) == 0
   record = json.loads((out / "dense-s0.json").read_text())
-  assert record["status"] == "complete" and record["fingerprint"] == m.fingerprint
+  assert record["status"] == "complete" and record["fingerprint"] == m.fingerprint("dense")
   pre, cpt = record["rows"][:2]
   assert [pre["stage"], cpt["stage"]] == ["pretrain", "cpt"]
   assert pre["steps"] == m.stages[0].steps and not pre["truncated"]
