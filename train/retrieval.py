@@ -18,14 +18,14 @@ lines. Four families, as RULER's (Hsieh et al., 2024), each with its own draws:
   multi_value  1     2-4             1           prose; every value answered
 
 The templates, keys and values are this module's own and disjoint from `pisa-eval --suite ruler`
-(`train.evaluation.ruler`), so that the evaluation measures retrieval, not a memorised template:
-keys are capitalised pseudo-word names ("Vorandel Kestrum"), letter-digit tags ("QX-482"),
-lowercase pseudo-words, or two words of the haystack's own prose outside RULER's adjective and noun
-lists ("harvest fielding"; `haystack_key_words`), never RULER's adjective-noun pairs or uuids;
-values are 4-6, 8 or 9 digit
-numbers, groups of hex digits ("3fa9-91bc") or pseudo-words, never seven digits or uuids; no
-template shares a four-word sequence or one of RULER's telling words ("special", "magic",
-"mentioned", ...) with RULER's (tests/test_replication.py checks all three).
+(`train.evaluation.ruler`), so that the evaluation measures retrieval, not a memorised template.
+Keys are capitalised pseudo-word names ("Vorandel Kestrum"), letter-digit tags ("QX-482"),
+lowercase pseudo-words, or two words of the haystack's own prose outside RULER's adjective and
+noun lists ("harvest fielding"; `haystack_key_words`), never RULER's adjective-noun pairs or
+uuids. Values are numbers of 4-6, 8 or 9 digits, two to six groups of four hex digits
+("3fa9-91bc") or pseudo-words, never seven digits or uuids. No template shares a four-word
+sequence or one of RULER's telling words ("special", "magic", "mentioned", ...) with RULER's
+(tests/test_replication.py checks all three).
 
 Packed with `segment_ids` (`data.packing`): every document attends only to itself, positions
 restart, and the loss on its answer tokens is weighted `data.retrieval_answer_weight`. Rows are
@@ -141,8 +141,8 @@ def draw_value(rng: np.random.Generator, kind: str) -> str:
   if kind == "digits":  # 4-6, 8 or 9 digits, never RULER's 7
     n = _pick(rng, DIGIT_LENGTHS)
     return str(int(rng.integers(10 ** (n - 1), 10 ** n)))
-  if kind == "hex":     # "3fa9-91bc" or "3fa9-91bc-07d2", never a uuid's 8-4-4-4-12
-    groups = int(rng.integers(2, 4))
+  if kind == "hex":     # "3fa9-91bc" to six groups of four, never a uuid's 8-4-4-4-12
+    groups = int(rng.integers(2, 7))
     return "-".join("".join(_pick(rng, _HEX) for _ in range(4)) for _ in range(groups))
   if kind == "word":    # "skoumavex"
     return pseudo_word(rng, 3)
