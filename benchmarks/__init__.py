@@ -10,6 +10,8 @@
   layer       the whole PISA layer (selection + attention, forward + backward) against cuDNN dense
   training    tokens/s of the `small` preset, dense against PISA attention
   multi_gpu   the `small` preset over the local GPUs: scaling, memory, equivalence, restores
+  replication the paper's Tables 2, 3, 6 and 7 in miniature: every attention kind trained on the
+              same data (one run a process), evaluated by pisa-eval; results/replication/
 
 Each writes results/<name>.json (the layout of `_record.py`: commit, jax, device, date, settings,
 rows) and results/<name>.png; `--replot JSON` redraws a plot anywhere. run_all.sh runs them all.

@@ -46,6 +46,16 @@ class DataConfig:
   # per document (`pisa_jax.train.data` gives the rule). Sparse attention takes the documents as
   # `segment_ids` on both implementations, the jnp reference and the Pallas kernels.
   packing: bool = False
+  # Long-context retrieval mixture (`pisa_jax.train.retrieval`): this share of the rows of every
+  # training batch holds needle documents (keys and values planted in haystack text, a question,
+  # its answer) instead of windows of data.path. The haystack is the train split of
+  # retrieval_path, a pisa-prepare-data folder; documents are retrieval_min_length tokens to
+  # train.seq_len long; the loss on answer tokens is weighted retrieval_answer_weight. Needs
+  # packing.
+  retrieval_fraction: float = 0.0
+  retrieval_path: str | None = None
+  retrieval_min_length: int = 256
+  retrieval_answer_weight: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +246,7 @@ def validate(config: Config) -> Config:
                      f"<|endoftext|>), got data.source={d.source!r}")
   if d.source == "tokens" and not d.path:
     raise ValueError("data.path must name a folder written by pisa-prepare-data when data.source='tokens'")
+  _validate_retrieval(d, m, t)
   if d.source == "mqar":
     if m.vocab_size < 4 or m.vocab_size % 2:
       raise ValueError(f"model.vocab_size={m.vocab_size} must be even and >= 4 for MQAR")
@@ -291,6 +302,29 @@ def validate(config: Config) -> Config:
   if t.grad_clip <= 0:
     raise ValueError(f"train.grad_clip={t.grad_clip} must be > 0")
   return config
+
+
+def _validate_retrieval(d: DataConfig, m: ModelConfig, t: TrainConfig) -> None:
+  """The retrieval mixture's fields (`pisa_jax.train.retrieval`)."""
+  if not 0 <= d.retrieval_fraction <= 1:
+    raise ValueError(f"data.retrieval_fraction={d.retrieval_fraction} must be in [0, 1]")
+  if not d.retrieval_fraction:
+    return
+  if d.source != "tokens" or not d.packing:
+    raise ValueError(f"data.retrieval_fraction={d.retrieval_fraction} needs data.source='tokens' "
+                     f"and data.packing=true (needle documents are packed with segment_ids), got "
+                     f"data.source={d.source!r}, data.packing={d.packing}")
+  if not d.retrieval_path:
+    raise ValueError("data.retrieval_path must name a pisa-prepare-data folder of haystack text "
+                     "when data.retrieval_fraction > 0")
+  if m.vocab_size < 50_257:
+    raise ValueError(f"model.vocab_size={m.vocab_size} must be >= 50257 when "
+                     f"data.retrieval_fraction > 0: needle documents are GPT-2 text")
+  if not 128 <= d.retrieval_min_length <= t.seq_len:
+    raise ValueError(f"data.retrieval_min_length={d.retrieval_min_length} must be in [128, "
+                     f"train.seq_len={t.seq_len}]: a needle document needs room for its question")
+  if not d.retrieval_answer_weight > 0:
+    raise ValueError(f"data.retrieval_answer_weight={d.retrieval_answer_weight} must be > 0")
 
 
 def _validate_context_parallel(d: DataConfig, t: TrainConfig) -> None:

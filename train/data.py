@@ -186,7 +186,8 @@ class MQARBatches:
 
 def make_batches(config, split: str, *, global_batch: int, accum: int, process_index: int = 0,
                  process_count: int = 1):
-  """The train or val batch source named by `config.data` (`TokenWindows` or `MQARBatches`)."""
+  """The train or val batch source named by `config.data` (`TokenWindows` or `MQARBatches`;
+  training windows with `data.retrieval_fraction` > 0: `pisa_jax.train.retrieval.RetrievalMixture`)."""
   d, t, m = config.data, config.train, config.model
   if d.source == "mqar":
     return MQARBatches(
@@ -195,8 +196,16 @@ def make_batches(config, split: str, *, global_batch: int, accum: int, process_i
         accum=accum, seed=t.seed, split=split,
         process_index=process_index, process_count=process_count,
     )
-  return TokenWindows(
+  windows = TokenWindows(
       d.path, split, seq_len=t.seq_len, global_batch=global_batch, accum=accum, seed=t.seed,
       vocab_size=m.vocab_size, process_index=process_index, process_count=process_count,
       packing=d.packing,
   )
+  if split != "train" or not d.retrieval_fraction:
+    return windows
+  # Training batches mix in needle documents; held-out batches stay text.
+  from pisa_jax.train.retrieval import RetrievalMixture
+
+  return RetrievalMixture(windows, d.retrieval_path, fraction=d.retrieval_fraction,
+                          min_length=d.retrieval_min_length,
+                          answer_weight=d.retrieval_answer_weight)

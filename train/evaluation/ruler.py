@@ -115,6 +115,9 @@ class RulerSample:
   prompt_tokens: list[int]  # the tokenizer's encoding of `prompt`
   answers: tuple[str, ...]  # every needle value the output must contain
   max_new_tokens: int       # RULER's tokens_to_generate
+  # Where each needle sits, in the order the haystack holds them: the share of the haystack
+  # (essay sentences, or lines) before it, in [0, 1].
+  depths: tuple[float, ...] = ()
 
 
 def score(prediction: str, answers: Iterable[str] | str) -> float:
@@ -178,11 +181,21 @@ def make_samples(task: str, *, length: int, num_samples: int, seed: int = 0, tok
                      f"(the largest of these {num_samples} samples with the smallest haystack)")
   samples = []
   hint = None
-  for needles, build in zip(drawn, builds):
+  for index, (needles, build) in enumerate(zip(drawn, builds)):
     prompt, tokens, hint = _fit(build, n_min, length, hint)
     samples.append(RulerSample(task=task, length=length, prompt=prompt, prompt_tokens=tokens,
-                               answers=needles.answers, max_new_tokens=TOKENS_TO_GENERATE))
+                               answers=needles.answers, max_new_tokens=TOKENS_TO_GENERATE,
+                               depths=_depths(spec, needles, ("place", task, seed, index), hint)))
   return samples
+
+
+def _depths(spec: Task, needles: _Needles, placement: tuple, n: int) -> tuple[float, ...]:
+  """Each needle's depth in a haystack of n units, as `_builder` placed it."""
+  if spec.haystack == "essay":
+    # `_essay_context` puts the needles, in order, at the sorted depths.
+    return tuple(d / 100 for d in sorted(needles.depths))
+  spots = _rng(*placement, n).sample(range(n), len(needles.needles))
+  return tuple(spot / n for spot in spots)
 
 
 def _rng(*parts) -> random.Random:

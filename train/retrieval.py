@@ -1,0 +1,454 @@
+"""A long-context retrieval mixture for training: needle documents over held-out haystack text.
+
+`data.retrieval_fraction` of the rows of every training batch are filled with needle documents
+instead of windows of `data.path`. A needle document is, in GPT-2 tokens and exactly as long as
+drawn (from `data.retrieval_min_length` to the row, log-uniform):
+
+  [preamble "\\n"]  haystack with needles planted between sentences  "\\n" question " " prefix
+  " " answer "."  <|endoftext|>
+
+The haystack is a slice of the train split of `data.retrieval_path` (a pisa-prepare-data folder of
+text held out of `data.path`), starting at a sentence, its end-of-text tokens turned into blank
+lines. Four families, as RULER's (Hsieh et al., 2024), each with its own draws:
+
+  family       keys  values per key  keys asked  haystack
+  single_key   1     1               1           prose
+  multi_key    2-8   1               1           prose, or (1 in 4) a ledger of distractor records
+  multi_query  2-4   1               2-all       prose
+  multi_value  1     2-4             1           prose; every value answered
+
+The templates, keys and values are this module's own and disjoint from `pisa-eval --suite ruler`
+(`train.evaluation.ruler`), so that the evaluation measures retrieval, not a memorised template.
+Keys are capitalised pseudo-word names ("Vorandel Kestrum"), letter-digit tags ("QX-482"),
+lowercase pseudo-words, or two words of the haystack's own prose outside RULER's adjective and
+noun lists ("harvest fielding"; `haystack_key_words`), never RULER's adjective-noun pairs or
+uuids. Values are numbers of 4-6, 8 or 9 digits, two to six groups of four hex digits
+("3fa9-91bc") or pseudo-words, never seven digits or uuids. No template shares a four-word
+sequence or one of RULER's telling words ("special", "magic", "mentioned", ...) with RULER's
+(tests/test_replication.py checks all three).
+
+Packed with `segment_ids` (`data.packing`): every document attends only to itself, positions
+restart, and the loss on its answer tokens is weighted `data.retrieval_answer_weight`. Rows are
+drawn from `np.random.default_rng([seed, split, step, 1, row])`: a resumed run, or one on another
+host count, sees the same documents.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+import re
+
+import numpy as np
+
+from pisa_jax.train.data import TRAIN, TokenWindows, document_layout
+from pisa_jax.train.tokenizer import EOT_TOKEN
+
+FAMILIES = ("single_key", "multi_key", "multi_query", "multi_value")
+# The random stream of the mixture within a step (the text windows use the bare [seed, split,
+# step]).
+_STREAM = 1
+# GPT-2's "\n\n": end-of-text tokens inside a haystack slice become a paragraph break.
+_PARAGRAPH = 628
+# A document keeps at least this many haystack tokens around its needles.
+_MIN_HAYSTACK = 16
+_LEDGER_SHARE = 0.25
+
+ATTRIBUTES = (
+    ("access code", "access codes"), ("locker code", "locker codes"), ("serial", "serials"),
+    ("passphrase", "passphrases"), ("ticket", "tickets"), ("badge", "badges"),
+    ("room code", "room codes"), ("password", "passwords"), ("account id", "account ids"),
+    ("catalogue mark", "catalogue marks"),
+)
+NEEDLES = (
+    "The {attr} of {key} is {value}.",
+    "{key} keeps {value} as the {attr}.",
+    "Record for {key}: {attr} {value}.",
+    "Remember that the {attr} assigned to {key} is {value}.",
+    "{key} was issued the {attr} {value}.",
+    "According to the ledger, {key} has {attr} {value}.",
+)
+# (question, answer prefix): one key, one value.
+QUESTIONS_ONE = (
+    ("Which {attr} was issued to {key}?", "The {attr} issued to {key} is"),
+    ("Give the {attr} of {key}.", "The {attr} of {key} is"),
+    ("Question: what {attr} does {key} have? Answer:", "{key} has the {attr}"),
+    ("Look up {key} in the text above and report its {attr}.", "The {attr} of {key} is"),
+    ("What {attr} belongs to {key}?", "The {attr} that belongs to {key} is"),
+)
+# Several keys asked at once (multi_query): their values in the order the keys are asked.
+QUESTIONS_KEYS = (
+    ("Which {attrs} were issued to {keys}?", "The {attrs} issued to {keys} are"),
+    ("Give the {attrs} of {keys}, in that order.", "The {attrs} of {keys} are"),
+    ("Look up {keys} in the text above and report their {attrs}.", "Their {attrs} are"),
+)
+# One key with several values (multi_value): all of them.
+QUESTIONS_VALUES = (
+    ("Which {attrs} were issued to {key}?", "The {attrs} issued to {key} are"),
+    ("Give every {attr} of {key}.", "The {attrs} of {key} are"),
+    ("{key} holds several {attrs}. List them all.", "The {attrs} of {key} are"),
+)
+PREAMBLES = (
+    "Read the passage below and keep track of the {attrs} it records.",
+    "The following document lists some {attrs} among other things. A question comes at the end.",
+    "Below is a long text with a few {attrs} scattered through it.",
+)
+KEY_FORMATS = ("name", "tag", "word", "words")
+# "words" keys are drawn only from a haystack that offers at least this many key words.
+MIN_KEY_WORDS = 100
+VALUE_FORMATS = ("digits", "hex", "word")
+# Numbers of every length but RULER's seven digits.
+DIGIT_LENGTHS = (4, 5, 6, 8, 9)
+
+_ONSETS = ("b", "br", "d", "dr", "f", "g", "gr", "h", "k", "kr", "l", "m", "n", "p", "pr", "r",
+           "s", "sk", "st", "t", "th", "tr", "v", "z")
+_VOWELS = ("a", "e", "i", "o", "u", "ai", "ea", "ou")
+_CODAS = ("", "", "", "l", "m", "n", "r", "s", "x", "th", "nd", "rk")
+_LETTERS = "ABCDEFGHJKLMNPQRSTUVWXYZ"
+_HEX = "0123456789abcdef"
+
+
+def _pick(rng: np.random.Generator, options):
+  return options[int(rng.integers(len(options)))]
+
+
+def pseudo_word(rng: np.random.Generator, syllables: int) -> str:
+  """A pronounceable made-up word of `syllables` consonant-vowel(-consonant) syllables; at three
+  syllables practically never an English word (keys and values use three)."""
+  return "".join(_pick(rng, _ONSETS) + _pick(rng, _VOWELS) + _pick(rng, _CODAS)
+                 for _ in range(syllables))
+
+
+def draw_key(rng: np.random.Generator, kind: str, words: tuple[str, ...] = ()) -> str:
+  if kind == "name":    # "Vorandel Kestrum"
+    return " ".join(pseudo_word(rng, 3).capitalize() for _ in range(2))
+  if kind == "tag":     # "QX-482"
+    letters = "".join(_pick(rng, _LETTERS) for _ in range(int(rng.integers(2, 4))))
+    return f"{letters}-{int(rng.integers(10, 10_000))}"
+  if kind == "word":    # "taxoumirk"
+    return pseudo_word(rng, 3)
+  if kind == "words":   # "harvest fielding"
+    if len(words) < 2:
+      raise ValueError(f"key kind 'words' needs at least two key words, got {len(words)}")
+    first, second = rng.choice(len(words), 2, replace=False)
+    return f"{words[first]} {words[second]}"
+  raise ValueError(f"key kind {kind!r}: expected one of {KEY_FORMATS}")
+
+
+def draw_value(rng: np.random.Generator, kind: str) -> str:
+  if kind == "digits":  # 4-6, 8 or 9 digits, never RULER's 7
+    n = _pick(rng, DIGIT_LENGTHS)
+    return str(int(rng.integers(10 ** (n - 1), 10 ** n)))
+  if kind == "hex":     # "3fa9-91bc" to six groups of four, never a uuid's 8-4-4-4-12
+    groups = int(rng.integers(2, 7))
+    return "-".join("".join(_pick(rng, _HEX) for _ in range(4)) for _ in range(groups))
+  if kind == "word":    # "skoumavex"
+    return pseudo_word(rng, 3)
+  raise ValueError(f"value kind {kind!r}: expected one of {VALUE_FORMATS}")
+
+
+def join_items(items) -> str:
+  """"a", "a and b", "a, b and c"."""
+  items = list(items)
+  return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+@dataclasses.dataclass(frozen=True)
+class NeedleDocument:
+  """One needle document: `tokens` int32 `[L]` ending with <|endoftext|>, its answer tokens at
+  `tokens[answer[0]:answer[1]]` (the values and the closing period), and what was drawn."""
+
+  tokens: np.ndarray
+  answer: tuple[int, int]
+  family: str
+  keys: tuple[str, ...]        # every planted key
+  asked: tuple[str, ...]       # the keys the question asks, in its order
+  answers: tuple[str, ...]     # the values answered, in the answer's order
+  needles: tuple[str, ...]     # the planted sentences, in document order
+  depths: tuple[float, ...]    # where each needle went, as a fraction of the haystack
+  question: str
+  ledger: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _Draw:
+  """A document's text before tokenisation."""
+  family: str
+  keys: tuple[str, ...]
+  asked: tuple[str, ...]
+  answers: tuple[str, ...]
+  needles: tuple[str, ...]
+  question: str             # question, " ", answer prefix
+  answer: str               # " " + values + "."
+  preamble: str | None
+  ledger: bool
+  attr: str
+  key_kind: str
+  value_kind: str
+
+
+def _distinct(rng, draw, kind, n: int, avoid=(), **kw) -> list[str]:
+  out: list[str] = []
+  while len(out) < n:
+    item = draw(rng, kind, **kw)
+    if item not in out and item not in avoid:
+      out.append(item)
+  return out
+
+
+def _draw_text(rng: np.random.Generator, family: str, size: int, key_formats: tuple[str, ...],
+               words: tuple[str, ...]) -> _Draw:
+  """The keys, values and sentences of one document; `size` is its number of keys (multi_key,
+  multi_query) or values (multi_value), ignored for single_key."""
+  attr, attrs = _pick(rng, ATTRIBUTES)
+  key_kind, value_kind = _pick(rng, key_formats), _pick(rng, VALUE_FORMATS)
+  n_keys = size if family in ("multi_key", "multi_query") else 1
+  n_values = size if family == "multi_value" else 1
+  keys = _distinct(rng, draw_key, key_kind, n_keys, words=words)
+  values = _distinct(rng, draw_value, value_kind, n_keys * n_values)
+  pairs = [(keys[i // n_values], values[i]) for i in range(len(values))]
+  needles = [_pick(rng, NEEDLES).format(attr=attr, key=k, value=v) for k, v in pairs]
+  order = rng.permutation(len(needles))
+  needles = [needles[i] for i in order]
+  if family == "multi_query":
+    # Two to all of the keys, in a random order.
+    asked_idx = [int(i) for i in rng.choice(n_keys, int(rng.integers(2, n_keys + 1)),
+                                            replace=False)]
+  else:
+    asked_idx = [int(rng.integers(n_keys))]
+  asked = [keys[i] for i in asked_idx]
+  if family == "multi_query":
+    question, prefix = _pick(rng, QUESTIONS_KEYS)
+    answers = [values[i] for i in asked_idx]
+  elif family == "multi_value":
+    question, prefix = _pick(rng, QUESTIONS_VALUES)
+    answers = list(values)
+  else:
+    question, prefix = _pick(rng, QUESTIONS_ONE)
+    answers = [values[asked_idx[0]]]
+  fields = dict(attr=attr, attrs=attrs, key=asked[0], keys=join_items(asked))
+  preamble = _pick(rng, PREAMBLES).format(**fields) if rng.random() < 0.5 else None
+  ledger = family == "multi_key" and rng.random() < _LEDGER_SHARE
+  return _Draw(family=family, keys=tuple(keys), asked=tuple(asked), answers=tuple(answers),
+               needles=tuple(needles),
+               question=question.format(**fields) + " " + prefix.format(**fields),
+               answer=" " + join_items(answers) + ".", preamble=preamble, ledger=ledger,
+               attr=attr, key_kind=key_kind, value_kind=value_kind)
+
+
+_SIZES = {"single_key": (1, 1), "multi_key": (2, 8), "multi_query": (2, 4), "multi_value": (2, 4)}
+
+
+def haystack_key_words(haystack: np.ndarray, encoding, *, sample: int = 2_000_000,
+                       min_count: int = 2) -> tuple[str, ...]:
+  """Lowercase words of 4 to 12 letters seen at least `min_count` times in the first `sample`
+  tokens of the haystack, less every word of RULER's adjective and noun lists (its word keys are
+  pairs of those), sorted."""
+  from pisa_jax.train.evaluation.haystack import word_lists
+
+  try:
+    adjectives, nouns = word_lists()
+  except ModuleNotFoundError as e:
+    raise ModuleNotFoundError(f"the retrieval mixture keeps RULER's key words out of its own: "
+                              f"{e}") from None
+  tokens = np.asarray(haystack[:sample])
+  text = encoding.decode(tokens[tokens != EOT_TOKEN].tolist())
+  counts = collections.Counter(re.findall(r"\b[a-z]{4,12}\b", text))
+  banned = set(adjectives) | set(nouns)
+  return tuple(sorted(w for w, c in counts.items() if c >= min_count and w not in banned))
+
+
+@functools.cache
+def sentence_ends(encoding) -> np.ndarray:
+  """bool `[vocab]`: the tokens whose text ends a sentence (., ! or ?, then any closing quotes or
+  brackets); a needle goes after one of them."""
+  ends = np.zeros(EOT_TOKEN + 1, bool)
+  for token in range(EOT_TOKEN):
+    text = encoding.decode_single_token_bytes(token).rstrip(b"\"')]")
+    ends[token] = text.endswith((b".", b"!", b"?"))
+  return ends
+
+
+class NeedleMaker:
+  """Needle documents over one haystack: `make(rng, length, family)`.
+
+  haystack: uint16 or int tokens of held-out text (documents closed by <|endoftext|>), at least
+  as long as the longest document asked for.
+  """
+
+  def __init__(self, haystack: np.ndarray, encoding=None):
+    if encoding is None:
+      from pisa_jax.train.tokenizer import gpt2_encoding
+      encoding = gpt2_encoding()
+    self.haystack = haystack
+    self.encoding = encoding
+    self.ends = sentence_ends(encoding)
+    self.key_words = haystack_key_words(haystack, encoding)
+    # A haystack too small to offer key words of its own draws the other formats only (the
+    # run's record lists the formats in use).
+    self.key_formats = tuple(k for k in KEY_FORMATS
+                             if k != "words" or len(self.key_words) >= MIN_KEY_WORDS)
+
+  def encode(self, text: str) -> list[int]:
+    return self.encoding.encode_ordinary(text)
+
+  def make(self, rng: np.random.Generator, length: int, family: str) -> NeedleDocument:
+    """A document of exactly `length` tokens. When the family's draw leaves fewer than 16
+    haystack tokens, it retries with fewer keys or values, then without its preamble, then as
+    single_key; a length too short even for that raises ValueError."""
+    if family not in FAMILIES:
+      raise ValueError(f"family={family!r}: expected one of {FAMILIES}")
+    low, high = _SIZES[family]
+    size = int(rng.integers(low, high + 1))
+    tries = [(family, s) for s in range(size, low - 1, -1)] + [("single_key", 1)]
+    for fam, s in tries:
+      draw = _draw_text(rng, fam, s, self.key_formats, self.key_words)
+      for preamble in dict.fromkeys((draw.preamble, None)):
+        draw = dataclasses.replace(draw, preamble=preamble)
+        doc = self._build(rng, draw, length)
+        if doc is not None:
+          return doc
+    raise ValueError(f"length={length} is too short for a needle document: its question, "
+                     f"needle and answer leave fewer than {_MIN_HAYSTACK} haystack tokens")
+
+  def _build(self, rng, draw: _Draw, length: int) -> NeedleDocument | None:
+    head = self.encode(draw.preamble + "\n") if draw.preamble else []
+    tail = self.encode("\n" + draw.question)
+    answer = self.encode(draw.answer)
+    lead = "\n" if draw.ledger else " "
+    needles = [self.encode(lead + n) for n in draw.needles]
+    n_hay = length - 1 - len(head) - len(tail) - len(answer) - sum(map(len, needles))
+    if n_hay < _MIN_HAYSTACK:
+      return None
+    if draw.ledger:
+      hay, spots = self._ledger(rng, draw, n_hay)
+    else:
+      hay = self._prose(rng, n_hay)
+      # Between sentences: after a sentence-ending token, or at either end.
+      spots = np.unique(np.concatenate([[0, n_hay], np.flatnonzero(self.ends[hay]) + 1]))
+    # Each needle at a uniform depth, moved to the nearest place between sentences (or records).
+    wanted = np.sort(rng.random(len(needles))) * n_hay
+    nearest = np.clip(np.searchsorted(spots, wanted), 1, len(spots) - 1)
+    below = spots[nearest - 1]
+    above = spots[nearest]
+    at = np.where(wanted - below <= above - wanted, below, above)
+    pieces, start = [np.asarray(head, np.int32)], 0
+    for cut, needle in zip(at, needles):
+      pieces += [hay[start:cut], np.asarray(needle, np.int32)]
+      start = cut
+    pieces += [hay[start:], np.asarray(tail, np.int32)]
+    answer_start = sum(len(p) for p in pieces)
+    pieces += [np.asarray(answer + [EOT_TOKEN], np.int32)]
+    tokens = np.concatenate(pieces).astype(np.int32)
+    assert len(tokens) == length, (len(tokens), length)
+    return NeedleDocument(
+        tokens=tokens, answer=(answer_start, answer_start + len(answer)), family=draw.family,
+        keys=draw.keys, asked=draw.asked, answers=draw.answers, needles=draw.needles,
+        depths=tuple(float(x) / n_hay for x in at), question=draw.question, ledger=draw.ledger)
+
+  def _prose(self, rng, n: int) -> np.ndarray:
+    """n haystack tokens from a random sentence start, end-of-text tokens as paragraph breaks."""
+    last = len(self.haystack) - n
+    if last < 1:
+      raise ValueError(f"the haystack holds {len(self.haystack)} tokens, fewer than the {n + 1} "
+                       f"a document of this length needs")
+    offset = int(rng.integers(0, last))
+    look = np.asarray(self.haystack[offset:offset + min(64, last - offset)], np.int32)
+    ends = np.flatnonzero(self.ends[look])
+    if ends.size:
+      offset += int(ends[0]) + 1
+    hay = np.asarray(self.haystack[offset:offset + n], np.int32)
+    return np.where(hay == EOT_TOKEN, _PARAGRAPH, hay)
+
+  def _ledger(self, rng, draw: _Draw, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """n tokens of distractor records (other keys, the same attribute and formats), a prose
+    fragment first to make up the length; the places between records."""
+    lines: list[list[int]] = []
+    total = 0
+    used = set(draw.keys)
+    while True:
+      key = _distinct(rng, draw_key, draw.key_kind, 1, avoid=used, words=self.key_words)[0]
+      used.add(key)
+      line = self.encode("\n" + _pick(rng, NEEDLES).format(
+          attr=draw.attr, key=key, value=draw_value(rng, draw.value_kind)))
+      if total + len(line) > n:
+        break
+      lines.append(line)
+      total += len(line)
+    fragment = self._prose(rng, n - total) if n > total else np.zeros(0, np.int32)
+    bounds = len(fragment) + np.cumsum([0] + [len(x) for x in lines])
+    hay = np.concatenate([fragment] + [np.asarray(x, np.int32) for x in lines])
+    return hay.astype(np.int32), np.unique(np.concatenate([[0], bounds]))
+
+
+class RetrievalMixture:
+  """Training batches of `text` windows with `fraction` of the rows replaced by needle documents
+  (the module docstring): the same arrays as `TokenWindows` with packing, `[A, B_local, T]`."""
+
+  def __init__(self, text: TokenWindows, haystack_path: str, *, fraction: float,
+               min_length: int, answer_weight: float, encoding=None):
+    if not text.packing:
+      raise ValueError("the retrieval mixture needs packed text windows (data.packing=true)")
+    if not 0 < fraction <= 1:
+      raise ValueError(f"fraction={fraction} must be in (0, 1]")
+    haystack = TokenWindows(haystack_path, "train", seq_len=text.seq_len, global_batch=1,
+                            accum=1, seed=0, vocab_size=EOT_TOKEN + 1, packing=True)
+    self.text = text
+    self.maker = NeedleMaker(haystack.tokens, encoding)
+    self.haystack_tokens = len(haystack.tokens)
+    self.min_length, self.answer_weight = min_length, answer_weight
+    total = text.accum * text.global_batch
+    # A whole number of rows per step, at least one.
+    self.rows_per_step = max(1, round(fraction * total))
+    self.token_fraction = self.rows_per_step / total
+
+  def documents(self, step: int, row: int) -> list[NeedleDocument]:
+    """The documents filling global row `row` (micro-batch-major) of step `step`: seq_len + 1
+    tokens (inputs and the last target)."""
+    rng = np.random.default_rng([self.text.seed, TRAIN, step, _STREAM, row])
+    left, docs = self.text.seq_len + 1, []
+    log_lo, log_hi = math.log(self.min_length), math.log(self.text.seq_len + 1)
+    while left:
+      length = min(left, int(math.exp(rng.uniform(log_lo, log_hi))))
+      if left - length < self.min_length:
+        length = left
+      docs.append(self.maker.make(rng, length, _pick(rng, FAMILIES)))
+      left -= length
+    return docs
+
+  def chosen_rows(self, step: int) -> np.ndarray:
+    """The global rows (micro-batch-major) of step `step` that hold needle documents."""
+    rng = np.random.default_rng([self.text.seed, TRAIN, step, _STREAM])
+    total = self.text.accum * self.text.global_batch
+    return np.sort(rng.choice(total, self.rows_per_step, replace=False))
+
+  def batch(self, step: int) -> dict[str, np.ndarray]:
+    base = self.text.batch(step)
+    windows = np.concatenate([base["inputs"], base["targets"][..., -1:]], axis=-1)
+    answers = np.zeros(windows.shape, bool)
+    g, rows = self.text.global_batch, self.text.rows
+    for row in self.chosen_rows(step):
+      micro, j = divmod(int(row), g)
+      if not rows.start <= j < rows.stop:
+        continue
+      at = 0
+      for doc in self.documents(step, int(row)):
+        windows[micro, j - rows.start, at:at + len(doc.tokens)] = doc.tokens
+        answers[micro, j - rows.start, at + doc.answer[0]:at + doc.answer[1]] = True
+        at += len(doc.tokens)
+    inputs = windows[..., :-1]
+    out = {"inputs": inputs, "targets": windows[..., 1:]}
+    out.update(document_layout(inputs, self.text.meta["eot"]))
+    # An answer token at window position p is the target of input position p - 1.
+    out["weights"] = np.where(answers[..., 1:], out["weights"] * self.answer_weight,
+                              out["weights"]).astype(np.float32)
+    return out
+
+  def describe(self) -> dict:
+    """What the mixture is, for a run's record."""
+    return {"rows_per_step": self.rows_per_step, "token_fraction": self.token_fraction,
+            "min_length": self.min_length, "answer_weight": self.answer_weight,
+            "haystack_tokens": self.haystack_tokens, "families": list(FAMILIES),
+            "key_formats": list(self.maker.key_formats), "key_words": len(self.maker.key_words)}
