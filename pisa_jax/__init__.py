@@ -9,6 +9,13 @@ Public API (shapes follow `jax.nn.dot_product_attention`: q `[B, T, HQ, D]`, k/v
 Each takes `implementation="xla" | "pallas" | None` (selection_quality has only "xla": "pallas"
 raises).
 
+HiLS (learned-landmark chunk routing with a two-level softmax, `pisa_jax.hils`), jnp reference
+only ("pallas" raises, None means "xla"), with `segment_ids`:
+  hils_attention     a sliding window plus the top-k chunks before it, weighted by their scores
+  hils_landmarks     each complete chunk's landmark key and entropy bias
+  hils_chunk_scores  every query's score of every chunk before its window
+  hils_select_chunks the chunks hils_attention attends to -> int32 [B, T, HKV, K]
+
 Packed documents: build_pyramid, select_blocks, sparse_attention and pisa_attention take
 `segment_ids` `[B, T]` int32 (non-decreasing within a row; a document is a run of equal ids).
 Every query then selects and attends as its document would alone from position 0, on the
@@ -46,6 +53,10 @@ _EXPORTS = {
     "decode_step": "pisa_jax.decode",
     "generate": "pisa_jax.generation",
     "generate_stream": "pisa_jax.generation",
+    "hils_attention": "pisa_jax.hils",
+    "hils_chunk_scores": "pisa_jax.hils",
+    "hils_landmarks": "pisa_jax.hils",
+    "hils_select_chunks": "pisa_jax.hils",
     "pisa_attention": "pisa_jax.attention",
     "select_blocks": "pisa_jax.selection",
     "selection_quality": "pisa_jax.quality",
@@ -67,6 +78,10 @@ __all__ = [
     "decode_step",
     "generate",
     "generate_stream",
+    "hils_attention",
+    "hils_chunk_scores",
+    "hils_landmarks",
+    "hils_select_chunks",
     "pisa_attention",
     "select_blocks",
     "selection_quality",
