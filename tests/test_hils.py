@@ -1,0 +1,226 @@
+"""HiLS (`pisa_jax.hils`): the jnp reference against a float64 loop of its rules
+(`oracles.hils`), its gradients against finite differences of that loop, causality, packed
+documents against each document alone, and bad arguments."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pisa_jax
+import oracles
+import tolerances
+
+# (batch, T, HQ, HKV, D, chunk, top_k, window): T not a multiple of C, GQA groups 2, 3 and 1,
+# top_k below and above the eligible chunks, window 1 (the current chunk only), T < C.
+CASES = [
+    (2, 45, 4, 2, 8, 4, 3, 6),
+    (1, 37, 3, 1, 8, 5, 2, 1),
+    (1, 30, 2, 2, 4, 4, 8, 9),
+    (1, 3, 2, 1, 4, 4, 2, 2),
+]
+
+
+def case_id(case):
+  b, t, hq, hkv, d, c, k, w = case
+  return f"B{b}-T{t}-HQ{hq}-HKV{hkv}-D{d}-C{c}-K{k}-W{w}"
+
+
+def make_inputs(batch, seq_len, hq, hkv, d, seed=0, dtype=jnp.float32):
+  kq, kk, kv, kl = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(kq, (batch, seq_len, hq, d), dtype)
+  k = jax.random.normal(kk, (batch, seq_len, hkv, d), dtype)
+  v = jax.random.normal(kv, (batch, seq_len, hkv, d), dtype)
+  lq = jax.random.normal(kl, (batch, seq_len, hq, d), dtype)
+  return q, k, v, lq
+
+
+def options(case):
+  _, _, _, _, d, c, k, w = case
+  return dict(chunk_size=c, top_k=k, window=w), 1 / math.sqrt(d)
+
+
+def oracle_rows(q, k, v, lq, segment_ids=None, **kw):
+  rows = [oracles.hils(q[b], k[b], v[b], lq[b],
+                       segment_ids=None if segment_ids is None else segment_ids[b], **kw)
+          for b in range(q.shape[0])]
+  return (np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows]), [r[2] for r in rows])
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_matches_float64_oracle(case):
+  b, t, hq, hkv, d, _, top_k, _ = case
+  opts, scale = options(case)
+  q, k, v, lq = make_inputs(b, t, hq, hkv, d, seed=1)
+  out = pisa_jax.hils_attention(q, k, v, lq, **opts)
+  idx = pisa_jax.hils_select_chunks(q, k, lq, **opts)
+  want_out, want_idx, _ = oracle_rows(q, k, v, lq, scale=scale, **opts)
+  np.testing.assert_array_equal(np.asarray(idx), want_idx)
+  np.testing.assert_allclose(np.asarray(out), want_out, atol=tolerances.GOLDEN_OUTPUT_ATOL,
+                             rtol=tolerances.GOLDEN_OUTPUT_ATOL)
+  assert out.dtype == q.dtype and out.shape == q.shape
+
+
+def test_landmarks_and_chunk_scores_match_oracle():
+  case = CASES[0]
+  b, t, hq, hkv, d, c, _, w = case
+  opts, scale = options(case)
+  q, k, v, lq = make_inputs(b, t, hq, hkv, d, seed=2)
+  landmark_k, landmark_bias = pisa_jax.hils_landmarks(k, lq, chunk_size=c)
+  group = hq // hkv
+  for row in range(b):
+    for slot in range(t // c):
+      for hh in range(hq):
+        lo = slot * c
+        want_k, want_b = oracles.hils_landmark(
+            np.asarray(k[row, lo:lo + c, hh // group], np.float64),
+            np.asarray(lq[row, lo + c - 1, hh], np.float64), scale)
+        np.testing.assert_allclose(landmark_k[row, slot, hh], want_k, atol=1e-5)
+        np.testing.assert_allclose(landmark_bias[row, slot, hh], want_b, atol=1e-5)
+  scores = np.asarray(pisa_jax.hils_chunk_scores(lq, landmark_k, landmark_bias, chunk_size=c,
+                                                 window=w))
+  _, _, want = oracle_rows(q, k, v, lq, scale=scale, **opts)
+  for row in range(b):
+    for (pos, hh), s_hat in want[row].items():
+      n = len(s_hat)
+      np.testing.assert_allclose(scores[row, pos, hh, :n], s_hat, atol=1e-5)
+      assert np.all(np.isneginf(scores[row, pos, hh, n:]))
+
+
+def _directional(f, x, direction, eps=1e-5):
+  return (f(x + eps * direction) - f(x - eps * direction)) / (2 * eps)
+
+
+def test_gradients_match_oracle_finite_differences():
+  """d<w, out> along a random direction of q, k, v, landmark_q and of a low-rank landmark
+  projection lq = q + (x A) B, from jax.grad of the reference and from central differences of
+  the float64 loop. The selection is piecewise constant: the differences do not cross it."""
+  case = CASES[0]
+  _, _, hq, hkv, d, _, _, _ = case
+  t = 29  # 5 chunks precede the last query's window: the top-3 choose
+  opts, scale = options(case)
+  q, k, v, lq = make_inputs(1, t, hq, hkv, d, seed=3)
+  rank, embed = 3, 6
+  keys = jax.random.split(jax.random.key(4), 8)
+  x = jax.random.normal(keys[0], (1, t, embed))
+  a = jax.random.normal(keys[1], (embed, rank)) * 0.5
+  bm = jax.random.normal(keys[2], (rank, hq * d)) * 0.5
+  w = jax.random.normal(keys[3], q.shape)
+
+  def project(q, a, bm):
+    return q + (x @ a @ bm).reshape(q.shape)
+
+  def loss(q, k, v, a, bm):
+    return jnp.sum(w * pisa_jax.hils_attention(q, k, v, project(q, a, bm), **opts))
+
+  grads = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, a, bm)
+  args64 = [np.asarray(z, np.float64) for z in (q, k, v, a, bm)]
+  x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+
+  def oracle_loss(q, k, v, a, bm):
+    lq = q + (x64 @ a @ bm).reshape(q.shape)
+    out, _, _ = oracles.hils(q[0], k[0], v[0], lq[0], scale=scale, **opts)
+    return float(np.sum(w64[0] * out))
+
+  for i, name in enumerate(("q", "k", "v", "landmark A", "landmark B")):
+    direction = np.asarray(jax.random.normal(keys[4 + min(i, 3)], args64[i].shape), np.float64)
+
+    def along(z, i=i):
+      return oracle_loss(*[z if j == i else args64[j] for j in range(5)])
+
+    want = _directional(along, args64[i], direction)
+    got = float(np.sum(np.asarray(grads[i], np.float64) * direction))
+    assert abs(want) > 1e-3, f"{name}: the loss does not depend on it"
+    np.testing.assert_allclose(got, want, rtol=2e-4, err_msg=name)
+
+
+def test_causal():
+  """Changing anything at positions after t0 leaves every output up to t0 as it was."""
+  case = CASES[0]
+  b, t, hq, hkv, d, _, _, _ = case
+  opts, _ = options(case)
+  q, k, v, lq = make_inputs(b, t, hq, hkv, d, seed=5)
+  q2, k2, v2, lq2 = make_inputs(b, t, hq, hkv, d, seed=6)
+  t0 = 30
+  future = (jnp.arange(t) > t0)[None, :, None, None]
+  mixed = [jnp.where(future, y, x) for x, y in ((q, q2), (k, k2), (v, v2), (lq, lq2))]
+  out = pisa_jax.hils_attention(q, k, v, lq, **opts)
+  out_mixed = pisa_jax.hils_attention(*mixed, **opts)
+  np.testing.assert_array_equal(np.asarray(out[:, :t0 + 1]), np.asarray(out_mixed[:, :t0 + 1]))
+  assert not np.allclose(out[:, t0 + 1:], out_mixed[:, t0 + 1:])
+
+
+def test_packed_documents_equal_each_document_alone():
+  case = CASES[0]
+  _, t, hq, hkv, d, _, _, _ = case
+  opts, scale = options(case)
+  q, k, v, lq = make_inputs(2, t, hq, hkv, d, seed=7)
+  lengths = [[17, 3, 25], [45]]
+  segment_ids = jnp.asarray(np.stack([np.repeat(np.arange(len(ls)), ls) for ls in lengths]),
+                            jnp.int32)
+  out = np.asarray(pisa_jax.hils_attention(q, k, v, lq, segment_ids=segment_ids, **opts))
+  idx = np.asarray(pisa_jax.hils_select_chunks(q, k, lq, segment_ids=segment_ids, **opts))
+  # Each document alone, as a row of its own from position 0: zeros after it change nothing
+  # before them (test_causal), so every document shares one shape and one call.
+  pieces = [(row, lo, n) for row, ls in enumerate(lengths)
+            for lo, n in zip(np.cumsum([0] + ls[:-1]), ls)]
+  alone = [jnp.stack([jnp.zeros_like(x[0]).at[:n].set(x[row, lo:lo + n])
+                      for row, lo, n in pieces]) for x in (q, k, v, lq)]
+  alone_out = np.asarray(pisa_jax.hils_attention(*alone, **opts))
+  alone_idx = np.asarray(pisa_jax.hils_select_chunks(alone[0], alone[1], alone[3], **opts))
+  for i, (row, lo, n) in enumerate(pieces):
+    np.testing.assert_allclose(out[row, lo:lo + n], alone_out[i, :n], atol=1e-6, rtol=1e-6)
+    np.testing.assert_array_equal(idx[row, lo:lo + n], alone_idx[i, :n])
+  want_out, want_idx, _ = oracle_rows(q, k, v, lq, np.asarray(segment_ids), scale=scale, **opts)
+  np.testing.assert_array_equal(idx, want_idx)
+  np.testing.assert_allclose(out, want_out, atol=tolerances.GOLDEN_OUTPUT_ATOL,
+                             rtol=tolerances.GOLDEN_OUTPUT_ATOL)
+  # Landmark slots: the row's complete chunks in order, document by document.
+  landmark_k, _ = pisa_jax.hils_landmarks(k, lq, chunk_size=opts["chunk_size"],
+                                          segment_ids=segment_ids)
+  c = opts["chunk_size"]
+  first_chunk_of_third = 17 + 3  # document 0 has 4 complete chunks, document 1 none
+  np.testing.assert_allclose(
+      landmark_k[0, 4, 0],
+      oracles.hils_landmark(np.asarray(k[0, 20:20 + c, 0], np.float64),
+                            np.asarray(lq[0, first_chunk_of_third + c - 1, 0], np.float64),
+                            scale)[0], atol=1e-5)
+  np.testing.assert_array_equal(landmark_k[0, 4 + 6:], 0)  # 4 + 6 chunks, then empty slots
+
+
+@pytest.mark.slow
+def test_bfloat16_inputs_compute_in_float32():
+  case = CASES[0]
+  b, t, hq, hkv, d, _, _, _ = case
+  opts, _ = options(case)
+  inputs = make_inputs(b, t, hq, hkv, d, seed=8, dtype=jnp.bfloat16)
+  out = pisa_jax.hils_attention(*inputs, **opts)
+  want = pisa_jax.hils_attention(*[x.astype(jnp.float32) for x in inputs], **opts)
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("kwargs, error, needle", [
+    (dict(chunk_size=0), ValueError, "chunk_size=0"),
+    (dict(top_k=0), ValueError, "top_k=0"),
+    (dict(window=0), ValueError, "window=0"),
+    (dict(top_k=2.5), ValueError, "top_k=2.5"),
+    (dict(implementation="pallas"), ValueError, "implementation='pallas'"),
+    (dict(implementation="triton"), ValueError, "implementation='triton'"),
+    (dict(landmark_q=np.zeros((1, 8, 2, 4), np.float32)), ValueError, "landmark_q.shape"),
+    (dict(landmark_q=jnp.zeros((1, 8, 4, 4), jnp.bfloat16)), TypeError, "landmark_q"),
+    (dict(segment_ids=jnp.asarray([[1, 1, 0, 0, 0, 0, 0, 0]], jnp.int32)), ValueError,
+     "segment_ids"),
+])
+def test_bad_arguments_raise_one_line(kwargs, error, needle):
+  q, k, v, lq = make_inputs(1, 8, 4, 2, 4)
+  kwargs = dict(kwargs)
+  lq = kwargs.pop("landmark_q", lq)
+  with pytest.raises(error) as info:
+    pisa_jax.hils_attention(q, k, v, lq, **kwargs)
+  message = str(info.value)
+  assert needle in message and "\n" not in message, message
