@@ -2,8 +2,9 @@
 
 Pre-RMSNorm blocks with GQA attention and a SiLU-gated MLP, no dropout, untied input and output
 embeddings padded to a multiple of `vocab_pad_multiple` rows (50,257 -> 50,432), RoPE on the
-high-frequency half of each head. The attention is dense (`jax.nn.dot_product_attention`) or
-block-sparse through `pisa_jax.pisa_attention` (PISA, PISA-1, PISA-2, BSA), chosen by the config.
+high-frequency half of each head. The attention is dense (`jax.nn.dot_product_attention`),
+block-sparse through `pisa_jax.pisa_attention` (PISA, PISA-1, PISA-2, BSA), or HiLS through
+`pisa_jax.hils_attention` (its landmark-query projection is the layer's), chosen by the config.
 Packed documents: with `segment_ids` `[B, T]` (a document is a run of equal ids) no token attends
 across a document boundary, in either kind, and RoPE positions restart at 0 with each document,
 so each document's activations are the ones it would have alone.
@@ -191,6 +192,11 @@ class Attention(nnx.Module):
     self.wv = _normal(rngs, (d, hkv, hd), std, pdt, ("embed", "kv_heads", "head_dim"))
     # GPT-2's residual-branch scaling of the output projection.
     self.wo = _normal(rngs, (hq, hd, d), out_std, pdt, ("q_heads", "head_dim", "embed"))
+    if cfg.attention == "hils":
+      # HiLS's landmark query: the query projection plus a rank-r correction (x A) B.
+      rank = cfg.hils_landmark_rank
+      self.wl_down = _normal(rngs, (d, rank), std, pdt, ("embed", None))
+      self.wl_up = _normal(rngs, (rank, hq, hd), std, pdt, (None, "q_heads", "head_dim"))
 
   def __call__(self, x: Float[Array, "B T E"], cos: Array, sin: Array,
                segment_ids: Int[Array, "B T"] | None = None) -> Float[Array, "B T E"]:
@@ -200,7 +206,9 @@ class Attention(nnx.Module):
     k = _saveable("key_proj", jnp.einsum("bte,ehd->bthd", x, self.wk[...].astype(cdt)))
     v = _saveable("value_proj", jnp.einsum("bte,ehd->bthd", x, self.wv[...].astype(cdt)))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    if sequence_axis() is not None:
+    if cfg.attention == "hils":
+      out = self._hils(x, q, k, v, cos, sin, segment_ids)
+    elif sequence_axis() is not None:
       # Context parallelism: each device attends with its own queries to the gathered keys.
       out = sequence_sharded_attention(cfg, q, k, v, segment_ids)
     elif cfg.attention == "dense":
@@ -235,12 +243,39 @@ class Attention(nnx.Module):
     return _saveable("out_proj",
                      jnp.einsum("bthd,hde->bte", out.astype(cdt), self.wo[...].astype(cdt)))
 
+  def _landmark_q(self, x: Float[Array, "B T E"], q: Float[Array, "B T HQ D"], cos: Array,
+                  sin: Array) -> Float[Array, "B T HQ D"]:
+    """HiLS's landmark query, RoPE'd: the rotated query q plus the rotated correction (x A) B
+    (RoPE is linear, so this is the rotation of the landmark projection's output)."""
+    cdt = x.dtype
+    low = jnp.einsum("bte,er->btr", x, self.wl_down[...].astype(cdt))
+    correction = jnp.einsum("btr,rhd->bthd", low, self.wl_up[...].astype(cdt))
+    return q + apply_rope(correction, cos, sin)
+
+  def _hils(self, x, q, k, v, cos, sin, segment_ids) -> Float[Array, "B T HQ D"]:
+    """`pisa_jax.hils_attention` of the layer's q, k, v and landmark queries, per batch shard."""
+    cfg = self.cfg
+    if sequence_axis() is not None:
+      raise ValueError("model.attention='hils' does not split the sequence over devices: set "
+                       "train.context_parallel=1")
+    attend = functools.partial(
+        pisa_jax.hils_attention, chunk_size=cfg.hils_chunk_size, top_k=cfg.hils_top_k,
+        window=cfg.hils_window, implementation=cfg.attention_implementation)
+    landmark_q = self._landmark_q(x, q, cos, sin)
+    if segment_ids is None:
+      return per_batch_shard(attend)(q, k, v, landmark_q)
+    return per_batch_shard(lambda q, k, v, lq, ids: attend(q, k, v, lq, segment_ids=ids))(
+        q, k, v, landmark_q, segment_ids)
+
 
   # Decoding (`pisa_jax.generate`): the projections and RoPE of `__call__`, with a cache.
 
   def init_cache(self, batch: int, capacity: int, dtype) -> DecodeCache | KVCache:
     """An empty cache of this layer for `batch` rows of `capacity` tokens."""
     cfg = self.cfg
+    if cfg.attention == "hils":
+      raise NotImplementedError("model.attention='hils' has no decode cache: generation needs "
+                                "the landmark cache of a HiLS decode step, which is not written")
     if cfg.attention == "dense":
       return KVCache.create(batch, capacity, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
     return DecodeCache.create(batch, capacity, cfg.num_kv_heads, cfg.head_dim,
@@ -505,6 +540,8 @@ def count_params(cfg: ModelConfig) -> int:
   """Number of parameters, padded embedding rows included (418M / 1.47B / 2.67B for Table 5)."""
   e, m, hd = cfg.d_model, cfg.mlp_dim, cfg.head_dim
   attn = e * hd * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+  if cfg.attention == "hils":  # the landmark query's rank-r correction
+    attn += cfg.hils_landmark_rank * (e + cfg.num_heads * hd)
   per_layer = attn + 3 * e * m + 2 * e
   return cfg.num_layers * per_layer + 2 * cfg.padded_vocab_size * e + e
 
@@ -514,12 +551,15 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
   Matmuls: 6 x (parameters - input embedding). Attention: QK^T and PV cost 2 * 2 * HQ * D per
   attended key in the forward pass; dense causal attends (T+1)/2 keys on average, the sparse kinds
-  at most top_k * block_size. Block selection is not counted.
+  at most top_k * block_size, HiLS its window and top_k chunks. Block selection and HiLS's chunk
+  scores are not counted.
   """
   matmul_params = count_params(cfg) - cfg.padded_vocab_size * cfg.d_model
   attended = (seq_len + 1) / 2
   if cfg.attention in SPARSE_ATTENTION_KINDS:
     attended = min(attended, cfg.top_k * cfg.block_size)
+  elif cfg.attention == "hils":  # the window (widened to a chunk boundary) and top_k chunks
+    attended = min(attended, cfg.hils_window + (cfg.hils_top_k + 1) * cfg.hils_chunk_size)
   attention = cfg.num_layers * 4 * cfg.num_heads * cfg.head_dim * attended
   return 6 * matmul_params + 3 * attention
 

@@ -224,3 +224,56 @@ def test_bad_arguments_raise_one_line(kwargs, error, needle):
     pisa_jax.hils_attention(q, k, v, lq, **kwargs)
   message = str(info.value)
   assert needle in message and "\n" not in message, message
+
+
+def test_decoder_kind_trains_the_landmark_projection():
+  """model.attention="hils": the layer's landmark projection (rank r) is counted, and the loss
+  reaches it through the chunk scores."""
+  import dataclasses
+
+  from flax import nnx
+
+  from pisa_jax.models import Decoder, ModelConfig, count_params
+
+  cfg = ModelConfig(vocab_size=97, vocab_pad_multiple=32, num_layers=2, d_model=32, mlp_dim=64,
+                    num_heads=4, num_kv_heads=2, head_dim=16, attention="hils",
+                    hils_chunk_size=8, hils_top_k=2, hils_window=8, hils_landmark_rank=4,
+                    param_dtype="float32", compute_dtype="float32")
+  model = Decoder(cfg, rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(model, nnx.Param)
+  assert sum(x.size for x in jax.tree.leaves(params)) == count_params(cfg)
+  assert count_params(cfg) == count_params(dataclasses.replace(cfg, attention="pisa")) + (
+      cfg.num_layers * cfg.hils_landmark_rank * (cfg.d_model + cfg.num_heads * cfg.head_dim))
+  tokens = jax.random.randint(jax.random.key(9), (2, 72), 0, cfg.vocab_size)
+
+  @jax.jit
+  def loss(params):
+    logits = nnx.merge(graphdef, params)(tokens[:, :-1])
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1))
+
+  value, grads = jax.value_and_grad(loss)(params)
+  assert bool(jnp.isfinite(value))
+  blocks = list(grads["blocks"].values())
+  assert len(blocks) == cfg.num_layers
+  for block in blocks:
+    for name in ("wl_down", "wl_up"):
+      g = block["attn"][name][...]
+      assert bool(jnp.all(jnp.isfinite(g))) and float(jnp.abs(g).max()) > 0, name
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["model.hils_top_k=0"], "model.hils_top_k=0"),
+    (["model.hils_window=0"], "model.hils_window=0"),
+    (["model.hils_chunk_size=0"], "model.hils_chunk_size=0"),
+    (["model.hils_landmark_rank=0"], "model.hils_landmark_rank=0"),
+    (["model.attention_implementation=pallas"], "model.attention_implementation='pallas'"),
+    (["train.context_parallel=2"], "train.context_parallel=1"),
+])
+def test_config_rejects_bad_hils_fields(overrides, needle):
+  from pisa_jax.configs import apply_overrides, get_config, validate
+
+  base = apply_overrides(get_config("tiny"), ["model.attention=hils"])
+  validate(base)
+  with pytest.raises(ValueError) as info:
+    validate(apply_overrides(base, overrides))
+  assert needle in str(info.value) and "\n" not in str(info.value), str(info.value)
