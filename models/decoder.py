@@ -37,6 +37,7 @@ import pisa_jax
 from pisa_jax import _validation
 from pisa_jax.decode import DecodeCache, bucket_capacity, decode_step
 from pisa_jax.decode_cache import last_document
+from pisa_jax.hils_decode import HiLSCache, hils_decode_step
 from pisa_jax.models.config import SPARSE_ATTENTION_KINDS, ModelConfig
 from pisa_jax.models.context_parallel import sequence_axis, sequence_sharded_attention
 from pisa_jax.models.sharding import axes_size, batch_axes_of, constrain_batch
@@ -243,14 +244,12 @@ class Attention(nnx.Module):
     return _saveable("out_proj",
                      jnp.einsum("bthd,hde->bte", out.astype(cdt), self.wo[...].astype(cdt)))
 
-  def _landmark_q(self, x: Float[Array, "B T E"], q: Float[Array, "B T HQ D"], cos: Array,
-                  sin: Array) -> Float[Array, "B T HQ D"]:
-    """HiLS's landmark query, RoPE'd: the rotated query q plus the rotated correction (x A) B
-    (RoPE is linear, so this is the rotation of the landmark projection's output)."""
+  def _landmark_correction(self, x: Float[Array, "B T E"]) -> Float[Array, "B T HQ D"]:
+    """HiLS's landmark query less the query, (x A) B, before RoPE. RoPE is linear: the rotated
+    query plus the rotated correction is the rotated landmark projection."""
     cdt = x.dtype
     low = jnp.einsum("bte,er->btr", x, self.wl_down[...].astype(cdt))
-    correction = jnp.einsum("btr,rhd->bthd", low, self.wl_up[...].astype(cdt))
-    return q + apply_rope(correction, cos, sin)
+    return jnp.einsum("btr,rhd->bthd", low, self.wl_up[...].astype(cdt))
 
   def _hils(self, x, q, k, v, cos, sin, segment_ids) -> Float[Array, "B T HQ D"]:
     """`pisa_jax.hils_attention` of the layer's q, k, v and landmark queries, per batch shard."""
@@ -261,7 +260,7 @@ class Attention(nnx.Module):
     attend = functools.partial(
         pisa_jax.hils_attention, chunk_size=cfg.hils_chunk_size, top_k=cfg.hils_top_k,
         window=cfg.hils_window, implementation=cfg.attention_implementation)
-    landmark_q = self._landmark_q(x, q, cos, sin)
+    landmark_q = q + apply_rope(self._landmark_correction(x), cos, sin)
     if segment_ids is None:
       return per_batch_shard(attend)(q, k, v, landmark_q)
     return per_batch_shard(lambda q, k, v, lq, ids: attend(q, k, v, lq, segment_ids=ids))(
@@ -274,8 +273,8 @@ class Attention(nnx.Module):
     """An empty cache of this layer for `batch` rows of `capacity` tokens."""
     cfg = self.cfg
     if cfg.attention == "hils":
-      raise NotImplementedError("model.attention='hils' has no decode cache: generation needs "
-                                "the landmark cache of a HiLS decode step, which is not written")
+      return HiLSCache.create(batch, capacity, cfg.num_kv_heads, cfg.num_heads, cfg.head_dim,
+                              chunk_size=cfg.hils_chunk_size, dtype=dtype)
     if cfg.attention == "dense":
       return KVCache.create(batch, capacity, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
     return DecodeCache.create(batch, capacity, cfg.num_kv_heads, cfg.head_dim,
@@ -297,6 +296,13 @@ class Attention(nnx.Module):
     # k and v are projected again beside `__call__` (with few KV heads, a few percent of its
     # matmuls), so that the prefill is the training forward pass itself.
     k, v = self._project_kv(x)
+    if self.cfg.attention == "hils":
+      # The cache pools the landmarks of the prompt's complete chunks with the landmark queries.
+      q = apply_rope(jnp.einsum("bte,ehd->bthd", x, self.wq[...].astype(x.dtype)), cos, sin)
+      landmark_q = q + apply_rope(self._landmark_correction(x), cos, sin)
+      return (self(x, cos, sin, segment_ids),
+              cache.prefill(apply_rope(k, cos, sin), v, landmark_q, lengths,
+                            segment_ids=segment_ids))
     return (self(x, cos, sin, segment_ids),
             cache.prefill(apply_rope(k, cos, sin), v, lengths, segment_ids=segment_ids))
 
@@ -311,6 +317,11 @@ class Attention(nnx.Module):
     q, k = rope(q, cos, sin), rope(k, cos, sin)
     if cfg.attention == "dense":
       out, cache = dense_decode_attention(q, k, v, cache)
+    elif cfg.attention == "hils":
+      landmark_q = q + rope(self._landmark_correction(x), cos, sin)
+      out, cache = hils_decode_step(q, k, v, landmark_q, cache, top_k=cfg.hils_top_k,
+                                    window=cfg.hils_window,
+                                    implementation=cfg.attention_implementation)
     else:
       out, cache = decode_step(q, k, v, cache, top_k=cfg.top_k, selector=cfg.attention,
                                beam=cfg.beam, implementation=cfg.attention_implementation)

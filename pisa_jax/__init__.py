@@ -15,6 +15,7 @@ only ("pallas" raises, None means "xla"), with `segment_ids`:
   hils_landmarks     each complete chunk's landmark key and entropy bias
   hils_chunk_scores  every query's score of every chunk before its window
   hils_select_chunks the chunks hils_attention attends to -> int32 [B, T, HKV, K]
+  HiLSCache, hils_decode_step   its decode cache (keys, values, cached landmarks) and one step
 
 Packed documents: build_pyramid, select_blocks, sparse_attention and pisa_attention take
 `segment_ids` `[B, T]` int32 (non-decreasing within a row; a document is a run of equal ids).
@@ -45,6 +46,7 @@ _EXPORTS = {
     "DecodeCache": "pisa_jax.decode",
     "DecodeModel": "pisa_jax.generation",
     "Generation": "pisa_jax.generation",
+    "HiLSCache": "pisa_jax.hils_decode",
     "PackedPyramid": "pisa_jax.segments",
     "Pyramid": "pisa_jax.pyramid",
     "SelectionQuality": "pisa_jax.quality",
@@ -55,6 +57,7 @@ _EXPORTS = {
     "generate_stream": "pisa_jax.generation",
     "hils_attention": "pisa_jax.hils",
     "hils_chunk_scores": "pisa_jax.hils",
+    "hils_decode_step": "pisa_jax.hils_decode",
     "hils_landmarks": "pisa_jax.hils",
     "hils_select_chunks": "pisa_jax.hils",
     "pisa_attention": "pisa_jax.attention",
@@ -70,6 +73,7 @@ __all__ = [
     "DecodeCache",
     "DecodeModel",
     "Generation",
+    "HiLSCache",
     "PackedPyramid",
     "Pyramid",
     "SelectionQuality",
@@ -80,6 +84,7 @@ __all__ = [
     "generate_stream",
     "hils_attention",
     "hils_chunk_scores",
+    "hils_decode_step",
     "hils_landmarks",
     "hils_select_chunks",
     "pisa_attention",

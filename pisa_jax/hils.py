@@ -128,17 +128,17 @@ def _num_eligible(rel, window: int, chunk_size: int):
 # ----------------------------------------------------------------------------- landmarks
 
 
-def _landmarks(k, landmark_q, ends, slot_valid, *, chunk_size: int, scale: float):
-  """Landmark keys `[B, N, HQ, D]` and entropy biases `[B, N, HQ]` of the slots' chunks, float32
-  (zero in empty slots); k `[B, T, HKV, D]` and landmark_q `[B, T, HQ, D]` float32."""
+def _landmarks(k, prior, ends, slot_valid, *, chunk_size: int, scale: float):
+  """Landmark keys `[B, N, HQ, D]` and entropy biases `[B, N, HQ]` of the chunks that end at
+  positions ends `[B, N]` of k `[B, T, HKV, D]`, float32 (zero where slot_valid is False).
+  prior `[B, N, HQ, D]`: each chunk's prior query, the landmark query of its last token."""
   b, seq_len, hkv, d = k.shape
-  hq = landmark_q.shape[2]
+  hq = prior.shape[2]
   num_slots = ends.shape[1]
   rows = jnp.arange(b)[:, None, None]
   pos = jnp.clip(ends[..., None] - (chunk_size - 1) + jnp.arange(chunk_size), 0, seq_len - 1)
-  keys = k[rows, pos]  # [B, N, C, HKV, D]
-  # The prior query of a chunk: the landmark query of its last token.
-  prior = landmark_q[jnp.arange(b)[:, None], ends].reshape(b, num_slots, hkv, hq // hkv, d)
+  keys = k[rows, pos].astype(jnp.float32)  # [B, N, C, HKV, D]
+  prior = prior.astype(jnp.float32).reshape(b, num_slots, hkv, hq // hkv, d)
   logits = scale * jnp.einsum("bnhgd,bnchd->bnhgc", prior, keys, precision=_HIGHEST)
   log_p = jax.nn.log_softmax(logits, axis=-1)
   p = jnp.exp(log_p)
@@ -148,6 +148,11 @@ def _landmarks(k, landmark_q, ends, slot_valid, *, chunk_size: int, scale: float
   landmark_k = jnp.where(valid[..., None], landmark_k, 0.0).reshape(b, num_slots, hq, d)
   landmark_bias = jnp.where(valid, landmark_bias, 0.0).reshape(b, num_slots, hq)
   return landmark_k, landmark_bias
+
+
+def _priors(landmark_q, ends):
+  """The prior query of each chunk: landmark_q `[B, T, HQ, D]` at its last token, `[B, N, HQ, D]`."""
+  return landmark_q[jnp.arange(landmark_q.shape[0])[:, None], ends]
 
 
 def _document_chunk_scores(landmark_q, landmark_k, landmark_bias, first_slot, *, scale):
@@ -180,7 +185,7 @@ def _gather_keys(x, start, rel_pos, heads=None):
   pos = jnp.clip(start.reshape(start.shape + (1,) * (rel_pos.ndim - 2)) + rel_pos, 0,
                  seq_len - 1)
   rows = jnp.arange(b).reshape((b,) + (1,) * (rel_pos.ndim - 1))
-  return x[rows, pos] if heads is None else x[rows, pos, heads]
+  return (x[rows, pos] if heads is None else x[rows, pos, heads]).astype(jnp.float32)
 
 
 def _attend_rows(rel, start, first_slot, q, landmark_q, k, v, landmark_k, landmark_bias, *,
@@ -191,8 +196,9 @@ def _attend_rows(rel, start, first_slot, q, landmark_q, k, v, landmark_k, landma
   Args:
     rel, start, first_slot: int32 `[B, Tq]`: each query's position in its document, the
       document's start in the row, the slot of the document's chunk 0.
-    q, landmark_q: `[B, Tq, HQ, D]`; k, v: `[B, T, HKV, D]`, the row's keys (at least up to each
-      query); landmark_k `[B, N, HQ, D]`, landmark_bias `[B, N, HQ]` (`_landmarks`).
+    q, landmark_q: float32 `[B, Tq, HQ, D]`; k, v: `[B, T, HKV, D]`, the row's keys (at least up
+      to each query; gathered, then made float32); landmark_k `[B, N, HQ, D]`, landmark_bias
+      `[B, N, HQ]` float32 (`_landmarks`).
 
   Returns:
     out `[B, Tq, HQ, D]` (None with select_only) and the selected document chunks, int32
@@ -287,8 +293,8 @@ def _query_chunk(batch, seq_len, hq, hkv, d, num_slots, *, chunk_size, top_k, wi
 def _prepare(k, landmark_q, segment_ids, *, chunk_size, scale):
   start, first_slot, ends, slot_valid = _chunk_geometry(segment_ids, k.shape[0], k.shape[1],
                                                         chunk_size)
-  landmark_k, landmark_bias = _landmarks(k, landmark_q, ends, slot_valid, chunk_size=chunk_size,
-                                         scale=scale)
+  landmark_k, landmark_bias = _landmarks(k, _priors(landmark_q, ends), ends, slot_valid,
+                                         chunk_size=chunk_size, scale=scale)
   rel = jnp.arange(k.shape[1], dtype=jnp.int32) - start
   return rel, start, first_slot, landmark_k, landmark_bias
 
@@ -346,8 +352,8 @@ def hils_landmarks_reference(k, landmark_q, segment_ids=None, *, chunk_size: int
   """jnp reference of `hils_landmarks`; arguments are already validated."""
   k32, lq32 = _f32(k, landmark_q)
   _, _, ends, slot_valid = _chunk_geometry(segment_ids, k.shape[0], k.shape[1], chunk_size)
-  landmark_k, landmark_bias = _landmarks(k32, lq32, ends, slot_valid, chunk_size=chunk_size,
-                                         scale=scale)
+  landmark_k, landmark_bias = _landmarks(k32, _priors(lq32, ends), ends, slot_valid,
+                                         chunk_size=chunk_size, scale=scale)
   return landmark_k.astype(k.dtype), landmark_bias
 
 

@@ -4,6 +4,7 @@ documents against each document alone, and bad arguments."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -226,6 +227,19 @@ def test_bad_arguments_raise_one_line(kwargs, error, needle):
   assert needle in message and "\n" not in message, message
 
 
+def _hils_decoder():
+  """One layer, chunks of 4, a window of 4 and top-2: from 12 tokens on, selection decides."""
+  from flax import nnx
+
+  from pisa_jax.models import Decoder, ModelConfig
+
+  cfg = ModelConfig(vocab_size=64, vocab_pad_multiple=64, num_layers=1, d_model=64, mlp_dim=128,
+                    num_heads=4, num_kv_heads=2, head_dim=16, attention="hils",
+                    hils_chunk_size=4, hils_top_k=2, hils_window=4, hils_landmark_rank=4,
+                    init_std=0.1, param_dtype="float32", compute_dtype="float32")
+  return Decoder(cfg, rngs=nnx.Rngs(0))
+
+
 def test_decoder_kind_trains_the_landmark_projection():
   """model.attention="hils": the layer's landmark projection (rank r) is counted, and the loss
   reaches it through the chunk scores."""
@@ -233,25 +247,22 @@ def test_decoder_kind_trains_the_landmark_projection():
 
   from flax import nnx
 
-  from pisa_jax.models import Decoder, ModelConfig, count_params
+  from pisa_jax.models import count_params
 
-  cfg = ModelConfig(vocab_size=97, vocab_pad_multiple=32, num_layers=2, d_model=32, mlp_dim=64,
-                    num_heads=4, num_kv_heads=2, head_dim=16, attention="hils",
-                    hils_chunk_size=8, hils_top_k=2, hils_window=8, hils_landmark_rank=4,
-                    param_dtype="float32", compute_dtype="float32")
-  model = Decoder(cfg, rngs=nnx.Rngs(0))
+  model = _hils_decoder()
+  cfg = model.cfg
   graphdef, params = nnx.split(model, nnx.Param)
   assert sum(x.size for x in jax.tree.leaves(params)) == count_params(cfg)
   assert count_params(cfg) == count_params(dataclasses.replace(cfg, attention="pisa")) + (
       cfg.num_layers * cfg.hils_landmark_rank * (cfg.d_model + cfg.num_heads * cfg.head_dim))
-  tokens = jax.random.randint(jax.random.key(9), (2, 72), 0, cfg.vocab_size)
+  tokens = jax.random.randint(jax.random.key(9), (1, 41), 0, cfg.vocab_size)
 
   @jax.jit
   def loss(params):
     logits = nnx.merge(graphdef, params)(tokens[:, :-1])
     return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1))
 
-  value, grads = jax.value_and_grad(loss)(params)
+  value, grads = jax.jit(jax.value_and_grad(loss))(params)
   assert bool(jnp.isfinite(value))
   blocks = list(grads["blocks"].values())
   assert len(blocks) == cfg.num_layers
@@ -277,3 +288,61 @@ def test_config_rejects_bad_hils_fields(overrides, needle):
   with pytest.raises(ValueError) as info:
     validate(apply_overrides(base, overrides))
   assert needle in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_decode_steps_equal_the_forward_rows():
+  """Packed right-padded prompts prefilled into a HiLSCache (each row keeps its last document),
+  then one token per row per step at its own position, across a growth of the cache: every
+  step's output is row p of `hils_attention` over the whole packed sequence, and the cached
+  landmarks are `hils_landmarks`' of the document."""
+  case = CASES[0]
+  b, t, hq, hkv, d, c, top_k, w = case
+  opts, _ = options(case)
+  q, k, v, lq = make_inputs(b, t, hq, hkv, d, seed=10)
+  # Row 0: a document of 7 tokens, then one of 38 that the prompt (16 tokens) starts and the
+  # steps continue. Row 1: one document, a prompt of 5 tokens.
+  segment_ids = jnp.asarray([[0] * 7 + [1] * 38, [0] * t], jnp.int32)
+  full = np.asarray(pisa_jax.hils_attention(q, k, v, lq, segment_ids=segment_ids, **opts))
+  prompt_len = jnp.asarray([16, 5], jnp.int32)
+  width = 16
+  cache = pisa_jax.HiLSCache.create(b, 16, hkv, hq, d, chunk_size=c, dtype=q.dtype)
+  prefill = jax.jit(lambda cache, *args: cache.prefill(*args[:4], segment_ids=args[4]))
+  cache = prefill(cache, k[:, :width], v[:, :width], lq[:, :width], prompt_len,
+                  segment_ids[:, :width])
+  np.testing.assert_array_equal(cache.lengths, [9, 5])
+  step = jax.jit(functools.partial(pisa_jax.hils_decode_step, top_k=top_k, window=w))
+  rows = jnp.arange(b)
+  steps = 18  # row 0 reaches 27 tokens: the cache grows from 16 to 32
+  for s in range(steps):
+    pos = prompt_len + s  # each row's absolute position in the packed sequence
+    cache = cache.grow(int(cache.lengths.max()) + 1)
+    out, cache = step(*[x[rows, pos][:, None] for x in (q, k, v, lq)], cache)
+    np.testing.assert_allclose(out[:, 0], full[rows, pos], atol=1e-5, rtol=1e-5,
+                               err_msg=f"step {s}")
+  assert cache.capacity == 32 and cache.lengths.tolist() == [9 + steps, 5 + steps]
+  # Row 0's cache holds document 1 from its first token: its landmarks are that document's.
+  doc = [x[:1, 7:7 + 9 + steps] for x in (k, lq)]
+  want_k, want_b = pisa_jax.hils_landmarks(*doc, chunk_size=c)
+  np.testing.assert_allclose(cache.landmark_k[0, :want_k.shape[1]], want_k[0], atol=1e-5)
+  np.testing.assert_allclose(cache.landmark_bias[0, :want_k.shape[1]], want_b[0], atol=1e-5)
+
+
+def test_decoder_generation_equals_the_full_forward():
+  """`pisa_jax.generate` with a HiLS decoder (prefill, cached landmarks, steps, a cache growth):
+  every step's logits are the full forward pass's at that position, float32 rounding apart."""
+  model = _hils_decoder()
+  prompts = [[(7 * i + 3) % 64 for i in range(27)], [5, 9, 1], [(11 * i) % 64 for i in range(12)]]
+  new = 6  # 27 + 6 tokens: the cache grows from 32 to 64
+  out = pisa_jax.generate(model, prompts, max_new_tokens=new, initial_capacity=32,
+                          return_logits=True, steps_per_call=3)
+  forward = jax.jit(lambda tokens: model(tokens))
+  width = 27 + new
+  for s in range(new):
+    tokens = np.zeros((3, width), np.int32)
+    for row, prompt in enumerate(prompts):
+      tokens[row, :len(prompt) + s] = prompt + out.tokens[row, :s].tolist()
+    last = np.array([len(p) + s - 1 for p in prompts])
+    want = np.asarray(forward(jnp.asarray(tokens)))[np.arange(3), last]
+    np.testing.assert_allclose(out.logits[:, s], want, atol=tolerances.OUTPUT_ATOL[jnp.float32],
+                               rtol=tolerances.OUTPUT_RTOL[jnp.float32], err_msg=f"step {s}")
+    np.testing.assert_array_equal(out.tokens[:, s], want.argmax(-1))
