@@ -151,7 +151,8 @@ def _landmarks(k, prior, ends, slot_valid, *, chunk_size: int, scale: float):
 
 
 def _priors(landmark_q, ends):
-  """The prior query of each chunk: landmark_q `[B, T, HQ, D]` at its last token, `[B, N, HQ, D]`."""
+  """The prior query of each chunk, `[B, N, HQ, D]`: landmark_q `[B, T, HQ, D]` at its last
+  token."""
   return landmark_q[jnp.arange(landmark_q.shape[0])[:, None], ends]
 
 
@@ -376,7 +377,8 @@ def hils_chunk_scores_reference(landmark_q, landmark_k, landmark_bias, segment_i
 def _check_options(*, chunk_size=64, top_k=32, window=512) -> None:
   for name, value, why in (("chunk_size", chunk_size, "tokens per chunk"),
                            ("top_k", top_k, "chunks each query selects"),
-                           ("window", window, "keys of the sliding window, the query's own key included")):
+                           ("window", window, "keys of the sliding window, the query's own "
+                            "key included")):
     if not _validation._is_int(value) or value < 1:
       raise ValueError(f"{name}={value!r} must be an int >= 1: the {why}")
 
