@@ -234,6 +234,17 @@ def validate(config: Config) -> Config:
     if t.context_parallel > 1:
       raise ValueError(f"model.attention='nsa' does not split the sequence over devices: set "
                        f"train.context_parallel=1 (got {t.context_parallel})")
+  elif m.attention == "hils":
+    for field in ("hils_chunk_size", "hils_top_k", "hils_window", "hils_landmark_rank"):
+      _checks.check_block_size(getattr(m, field), name=f"model.{field}")
+    _checks.check_implementation(m.attention_implementation,
+                                 name="model.attention_implementation")
+    if m.attention_implementation == "pallas":
+      raise ValueError("model.attention_implementation='pallas' has no HiLS kernel: use None or "
+                       "'xla' with model.attention='hils'")
+    if t.context_parallel > 1:
+      raise ValueError(f"model.attention='hils' does not split the sequence over devices: set "
+                       f"train.context_parallel=1 (got {t.context_parallel})")
   elif m.attention_implementation is not None:
     raise ValueError(
         f"model.attention_implementation={m.attention_implementation!r} applies to sparse attention "

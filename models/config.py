@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 
-ATTENTION_KINDS = ("dense", "pisa", "pisa1", "pisa2", "bsa", "nsa")
+ATTENTION_KINDS = ("dense", "pisa", "pisa1", "pisa2", "bsa", "nsa", "hils")
 # The sparse kinds are `pisa_jax.pisa_attention` selectors (not "exact": the O(T^2) oracle);
-# "nsa" is `pisa_jax.nsa_attention`, sized by the nsa_* fields.
+# "nsa" is `pisa_jax.nsa_attention`, sized by the nsa_* fields; "hils" is
+# `pisa_jax.hils_attention`, sized by the hils_* fields.
 SPARSE_ATTENTION_KINDS = ("pisa", "pisa1", "pisa2", "bsa")
 PARAM_DTYPES = ("float32", "bfloat16")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
@@ -63,6 +64,14 @@ class ModelConfig:
   nsa_select_block_size: int = 64
   nsa_top_n: int = 16
   nsa_window: int = 512
+  # attention="hils" (`pisa_jax.hils_attention`; block_size, top_k, branching and beam are
+  # PISA's): chunks of hils_chunk_size tokens, hils_top_k of them per query beside a window of
+  # hils_window keys, landmark queries from a rank-hils_landmark_rank correction of the query
+  # projection. The public implementation's defaults (chunk 64, top-k 32, window 512, rank 64).
+  hils_chunk_size: int = 64
+  hils_top_k: int = 32
+  hils_window: int = 512
+  hils_landmark_rank: int = 64
 
   @property
   def padded_vocab_size(self) -> int:

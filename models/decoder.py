@@ -3,8 +3,9 @@
 Pre-RMSNorm blocks with GQA attention and a SiLU-gated MLP, no dropout, untied input and output
 embeddings padded to a multiple of `vocab_pad_multiple` rows (50,257 -> 50,432), RoPE on the
 high-frequency half of each head. The attention is dense (`jax.nn.dot_product_attention`),
-block-sparse through `pisa_jax.pisa_attention` (PISA, PISA-1, PISA-2, BSA), or NSA through
-`pisa_jax.nsa_attention` (its gates and compression MLPs are the layer's), chosen by the config.
+block-sparse through `pisa_jax.pisa_attention` (PISA, PISA-1, PISA-2, BSA), NSA through
+`pisa_jax.nsa_attention` (its gates and compression MLPs are the layer's), or HiLS through
+`pisa_jax.hils_attention` (its landmark-query projection is the layer's), chosen by the config.
 Packed documents: with `segment_ids` `[B, T]` (a document is a run of equal ids) no token attends
 across a document boundary, in either kind, and RoPE positions restart at 0 with each document,
 so each document's activations are the ones it would have alone.
@@ -37,6 +38,7 @@ import pisa_jax
 from pisa_jax import _validation, checkpoint_names
 from pisa_jax.decode import DecodeCache, bucket_capacity, decode_step
 from pisa_jax.decode_cache import last_document
+from pisa_jax.hils_decode import HiLSCache, hils_decode_step
 from pisa_jax.models.config import SPARSE_ATTENTION_KINDS, ModelConfig
 from pisa_jax.models.context_parallel import sequence_axis, sequence_sharded_attention
 from pisa_jax.models.sharding import axes_size, batch_axes_of, constrain_batch
@@ -200,6 +202,11 @@ class Attention(nnx.Module):
       if cfg.nsa_compression == "mlp":
         self.key_compressor = Compressor(cfg, rngs=rngs)
         self.value_compressor = Compressor(cfg, rngs=rngs)
+    if cfg.attention == "hils":
+      # HiLS's landmark query: the query projection plus a rank-r correction (x A) B.
+      rank = cfg.hils_landmark_rank
+      self.wl_down = _normal(rngs, (d, rank), std, pdt, ("embed", None))
+      self.wl_up = _normal(rngs, (rank, hq, hd), std, pdt, (None, "q_heads", "head_dim"))
 
   def __call__(self, x: Float[Array, "B T E"], cos: Array, sin: Array,
                segment_ids: Int[Array, "B T"] | None = None) -> Float[Array, "B T E"]:
@@ -209,7 +216,9 @@ class Attention(nnx.Module):
     k = _saveable("key_proj", jnp.einsum("bte,ehd->bthd", x, self.wk[...].astype(cdt)))
     v = _saveable("value_proj", jnp.einsum("bte,ehd->bthd", x, self.wv[...].astype(cdt)))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    if sequence_axis() is not None:
+    if cfg.attention == "hils":
+      out = self._hils(x, q, k, v, cos, sin, segment_ids)
+    elif sequence_axis() is not None:
       # Context parallelism: each device attends with its own queries to the gathered keys.
       out = sequence_sharded_attention(cfg, q, k, v, segment_ids)
     elif cfg.attention == "dense":
@@ -279,12 +288,37 @@ class Attention(nnx.Module):
     if self.cfg.nsa_compression != "mlp":
       return None, None
     return self.key_compressor.value(), self.value_compressor.value()
+  def _landmark_correction(self, x: Float[Array, "B T E"]) -> Float[Array, "B T HQ D"]:
+    """HiLS's landmark query less the query, (x A) B, before RoPE. RoPE is linear: the rotated
+    query plus the rotated correction is the rotated landmark projection."""
+    cdt = x.dtype
+    low = jnp.einsum("bte,er->btr", x, self.wl_down[...].astype(cdt))
+    return jnp.einsum("btr,rhd->bthd", low, self.wl_up[...].astype(cdt))
+
+  def _hils(self, x, q, k, v, cos, sin, segment_ids) -> Float[Array, "B T HQ D"]:
+    """`pisa_jax.hils_attention` of the layer's q, k, v and landmark queries, per batch shard."""
+    cfg = self.cfg
+    if sequence_axis() is not None:
+      raise ValueError("model.attention='hils' does not split the sequence over devices: set "
+                       "train.context_parallel=1")
+    attend = functools.partial(
+        pisa_jax.hils_attention, chunk_size=cfg.hils_chunk_size, top_k=cfg.hils_top_k,
+        window=cfg.hils_window, implementation=cfg.attention_implementation)
+    landmark_q = q + apply_rope(self._landmark_correction(x), cos, sin)
+    if segment_ids is None:
+      return per_batch_shard(attend)(q, k, v, landmark_q)
+    return per_batch_shard(lambda q, k, v, lq, ids: attend(q, k, v, lq, segment_ids=ids))(
+        q, k, v, landmark_q, segment_ids)
+
 
   # Decoding (`pisa_jax.generate`): the projections and RoPE of `__call__`, with a cache.
 
   def init_cache(self, batch: int, capacity: int, dtype) -> DecodeCache | KVCache | NSACache:
     """An empty cache of this layer for `batch` rows of `capacity` tokens."""
     cfg = self.cfg
+    if cfg.attention == "hils":
+      return HiLSCache.create(batch, capacity, cfg.num_kv_heads, cfg.num_heads, cfg.head_dim,
+                              chunk_size=cfg.hils_chunk_size, dtype=dtype)
     if cfg.attention == "dense":
       return KVCache.create(batch, capacity, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
     if cfg.attention == "nsa":
@@ -316,6 +350,13 @@ class Attention(nnx.Module):
       return (self(x, cos, sin, segment_ids),
               cache.prefill(apply_rope(k, cos, sin), v, lengths, key_mlp=key_mlp,
                             value_mlp=value_mlp, segment_ids=segment_ids))
+    if self.cfg.attention == "hils":
+      # The cache pools the landmarks of the prompt's complete chunks with the landmark queries.
+      q = apply_rope(jnp.einsum("bte,ehd->bthd", x, self.wq[...].astype(x.dtype)), cos, sin)
+      landmark_q = q + apply_rope(self._landmark_correction(x), cos, sin)
+      return (self(x, cos, sin, segment_ids),
+              cache.prefill(apply_rope(k, cos, sin), v, landmark_q, lengths,
+                            segment_ids=segment_ids))
     return (self(x, cos, sin, segment_ids),
             cache.prefill(apply_rope(k, cos, sin), v, lengths, segment_ids=segment_ids))
 
@@ -336,6 +377,11 @@ class Attention(nnx.Module):
           q, k, v, self._nsa_gates(x), cache, key_mlp=key_mlp, value_mlp=value_mlp,
           select_block_size=cfg.nsa_select_block_size, top_n=cfg.nsa_top_n,
           window=cfg.nsa_window, implementation=cfg.attention_implementation)
+    elif cfg.attention == "hils":
+      landmark_q = q + rope(self._landmark_correction(x), cos, sin)
+      out, cache = hils_decode_step(q, k, v, landmark_q, cache, top_k=cfg.hils_top_k,
+                                    window=cfg.hils_window,
+                                    implementation=cfg.attention_implementation)
     else:
       out, cache = decode_step(q, k, v, cache, top_k=cfg.top_k, selector=cfg.attention,
                                beam=cfg.beam, implementation=cfg.attention_implementation)
@@ -622,6 +668,8 @@ def count_params(cfg: ModelConfig) -> int:
   """Number of parameters, padded embedding rows included (418M / 1.47B / 2.67B for Table 5)."""
   e, m, hd = cfg.d_model, cfg.mlp_dim, cfg.head_dim
   attn = e * hd * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+  if cfg.attention == "hils":  # the landmark query's rank-r correction
+    attn += cfg.hils_landmark_rank * (e + cfg.num_heads * hd)
   per_layer = attn + 3 * e * m + 2 * e
   if cfg.attention == "nsa":
     # The gates, and two compression MLPs (positions, w1, b1, w2, b2; hidden 4 * head_dim).
@@ -637,7 +685,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
   Matmuls: 6 x (parameters - input embedding). Attention: QK^T and PV cost 2 * 2 * HQ * D per
   attended key in the forward pass; dense causal attends (T+1)/2 keys on average, the sparse kinds
-  at most top_k * block_size. Block selection is not counted.
+  at most top_k * block_size, HiLS its window and top_k chunks. Block selection and HiLS's chunk
+  scores are not counted.
   """
   matmul_params = count_params(cfg) - cfg.padded_vocab_size * cfg.d_model
   attended = (seq_len + 1) / 2
@@ -649,6 +698,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     compressed = max(0, (seq_len - cfg.nsa_block_length) // cfg.nsa_stride + 1) / 2
     attended = (compressed + min(attended, cfg.nsa_top_n * cfg.nsa_select_block_size)
                 + min(attended, cfg.nsa_window))
+  elif cfg.attention == "hils":  # the window (widened to a chunk boundary) and top_k chunks
+    attended = min(attended, cfg.hils_window + (cfg.hils_top_k + 1) * cfg.hils_chunk_size)
   attention = cfg.num_layers * 4 * cfg.num_heads * cfg.head_dim * attended
   return 6 * matmul_params + 3 * attention
 

@@ -13,6 +13,14 @@ Public API (shapes follow `jax.nn.dot_product_attention`: q `[B, T, HQ, D]`, k/v
 Each takes `implementation="xla" | "pallas" | None` (selection_quality and the NSA pieces but
 nsa_attention have only "xla": "pallas" raises, None means "xla").
 
+HiLS (learned-landmark chunk routing with a two-level softmax, `pisa_jax.hils`), jnp reference
+only ("pallas" raises, None means "xla"), with `segment_ids`:
+  hils_attention     a sliding window plus the top-k chunks before it, weighted by their scores
+  hils_landmarks     each complete chunk's landmark key and entropy bias
+  hils_chunk_scores  every query's score of every chunk before its window
+  hils_select_chunks the chunks hils_attention attends to -> int32 [B, T, HKV, K]
+  HiLSCache, hils_decode_step   its decode cache (keys, values, cached landmarks) and one step
+
 Packed documents: build_pyramid, select_blocks, sparse_attention and pisa_attention take
 `segment_ids` `[B, T]` int32 (non-decreasing within a row; a document is a run of equal ids).
 Every query then selects and attends as its document would alone from position 0, on the
@@ -45,6 +53,7 @@ _EXPORTS = {
     "DecodeModel": "pisa_jax.generation",
     "Generation": "pisa_jax.generation",
     "NSACache": "pisa_jax.nsa_decode",
+    "HiLSCache": "pisa_jax.hils_decode",
     "PackedPyramid": "pisa_jax.segments",
     "Pyramid": "pisa_jax.pyramid",
     "SelectionQuality": "pisa_jax.quality",
@@ -59,6 +68,11 @@ _EXPORTS = {
     "nsa_compress": "pisa_jax.nsa",
     "nsa_decode_step": "pisa_jax.nsa_decode",
     "nsa_select_blocks": "pisa_jax.nsa",
+    "hils_attention": "pisa_jax.hils",
+    "hils_chunk_scores": "pisa_jax.hils",
+    "hils_decode_step": "pisa_jax.hils_decode",
+    "hils_landmarks": "pisa_jax.hils",
+    "hils_select_chunks": "pisa_jax.hils",
     "pisa_attention": "pisa_jax.attention",
     "select_blocks": "pisa_jax.selection",
     "selection_quality": "pisa_jax.quality",
@@ -75,6 +89,7 @@ __all__ = [
     "DecodeModel",
     "Generation",
     "NSACache",
+    "HiLSCache",
     "PackedPyramid",
     "Pyramid",
     "SelectionQuality",
@@ -89,6 +104,11 @@ __all__ = [
     "nsa_compress",
     "nsa_decode_step",
     "nsa_select_blocks",
+    "hils_attention",
+    "hils_chunk_scores",
+    "hils_decode_step",
+    "hils_landmarks",
+    "hils_select_chunks",
     "pisa_attention",
     "select_blocks",
     "selection_quality",

@@ -290,3 +290,75 @@ def fla_parallel_nsa_topk(q, k, *, block_size, block_counts, scale):
       best = sorted(range(cur + 1), key=lambda c: -score[c])[:block_counts]
       out[t, h, :len(best)] = sorted(best)
   return out
+def _log_sum_exp(z) -> float:
+  z = np.asarray(z, np.float64)
+  m = z.max()
+  return float(m + np.log(np.exp(z - m).sum()))
+
+
+def hils_landmark(k_chunk, prior, scale):
+  """HiLS's landmark of one chunk: key weights p = softmax(scale * k_chunk @ prior) over its C
+  keys `[C, D]`, landmark key p @ k_chunk and entropy bias -sum p log p."""
+  z = scale * k_chunk @ prior
+  p = np.exp(z - z.max())
+  p /= p.sum()
+  return p @ k_chunk, float(-(p * np.log(p)).sum())
+
+
+def hils(q, k, v, landmark_q, *, chunk_size, top_k, window, scale, segment_ids=None):
+  """HiLS for one row, literally: q, landmark_q `[T, HQ, D]`, k, v `[T, HKV, D]` (segment_ids
+  `[T]` or None) -> out `[T, HQ, D]`, selected chunks `[T, HKV, top_k]` ascending, -1 padded,
+  and the chunk scores {(t, hq): [s^ of chunk 0 .. n-1 of t's document]}.
+
+  Per query t at document position r: chunks c < n = max(floor((r - W + 1) / C), 0) are eligible,
+  the window holds the document's keys n C .. r; each chunk's landmark is pooled by the landmark
+  query of its last token; the selection ranks by the group's largest normalised chunk
+  log-probability against the window's log-sum-exp; the output weighs window key j by
+  e^{s_tj} / den and key j of selected chunk c by [e^{s_tj} / Z_tc] [e^{s^_tc} / den], with
+  den = sum_window e^{s_tj} + sum_selected e^{s^_tc} + 1.
+  """
+  q, k, v, lq = (np.asarray(x, np.float64) for x in (q, k, v, landmark_q))
+  seq_len, hq, d = q.shape
+  hkv = k.shape[1]
+  group = hq // hkv
+  c_size = chunk_size
+  seg = np.zeros(seq_len, np.int64) if segment_ids is None else np.asarray(segment_ids)
+  out = np.zeros((seq_len, hq, d))
+  selected = np.full((seq_len, hkv, top_k), -1, np.int64)
+  scores = {}
+  for t in range(seq_len):
+    s = int(np.flatnonzero(seg == seg[t])[0])
+    r = t - s
+    n = max((r - window + 1) // c_size, 0)
+    win = np.arange(s + n * c_size, t + 1)
+    s_hat = np.zeros((hq, n))
+    lse_win = np.zeros(hq)
+    for hh in range(hq):
+      h = hh // group
+      for c in range(n):
+        lo = s + c * c_size
+        lk, lb = hils_landmark(k[lo:lo + c_size, h], lq[lo + c_size - 1, hh], scale)
+        s_hat[hh, c] = scale * lq[t, hh] @ lk + lb
+      scores[(t, hh)] = s_hat[hh].copy()
+      lse_win[hh] = _log_sum_exp(scale * k[win, h] @ q[t, hh])
+    for h in range(hkv):
+      heads = range(h * group, (h + 1) * group)
+      rank = [max(s_hat[hh, c] - np.logaddexp(lse_win[hh], _log_sum_exp(s_hat[hh]))
+                  for hh in heads) for c in range(n)]
+      chosen = sorted(sorted(range(n), key=lambda c: (-rank[c], c))[:top_k])
+      selected[t, h, :len(chosen)] = chosen
+      for hh in heads:
+        z_win = scale * k[win, h] @ q[t, hh]
+        top = max([z_win.max(), 0.0] + [s_hat[hh, c] for c in chosen])
+        den = np.exp(z_win - top).sum() + np.exp(-top)
+        num = np.exp(z_win - top) @ v[win, h]
+        for c in chosen:
+          lo = s + c * c_size
+          z = scale * k[lo:lo + c_size, h] @ q[t, hh]
+          p = np.exp(z - z.max())
+          p /= p.sum()
+          weight = np.exp(s_hat[hh, c] - top)
+          den += weight
+          num += weight * (p @ v[lo:lo + c_size, h])
+        out[t, hh] = num / den
+  return out, selected, scores

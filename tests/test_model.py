@@ -161,7 +161,7 @@ def test_bfloat16_params_and_compute():
 
 def test_sparse_kinds_are_library_selectors():
   assert set(SPARSE_ATTENTION_KINDS) <= set(_validation.SELECTORS)
-  assert set(ATTENTION_KINDS) == {"dense", "nsa", *SPARSE_ATTENTION_KINDS}
+  assert set(ATTENTION_KINDS) == {"dense", "nsa", "hils", *SPARSE_ATTENTION_KINDS}
 
 
 def test_models_import_neither_configs_nor_train():
