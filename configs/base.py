@@ -222,9 +222,7 @@ def validate(config: Config) -> Config:
           f"model.block_size={m.block_size} must be <= train.seq_len={t.seq_len}"
       )
   elif m.attention == "nsa":
-    from pisa_jax import nsa  # imported here: the other kinds need none of it
-
-    nsa.check_options(
+    _checks.check_nsa_options(
         compression=m.nsa_compression, block_length=m.nsa_block_length, stride=m.nsa_stride,
         select_block_size=m.nsa_select_block_size, top_n=m.nsa_top_n, window=m.nsa_window,
         names={f: "model.nsa_" + f for f in ("compression", "block_length", "stride",

@@ -70,3 +70,35 @@ def resolve_beam(beam, top_k: int, selector: str) -> int:
   """`beam=None` keeps top_k nodes at every level, the paper's rule."""
   check_beam(beam, top_k, selector)
   return top_k if beam is None else int(beam)
+
+
+# NSA (`pisa_jax.nsa`): how keys and values are compressed.
+NSA_COMPRESSIONS = ("mlp", "mean")
+
+
+def check_nsa_options(*, compression="mlp", block_length=32, stride=16, select_block_size=64,
+                  top_n=16, window=512, names: dict[str, str] | None = None) -> None:
+  """Every NSA size rule, once. `names` maps an option to how the caller's user spells it
+  ("model.nsa_stride" for a config field); each error is one line naming it."""
+  name = {k: k for k in ("compression", "block_length", "stride", "select_block_size", "top_n",
+                         "window")}
+  name.update(names or {})
+  if compression not in NSA_COMPRESSIONS:
+    raise ValueError(f"{name['compression']}={compression!r} is unknown: expected one of "
+                     f"{NSA_COMPRESSIONS}")
+  for option, value in (("block_length", block_length), ("stride", stride),
+                        ("select_block_size", select_block_size), ("window", window)):
+    if not _is_int(value) or value < 1:
+      raise ValueError(f"{name[option]}={value!r} must be an int >= 1")
+  if block_length % stride:
+    raise ValueError(f"{name['stride']}={stride} must divide {name['block_length']}="
+                     f"{block_length}: compressed blocks are whole d-token pieces (Eq. 9)")
+  if compression == "mean" and stride != block_length:
+    raise ValueError(f"{name['stride']}={stride} must equal {name['block_length']}="
+                     f"{block_length} for {name['compression']}='mean': mean pooling does not "
+                     "overlap")
+  if select_block_size % stride:
+    raise ValueError(f"{name['select_block_size']}={select_block_size} must be a multiple of "
+                     f"{name['stride']}={stride}: selection blocks are whole d-token pieces "
+                     "(Eq. 9)")
+  check_top_k(top_n, name=name["top_n"])

@@ -54,13 +54,13 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Float, Int
 
-from pisa_jax import _chunking, _dispatch, _validation, segments
+from pisa_jax import _checks, _chunking, _dispatch, _validation, segments
 from pisa_jax.attention import _attend
 from pisa_jax.selection import flat_top_k
 
 _HIGHEST = lax.Precision.HIGHEST
 
-COMPRESSIONS = ("mlp", "mean")
+COMPRESSIONS = _checks.NSA_COMPRESSIONS
 # The order of the gates' last axis (Eq. 5: c in {cmp, slc, win}).
 BRANCHES = ("compressed", "selected", "window")
 
@@ -102,36 +102,8 @@ def init_compression_mlp(key, *, block_length: int, head_dim: int, hidden: int |
 # ----------------------------------------------------------------------------- argument checks
 
 
-def _is_int(x) -> bool:
-  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def check_options(*, compression="mlp", block_length=32, stride=16, select_block_size=64,
-                  top_n=16, window=512, names: dict[str, str] | None = None) -> None:
-  """Every NSA size rule, once. `names` maps an option to how the caller's user spells it
-  ("model.nsa_stride" for a config field); each error is one line naming it."""
-  name = {k: k for k in ("compression", "block_length", "stride", "select_block_size", "top_n",
-                         "window")}
-  name.update(names or {})
-  if compression not in COMPRESSIONS:
-    raise ValueError(f"{name['compression']}={compression!r} is unknown: expected one of "
-                     f"{COMPRESSIONS}")
-  for option, value in (("block_length", block_length), ("stride", stride),
-                        ("select_block_size", select_block_size), ("window", window)):
-    if not _is_int(value) or value < 1:
-      raise ValueError(f"{name[option]}={value!r} must be an int >= 1")
-  if block_length % stride:
-    raise ValueError(f"{name['stride']}={stride} must divide {name['block_length']}="
-                     f"{block_length}: compressed blocks are whole d-token pieces (Eq. 9)")
-  if compression == "mean" and stride != block_length:
-    raise ValueError(f"{name['stride']}={stride} must equal {name['block_length']}="
-                     f"{block_length} for {name['compression']}='mean': mean pooling does not "
-                     "overlap")
-  if select_block_size % stride:
-    raise ValueError(f"{name['select_block_size']}={select_block_size} must be a multiple of "
-                     f"{name['stride']}={stride}: selection blocks are whole d-token pieces "
-                     "(Eq. 9)")
-  _validation.check_top_k(top_n, name=name["top_n"])
+# Every NSA size rule, once, in the jax-free checks (configs validate with it before jax loads).
+check_options = _checks.check_nsa_options
 
 
 def _check_mlp(mlp, arg: str, *, compression: str, block_length: int, head_dim: int) -> None:
