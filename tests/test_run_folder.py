@@ -225,8 +225,7 @@ def test_argument_errors_come_before_jax_is_imported():
                     f"pisa-train: error: argument --config: invalid choice: 'nope' (choose from "
                     f"{names})"], proc.stderr
   assert out["preset"][0] == 2
-  if out["configs_import_jax"]:
-    pytest.xfail("pisa_jax.configs imports jax: a bad --config is reported after jax starts")
+  assert not out["configs_import_jax"], "pisa_jax.configs imports jax"
   assert not out["preset"][1], "the CLI imported jax before it checked --config"
 
 
