@@ -36,6 +36,15 @@ SHAPE_FIELDS = ("vocab_size", "vocab_pad_multiple", "num_layers", "d_model", "ml
 # values (the parameters have the same shapes), but the run then continues a different model:
 # `train` refuses that unless asked to.
 ATTENTION_FIELDS = ("attention", "block_size", "top_k", "branching", "beam")
+# The kinds with parameters of their own (NSA's gates and compression MLPs, HiLS's landmark
+# projection): their shape fields, and the fields that decide what each query attends to.
+KIND_SHAPE_FIELDS = {"nsa": ("nsa_compression", "nsa_block_length"),
+                     "hils": ("hils_landmark_rank",)}
+KIND_ATTENTION_FIELDS = {
+    "nsa": ("nsa_compression", "nsa_block_length", "nsa_stride", "nsa_select_block_size",
+            "nsa_top_n", "nsa_window"),
+    "hils": ("hils_chunk_size", "hils_top_k", "hils_window", "hils_landmark_rank"),
+}
 
 
 class IncompatibleCheckpointError(ValueError):
@@ -309,6 +318,14 @@ def check_compatible(saved_model: dict, model: ModelConfig, *, where: str) -> No
   now = dataclasses.asdict(model)
   diffs = [f"model.{f}: checkpoint {saved_model.get(f)!r}, now {now[f]!r}"
            for f in SHAPE_FIELDS if saved_model.get(f) != now[f]]
+  saved_kind, kind = saved_model.get("attention"), model.attention
+  if saved_kind != kind and (saved_kind in KIND_SHAPE_FIELDS or kind in KIND_SHAPE_FIELDS):
+    # One side has parameters the other lacks: no restore can map one onto the other.
+    diffs.append(f"model.attention: checkpoint {saved_kind!r}, now {kind!r} (the parameters of "
+                 f"{saved_kind if saved_kind in KIND_SHAPE_FIELDS else kind!r} attention differ)")
+  elif kind in KIND_SHAPE_FIELDS:
+    diffs += [f"model.{f}: checkpoint {saved_model.get(f)!r}, now {now[f]!r}"
+              for f in KIND_SHAPE_FIELDS[kind] if saved_model.get(f) != now[f]]
   if diffs:
     raise IncompatibleCheckpointError(
         f"{where} was written for a different model ({'; '.join(diffs)}): use a new --workdir, "
@@ -323,6 +340,8 @@ def attention_changes(saved_model: dict, model: ModelConfig) -> list[str]:
                  and model.attention in SPARSE_ATTENTION_KINDS)
   # A dense model has no blocks: its block_size, top_k, ... mean nothing.
   fields = ATTENTION_FIELDS if both_sparse else ("attention",)
+  if saved_model.get("attention") == model.attention:
+    fields += KIND_ATTENTION_FIELDS.get(model.attention, ())
   return [f"model.{f}: checkpoint {saved_model.get(f)!r}, now {now[f]!r}"
           for f in fields if saved_model.get(f) != now[f]]
 
