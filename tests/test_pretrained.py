@@ -1,0 +1,448 @@
+"""Pretrained checkpoints into the decoder: logits equal to an independent numpy forward.
+
+Random tiny Llama (3.1's RoPE scaling, tied embeddings), Qwen2 (q, k, v biases) and Qwen3 (q / k
+RMSNorm, every projection biased) models are written by the test as Hugging Face folders
+(config.json, safetensors, tokenizer.json) and as GGUF files (F32 tensors, q / k of "llama"
+permuted as llama.cpp's converter does). `load_pretrained` must give the logits of a plain numpy
+float64 forward written here from the architectures' definitions, to float32 rounding.
+"""
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("safetensors", reason="the `import` extra: pip install -e .[import]")
+pytest.importorskip("tokenizers", reason="the `import` extra: pip install -e .[import]")
+gguf = pytest.importorskip("gguf", reason="the `import` extra: pip install -e .[import]")
+
+from safetensors.numpy import save_file  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+
+from pisa_jax.models import load_pretrained  # noqa: E402
+from pisa_jax.models.pretrained import UnsupportedModelError  # noqa: E402
+
+VOCAB = 320
+TEXTS = ["The pyramid selects blocks of keys.", "In 2024, 31 queries read 4096 tokens each!",
+         "Ünïcode – and <|im_start|>special tokens<|im_end|> stay whole.",
+         "def attend(q, k, v):\n    return softmax(q @ k.T) @ v\n"] * 3
+
+# ----------------------------------------------------------------------------- the reference
+
+
+def _rms_norm(x, w, eps):
+  return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _inv_freq(hf: dict, head_dim: int) -> np.ndarray:
+  """transformers' default and "llama3" RoPE frequencies (`_compute_llama3_parameters`)."""
+  inv = 1.0 / hf.get("rope_theta", 10_000.0) ** (np.arange(0, head_dim, 2) / head_dim)
+  scaling = hf.get("rope_scaling") or {}
+  if scaling.get("rope_type") != "llama3":
+    return inv
+  factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+  old = scaling["original_max_position_embeddings"]
+  wavelen = 2 * math.pi / inv
+  llama = np.where(wavelen > old / low, inv / factor, inv)
+  smooth = (old / wavelen - low) / (high - low)
+  smoothed = (1 - smooth) * llama / factor + smooth * llama
+  medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+  return np.where(medium, smoothed, llama)
+
+
+def _rotate_half(x):
+  half = x.shape[-1] // 2
+  return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def numpy_forward(hf: dict, w: dict[str, np.ndarray], tokens: list[int]) -> np.ndarray:
+  """float64 logits `[T, V]` of a Llama / Qwen2 / Qwen3 checkpoint (config.json dict, tensors by
+  Hugging Face name): RMSNorm, rotate-half RoPE, GQA causal attention, SiLU-gated MLP."""
+  w = {k: np.asarray(v, np.float64) for k, v in w.items()}
+  eps, heads = hf["rms_norm_eps"], hf["num_attention_heads"]
+  kv_heads = hf["num_key_value_heads"]
+  d = hf.get("head_dim") or hf["hidden_size"] // heads
+  t = len(tokens)
+  angle = np.arange(t)[:, None] * _inv_freq(hf, d)[None, :]
+  cos, sin = np.cos(np.concatenate([angle] * 2, -1)), np.sin(np.concatenate([angle] * 2, -1))
+  x = w["model.embed_tokens.weight"][tokens]
+  causal = np.tril(np.ones((t, t), bool))
+  for i in range(hf["num_hidden_layers"]):
+    p = f"model.layers.{i}."
+    h = _rms_norm(x, w[p + "input_layernorm.weight"], eps)
+    proj = {}
+    for name, n in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+      y = h @ w[p + f"self_attn.{name}_proj.weight"].T
+      if p + f"self_attn.{name}_proj.bias" in w:
+        y = y + w[p + f"self_attn.{name}_proj.bias"]
+      y = y.reshape(t, n, d)
+      if name != "v" and p + f"self_attn.{name}_norm.weight" in w:
+        y = _rms_norm(y, w[p + f"self_attn.{name}_norm.weight"], eps)
+      if name != "v":
+        y = y * cos[:, None] + _rotate_half(y) * sin[:, None]
+      proj[name] = y
+    group = heads // kv_heads
+    out = np.empty((t, heads, d))
+    for head in range(heads):
+      q, k, v = proj["q"][:, head], proj["k"][:, head // group], proj["v"][:, head // group]
+      scores = np.where(causal, q @ k.T / math.sqrt(d), -np.inf)
+      probs = np.exp(scores - scores.max(-1, keepdims=True))
+      out[:, head] = (probs / probs.sum(-1, keepdims=True)) @ v
+    o = out.reshape(t, heads * d) @ w[p + "self_attn.o_proj.weight"].T
+    x = x + o + w.get(p + "self_attn.o_proj.bias", 0.0)
+    h = _rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
+    gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
+    x = x + (gate / (1 + np.exp(-gate)) * up) @ w[p + "mlp.down_proj.weight"].T
+  x = _rms_norm(x, w["model.norm.weight"], eps)
+  return x @ w.get("lm_head.weight", w["model.embed_tokens.weight"]).T
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+ARCHITECTURES = {
+    # Llama 3.2-like: "llama3" RoPE scaling (every band at these wavelengths), tied embeddings.
+    "llama3": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2,
+                   hidden_size=32, rope_theta=500_000.0, tie_word_embeddings=True,
+                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 64}),
+    # SmolLM2-like: plain RoPE, untied.
+    "llama": dict(model_type="llama", num_attention_heads=6, num_key_value_heads=2,
+                  hidden_size=48, rope_theta=100_000.0, tie_word_embeddings=False),
+    "qwen2": dict(model_type="qwen2", num_attention_heads=6, num_key_value_heads=2,
+                  hidden_size=48, rope_theta=1_000_000.0, tie_word_embeddings=False),
+    # head_dim is not hidden_size / heads, as in Qwen3; every projection biased.
+    "qwen3": dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=1,
+                  hidden_size=32, head_dim=16, rope_theta=1_000_000.0, tie_word_embeddings=True,
+                  attention_bias=True),
+}
+
+
+def random_checkpoint(kind: str, seed: int = 0) -> tuple[dict, dict[str, np.ndarray]]:
+  """(config.json dict, float32 tensors by Hugging Face name) of a random 2-layer model."""
+  hf = dict(hidden_act="silu", intermediate_size=40, num_hidden_layers=2, rms_norm_eps=1e-6,
+            vocab_size=VOCAB, max_position_embeddings=256, **ARCHITECTURES[kind])
+  rng = np.random.default_rng(seed)
+  e, heads, kv = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"]
+  d = hf.get("head_dim") or e // heads
+
+  def normal(*shape, std=0.2):
+    return (std * rng.standard_normal(shape)).astype(np.float32)
+
+  w = {"model.embed_tokens.weight": normal(VOCAB, e, std=1.0),
+       "model.norm.weight": 1 + normal(e)}
+  if not hf["tie_word_embeddings"]:
+    w["lm_head.weight"] = normal(VOCAB, e)
+  biased = hf["model_type"] == "qwen2" or hf.get("attention_bias", False)
+  for i in range(hf["num_hidden_layers"]):
+    p = f"model.layers.{i}."
+    w[p + "input_layernorm.weight"] = 1 + normal(e)
+    w[p + "post_attention_layernorm.weight"] = 1 + normal(e)
+    for name, n in (("q", heads), ("k", kv), ("v", kv)):
+      w[p + f"self_attn.{name}_proj.weight"] = normal(n * d, e)
+      if biased:
+        w[p + f"self_attn.{name}_proj.bias"] = normal(n * d)
+    w[p + "self_attn.o_proj.weight"] = normal(e, heads * d)
+    if hf.get("attention_bias", False):
+      w[p + "self_attn.o_proj.bias"] = normal(e)
+    if hf["model_type"] == "qwen3":
+      w[p + "self_attn.q_norm.weight"] = 1 + normal(d)
+      w[p + "self_attn.k_norm.weight"] = 1 + normal(d)
+    w[p + "mlp.gate_proj.weight"] = normal(40, e)
+    w[p + "mlp.up_proj.weight"] = normal(40, e)
+    w[p + "mlp.down_proj.weight"] = normal(e, 40)
+  return hf, w
+
+
+def tiny_tokenizer() -> Tokenizer:
+  """A byte-level BPE (SmolLM2's pre-tokenizer: digits one by one) trained on TEXTS."""
+  tokenizer = Tokenizer(models.BPE())
+  tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+      pre_tokenizers.Digits(individual_digits=True),
+      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+  tokenizer.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=300, show_progress=False,
+                                special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  tokenizer.train_from_iterator(TEXTS, trainer)
+  return tokenizer
+
+
+def write_hf_folder(folder: Path, hf: dict, w: dict, *, shards: int = 1) -> Path:
+  """config.json, model.safetensors (or `shards` files and their index) and tokenizer.json."""
+  folder.mkdir(parents=True, exist_ok=True)
+  (folder / "config.json").write_text(json.dumps(hf))
+  names = sorted(w)
+  if shards == 1:
+    save_file(w, str(folder / "model.safetensors"))
+  else:
+    weight_map = {}
+    for s in range(shards):
+      part = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+      save_file({n: w[n] for n in names[s::shards]}, str(folder / part))
+      weight_map.update({n: part for n in names[s::shards]})
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}))
+  tiny_tokenizer().save(str(folder / "tokenizer.json"))
+  return folder
+
+
+# Hugging Face name -> GGUF name (llama.cpp's tensor_mapping for the llama family).
+_TO_GGUF = [("model.embed_tokens.weight", "token_embd.weight"),
+            ("model.norm.weight", "output_norm.weight"), ("lm_head.weight", "output.weight"),
+            ("input_layernorm", "attn_norm"), ("post_attention_layernorm", "ffn_norm"),
+            ("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"),
+            ("self_attn.v_proj", "attn_v"), ("self_attn.o_proj", "attn_output"),
+            ("self_attn.q_norm", "attn_q_norm"), ("self_attn.k_norm", "attn_k_norm"),
+            ("mlp.gate_proj", "ffn_gate"), ("mlp.up_proj", "ffn_up"),
+            ("mlp.down_proj", "ffn_down"), ("model.layers.", "blk.")]
+
+
+def _llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+  """convert_hf_to_gguf.py's `LlamaModel.permute`, written out as llama.cpp has it."""
+  return (w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:])
+          .swapaxes(1, 2).reshape(w.shape))
+
+
+def write_gguf(path: Path, hf: dict, w: dict, *, pre: str = "smollm") -> Path:
+  """A GGUF file of the checkpoint as llama.cpp's converter writes one, F32 tensors."""
+  arch = hf["model_type"]
+  writer = gguf.GGUFWriter(str(path), arch)
+  heads, kv = hf["num_attention_heads"], hf["num_key_value_heads"]
+  writer.add_block_count(hf["num_hidden_layers"])
+  writer.add_context_length(hf["max_position_embeddings"])
+  writer.add_embedding_length(hf["hidden_size"])
+  writer.add_feed_forward_length(hf["intermediate_size"])
+  writer.add_head_count(heads)
+  writer.add_head_count_kv(kv)
+  writer.add_rope_freq_base(hf["rope_theta"])
+  writer.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+  if "head_dim" in hf:
+    writer.add_key_length(hf["head_dim"])
+    writer.add_value_length(hf["head_dim"])
+  tokenizer = tiny_tokenizer()
+  vocab = tokenizer.get_vocab()
+  tokens = [None] * VOCAB
+  for token, i in vocab.items():
+    tokens[i] = token
+  types = [3 if t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>") else 1 for t in tokens]
+  for i, t in enumerate(tokens):
+    if t is None:  # the embedding's rows past the tokenizer, as llama.cpp's converter pads
+      tokens[i], types[i] = f"[PAD{i}]", 5
+  merges = [" ".join(m) for m in json.loads(tokenizer.to_str())["model"]["merges"]]
+  writer.add_tokenizer_model("gpt2")
+  writer.add_tokenizer_pre(pre)
+  writer.add_token_list(tokens)
+  writer.add_token_types(types)
+  writer.add_token_merges(merges)
+  writer.add_bos_token_id(1)
+  writer.add_eos_token_id(2)
+  writer.add_add_bos_token(False)
+  for name, value in w.items():
+    if arch == "llama" and ("q_proj" in name or "k_proj" in name):
+      value = _llama_cpp_permute(value, heads if "q_proj" in name else kv)
+    for a, b in _TO_GGUF:
+      name = name.replace(a, b)
+    writer.add_tensor(name, np.ascontiguousarray(value, np.float32))
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  return path
+
+
+PROMPT = [5, 17, 250, 3, 99, 310, 42, 7, 128, 64, 1, 300, 77]
+
+
+def _logits(model, tokens=PROMPT) -> np.ndarray:
+  return np.asarray(model(jnp.asarray([tokens], jnp.int32)))[0]
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3"])
+def test_hugging_face_folder_logits_equal_the_numpy_forward(tmp_path, kind):
+  hf, w = random_checkpoint(kind)
+  folder = write_hf_folder(tmp_path / kind, hf, w, shards=2 if kind == "qwen2" else 1)
+  model, cfg, tokenizer = load_pretrained(folder, compute_dtype="float32")
+  assert (cfg.vocab_size, cfg.padded_vocab_size, cfg.rope_fraction) == (VOCAB, VOCAB, 1.0)
+  assert cfg.tie_embeddings == hf["tie_word_embeddings"]
+  got, want = _logits(model), numpy_forward(hf, w, PROMPT)
+  assert got.shape == want.shape == (len(PROMPT), VOCAB)
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+  assert tokenizer.decode(tokenizer.encode(TEXTS[1]).ids) == TEXTS[1]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_gguf_logits_equal_the_numpy_forward(tmp_path, kind):
+  hf, w = random_checkpoint(kind, seed=1)
+  model, cfg, _ = load_pretrained(write_gguf(tmp_path / f"{kind}.gguf", hf, w),
+                                  compute_dtype="float32")
+  assert cfg.tie_embeddings == hf["tie_word_embeddings"]
+  got, want = _logits(model), numpy_forward(hf, w, PROMPT)
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+def test_gguf_tokenizer_equals_the_tokenizer_json_it_was_made_from(tmp_path):
+  hf, w = random_checkpoint("llama")
+  _, _, from_gguf = load_pretrained(write_gguf(tmp_path / "m.gguf", hf, w))
+  original = tiny_tokenizer()
+  for text in TEXTS[:4]:
+    assert from_gguf.encode(text).ids == original.encode(text).ids, text
+    assert from_gguf.decode(from_gguf.encode(text).ids, skip_special_tokens=False) == text
+  # Special tokens are one token each, digits one token a digit.
+  ids = from_gguf.encode("<|im_start|>2024").ids
+  assert ids[0] == 1 and len(ids) == 5
+
+
+def test_llama_gguf_logits_are_wrong_without_the_unpermutation(tmp_path):
+  # Read without the un-permutation, a llama GGUF's RoPE rotates the wrong pairs: the logits
+  # move far from the reference (the test above would catch a loader that skipped it).
+  from pisa_jax.models import pretrained
+
+  hf, w = random_checkpoint("llama", seed=1)
+  path = write_gguf(tmp_path / "m.gguf", hf, w)
+  original = pretrained._unpermute
+  try:
+    pretrained._unpermute = lambda x, heads: x
+    model, _, _ = load_pretrained(path, compute_dtype="float32")
+  finally:
+    pretrained._unpermute = original
+  want = numpy_forward(hf, w, PROMPT)
+  assert np.abs(_logits(model) - want).max() > 1e-2 * np.abs(want).max()
+
+
+def test_prefill_and_decode_of_an_imported_model_equal_its_forward(tmp_path):
+  hf, w = random_checkpoint("qwen3", seed=2)
+  model, _, _ = load_pretrained(write_hf_folder(tmp_path / "q", hf, w), compute_dtype="float32")
+  tokens = jnp.asarray([PROMPT], jnp.int32)
+  full = _logits(model)
+  state = model.init_decode_state(1, 32)
+  first, state = model.prefill(tokens[:, :-3], jnp.asarray([len(PROMPT) - 3]), state)
+  steps = [np.asarray(first[0])]
+  for token in PROMPT[-3:-1]:
+    logits, state = model.decode(jnp.asarray([token], jnp.int32), state)
+    steps.append(np.asarray(logits[0]))
+  np.testing.assert_allclose(np.stack(steps), full[-4:-1], rtol=1e-5, atol=1e-4)
+
+
+def test_sparse_attention_selecting_every_block_equals_dense(tmp_path):
+  hf, w = random_checkpoint("llama3", seed=3)
+  folder = write_hf_folder(tmp_path / "l", hf, w)
+  dense, _, _ = load_pretrained(folder, compute_dtype="float32")
+  # 13 tokens in blocks of 4: four blocks, all of them selected at top_k = 4.
+  sparse, cfg, _ = load_pretrained(folder, attention="pisa", block_size=4, top_k=4,
+                                   compute_dtype="float32")
+  assert cfg.attention == "pisa"
+  np.testing.assert_allclose(_logits(sparse), _logits(dense), rtol=1e-5, atol=1e-4)
+
+
+def test_bfloat16_parameters(tmp_path):
+  hf, w = random_checkpoint("qwen2")
+  model, cfg, _ = load_pretrained(write_hf_folder(tmp_path / "q", hf, w), dtype="bfloat16",
+                                  compute_dtype="float32")
+  assert cfg.param_dtype == "bfloat16" and model.embed[...].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(model.embed[...], np.float32),
+                                w["model.embed_tokens.weight"].astype(jnp.bfloat16)
+                                .astype(np.float32))
+
+
+def _refused(tmp_path, hf_changes=(), drop=(), add=None, kind="llama"):
+  hf, w = random_checkpoint(kind)
+  hf.update(dict(hf_changes))
+  for name in drop:
+    del w[name]
+  w.update(add or {})
+  return write_hf_folder(tmp_path / "m", hf, w)
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"model_type": "gpt_neox"}, "config.json: model_type='gpt_neox' is not supported: expected "
+                                 "one of ('llama', 'qwen2', 'qwen3')"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+     "rope_scaling.rope_type='yarn' is not supported"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+    ({"use_sliding_window": True}, "use_sliding_window=True is not supported"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is not supported"),
+    ({"mlp_bias": True}, "mlp_bias=True is not supported"),
+    ({"num_key_value_heads": 4}, "num_attention_heads=6 must be divisible by "
+                                 "num_key_value_heads=4"),
+])
+def test_unsupported_configs_are_refused_naming_the_field(tmp_path, changes, message):
+  with pytest.raises(UnsupportedModelError, match=f"^[^\n]*{_escape(message)}[^\n]*$"):
+    load_pretrained(_refused(tmp_path, changes))
+
+
+def _escape(text):
+  import re
+
+  return re.escape(text)
+
+
+def test_missing_extra_and_misshapen_tensors_are_refused_naming_them(tmp_path):
+  with pytest.raises(UnsupportedModelError, match=r"tensor model\.layers\.1\.mlp\.up_proj\.weight "
+                                                  r"is missing"):
+    load_pretrained(_refused(tmp_path / "a", drop=["model.layers.1.mlp.up_proj.weight"]))
+  with pytest.raises(UnsupportedModelError, match=r"tensor model\.layers\.0\.mlp\.gate_proj\.bias "
+                                                  r"is not supported"):
+    load_pretrained(_refused(tmp_path / "b", add={
+        "model.layers.0.mlp.gate_proj.bias": np.zeros(40, np.float32)}))
+  with pytest.raises(UnsupportedModelError, match=r"tensor model\.norm\.weight gives shape \(47,\)"):
+    load_pretrained(_refused(tmp_path / "c", add={"model.norm.weight": np.ones(47, np.float32)}))
+
+
+def test_bad_options_and_files_are_refused(tmp_path):
+  hf, w = random_checkpoint("llama")
+  folder = write_hf_folder(tmp_path / "m", hf, w)
+  with pytest.raises(ValueError, match="num_layers=3: the checkpoint fixes this field"):
+    load_pretrained(folder, num_layers=3)
+  with pytest.raises(ValueError, match="top_k=2 must be an int >= 3"):
+    load_pretrained(folder, attention="pisa", top_k=2)
+  with pytest.raises(ValueError, match="dtype='float16' must be one of"):
+    load_pretrained(folder, dtype="float16")
+  (tmp_path / "notes.txt").write_text("hello")
+  with pytest.raises(UnsupportedModelError, match="not a GGUF file"):
+    load_pretrained(tmp_path / "notes.txt")
+  (folder / "tokenizer.json").unlink()
+  with pytest.raises(UnsupportedModelError, match="tokenizer.json is missing"):
+    load_pretrained(folder)
+
+
+def test_unsupported_gguf_metadata_is_refused_naming_the_key(tmp_path):
+  hf, w = random_checkpoint("llama")
+  with pytest.raises(UnsupportedModelError, match="tokenizer.ggml.pre='falcon' is not supported"):
+    load_pretrained(write_gguf(tmp_path / "a.gguf", hf, w, pre="falcon"))
+  w["rope_freqs.weight"] = np.ones(4, np.float32)
+  with pytest.raises(UnsupportedModelError, match="tensor 'rope_freqs.weight' is not supported"):
+    load_pretrained(write_gguf(tmp_path / "b.gguf", hf, w))
+
+
+def test_architecture_fields_are_checked_by_the_config(tmp_path):
+  from pisa_jax.configs import apply_overrides, get_config, validate
+
+  for override, message in [("model.rope_fraction=0.3", "model.rope_fraction=0.3 must be"),
+                            ("model.rope_scaling=yarn", "model.rope_scaling='yarn' must be one"),
+                            ("model.rope_scaling_factor=0.5", "model.rope_scaling_factor=0.5")]:
+    scaled = ["model.rope_scaling=linear"] if "factor" in override else []
+    with pytest.raises(ValueError, match=_escape(message)):
+      validate(apply_overrides(get_config("tiny"), scaled + [override]))
+
+
+def test_default_fields_keep_the_paper_decoder():
+  from pisa_jax.models import ModelConfig
+  from pisa_jax.models.decoder import RopeSpec, rope_angles
+
+  cfg = ModelConfig(head_dim=16)
+  assert (cfg.rotary_dims, cfg.tie_embeddings, cfg.qkv_bias, cfg.qk_norm) == (8, False, False,
+                                                                             False)
+  cos, sin = RopeSpec.of(dataclasses.replace(cfg, rope_base=500.0)).angles(9)
+  want_cos, want_sin = rope_angles(9, 16, 500.0)
+  np.testing.assert_array_equal(cos, want_cos)
+  np.testing.assert_array_equal(sin, want_sin)
+  assert jax.tree.leaves(cos)[0].shape == (9, 4)
