@@ -113,6 +113,9 @@ def config_from_hf(hf: dict, *, where: str = "config.json") -> tuple[ModelConfig
     raise _field(where, "use_sliding_window", hf["use_sliding_window"], "false")
   if hf.get("partial_rotary_factor", 1.0) != 1.0:
     raise _field(where, "partial_rotary_factor", hf["partial_rotary_factor"], "1.0")
+  windowed = sorted(set(hf.get("layer_types") or ()) - {"full_attention"})
+  if windowed:
+    raise _field(where, "layer_types", windowed, "'full_attention' in every layer")
   for moe in ("num_experts", "num_local_experts"):
     if hf.get(moe):
       raise _field(where, moe, hf[moe], "none (a dense MLP)")

@@ -371,6 +371,8 @@ def _refused(tmp_path, hf_changes=(), drop=(), add=None, kind="llama"):
     ({"use_sliding_window": True}, "use_sliding_window=True is not supported"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is not supported"),
     ({"mlp_bias": True}, "mlp_bias=True is not supported"),
+    ({"layer_types": ["full_attention", "sliding_attention"]},
+     "layer_types=['sliding_attention'] is not supported"),
     ({"num_key_value_heads": 4}, "num_attention_heads=6 must be divisible by "
                                  "num_key_value_heads=4"),
 ])
@@ -383,6 +385,34 @@ def _escape(text):
   import re
 
   return re.escape(text)
+
+
+def test_transformers_5_rope_parameters_read_as_rope_scaling():
+  from pisa_jax.models.pretrained import config_from_hf
+
+  hf, _ = random_checkpoint("llama3")
+  v5 = dict(hf, rope_parameters=dict(hf.pop("rope_scaling"), rope_theta=hf.pop("rope_theta")))
+  assert config_from_hf(v5)[0] == config_from_hf(random_checkpoint("llama3")[0])[0]
+  assert config_from_hf(v5)[0].rope_scaling == "llama3"
+
+
+GOLDEN = Path(__file__).parent / "data" / "pretrained"
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+def test_transformers_golden_logits(name):
+  """Folders saved by transformers' save_pretrained with its own float32 logits
+  (benchmarks/make_pretrained_golden.py)."""
+  folder = GOLDEN / name
+  if not (folder / "golden.npz").is_file():
+    pytest.skip(f"{folder}/golden.npz is absent: make it with `python -m "
+                f"benchmarks.make_pretrained_golden --out tests/data/pretrained` where torch and "
+                f"transformers are installed")
+  golden = np.load(folder / "golden.npz")
+  model, _, _ = load_pretrained(folder, compute_dtype="float32")
+  want = golden["logits"]
+  got = _logits(model, golden["prompt"].tolist())
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
 
 
 def test_missing_extra_and_misshapen_tensors_are_refused_naming_them(tmp_path):
