@@ -54,6 +54,10 @@ ARCHITECTURE_FIELDS = (
 )
 # Tensors a checkpoint may hold that no parameter needs: RoPE's precomputed tables.
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+# config.json's record of a sparse attention (`export_config`): the decoder's attention fields,
+# which transformers ignores and `load_pretrained` restores.
+PISA_ATTENTION_KEY = "pisa_attention"
+PISA_ATTENTION_FIELDS = ("attention", "block_size", "top_k", "branching", "beam")
 
 
 class UnsupportedModelError(ValueError):
@@ -72,6 +76,9 @@ class Pretrained:
   tensors: "_Tensors"
   # Where the config came from, for messages: "config.json" or the GGUF file's name.
   source: str
+  # The tokens that end a generation (config.json's / generation_config.json's eos_token_id, a
+  # GGUF's tokenizer.ggml.eos_token_id).
+  eos_token_ids: tuple[int, ...] = ()
 
 
 # ----------------------------------------------------------------------------- configs
@@ -139,6 +146,16 @@ def config_from_hf(hf: dict, *, where: str = "config.json") -> tuple[ModelConfig
       **rope_fields_from_hf(scaling, where=where),
   )
   _check_shapes(cfg, where)
+  attention = hf.get(PISA_ATTENTION_KEY) or {}
+  unknown = sorted(set(attention) - set(PISA_ATTENTION_FIELDS))
+  if unknown:
+    raise _field(where, f"{PISA_ATTENTION_KEY}.{unknown[0]}", attention[unknown[0]],
+                 f"only the fields {PISA_ATTENTION_FIELDS}")
+  cfg = dataclasses.replace(cfg, **attention)
+  try:
+    check_options(cfg)
+  except ValueError as e:
+    raise UnsupportedModelError(f"{where}: {PISA_ATTENTION_KEY}: {e}") from None
   return cfg, hf.get("max_position_embeddings")
 
 
@@ -448,9 +465,12 @@ def read_pretrained(path: str | Path) -> Pretrained:
                                   f"(written by transformers' save_pretrained) is needed")
     from tokenizers import Tokenizer
 
+    generation = path / "generation_config.json"
+    eos = (json.loads(generation.read_text()) if generation.is_file() else hf).get("eos_token_id")
     return Pretrained(config=cfg, context_length=context,
                       tokenizer=Tokenizer.from_file(str(tokenizer_file)),
-                      tensors=_SafetensorsFolder(path), source="config.json")
+                      tensors=_SafetensorsFolder(path), source="config.json",
+                      eos_token_ids=_ids(eos))
   if not path.is_file():
     raise FileNotFoundError(f"path: {path} does not exist: give a Hugging Face model folder or a "
                             f".gguf file")
@@ -467,70 +487,88 @@ def read_pretrained(path: str | Path) -> Pretrained:
                       heads=cfg.num_heads, kv_heads=cfg.num_kv_heads)
   return Pretrained(config=cfg, context_length=context,
                     tokenizer=tokenizer_from_gguf(reader, path.name), tensors=tensors,
-                    source=path.name)
+                    source=path.name,
+                    eos_token_ids=_ids(_gguf_value(reader, "tokenizer.ggml.eos_token_id")))
 
 
-# Our parameter -> (Hugging Face tensor, layout rule). `L` stands for the layer index. Each rule
-# takes the checkpoint's array and the config, and returns ours.
-def _heads_in(name: str):
-  """`[H * D, E]` -> `[E, H, D]` (q, k, v projections: nn.Linear's [out, in] transposed)."""
-  def rule(w, cfg):
-    heads = cfg.num_heads if name == "q" else cfg.num_kv_heads
-    return w.T.reshape(cfg.d_model, heads, cfg.head_dim)
-  return rule
+def _ids(value) -> tuple[int, ...]:
+  """An eos_token_id field (None, an int or a list of ints) as a tuple."""
+  if value is None:
+    return ()
+  return tuple(int(v) for v in (value if isinstance(value, list) else [value]))
 
 
-def _bias_in(name: str):
-  """`[H * D]` -> `[H, D]`."""
-  def rule(b, cfg):
-    return b.reshape(cfg.num_heads if name == "q" else cfg.num_kv_heads, cfg.head_dim)
-  return rule
+class Layout:
+  """How one kind of parameter is laid out here and in a Hugging Face checkpoint: `to_ours(w,
+  cfg)` reads the checkpoint's array, `to_hf(w, cfg)` writes it back (`export_tensors`)."""
+
+  def __init__(self, to_ours: Callable, to_hf: Callable):
+    self.to_ours, self.to_hf = to_ours, to_hf
 
 
-def _vocab_rows(w, cfg):
+def _heads(which: str) -> int:
+  return (lambda cfg: cfg.num_heads) if which == "q" else (lambda cfg: cfg.num_kv_heads)
+
+
+def _projection_in(which: str) -> Layout:
+  """`[H * D, E]` (nn.Linear's [out, in]) <-> `[E, H, D]` (q, k, v projections)."""
+  heads = _heads(which)
+  return Layout(lambda w, cfg: w.T.reshape(cfg.d_model, heads(cfg), cfg.head_dim),
+                lambda w, cfg: w.reshape(cfg.d_model, -1).T)
+
+
+def _bias_in(which: str) -> Layout:
+  """`[H * D]` <-> `[H, D]`."""
+  heads = _heads(which)
+  return Layout(lambda b, cfg: b.reshape(heads(cfg), cfg.head_dim), lambda b, cfg: b.reshape(-1))
+
+
+def _padded(w, cfg):
   """`[V, E]`, zero rows appended up to the padded vocabulary."""
   return np.pad(w, ((0, cfg.padded_vocab_size - w.shape[0]), (0, 0)))
 
 
-def _same(w, cfg):
-  return w
-
-
-def _transposed(w, cfg):
-  return w.T
-
-
-_RULES: dict[str, tuple[str, Callable]] = {
-    "embed": ("model.embed_tokens.weight", _vocab_rows),
-    "lm_head": ("lm_head.weight", lambda w, cfg: _vocab_rows(w, cfg).T),
-    "final_norm/scale": ("model.norm.weight", _same),
-    "blocks/L/attn_norm/scale": ("model.layers.L.input_layernorm.weight", _same),
-    "blocks/L/mlp_norm/scale": ("model.layers.L.post_attention_layernorm.weight", _same),
-    "blocks/L/attn/wq": ("model.layers.L.self_attn.q_proj.weight", _heads_in("q")),
-    "blocks/L/attn/wk": ("model.layers.L.self_attn.k_proj.weight", _heads_in("k")),
-    "blocks/L/attn/wv": ("model.layers.L.self_attn.v_proj.weight", _heads_in("v")),
-    # [E, HQ * D] -> [HQ, D, E]
-    "blocks/L/attn/wo": ("model.layers.L.self_attn.o_proj.weight",
-                         lambda w, cfg: w.T.reshape(cfg.num_heads, cfg.head_dim, cfg.d_model)),
+_SAME = Layout(lambda w, cfg: w, lambda w, cfg: w)
+_TRANSPOSED = Layout(lambda w, cfg: w.T, lambda w, cfg: w.T)
+# Our parameter -> (Hugging Face tensor, layout). `L` stands for the layer index.
+_RULES: dict[str, tuple[str, Layout]] = {
+    "embed": ("model.embed_tokens.weight",
+              Layout(_padded, lambda w, cfg: w[:cfg.vocab_size])),
+    "lm_head": ("lm_head.weight",
+                Layout(lambda w, cfg: _padded(w, cfg).T, lambda w, cfg: w.T[:cfg.vocab_size])),
+    "final_norm/scale": ("model.norm.weight", _SAME),
+    "blocks/L/attn_norm/scale": ("model.layers.L.input_layernorm.weight", _SAME),
+    "blocks/L/mlp_norm/scale": ("model.layers.L.post_attention_layernorm.weight", _SAME),
+    "blocks/L/attn/wq": ("model.layers.L.self_attn.q_proj.weight", _projection_in("q")),
+    "blocks/L/attn/wk": ("model.layers.L.self_attn.k_proj.weight", _projection_in("k")),
+    "blocks/L/attn/wv": ("model.layers.L.self_attn.v_proj.weight", _projection_in("v")),
+    # [E, HQ * D] <-> [HQ, D, E]
+    "blocks/L/attn/wo": ("model.layers.L.self_attn.o_proj.weight", Layout(
+        lambda w, cfg: w.T.reshape(cfg.num_heads, cfg.head_dim, cfg.d_model),
+        lambda w, cfg: w.reshape(-1, cfg.d_model).T)),
     "blocks/L/attn/bq": ("model.layers.L.self_attn.q_proj.bias", _bias_in("q")),
     "blocks/L/attn/bk": ("model.layers.L.self_attn.k_proj.bias", _bias_in("k")),
     "blocks/L/attn/bv": ("model.layers.L.self_attn.v_proj.bias", _bias_in("v")),
-    "blocks/L/attn/bo": ("model.layers.L.self_attn.o_proj.bias", _same),
-    "blocks/L/attn/q_norm/scale": ("model.layers.L.self_attn.q_norm.weight", _same),
-    "blocks/L/attn/k_norm/scale": ("model.layers.L.self_attn.k_norm.weight", _same),
-    "blocks/L/mlp/w_gate": ("model.layers.L.mlp.gate_proj.weight", _transposed),
-    "blocks/L/mlp/w_up": ("model.layers.L.mlp.up_proj.weight", _transposed),
-    "blocks/L/mlp/w_down": ("model.layers.L.mlp.down_proj.weight", _transposed),
+    "blocks/L/attn/bo": ("model.layers.L.self_attn.o_proj.bias", _SAME),
+    "blocks/L/attn/q_norm/scale": ("model.layers.L.self_attn.q_norm.weight", _SAME),
+    "blocks/L/attn/k_norm/scale": ("model.layers.L.self_attn.k_norm.weight", _SAME),
+    "blocks/L/mlp/w_gate": ("model.layers.L.mlp.gate_proj.weight", _TRANSPOSED),
+    "blocks/L/mlp/w_up": ("model.layers.L.mlp.up_proj.weight", _TRANSPOSED),
+    "blocks/L/mlp/w_down": ("model.layers.L.mlp.down_proj.weight", _TRANSPOSED),
 }
 
 
-def source_of(path: tuple) -> tuple[str, Callable]:
-  """The checkpoint tensor and layout rule of our parameter at `path` (e.g. ("blocks", 3, "attn",
-  "wq")); KeyError for a parameter no checkpoint has."""
+def source_of(path: tuple) -> tuple[str, Layout]:
+  """The checkpoint tensor and layout of our parameter at `path` (e.g. ("blocks", 3, "attn",
+  "wq")); UnsupportedModelError for a parameter no Llama-family checkpoint has."""
   key = "/".join("L" if isinstance(p, int) else str(p) for p in path)
-  name, rule = _RULES[key]
+  if key not in _RULES:
+    raise UnsupportedModelError(f"parameter {'/'.join(map(str, path))} has no tensor in a "
+                                f"Llama-family checkpoint (it belongs to this decoder's "
+                                f"attention or model options, not to the pretrained model)")
+  name, layout = _RULES[key]
   layer = next((p for p in path if isinstance(p, int)), None)
-  return (name if layer is None else name.replace(".L.", f".{layer}.")), rule
+  return (name if layer is None else name.replace(".L.", f".{layer}.")), layout
 
 
 def _dtype_name(dtype) -> str:
@@ -540,14 +578,15 @@ def _dtype_name(dtype) -> str:
   return name
 
 
-def load_pretrained(path: str | Path, *, attention: str = "dense", dtype="float32", mesh=None,
-                    **attention_options):
+def load_pretrained(path: str | Path, *, attention: str | None = None, dtype="float32",
+                    mesh=None, **attention_options):
   """(decoder, config, tokenizer) of a Llama-family checkpoint.
 
   path: a Hugging Face folder (config.json, *.safetensors with or without an index,
     tokenizer.json) or a .gguf file (quantized tensors are dequantized).
-  attention: the decoder's attention ("dense", or a sparse kind: "pisa", "bsa", ...), with
-    attention_options setting any other ModelConfig field the checkpoint does not fix (block_size,
+  attention: the decoder's attention ("dense", or a sparse kind: "pisa", "bsa", ...); None keeps
+    the checkpoint's own (dense, or the sparse attention `export_config` recorded in config.json).
+    attention_options set any other ModelConfig field the checkpoint does not fix (block_size,
     top_k, beam, attention_implementation, compute_dtype, rope_base, ...).
   dtype: the parameters' dtype, "float32" or "bfloat16".
   mesh: where the parameters go, each with its sharding from `pisa_jax.models.sharding`;
@@ -564,8 +603,9 @@ def load_pretrained(path: str | Path, *, attention: str = "dense", dtype="float3
     name = (fixed or unknown)[0]
     raise ValueError(f"{name}={attention_options[name]!r}: " + (
         "the checkpoint fixes this field" if fixed else "is not a ModelConfig field"))
-  cfg = dataclasses.replace(source.config, attention=attention, param_dtype=_dtype_name(dtype),
-                            **attention_options)
+  if attention is not None:
+    attention_options["attention"] = attention
+  cfg = dataclasses.replace(source.config, param_dtype=_dtype_name(dtype), **attention_options)
   check_options(cfg)
   try:
     model = build_decoder(cfg, source.tensors, mesh=mesh, where=str(path))
@@ -591,17 +631,18 @@ def build_decoder(cfg: ModelConfig, tensors: _Tensors, *, mesh=None, where: str 
   graphdef, params = nnx.split(abstract, nnx.Param)
   shardings = param_shardings(params, mesh)
   available = tensors.names()
-  used = set()
+  # A tied checkpoint may still hold its output projection, the embedding again.
+  used = {"lm_head.weight"} if cfg.tie_embeddings else set()
   values: dict = {}
   for path, var in nnx.to_flat_state(params):
-    name, rule = source_of(path)
+    name, layout = source_of(path)
     if name not in available:
       raise UnsupportedModelError(f"{where}: tensor {name} is missing (for parameter "
                                   f"{'/'.join(map(str, path))})")
     used.add(name)
     shape, dtype = tuple(var.get_value().shape), var.get_value().dtype
     try:
-      host = np.ascontiguousarray(rule(tensors.get(name), cfg), dtype=dtype)
+      host = np.ascontiguousarray(layout.to_ours(tensors.get(name), cfg), dtype=dtype)
     except ValueError as e:
       raise UnsupportedModelError(f"{where}: tensor {name} does not fit parameter "
                                   f"{'/'.join(map(str, path))} {shape}: {e}") from None
@@ -625,3 +666,80 @@ def build_decoder(cfg: ModelConfig, tensors: _Tensors, *, mesh=None, where: str 
     node[path[-1]] = value
   nnx.replace_by_pure_dict(params, nested)
   return nnx.merge(graphdef, params)
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def export_tensors(model) -> dict[str, np.ndarray]:
+  """Every parameter of `model` as float32 numpy in Hugging Face's names and layouts (the loader's
+  rules inverted: padding rows of the vocabulary dropped)."""
+  import jax
+  from flax import nnx
+
+  out = {}
+  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    name, layout = source_of(path)
+    value = np.asarray(jax.device_get(var.get_value()), np.float32)
+    out[name] = np.ascontiguousarray(layout.to_hf(value, model.cfg))
+  return out
+
+
+def export_config(cfg: ModelConfig, *, context_length: int) -> dict:
+  """config.json of a Llama / Qwen2 / Qwen3 model equal to `cfg`; a sparse attention recorded
+  under "pisa_attention". ValueError naming the field that no such model has."""
+  if cfg.rope_fraction != 1.0:
+    raise ValueError(f"model.rope_fraction={cfg.rope_fraction}: Llama-family models rotate every "
+                     f"dim of a head (1.0); this decoder's own RoPE on part of the head has no "
+                     f"Hugging Face equivalent")
+  if cfg.qk_norm:
+    model_type = "qwen3"
+  elif cfg.qkv_bias and not cfg.out_bias:
+    model_type = "qwen2"
+  else:
+    model_type = "llama"
+  if cfg.out_bias != cfg.qkv_bias and model_type != "qwen2":
+    raise ValueError(f"model.out_bias={cfg.out_bias} with model.qkv_bias={cfg.qkv_bias}: "
+                     f"{model_type}'s attention_bias covers q, k, v and o together")
+  scaling = None
+  if cfg.rope_scaling == "linear":
+    scaling = {"rope_type": "linear", "factor": cfg.rope_scaling_factor}
+  elif cfg.rope_scaling == "llama3":
+    scaling = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor,
+               "low_freq_factor": cfg.rope_low_freq_factor,
+               "high_freq_factor": cfg.rope_high_freq_factor,
+               "original_max_position_embeddings": cfg.rope_original_context}
+  hf = {
+      "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                         "qwen3": "Qwen3ForCausalLM"}[model_type]],
+      "model_type": model_type, "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+      "intermediate_size": cfg.mlp_dim, "num_hidden_layers": cfg.num_layers,
+      "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+      "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
+      "rope_theta": cfg.rope_base, "rope_scaling": scaling,
+      "tie_word_embeddings": cfg.tie_embeddings, "max_position_embeddings": context_length,
+      "torch_dtype": "float32",
+  }
+  if model_type != "qwen2":
+    hf["attention_bias"] = cfg.out_bias
+  if cfg.attention != "dense":
+    hf[PISA_ATTENTION_KEY] = {f: getattr(cfg, f) for f in PISA_ATTENTION_FIELDS}
+  return hf
+
+
+def save_pretrained(model, folder: str | Path, *, context_length: int, tokenizer=None) -> Path:
+  """Writes `model` as a Hugging Face folder: config.json (`export_config`), model.safetensors
+  (float32) and, given a `tokenizers.Tokenizer`, tokenizer.json."""
+  from safetensors.numpy import save_file
+
+  folder = Path(folder)
+  hf = export_config(model.cfg, context_length=context_length)
+  tensors = export_tensors(model)
+  if model.cfg.tie_embeddings:
+    tensors.pop("lm_head.weight", None)
+  folder.mkdir(parents=True, exist_ok=True)
+  save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+  (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+  if tokenizer is not None:
+    tokenizer.save(str(folder / "tokenizer.json"))
+  return folder

@@ -476,3 +476,109 @@ def test_default_fields_keep_the_paper_decoder():
   np.testing.assert_array_equal(cos, want_cos)
   np.testing.assert_array_equal(sin, want_sin)
   assert jax.tree.leaves(cos)[0].shape == (9, 4)
+
+
+# ----------------------------------------------------------------------------- run folders
+
+
+def _corpus(folder: Path, n: int = 4096, seed: int = 0) -> Path:
+  """A pisa-prepare-data folder of random tokens below VOCAB."""
+  from pisa_jax.train.data import FORMAT
+
+  folder.mkdir(parents=True)
+  rng = np.random.default_rng(seed)
+  for split in ("train", "val"):
+    rng.integers(0, 300, n).astype(np.uint16).tofile(folder / f"{split}.bin")
+  (folder / "meta.json").write_text(json.dumps({
+      "format": FORMAT, "dtype": "uint16", "tokenizer": "test", "vocab_size": 300, "eot": 0,
+      "train_tokens": n, "val_tokens": n}))
+  return folder
+
+
+SPARSE = ["model.attention=pisa", "model.block_size=4", "model.top_k=4",
+          "model.compute_dtype=float32"]
+
+
+def test_import_export_round_trip_keeps_weights_and_attention(tmp_path):
+  from safetensors.numpy import load_file
+
+  from pisa_jax.train.export_cli import export_run
+  from pisa_jax.train.import_cli import import_checkpoint
+  from pisa_jax.train.restore import restore_model
+
+  hf, w = random_checkpoint("llama3", seed=4)
+  folder = write_hf_folder(tmp_path / "hf", hf, w)
+  config = import_checkpoint(folder, tmp_path / "run", SPARSE + ["model.rope_base=80000"])
+  assert (config.model.attention, config.model.rope_base, config.train.seq_len) == (
+      "pisa", 80_000.0, 256)
+  assert (tmp_path / "run" / "tokenizer.json").is_file()
+  restored_config, restored, step = restore_model(tmp_path / "run")
+  assert step == 0 and restored_config == config
+  direct, _, _ = load_pretrained(folder, attention="pisa", block_size=4, top_k=4,
+                                 rope_base=80_000.0, compute_dtype="float32")
+  np.testing.assert_array_equal(_logits(restored), _logits(direct))
+
+  export_run(tmp_path / "run", tmp_path / "exported")
+  tensors = load_file(str(tmp_path / "exported" / "model.safetensors"))
+  assert sorted(tensors) == sorted(w)
+  for name in w:
+    np.testing.assert_array_equal(tensors[name], w[name], err_msg=name)
+  exported = json.loads((tmp_path / "exported" / "config.json").read_text())
+  assert exported["pisa_attention"] == {"attention": "pisa", "block_size": 4, "top_k": 4,
+                                        "branching": 2, "beam": None}
+  assert (exported["rope_theta"], exported["rope_scaling"]) == (80_000.0, hf["rope_scaling"])
+  again, again_cfg, tokenizer = load_pretrained(tmp_path / "exported", compute_dtype="float32")
+  assert again_cfg.attention == "pisa" and again_cfg.top_k == 4
+  np.testing.assert_array_equal(_logits(again), _logits(direct))
+  assert tokenizer.encode(TEXTS[0]).ids == tiny_tokenizer().encode(TEXTS[0]).ids
+
+
+def test_import_refuses_architecture_overrides_and_used_folders(tmp_path):
+  from pisa_jax.train.import_cli import main
+
+  hf, w = random_checkpoint("qwen2")
+  folder = write_hf_folder(tmp_path / "hf", hf, w)
+  with pytest.raises(SystemExit) as exit_info:
+    main([str(folder), "--out", str(tmp_path / "run"), "--set", "model.num_heads=3"])
+  assert exit_info.value.code == 2
+  (tmp_path / "used").mkdir()
+  (tmp_path / "used" / "notes.txt").write_text("mine")
+  with pytest.raises(SystemExit):
+    main([str(folder), "--out", str(tmp_path / "used")])
+  assert [p.name for p in (tmp_path / "used").iterdir()] == ["notes.txt"]
+  hf["model_type"] = "gpt_neox"
+  bad = write_hf_folder(tmp_path / "bad", hf, w)
+  assert main([str(bad), "--out", str(tmp_path / "run")]) == 1
+  assert not (tmp_path / "run").exists()
+
+
+def test_pisa_train_continues_an_imported_model(tmp_path, capsys):
+  """The import's step-0 checkpoint is the first step's parameters: the first loss is the
+  imported model's loss on that batch (computed here from its logits), and the run trains on."""
+  from pisa_jax.train import cli, trainer
+  from pisa_jax.train.data import make_batches
+  from pisa_jax.train.import_cli import import_checkpoint
+  from pisa_jax.train.restore import read_run_config
+
+  hf, w = random_checkpoint("qwen2", seed=5)
+  corpus = _corpus(tmp_path / "corpus")
+  run = tmp_path / "run"
+  import_checkpoint(write_hf_folder(tmp_path / "hf", hf, w), run, SPARSE + [
+      f"data.path={corpus}", "train.seq_len=16", "train.per_device_batch=2", "train.steps=2",
+      "train.eval_batches=0", "train.checkpoint_every=2", "train.async_checkpointing=false"])
+  # pisa-train without --config takes the run folder's own config.
+  assert cli.main(["--workdir", str(run), "--print-config"]) == 0
+  config = read_run_config(run)
+  assert json.loads(capsys.readouterr().out) == config.to_dict()
+
+  result = trainer.train(config, run, progress=False, quiet=True)
+  assert sorted(result.losses) == [0, 1] and result.end_step == 2
+  batch = make_batches(config, "train", global_batch=2, accum=1).batch(0)
+  model, _, _ = load_pretrained(tmp_path / "hf", attention="pisa", block_size=4, top_k=4,
+                                compute_dtype="float32")
+  logits = np.asarray(model(jnp.asarray(batch["inputs"][0])), np.float64)[..., :VOCAB]
+  logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)
+                         ) - logits.max(-1, keepdims=True)
+  want = -np.take_along_axis(logp, batch["targets"][0][..., None], -1).mean()
+  assert result.losses[0] == pytest.approx(want, rel=1e-5)
+  assert result.losses[1] != result.losses[0]

@@ -3,17 +3,21 @@
   pisa-train --config tiny --set model.attention=pisa --workdir runs/x
   pisa-train --config small --set data.path=data/corpus --set train.steps=500 --workdir runs/s
   pisa-train --config cpt-1.47b --set train.init_from=runs/pretrain --workdir runs/cpt
+  pisa-train --workdir runs/smol --set data.path=data/smol   # a pisa-import run: its own config
 
 Running the same command again resumes from the newest checkpoint that passes its checksums; Ctrl-C
-saves one and exits. `--print-config` shows the resolved config and exits without compiling
-anything. A mistake ends in one line on stderr: exit status 2 for a bad argument or config, 1 for
-a run that cannot start or continue, 130 for Ctrl-C.
+saves one and exits. Without --config, a --workdir that holds a config.json (a run, or a
+`pisa-import` of a pretrained model) starts from that config, any other from the tiny preset.
+`--print-config` shows the resolved config and exits without compiling anything. A mistake ends
+in one line on stderr: exit status 2 for a bad argument or config, 1 for a run that cannot start
+or continue, 130 for Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from pisa_jax.configs import PRESETS, apply_overrides, get_config, validate
 from pisa_jax.train import compilation_cache
@@ -33,10 +37,23 @@ def _positive(kind):
   return parse
 
 
+def _base_config(args):
+  """The named preset, else the config.json of --workdir (a run folder), else tiny."""
+  if args.config is not None:
+    return get_config(args.config)
+  if args.workdir and (Path(args.workdir) / "config.json").is_file():
+    from pisa_jax.train.restore import read_run_config
+
+    return read_run_config(args.workdir)
+  return get_config("tiny")
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="pisa-train", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--config", default="tiny", choices=sorted(PRESETS))
+  parser.add_argument("--config", default=None, choices=sorted(PRESETS),
+                      help="the preset to start from; default: --workdir's config.json when it "
+                           "has one, else tiny")
   parser.add_argument("--set", dest="overrides", action="append", default=[],
                       metavar="SECTION.FIELD=VALUE", help="override a config field (repeatable)")
   parser.add_argument("--workdir",
@@ -54,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
 
   try:
-    config = validate(apply_overrides(get_config(args.config), args.overrides))
-  except ValueError as e:
+    config = validate(apply_overrides(_base_config(args), args.overrides))
+  except (ValueError, OSError) as e:  # OSError: a --workdir config.json that cannot be read
     parser.error(str(e))
   if args.print_config:
     print(config.to_json())
