@@ -582,3 +582,35 @@ def test_pisa_train_continues_an_imported_model(tmp_path, capsys):
   want = -np.take_along_axis(logp, batch["targets"][0][..., None], -1).mean()
   assert result.losses[0] == pytest.approx(want, rel=1e-5)
   assert result.losses[1] != result.losses[0]
+
+
+def test_run_tokenizer_bytes_rebuild_the_text():
+  from pisa_jax.train.tokenizer import RunTokenizer
+
+  encoding = RunTokenizer(tiny_tokenizer())
+  for text in TEXTS[:4]:
+    ids = encoding.encode(text)
+    pieces = b"".join(encoding.decode_single_token_bytes(t) for t in ids)
+    # Special tokens are left out of the bytes, as `decode` leaves them out of the text.
+    assert pieces.decode() == encoding.decode(ids)
+  assert encoding.n_vocab == 300
+
+
+def test_pisa_generate_uses_the_imported_tokenizer(tmp_path, capsys):
+  from pisa_jax.train import generate
+  from pisa_jax.train.import_cli import import_checkpoint
+
+  hf, w = random_checkpoint("qwen3", seed=6)
+  folder = write_hf_folder(tmp_path / "hf", hf, w)
+  import_checkpoint(folder, tmp_path / "run", ["model.compute_dtype=float32"])
+  prompt = "The pyramid selects 2024"
+  assert generate.main(["--workdir", str(tmp_path / "run"), "--prompt", prompt,
+                        "--max-new-tokens", "4"]) == 0
+  model, _, tokenizer = load_pretrained(folder, compute_dtype="float32")
+  tokens = tokenizer.encode(prompt).ids
+  n = len(tokens)
+  # Causal: the logits at a position ignore the zeros after it, so one shape serves every step.
+  padded = tokens + [0] * 4
+  for i in range(n, n + 4):
+    padded[i] = int(np.argmax(_logits(model, padded)[i - 1]))
+  assert capsys.readouterr().out == tokenizer.decode(padded[n:]) + "\n"

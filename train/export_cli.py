@@ -25,7 +25,7 @@ from pathlib import Path
 
 from pisa_jax._command_line import ArgumentParser
 from pisa_jax.train import restore
-from pisa_jax.train.import_cli import PRETRAINED_RECORD, TOKENIZER_FILE
+from pisa_jax.train.tokenizer import PRETRAINED_RECORD, RUN_TOKENIZER
 
 PROG = "pisa-export"
 
@@ -44,10 +44,10 @@ def export_run(workdir: str | Path, out: str | Path) -> Path:
   # The config is checked before any weight is read.
   export_config(config.model, context_length=context)
   tokenizer = None
-  if (workdir / TOKENIZER_FILE).is_file():
+  if (workdir / RUN_TOKENIZER).is_file():
     from tokenizers import Tokenizer
 
-    tokenizer = Tokenizer.from_file(str(workdir / TOKENIZER_FILE))
+    tokenizer = Tokenizer.from_file(str(workdir / RUN_TOKENIZER))
   config, model, _ = restore.restore_model(workdir)
   created = not out.exists()
   try:

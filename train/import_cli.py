@@ -34,11 +34,9 @@ import sys
 from pathlib import Path
 
 from pisa_jax._command_line import ArgumentParser
+from pisa_jax.train.tokenizer import PRETRAINED_RECORD, RUN_TOKENIZER
 
 PROG = "pisa-import"
-# The file beside a run's config.json that says where its weights came from.
-PRETRAINED_RECORD = "pretrained.json"
-TOKENIZER_FILE = "tokenizer.json"
 
 
 def import_train_config():
@@ -132,7 +130,7 @@ def _write(source, config, out: Path, path) -> None:
            "step": jnp.zeros((), jnp.int32),
            "rng": jax.random.key_data(jax.random.key(t.seed))}
   out.mkdir(parents=True, exist_ok=True)
-  source.tokenizer.save(str(out / TOKENIZER_FILE))
+  source.tokenizer.save(str(out / RUN_TOKENIZER))
   record = {"source": str(Path(path).absolute()), "format": "gguf" if Path(path).is_file()
             else "huggingface", "context_length": source.context_length,
             "eos_token_ids": list(source.eos_token_ids)}
