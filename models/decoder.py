@@ -327,6 +327,14 @@ class Attention(nnx.Module):
   def _out_bias(self, y: Float[Array, "B T E"]) -> Float[Array, "B T E"]:
     return y + self.bo[...].astype(y.dtype) if self.cfg.out_bias else y
 
+  def rotated_qk(self, x: Float[Array, "B T E"], cos: Array,
+                 sin: Array) -> tuple[Float[Array, "B T HQ D"], Float[Array, "B T HKV D"]]:
+    """The queries and keys this layer attends with for its normed input x: projections,
+    biases, q / k RMSNorm and RoPE, as `__call__` computes them (for selection diagnostics)."""
+    q = self._finish_q(jnp.einsum("bte,ehd->bthd", x, self.wq[...].astype(x.dtype)))
+    k, _ = self._project_kv(x)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
 
   # Decoding (`pisa_jax.generate`): the projections and RoPE of `__call__`, with a cache.
 

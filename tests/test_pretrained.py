@@ -692,3 +692,24 @@ def test_smollm2_gguf_continuation_and_perplexity_equal_the_numpy_forward():
 
   ppl, want_ppl = np.exp(nll(_logits(model, text))), np.exp(nll(numpy_forward(hf, weights, text)))
   assert ppl == pytest.approx(want_ppl, rel=1e-4)
+
+
+def test_rotated_qk_are_the_queries_and_keys_the_layer_attends_with(tmp_path):
+  from pisa_jax.models.decoder import RopeSpec
+  from pisa_jax.train.evaluation.selection import capture_layers
+
+  hf, w = random_checkpoint("qwen3", seed=7)
+  model, cfg, _ = load_pretrained(write_hf_folder(tmp_path / "q", hf, w), compute_dtype="float32")
+  tokens = jnp.asarray([PROMPT], jnp.int32)
+  cos, sin = RopeSpec.of(cfg).angles(len(PROMPT))
+  x = model.blocks[0].attn_norm(jnp.take(model.embed[...], tokens, axis=0))
+  attn = model.blocks[0].attn
+  q, k = attn.rotated_qk(x, cos, sin)
+  _, v = attn._project_kv(x)
+  out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  want = attn(x, cos, sin)
+  got = jnp.einsum("bthd,hde->bte", out, attn.wo[...]) + attn.bo[...]
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  captured_q, captured_k = next(capture_layers(model, np.asarray(tokens)))
+  np.testing.assert_allclose(captured_q, q, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(captured_k, k, rtol=1e-6, atol=1e-6)
