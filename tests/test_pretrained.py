@@ -713,3 +713,37 @@ def test_rotated_qk_are_the_queries_and_keys_the_layer_attends_with(tmp_path):
   captured_q, captured_k = next(capture_layers(model, np.asarray(tokens)))
   np.testing.assert_allclose(captured_q, q, rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(captured_k, k, rtol=1e-6, atol=1e-6)
+
+
+_SHARDED_LOAD = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import PartitionSpec as P
+from pisa_jax.models import load_pretrained, make_mesh
+assert jax.device_count() == 2
+model, cfg, _ = load_pretrained(sys.argv[1], compute_dtype="float32", mesh=make_mesh())
+wq, embed = model.blocks[0].attn.wq[...], model.embed[...]
+# Each device holds its half of the model dimension (fsdp), not a copy of the whole.
+assert wq.sharding.spec == P("fsdp", None, None), wq.sharding
+assert [s.data.shape for s in wq.addressable_shards] == [(cfg.d_model // 2, *wq.shape[1:])] * 2
+assert embed.sharding.spec == P(None, "fsdp"), embed.sharding
+np.save(sys.argv[2], np.asarray(model(jnp.asarray([sys.argv[3].split(",")], jnp.int32)))[0])
+"""
+
+
+def test_parameters_load_sharded_over_the_mesh(tmp_path):
+  import os
+  import subprocess
+  import sys
+
+  hf, w = random_checkpoint("qwen2", seed=8)
+  folder = write_hf_folder(tmp_path / "q", hf, w)
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+             JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", _SHARDED_LOAD, str(folder),
+                         str(tmp_path / "logits.npy"), ",".join(map(str, PROMPT))],
+                        env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  want = numpy_forward(hf, w, PROMPT)
+  np.testing.assert_allclose(np.load(tmp_path / "logits.npy"), want, rtol=2e-5,
+                             atol=2e-5 * np.abs(want).max())
