@@ -747,3 +747,27 @@ def test_parameters_load_sharded_over_the_mesh(tmp_path):
   want = numpy_forward(hf, w, PROMPT)
   np.testing.assert_allclose(np.load(tmp_path / "logits.npy"), want, rtol=2e-5,
                              atol=2e-5 * np.abs(want).max())
+
+
+def test_prepare_data_tokenizes_with_an_imported_tokenizer(tmp_path):
+  from pisa_jax.train import prepare_data
+
+  run = tmp_path / "run"
+  run.mkdir()
+  tiny_tokenizer().save(str(run / "tokenizer.json"))
+  (run / "pretrained.json").write_text(json.dumps({"eos_token_ids": [2]}))
+  docs = tmp_path / "docs"
+  docs.mkdir()
+  for i, text in enumerate(TEXTS[:4]):
+    (docs / f"{i}.txt").write_text(text)
+  prepare_data.main(["--files", str(docs), "--out", str(tmp_path / "corpus"), "--tokenizer",
+                     str(run), "--val-fraction", "0.5", "--seed", "3"])
+  meta = json.loads((tmp_path / "corpus" / "meta.json").read_text())
+  # <|endoftext|> (id 0) closes each document; the ids are the tokenizer's.
+  assert (meta["eot"], meta["vocab_size"]) == (0, 300)
+  tokenizer = tiny_tokenizer()
+  ids = np.concatenate([np.fromfile(tmp_path / "corpus" / f"{s}.bin", np.uint16)
+                        for s in ("train", "val")])
+  documents = [tokenizer.decode(d[:-1].tolist(), skip_special_tokens=False)
+                for d in np.split(ids, np.flatnonzero(ids == 0) + 1) if d.size]
+  assert sorted(documents) == sorted(TEXTS[:4])
