@@ -771,3 +771,45 @@ def test_prepare_data_tokenizes_with_an_imported_tokenizer(tmp_path):
   documents = [tokenizer.decode(d[:-1].tolist(), skip_special_tokens=False)
                 for d in np.split(ids, np.flatnonzero(ids == 0) + 1) if d.size]
   assert sorted(documents) == sorted(TEXTS[:4])
+
+
+# ----------------------------------------------------------------------------- the benchmark
+
+_FAKE_BENCHMARK_ROWS = (
+    [dict(part="ppl", variant=v, attention=a, top_k=k, beam=None, length=n, loss=3.0, ppl=20.0)
+     for v, a, k in (("dense", "dense", None), ("pisa K8", "pisa", 8)) for n in (2048, 8192)]
+    + [dict(part="ruler", variant=v, attention=a, top_k=k, beam=None, length=n, score=0.5)
+       for v, a, k in (("dense", "dense", None), ("pisa K8", "pisa", 8))
+       for n in (1024, "average")]
+    + [dict(part="selection", length=8192, top_k=8, selector=s, beam=8, recall=0.9,
+            captured_mass=0.8) for s in ("bsa", "pisa", "exact")])
+
+
+def test_pretrained_benchmark_records_and_replots(tmp_path, capsys):
+  from benchmarks import _record, pretrained
+
+  assert [pretrained.variant_name(*v) for v in pretrained.variants([8], [2.0])] == [
+      "dense", "pisa K8", "pisa K8 beam 16", "bsa K8", "pisa2 K8"]
+  rec = _record.Recorder("pretrained", {}, tmp_path / "run")
+  for row in _FAKE_BENCHMARK_ROWS:
+    rec.add(**row)
+  pretrained.main(["--replot", str(tmp_path / "run" / "pretrained.json"), "--out",
+                   str(tmp_path / "plot")])
+  assert (tmp_path / "plot" / "pretrained.png").stat().st_size > 0
+  assert "| pisa K8 | 20 | 20 | 0.5 | 0.5 |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_pretrained_benchmark_end_to_end(tmp_path):
+  from benchmarks import pretrained
+
+  hf, w = random_checkpoint("llama", seed=1)
+  record = pretrained.main([
+      "--model", str(write_gguf(tmp_path / "m.gguf", hf, w)), "--data",
+      str(_corpus(tmp_path / "corpus", n=20_000)), "--ppl-lengths", "64,128", "--ruler-lengths",
+      "1024", "--top-ks", "4", "--block-size", "8", "--ppl-samples", "2", "--ruler-samples", "1",
+      "--selection-length", "64", "--selection-samples", "1", "--batch-size", "2", "--out",
+      str(tmp_path / "out"), "--only", "dense,pisa K4"])
+  rows = record["rows"]
+  assert {r["variant"] for r in rows if r["part"] == "ppl"} == {"dense", "pisa K4"}
+  assert {r["selector"] for r in rows if r["part"] == "selection"} >= {"bsa", "pisa", "exact"}
