@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
   try:
     restore.read_run_config(args.workdir)
   except restore.NoCheckpointError as e:
-    parser.error(f"RUN: {e}")
+    parser.error(f"RUN: {str(e).removeprefix('workdir: ')}")
   try:
     out = export_run(args.workdir, args.out)
   except KeyboardInterrupt:

@@ -159,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   from pisa_jax.models.pretrained import UnsupportedModelError, read_pretrained
 
+  if not Path(args.path).exists():
+    parser.error(f"PATH: {args.path} does not exist: give a Hugging Face model folder or a "
+                 f".gguf file")
   try:
     if not args.print_config:
       _check_out(Path(args.out))
