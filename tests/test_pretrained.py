@@ -10,6 +10,7 @@ float64 forward written here from the architectures' definitions, to float32 rou
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 
 import jax
@@ -382,8 +383,6 @@ def test_unsupported_configs_are_refused_naming_the_field(tmp_path, changes, mes
 
 
 def _escape(text):
-  import re
-
   return re.escape(text)
 
 
@@ -423,7 +422,8 @@ def test_missing_extra_and_misshapen_tensors_are_refused_naming_them(tmp_path):
                                                   r"is not supported"):
     load_pretrained(_refused(tmp_path / "b", add={
         "model.layers.0.mlp.gate_proj.bias": np.zeros(40, np.float32)}))
-  with pytest.raises(UnsupportedModelError, match=r"tensor model\.norm\.weight gives shape \(47,\)"):
+  with pytest.raises(UnsupportedModelError,
+                     match=r"tensor model\.norm\.weight gives shape \(47,\)"):
     load_pretrained(_refused(tmp_path / "c", add={"model.norm.weight": np.ones(47, np.float32)}))
 
 
@@ -638,8 +638,10 @@ def _gguf_as_hf(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
     return reader.fields[f"llama.{key}"].contents()
 
   hf = {"model_type": "llama", "num_hidden_layers": meta("block_count"),
-        "hidden_size": meta("embedding_length"), "num_attention_heads": meta("attention.head_count"),
-        "num_key_value_heads": meta("attention.head_count_kv"), "rope_theta": meta("rope.freq_base"),
+        "hidden_size": meta("embedding_length"),
+        "num_attention_heads": meta("attention.head_count"),
+        "num_key_value_heads": meta("attention.head_count_kv"),
+        "rope_theta": meta("rope.freq_base"),
         "rms_norm_eps": meta("attention.layer_norm_rms_epsilon")}
   from_gguf = [(b, a) for a, b in reversed(_TO_GGUF)]
   weights = {}
