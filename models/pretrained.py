@@ -685,7 +685,8 @@ def export_tensors(model) -> dict[str, np.ndarray]:
   return out
 
 
-def export_config(cfg: ModelConfig, *, context_length: int) -> dict:
+def export_config(cfg: ModelConfig, *, context_length: int,
+                  eos_token_ids: tuple[int, ...] = ()) -> dict:
   """config.json of a Llama / Qwen2 / Qwen3 model equal to `cfg`; a sparse attention recorded
   under "pisa_attention". ValueError naming the field that no such model has."""
   if cfg.rope_fraction != 1.0:
@@ -722,18 +723,22 @@ def export_config(cfg: ModelConfig, *, context_length: int) -> dict:
   }
   if model_type != "qwen2":
     hf["attention_bias"] = cfg.out_bias
+  if eos_token_ids:
+    hf["eos_token_id"] = (int(eos_token_ids[0]) if len(eos_token_ids) == 1
+                          else [int(t) for t in eos_token_ids])
   if cfg.attention != "dense":
     hf[PISA_ATTENTION_KEY] = {f: getattr(cfg, f) for f in PISA_ATTENTION_FIELDS}
   return hf
 
 
-def save_pretrained(model, folder: str | Path, *, context_length: int, tokenizer=None) -> Path:
+def save_pretrained(model, folder: str | Path, *, context_length: int, tokenizer=None,
+                    eos_token_ids: tuple[int, ...] = ()) -> Path:
   """Writes `model` as a Hugging Face folder: config.json (`export_config`), model.safetensors
   (float32) and, given a `tokenizers.Tokenizer`, tokenizer.json."""
   from safetensors.numpy import save_file
 
   folder = Path(folder)
-  hf = export_config(model.cfg, context_length=context_length)
+  hf = export_config(model.cfg, context_length=context_length, eos_token_ids=eos_token_ids)
   tensors = export_tensors(model)
   if model.cfg.tie_embeddings:
     tensors.pop("lm_head.weight", None)

@@ -507,6 +507,7 @@ def test_import_export_round_trip_keeps_weights_and_attention(tmp_path):
   from pisa_jax.train.restore import restore_model
 
   hf, w = random_checkpoint("llama3", seed=4)
+  hf["eos_token_id"] = [2, 0]
   folder = write_hf_folder(tmp_path / "hf", hf, w)
   config = import_checkpoint(folder, tmp_path / "run", SPARSE + ["model.rope_base=80000"])
   assert (config.model.attention, config.model.rope_base, config.train.seq_len) == (
@@ -527,6 +528,7 @@ def test_import_export_round_trip_keeps_weights_and_attention(tmp_path):
   assert exported["pisa_attention"] == {"attention": "pisa", "block_size": 4, "top_k": 4,
                                         "branching": 2, "beam": None}
   assert (exported["rope_theta"], exported["rope_scaling"]) == (80_000.0, hf["rope_scaling"])
+  assert exported["eos_token_id"] == [2, 0]
   again, again_cfg, tokenizer = load_pretrained(tmp_path / "exported", compute_dtype="float32")
   assert again_cfg.attention == "pisa" and again_cfg.top_k == 4
   np.testing.assert_array_equal(_logits(again), _logits(direct))

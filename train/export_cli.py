@@ -3,7 +3,7 @@
   pisa-export runs/smol --out exported/smol
 
 The folder holds config.json, model.safetensors (float32) and the run's tokenizer.json when it
-has one (a `pisa-import` run does). The run's model must be a Llama, Qwen2 or Qwen3 one: a full
+has one (a `pisa-import` run does, with the end-of-sequence tokens config.json then names). The run's model must be a Llama, Qwen2 or Qwen3 one: a full
 RoPE (model.rope_fraction=1.0, as every imported model; the paper's RoPE on half of each head has
 no Hugging Face equivalent), biases as one of them has them. Its RoPE base and scaling are
 exported as trained (a CPT run's new base included). A run with sparse attention is exported
@@ -38,9 +38,10 @@ def export_run(workdir: str | Path, out: str | Path) -> Path:
   if out.exists() and (not out.is_dir() or any(out.iterdir())):
     raise ValueError(f"--out {out} exists and is not an empty folder: give a new folder")
   config = restore.read_run_config(workdir)
-  record = workdir / PRETRAINED_RECORD
-  imported = json.loads(record.read_text()).get("context_length") if record.is_file() else None
-  context = max(config.train.seq_len, int(imported or 0))
+  record_file = workdir / PRETRAINED_RECORD
+  record = json.loads(record_file.read_text()) if record_file.is_file() else {}
+  context = max(config.train.seq_len, int(record.get("context_length") or 0))
+  eos = tuple(record.get("eos_token_ids", ()))
   # The config is checked before any weight is read.
   export_config(config.model, context_length=context)
   tokenizer = None
@@ -51,7 +52,8 @@ def export_run(workdir: str | Path, out: str | Path) -> Path:
   config, model, _ = restore.restore_model(workdir)
   created = not out.exists()
   try:
-    return save_pretrained(model, out, context_length=context, tokenizer=tokenizer)
+    return save_pretrained(model, out, context_length=context, tokenizer=tokenizer,
+                           eos_token_ids=eos)
   except BaseException:
     if created:
       shutil.rmtree(out, ignore_errors=True)

@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
   print(f"{PROG}: wrote {args.out} ({config.model.num_layers} layers, "
         f"{config.model.attention} attention, train.seq_len={config.train.seq_len}); continue "
         f"it with: pisa-train --workdir {args.out}"
-        + ("" if config.data.path else " --set data.path=CORPUS"))
+        + ("" if config.data.path else f" --set data.path=CORPUS, a corpus of "
+                                       f"pisa-prepare-data --tokenizer {args.out}"))
   return 0
 
 
