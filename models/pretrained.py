@@ -10,7 +10,7 @@ is refused in one line naming the field, before a tensor is read.
 
 The loader follows the Flax ecosystem's (bonsai, tunix): the abstract model from `nnx.eval_shape`,
 one rule from each of our parameters to the checkpoint tensor it comes from and how it is laid out
-(`_RULES`), each tensor read alone (a safetensors slice, a GGUF tensor dequantized through the
+(`_RULES`), each tensor read alone (from its safetensors file, or a GGUF tensor dequantized by the
 `gguf` package) and placed with its sharding from `pisa_jax.models.sharding` by
 `jax.make_array_from_callback`: one host copy of one tensor at a time, never a copy per device.
 
@@ -275,13 +275,6 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
           .reshape(w.shape))
 
 
-def permute_for_gguf(w: np.ndarray, heads: int) -> np.ndarray:
-  """llama.cpp's q / k permutation of a Hugging Face projection `[H * D, ...]` (for writers)."""
-  rows = w.shape[0]
-  return (w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2)
-          .reshape(w.shape))
-
-
 class _GGUFFile(_Tensors):
   """A GGUF file's tensors under Hugging Face names, dequantized to float32, q / k of "llama"
   models un-permuted."""
@@ -506,7 +499,7 @@ class Layout:
     self.to_ours, self.to_hf = to_ours, to_hf
 
 
-def _heads(which: str) -> int:
+def _heads(which: str) -> Callable[[ModelConfig], int]:
   return (lambda cfg: cfg.num_heads) if which == "q" else (lambda cfg: cfg.num_kv_heads)
 
 
