@@ -2,7 +2,7 @@
 # The README's two commands. Each sets up everything on a fresh machine first:
 #   ./run.sh demo   the main job: trains the tiny PISA model on CPU and prints what it learned
 #   ./run.sh test   the test suite (what CI runs, through .ci/run)
-# The set-up makes .venv with Python >= 3.12 and installs this project with its test/data extras;
+# The set-up makes .venv with Python >= 3.12 and installs this project with its extras;
 # it is skipped when pyproject.toml has not changed since the last install.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -36,7 +36,7 @@ setup() {
   [ -x .venv/bin/python ] || "$py" -m venv .venv
   pip_quiet install --upgrade pip
   # pyproject accepts any jax 0.11.x from 0.11.2; the suite runs on the GPU image's release.
-  pip_quiet install -e ".[test,data,bench,eval]" "jax==$PISA_JAX" "jaxlib==$PISA_JAX"
+  pip_quiet install -e ".[test,data,bench,eval,import]" "jax==$PISA_JAX" "jaxlib==$PISA_JAX"
   # The exact GPT-2 BPE ranks ship inside this source package (see WORKSPACE.md, "Data"); it is
   # installed without its dependencies and never imported.
   pip_quiet install --no-deps "openai-whisper==20250625"

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pisa_jax.models.decoder import apply_rope, compute_dtype, rope_angles
+from pisa_jax.models.decoder import RopeSpec, compute_dtype
 
 
 def layer_qk(model, tokens, layer: int):
@@ -30,14 +30,11 @@ def layer_qk(model, tokens, layer: int):
   cfg = model.cfg
   cdt = compute_dtype(cfg)
   x = jnp.take(model.embed[...], tokens, axis=0).astype(cdt)
-  cos, sin = rope_angles(tokens.shape[1], cfg.head_dim, cfg.rope_base)
+  cos, sin = RopeSpec.of(cfg).angles(tokens.shape[1])
   for block in model.blocks[:layer]:
     x = block(x, cos, sin)
   block = model.blocks[layer]
-  h = block.attn_norm(x)
-  q = jnp.einsum("bte,ehd->bthd", h, block.attn.wq[...].astype(cdt))
-  k = jnp.einsum("bte,ehd->bthd", h, block.attn.wk[...].astype(cdt))
-  return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+  return block.attn.rotated_qk(block.attn_norm(x), cos, sin)
 
 
 def read_tokens(folder: str | Path, split: str, seq_len: int) -> np.ndarray:

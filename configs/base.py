@@ -23,6 +23,7 @@ from pisa_jax.models.config import (
     REMAT_POLICIES,
     SPARSE_ATTENTION_KINDS,
     ModelConfig,
+    check_architecture,
 )
 
 DATA_SOURCES = ("mqar", "tokens")
@@ -201,6 +202,7 @@ def validate(config: Config) -> Config:
     raise ValueError(f"model.head_dim={m.head_dim} must be a multiple of 4 (RoPE on half the dims)")
   if m.rope_base <= 1:
     raise ValueError(f"model.rope_base={m.rope_base} must be > 1")
+  check_architecture(m)
   if m.param_dtype not in PARAM_DTYPES:
     raise ValueError(f"model.param_dtype={m.param_dtype!r} must be one of {PARAM_DTYPES}")
   if m.compute_dtype not in COMPUTE_DTYPES:

@@ -1,4 +1,4 @@
-"""Flax NNX decoder, its config type and the logical-axis sharding table.
+"""Flax NNX decoder, its config type, the logical-axis sharding table and the pretrained loader.
 
 Names are imported on first use (PEP 562): the config types load without jax or flax.
 """
@@ -12,6 +12,7 @@ _EXPORTS = {
     "compute_dtype": "pisa_jax.models.decoder",
     "count_params": "pisa_jax.models.decoder",
     "flops_per_token": "pisa_jax.models.decoder",
+    "load_pretrained": "pisa_jax.models.pretrained",
     "LOGICAL_AXIS_RULES": "pisa_jax.models.sharding",
     "make_mesh": "pisa_jax.models.sharding",
     "param_shardings": "pisa_jax.models.sharding",
@@ -26,6 +27,7 @@ __all__ = [
     "compute_dtype",
     "count_params",
     "flops_per_token",
+    "load_pretrained",
     "make_mesh",
     "param_shardings",
 ]

@@ -20,11 +20,19 @@ COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 # block indices; the "save_attention" ones the attention's output and log-sum-exp too.
 REMAT_POLICIES = ("none", "dots_save_attention", "dots", "dots_except_mlp",
                   "full_save_attention", "full")
+# RoPE frequency scaling (`ModelConfig.rope_scaling`): none, every frequency divided by the factor
+# ("linear"), or Llama 3.1's band-wise rule ("llama3").
+ROPE_SCALINGS = ("none", "linear", "llama3")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Decoder-only LM (Appendix C.1): pre-RMSNorm, SiLU-gated MLP, RoPE, GQA, untied embeddings."""
+  """Decoder-only LM (Appendix C.1): pre-RMSNorm, SiLU-gated MLP, RoPE, GQA, untied embeddings.
+
+  The fields after `norm_eps` describe the pretrained architectures that
+  `pisa_jax.models.load_pretrained` imports (Llama, SmolLM2, Qwen2, Qwen3); their defaults are the
+  paper's model.
+  """
 
   vocab_size: int = 50_257
   # Embedding and output rows are padded up to a multiple of this (50,257 -> 50,432, as the paper).
@@ -37,6 +45,26 @@ class ModelConfig:
   head_dim: int = 64
   rope_base: float = 10_000.0
   norm_eps: float = 1e-5
+  # RoPE rotates the first R = rope_fraction * head_dim dims of each head in rotate-half pairs
+  # (j, j + R/2) at the R/2 highest frequencies of a full RoPE over the head, base^(-2j/D):
+  # 0.5 is the paper's high-frequency half (Appendix C.1), 1.0 a full RoPE (Llama, Qwen).
+  rope_fraction: float = 0.5
+  # One of ROPE_SCALINGS. "linear" divides every frequency by rope_scaling_factor; "llama3"
+  # divides the frequencies whose wavelength exceeds rope_original_context / rope_low_freq_factor
+  # by it, keeps those shorter than rope_original_context / rope_high_freq_factor, and
+  # interpolates between (Llama 3.1's rule).
+  rope_scaling: str = "none"
+  rope_scaling_factor: float = 1.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_context: int = 8192
+  # The output projection is the input embedding's transpose (no lm_head parameter).
+  tie_embeddings: bool = False
+  # Biases of the q, k and v projections (Qwen2) and of the output projection.
+  qkv_bias: bool = False
+  out_bias: bool = False
+  # RMSNorm over head_dim of every query and key head before RoPE, one scale per layer (Qwen3).
+  qk_norm: bool = False
   init_std: float = 0.02
   attention: str = "pisa"
   block_size: int = 64
@@ -77,3 +105,32 @@ class ModelConfig:
   def padded_vocab_size(self) -> int:
     m = self.vocab_pad_multiple
     return -(-self.vocab_size // m) * m
+
+  @property
+  def rotary_dims(self) -> int:
+    """R: the leading dims of each head that RoPE rotates (`rope_fraction * head_dim`)."""
+    return int(round(self.rope_fraction * self.head_dim))
+
+
+def check_architecture(m: ModelConfig) -> None:
+  """Raises ValueError naming the field for an impossible RoPE or architecture field (jax-free).
+
+  The checks of the fields that pretrained architectures set (RoPE's fraction and scaling); the
+  rest of the model section is checked by `pisa_jax.configs.validate`.
+  """
+  r = m.rope_fraction * m.head_dim
+  if not 0 < m.rope_fraction <= 1 or abs(r - round(r)) > 1e-9 or round(r) % 2:
+    raise ValueError(f"model.rope_fraction={m.rope_fraction} must be in (0, 1] and make "
+                     f"rope_fraction * head_dim (head_dim={m.head_dim}) an even number of dims: "
+                     f"RoPE rotates pairs")
+  if m.rope_scaling not in ROPE_SCALINGS:
+    raise ValueError(f"model.rope_scaling={m.rope_scaling!r} must be one of {ROPE_SCALINGS}")
+  if m.rope_scaling != "none" and not m.rope_scaling_factor >= 1:
+    raise ValueError(f"model.rope_scaling_factor={m.rope_scaling_factor} must be >= 1 with "
+                     f"model.rope_scaling={m.rope_scaling!r}")
+  if m.rope_scaling == "llama3":
+    if not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
+      raise ValueError(f"model.rope_low_freq_factor={m.rope_low_freq_factor} must be > 0 and < "
+                       f"model.rope_high_freq_factor={m.rope_high_freq_factor} (llama3 scaling)")
+    if m.rope_original_context < 1:
+      raise ValueError(f"model.rope_original_context={m.rope_original_context} must be >= 1")

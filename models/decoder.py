@@ -2,10 +2,13 @@
 
 Pre-RMSNorm blocks with GQA attention and a SiLU-gated MLP, no dropout, untied input and output
 embeddings padded to a multiple of `vocab_pad_multiple` rows (50,257 -> 50,432), RoPE on the
-high-frequency half of each head. The attention is dense (`jax.nn.dot_product_attention`),
-block-sparse through `pisa_jax.pisa_attention` (PISA, PISA-1, PISA-2, BSA), NSA through
-`pisa_jax.nsa_attention` (its gates and compression MLPs are the layer's), or HiLS through
-`pisa_jax.hils_attention` (its landmark-query projection is the layer's), chosen by the config.
+high-frequency half of each head. Pretrained architectures (`pisa_jax.models.load_pretrained`)
+set the config's RoPE fraction and scaling, tied embeddings, projection biases and q/k RMSNorm
+(`ModelConfig`); the defaults are the paper's model. The attention is dense
+(`jax.nn.dot_product_attention`), block-sparse through `pisa_jax.pisa_attention` (PISA, PISA-1,
+PISA-2, BSA), NSA through `pisa_jax.nsa_attention` (its gates and compression MLPs are the
+layer's), or HiLS through `pisa_jax.hils_attention` (its landmark-query projection is the
+layer's), chosen by the config.
 Packed documents: with `segment_ids` `[B, T]` (a document is a run of equal ids) no token attends
 across a document boundary, in either kind, and RoPE positions restart at 0 with each document,
 so each document's activations are the ones it would have alone.
@@ -87,20 +90,76 @@ _ROPE_DIGIT_BITS = 8
 _ROPE_DIGITS = 4
 
 
+@dataclasses.dataclass(frozen=True)
+class RopeSpec:
+  """Which dims of a head RoPE rotates and at which frequencies (`ModelConfig`'s RoPE fields).
+
+  Dims [0, R) rotate in rotate-half pairs (j, j + R/2), j < R/2, at frequency inv_freq[j] =
+  base^(-2j/D) (the R/2 highest of a full RoPE over the D dims of the head), then scaled; dims
+  [R, D) carry no position. R = D/2 is the paper's (Appendix C.1), R = D a full RoPE (Llama, Qwen).
+  """
+
+  head_dim: int
+  base: float
+  rotary_dims: int
+  scaling: str = "none"
+  factor: float = 1.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_context: int = 8192
+
+  @classmethod
+  def of(cls, cfg: ModelConfig) -> "RopeSpec":
+    return cls(head_dim=cfg.head_dim, base=float(cfg.rope_base), rotary_dims=cfg.rotary_dims,
+               scaling=cfg.rope_scaling, factor=float(cfg.rope_scaling_factor),
+               low_freq_factor=float(cfg.rope_low_freq_factor),
+               high_freq_factor=float(cfg.rope_high_freq_factor),
+               original_context=int(cfg.rope_original_context))
+
+  def inv_freq(self) -> np.ndarray:
+    """float64 `[R/2]`: the frequency (radians per position) of each rotated pair."""
+    inv = self.base ** (-2.0 * np.arange(self.rotary_dims // 2, dtype=np.float64)
+                        / self.head_dim)
+    if self.scaling == "linear":
+      return inv / self.factor
+    if self.scaling == "llama3":
+      # Llama 3.1: long wavelengths (low frequencies) are divided by the factor, short ones kept,
+      # the band between interpolated in the ratio original_context / wavelength.
+      wavelength = 2 * np.pi / inv
+      smooth = ((self.original_context / wavelength - self.low_freq_factor)
+                / (self.high_freq_factor - self.low_freq_factor))
+      scaled = (1 - smooth) * inv / self.factor + smooth * inv
+      scaled = np.where(wavelength < self.original_context / self.high_freq_factor, inv, scaled)
+      return np.where(wavelength > self.original_context / self.low_freq_factor,
+                      inv / self.factor, scaled)
+    if self.scaling != "none":
+      raise ValueError(f"model.rope_scaling={self.scaling!r} is unknown")
+    return inv
+
+  def at(self, positions: Int[Array, "*N"]) -> tuple[Array, Array]:
+    """cos, sin float32 `[*N, R/2]` at integer `positions` in [0, 2^31) (see `rope_at`)."""
+    return _rope_at(positions, self)
+
+  def angles(self, seq_len: int) -> tuple[Array, Array]:
+    """cos, sin `[T, R/2]` at positions 0 .. T-1."""
+    return _rope_at(jnp.arange(seq_len, dtype=jnp.int32), self)
+
+
 @functools.cache
-def _rope_digit_tables(head_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
-  """cos, sin float32 `[digits, 256, D/4]` of the angle d * 256^i * inv_freq, made in float64."""
-  inv_freq = base ** (-2.0 * np.arange(head_dim // 4, dtype=np.float64) / head_dim)
+def _rope_digit_tables(spec: RopeSpec) -> tuple[np.ndarray, np.ndarray]:
+  """cos, sin float32 `[digits, 256, R/2]` of the angle d * 256^i * inv_freq, made in float64."""
+  inv_freq = spec.inv_freq()
   radix = 1 << _ROPE_DIGIT_BITS
   place = float(radix) ** np.arange(_ROPE_DIGITS, dtype=np.float64)
-  # [digits, 256, D/4]; reduced mod 2 pi in float64 before cos and sin see it.
+  # [digits, 256, R/2]; reduced mod 2 pi in float64 before cos and sin see it.
   angle = np.mod(place[:, None, None] * np.arange(radix, dtype=np.float64)[None, :, None]
                  * inv_freq, 2 * np.pi)
   return np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
 
 
 def rope_at(positions: Int[Array, "*N"], head_dim: int, base: float) -> tuple[Array, Array]:
-  """cos, sin float32 `[*N, D/4]` of RoPE's angles at integer `positions` in [0, 2^31).
+  """cos, sin float32 `[*N, D/4]` of RoPE's angles at integer `positions` in [0, 2^31), for the
+  paper's RoPE on the high-frequency half of a head (`RopeSpec.at` for any other).
 
   A float32 angle position * inv_freq rounds the position itself past 2^24 (2^24 + 1 and 2^24
   share one rotation) and, long before that, leaves an absolute error of the angle's own rounding
@@ -109,7 +168,12 @@ def rope_at(positions: Int[Array, "*N"], head_dim: int, base: float) -> tuple[Ar
   and the rotations are composed by the angle-sum formula: cos and sin come out within a few float32
   roundings of their float64 values at every position, the positions stay exact integers.
   """
-  cos_table, sin_table = _rope_digit_tables(head_dim, base)
+  return _rope_at(positions, RopeSpec(head_dim=head_dim, base=float(base),
+                                      rotary_dims=head_dim // 2))
+
+
+def _rope_at(positions, spec: RopeSpec) -> tuple[Array, Array]:
+  cos_table, sin_table = _rope_digit_tables(spec)
   positions = jnp.asarray(positions, jnp.int32)
   mask = (1 << _ROPE_DIGIT_BITS) - 1
   cos = sin = None
@@ -132,13 +196,14 @@ def rope_angles(seq_len: int, head_dim: int, base: float) -> tuple[Array, Array]
 
 
 def apply_rope(x: Float[Array, "B T H D"], cos: Array, sin: Array) -> Float[Array, "B T H D"]:
-  """Rotates dims [0, D/2) of each head in rotate-half pairs (j, j + D/4); float32 arithmetic.
+  """Rotates dims [0, R) of each head in rotate-half pairs (j, j + R/2), R = 2 * cos.shape[-1]
+  (D/2 with `rope_angles`' tables); float32 arithmetic.
 
-  cos, sin: `[T, D/4]` shared by the batch, or `[B, T, D/4]` (per-row positions: packed
+  cos, sin: `[T, R/2]` shared by the batch, or `[B, T, R/2]` (per-row positions: packed
   documents).
   """
-  d = x.shape[-1]
-  half, quarter = d // 2, d // 4
+  quarter = cos.shape[-1]
+  half = 2 * quarter
   xf = x[..., :half].astype(jnp.float32)
   x1, x2 = xf[..., :quarter], xf[..., quarter:]
   if cos.ndim == 2:
@@ -194,6 +259,17 @@ class Attention(nnx.Module):
     self.wq = _normal(rngs, (d, hq, hd), std, pdt, ("embed", "q_heads", "head_dim"))
     self.wk = _normal(rngs, (d, hkv, hd), std, pdt, ("embed", "kv_heads", "head_dim"))
     self.wv = _normal(rngs, (d, hkv, hd), std, pdt, ("embed", "kv_heads", "head_dim"))
+    # Pretrained architectures' extras (none by default); they draw no random numbers, so the
+    # other parameters are the same with or without them.
+    if cfg.qkv_bias:
+      self.bq = nnx.Param(jnp.zeros((hq, hd), pdt), logical_axes=("q_heads", "head_dim"))
+      self.bk = nnx.Param(jnp.zeros((hkv, hd), pdt), logical_axes=("kv_heads", "head_dim"))
+      self.bv = nnx.Param(jnp.zeros((hkv, hd), pdt), logical_axes=("kv_heads", "head_dim"))
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(hd, cfg.norm_eps, pdt)
+      self.k_norm = RMSNorm(hd, cfg.norm_eps, pdt)
+    if cfg.out_bias:
+      self.bo = nnx.Param(jnp.zeros((d,), pdt), logical_axes=("norm",))
     # GPT-2's residual-branch scaling of the output projection.
     self.wo = _normal(rngs, (hq, hd, d), out_std, pdt, ("q_heads", "head_dim", "embed"))
     if cfg.attention == "nsa":
@@ -215,6 +291,7 @@ class Attention(nnx.Module):
     q = _saveable("query_proj", jnp.einsum("bte,ehd->bthd", x, self.wq[...].astype(cdt)))
     k = _saveable("key_proj", jnp.einsum("bte,ehd->bthd", x, self.wk[...].astype(cdt)))
     v = _saveable("value_proj", jnp.einsum("bte,ehd->bthd", x, self.wv[...].astype(cdt)))
+    q, (k, v) = self._finish_q(q), self._finish_kv(k, v)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if cfg.attention == "hils":
       out = self._hils(x, q, k, v, cos, sin, segment_ids)
@@ -252,8 +329,32 @@ class Attention(nnx.Module):
     else:
       raise ValueError(f"model.attention={cfg.attention!r} is unknown")
     chex.assert_shape(out, q.shape)  # [B, T, HQ, D]
-    return _saveable("out_proj",
-                     jnp.einsum("bthd,hde->bte", out.astype(cdt), self.wo[...].astype(cdt)))
+    return self._out_bias(_saveable(
+        "out_proj", jnp.einsum("bthd,hde->bte", out.astype(cdt), self.wo[...].astype(cdt))))
+
+  def _finish_q(self, q: Float[Array, "B T HQ D"]) -> Float[Array, "B T HQ D"]:
+    """The query projection's bias and RMSNorm (`qkv_bias`, `qk_norm`), applied before RoPE."""
+    if self.cfg.qkv_bias:
+      q = q + self.bq[...].astype(q.dtype)
+    return self.q_norm(q) if self.cfg.qk_norm else q
+
+  def _finish_kv(self, k: Float[Array, "B T HKV D"],
+                 v: Float[Array, "B T HKV D"]) -> tuple[Array, Array]:
+    """The key and value projections' biases and the key RMSNorm, before RoPE."""
+    if self.cfg.qkv_bias:
+      k, v = k + self.bk[...].astype(k.dtype), v + self.bv[...].astype(v.dtype)
+    return (self.k_norm(k) if self.cfg.qk_norm else k), v
+
+  def _out_bias(self, y: Float[Array, "B T E"]) -> Float[Array, "B T E"]:
+    return y + self.bo[...].astype(y.dtype) if self.cfg.out_bias else y
+
+  def rotated_qk(self, x: Float[Array, "B T E"], cos: Array,
+                 sin: Array) -> tuple[Float[Array, "B T HQ D"], Float[Array, "B T HKV D"]]:
+    """The queries and keys this layer attends with for its normed input x: projections,
+    biases, q / k RMSNorm and RoPE, as `__call__` computes them (for selection diagnostics)."""
+    q = self._finish_q(jnp.einsum("bte,ehd->bthd", x, self.wq[...].astype(x.dtype)))
+    k, _ = self._project_kv(x)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
   def _nsa(self, x: Float[Array, "B T E"], q, k, v, segment_ids) -> Float[Array, "B T HQ D"]:
     """`pisa_jax.nsa_attention` of q, k, v with gates sigmoid(x wg) `[B, T, HQ, 3]`, on each
@@ -332,7 +433,7 @@ class Attention(nnx.Module):
     cdt = x.dtype
     k = jnp.einsum("bte,ehd->bthd", x, self.wk[...].astype(cdt))
     v = jnp.einsum("bte,ehd->bthd", x, self.wv[...].astype(cdt))
-    return k, v
+    return self._finish_kv(k, v)
 
   def prefill(self, x: Float[Array, "B T E"], cos: Array, sin: Array, lengths: Int[Array, "B"],
               cache: DecodeCache | KVCache, segment_ids: Int[Array, "B T"] | None = None,
@@ -364,7 +465,7 @@ class Attention(nnx.Module):
              cache: DecodeCache | KVCache) -> tuple[Float[Array, "B 1 E"], DecodeCache | KVCache]:
     """One token per row at its own position (the cache's length), cos and sin `[B, D/4]`."""
     cfg, cdt = self.cfg, x.dtype
-    q = jnp.einsum("bte,ehd->bthd", x, self.wq[...].astype(cdt))
+    q = self._finish_q(jnp.einsum("bte,ehd->bthd", x, self.wq[...].astype(cdt)))
     k, v = self._project_kv(x)
     # apply_rope takes one angle per time step; here each row has its own.
     rope = jax.vmap(lambda y, c, s: apply_rope(y[None], c[None], s[None])[0])
@@ -385,7 +486,8 @@ class Attention(nnx.Module):
     else:
       out, cache = decode_step(q, k, v, cache, top_k=cfg.top_k, selector=cfg.attention,
                                beam=cfg.beam, implementation=cfg.attention_implementation)
-    return jnp.einsum("bthd,hde->bte", out.astype(cdt), self.wo[...].astype(cdt)), cache
+    return self._out_bias(jnp.einsum("bthd,hde->bte", out.astype(cdt),
+                                     self.wo[...].astype(cdt))), cache
 
 
 def _attend_within_documents(attend, q, k, v, segment_ids):
@@ -467,12 +569,18 @@ class Decoder(nnx.Module):
     self.embed = _normal(rngs, (vp, cfg.d_model), cfg.init_std, pdt, ("vocab", "embed"))
     self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pdt)
-    self.lm_head = _normal(rngs, (cfg.d_model, vp), cfg.init_std, pdt, ("embed", "vocab"))
+    if not cfg.tie_embeddings:
+      self.lm_head = _normal(rngs, (cfg.d_model, vp), cfg.init_std, pdt, ("embed", "vocab"))
 
   def __call__(self, tokens: Int[Array, "B T"], segment_ids: Int[Array, "B T"] | None = None,
                positions: Int[Array, "B T"] | None = None) -> Float[Array, "B T Vp"]:
-    return output_logits(self.hidden_states(tokens, segment_ids, positions), self.lm_head[...],
-                         self.cfg.vocab_size)
+    return output_logits(self.hidden_states(tokens, segment_ids, positions),
+                         self.output_embedding(), self.cfg.vocab_size)
+
+  def output_embedding(self) -> Float[Array, "E Vp"]:
+    """The output projection: `lm_head`, or the input embedding's transpose when
+    `tie_embeddings`."""
+    return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
 
   def hidden_states(self, tokens: Int[Array, "B T"], segment_ids: Int[Array, "B T"] | None = None,
                     positions: Int[Array, "B T"] | None = None) -> Float[Array, "B T E"]:
@@ -500,8 +608,9 @@ class Decoder(nnx.Module):
     """RoPE's cos, sin: `[T, D/4]` at 0 .. T-1, or `[B, T, D/4]` at per-token positions."""
     cfg = self.cfg
     _validation.check_segment_ids(segment_ids, batch=shape[0], seq_len=shape[1])
+    rope = RopeSpec.of(cfg)
     if positions is None and segment_ids is None:
-      return rope_angles(shape[1], cfg.head_dim, cfg.rope_base)
+      return rope.angles(shape[1])
     if positions is None:
       start, _ = document_bounds(segment_ids)
       positions = jnp.arange(shape[1], dtype=jnp.int32) - start
@@ -510,7 +619,7 @@ class Decoder(nnx.Module):
       raise ValueError(f"positions must be an int32 array [B, T] = {list(shape)}, got "
                        f"{getattr(positions, 'dtype', type(positions).__name__)} "
                        f"{tuple(getattr(positions, 'shape', ()))}")
-    return rope_at(positions, cfg.head_dim, cfg.rope_base)
+    return rope.at(positions)
 
   # Decoding: `pisa_jax.generation.DecodeModel`. The state holds one cache per layer (sparse
   # layers a `DecodeCache`, dense ones a `KVCache`); a row's next position is its length.
@@ -569,7 +678,7 @@ class Decoder(nnx.Module):
     cfg = self.cfg
     chex.assert_rank(tokens, 1)  # [B]
     x = jnp.take(self.embed[...], tokens[:, None], axis=0).astype(compute_dtype(cfg))
-    cos, sin = rope_at(state[0].lengths, cfg.head_dim, cfg.rope_base)  # [B, D/4]
+    cos, sin = RopeSpec.of(cfg).at(state[0].lengths)  # [B, R/2]
     caches = []
     for block, cache in zip(self.blocks, state, strict=True):
       x, cache = block.decode(x, cos, sin, cache)
@@ -577,7 +686,8 @@ class Decoder(nnx.Module):
     return self._next_logits(x[:, 0]), tuple(caches)
 
   def _next_logits(self, x: Float[Array, "B E"]) -> Float[Array, "B Vp"]:
-    return output_logits(self.final_norm(x)[:, None], self.lm_head[...], self.cfg.vocab_size)[:, 0]
+    return output_logits(self.final_norm(x)[:, None], self.output_embedding(),
+                         self.cfg.vocab_size)[:, 0]
 
 
 def output_logits(x: Float[Array, "B T E"], lm_head: Float[Array, "E Vp"],
@@ -670,14 +780,17 @@ def count_params(cfg: ModelConfig) -> int:
   attn = e * hd * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
   if cfg.attention == "hils":  # the landmark query's rank-r correction
     attn += cfg.hils_landmark_rank * (e + cfg.num_heads * hd)
-  per_layer = attn + 3 * e * m + 2 * e
+  extras = (hd * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.qkv_bias + 2 * hd * cfg.qk_norm
+            + e * cfg.out_bias)
+  per_layer = attn + 3 * e * m + 2 * e + extras
   if cfg.attention == "nsa":
     # The gates, and two compression MLPs (positions, w1, b1, w2, b2; hidden 4 * head_dim).
     per_layer += 3 * e * cfg.num_heads
     if cfg.nsa_compression == "mlp":
       length, hidden = cfg.nsa_block_length, 4 * hd
       per_layer += 2 * (length * hd + length * hd * hidden + hidden + hidden * hd + hd)
-  return cfg.num_layers * per_layer + 2 * cfg.padded_vocab_size * e + e
+  embeddings = (1 if cfg.tie_embeddings else 2) * cfg.padded_vocab_size * e
+  return cfg.num_layers * per_layer + embeddings + e
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -688,7 +801,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
   at most top_k * block_size, HiLS its window and top_k chunks. Block selection and HiLS's chunk
   scores are not counted.
   """
-  matmul_params = count_params(cfg) - cfg.padded_vocab_size * cfg.d_model
+  # The input embedding is a lookup; a tied one is also the output projection's matmul.
+  matmul_params = count_params(cfg) - (0 if cfg.tie_embeddings
+                                       else cfg.padded_vocab_size * cfg.d_model)
   attended = (seq_len + 1) / 2
   if cfg.attention in SPARSE_ATTENTION_KINDS:
     attended = min(attended, cfg.top_k * cfg.block_size)

@@ -48,6 +48,10 @@ CASES = [
     ("pisa-demo", ["--steps", "many"], "argument --steps: invalid int value: 'many'"),
     ("pisa-tour", ["--block-size", "0"], "--block-size=0 must be an int >= 1"),
     ("pisa-tour", ["--top-k", "2"], "--top-k=2 must be an int >= 3"),
+    ("pisa-import", ["{tmp}/missing.gguf", "--out", "{tmp}/imported"],
+     "PATH: {tmp}/missing.gguf does not exist"),
+    ("pisa-import", ["{tmp}/notes.txt"], "the following arguments are required: --out"),
+    ("pisa-export", ["{tmp}/run", "--out", "{tmp}/exported"], "RUN: {tmp}/run does not exist"),
 ] + ([
     ("pisa-lm-eval", ["--model", "pisa-jax", "--model_args", "workdir={tmp}/run", "--tasks", "t"],
      "--model_args workdir: {tmp}/run does not exist"),

@@ -31,7 +31,8 @@ MANIFEST = "checksums.json"
 MANIFEST_FORMAT = "pisa-jax-checksums-v1"
 # Model fields that fix parameter shapes and dtypes: a checkpoint restores only into the same ones.
 SHAPE_FIELDS = ("vocab_size", "vocab_pad_multiple", "num_layers", "d_model", "mlp_dim",
-                "num_heads", "num_kv_heads", "head_dim", "param_dtype")
+                "num_heads", "num_kv_heads", "head_dim", "param_dtype", "tie_embeddings",
+                "qkv_bias", "out_bias", "qk_norm")
 # Model fields that decide which keys each query attends to. A checkpoint restores into other
 # values (the parameters have the same shapes), but the run then continues a different model:
 # `train` refuses that unless asked to.
@@ -316,16 +317,18 @@ def set_aside(directory: str | Path, steps: list[int], into: str | Path) -> list
 def check_compatible(saved_model: dict, model: ModelConfig, *, where: str) -> None:
   """Raises IncompatibleCheckpointError naming every shape field that differs."""
   now = dataclasses.asdict(model)
-  diffs = [f"model.{f}: checkpoint {saved_model.get(f)!r}, now {now[f]!r}"
-           for f in SHAPE_FIELDS if saved_model.get(f) != now[f]]
-  saved_kind, kind = saved_model.get("attention"), model.attention
+  # A checkpoint written before a field existed has that field's default.
+  saved = {**dataclasses.asdict(ModelConfig()), **saved_model}
+  diffs = [f"model.{f}: checkpoint {saved.get(f)!r}, now {now[f]!r}"
+           for f in SHAPE_FIELDS if saved.get(f) != now[f]]
+  saved_kind, kind = saved.get("attention"), model.attention
   if saved_kind != kind and (saved_kind in KIND_SHAPE_FIELDS or kind in KIND_SHAPE_FIELDS):
     # One side has parameters the other lacks: no restore can map one onto the other.
     diffs.append(f"model.attention: checkpoint {saved_kind!r}, now {kind!r} (the parameters of "
                  f"{saved_kind if saved_kind in KIND_SHAPE_FIELDS else kind!r} attention differ)")
   elif kind in KIND_SHAPE_FIELDS:
-    diffs += [f"model.{f}: checkpoint {saved_model.get(f)!r}, now {now[f]!r}"
-              for f in KIND_SHAPE_FIELDS[kind] if saved_model.get(f) != now[f]]
+    diffs += [f"model.{f}: checkpoint {saved.get(f)!r}, now {now[f]!r}"
+              for f in KIND_SHAPE_FIELDS[kind] if saved.get(f) != now[f]]
   if diffs:
     raise IncompatibleCheckpointError(
         f"{where} was written for a different model ({'; '.join(diffs)}): use a new --workdir, "

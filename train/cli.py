@@ -9,8 +9,10 @@ run folder to resume; any other folder is refused untouched, and one run at a ti
 folder. Running the same command again resumes from the newest checkpoint that passes its
 checksums; a field set differently than in that checkpoint is listed (old -> new) and recorded in
 the folder's config_history.jsonl, while config.json keeps the run's first config. Ctrl-C (or
-SIGTERM) finishes the step, saves a checkpoint and exits. `--print-config` shows the resolved
-config and exits without compiling anything.
+SIGTERM) finishes the step, saves a checkpoint and exits. Without --config, a --workdir that holds
+a config.json (a run, or a `pisa-import` of a pretrained model) starts from that config, any other
+from the tiny preset. `--print-config` shows the resolved config and exits without compiling
+anything.
 
 Exit status, and the last line printed:
   0    train.steps are complete: "done: step N of N ..."
@@ -68,8 +70,9 @@ def _positive(kind):
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="pisa-train", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--config", default="tiny", choices=_PresetNames(), metavar="PRESET",
-                      help="the preset to start from: %(choices)s (default %(default)s)")
+  parser.add_argument("--config", default=None, choices=_PresetNames(), metavar="PRESET",
+                      help="the preset to start from: %(choices)s (default: --workdir's "
+                           "config.json when it has one, else tiny)")
   parser.add_argument("--set", dest="overrides", action="append", default=[],
                       metavar="SECTION.FIELD=VALUE", help="override a config field (repeatable)")
   parser.add_argument("--workdir",
@@ -90,16 +93,36 @@ def _parser() -> argparse.ArgumentParser:
   return parser
 
 
+def _base_config(args):
+  """The named preset, else the config.json of --workdir (a run folder), else tiny."""
+  from pisa_jax.configs import get_config
+
+  if args.config is not None:
+    return get_config(args.config)
+  if args.workdir and (Path(args.workdir) / "config.json").is_file():
+    from pisa_jax.train.restore import read_run_config
+
+    return read_run_config(args.workdir)
+  return get_config("tiny")
+
+
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   parser = _parser()
   args = parser.parse_args(argv)
   # Imported once the arguments parse: a mistake in them is reported before jax starts.
-  from pisa_jax.configs import apply_overrides, get_config, validate
+  from pisa_jax.configs import apply_overrides, validate
   from pisa_jax.train import run_folder
 
+  if args.config is None and args.workdir and (Path(args.workdir) / "config.json").is_file():
+    # The folder's own config is read only once the folder is known to be a run folder.
+    try:
+      run_folder.inspect_run_folder(Path(args.workdir))
+    except (run_folder.RunFolderError, OSError) as e:
+      print(f"pisa-train: error: {e}", file=sys.stderr)
+      return 1
   try:
-    config = validate(apply_overrides(get_config(args.config), args.overrides))
+    config = validate(apply_overrides(_base_config(args), args.overrides))
   except ValueError as e:
     parser.error(str(e))
   if args.print_config:

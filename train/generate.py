@@ -5,9 +5,10 @@
       --temperature 0.8 --top-p 0.95 --seed 1
 
 The newest checkpoint that passes its checksums is restored (its parameters on the default
-device, the optimizer state it also holds in host memory), the prompt is tokenised with the GPT-2
-tokenizer, and the continuation is written to stdout token by token as it is generated (greedy
-with --temperature 0, the default). Generation stops at <|endoftext|> when the vocabulary has it.
+device, the optimizer state it also holds in host memory), the prompt is tokenised with the run's
+own tokenizer (a `pisa-import` run's tokenizer.json, else GPT-2's), and the continuation is written to stdout token by token as it is generated (greedy
+with --temperature 0, the default). Generation stops at <|endoftext|> (an imported model: at its
+end-of-sequence tokens) when the vocabulary has it.
 The prompt and the new tokens must fit in the context the run was trained with (train.seq_len)
 unless --context says otherwise.
 
@@ -103,9 +104,10 @@ def _generate(args) -> int:
   # Imported once the arguments are known good: a mistake costs no JAX start-up.
   from pisa_jax.generation import generate_stream
   from pisa_jax.models.decoder import count_params
-  from pisa_jax.train.tokenizer import EOT_TOKEN, gpt2_encoding
+  from pisa_jax.train.tokenizer import gpt2_encoding, run_encoding
 
-  encoding = gpt2_encoding()
+  encoding, stop = run_encoding(args.workdir)
+  encoding = encoding or gpt2_encoding()
   tokens = encoding.encode_ordinary(args.prompt)
   config, model, step = restore_model(args.workdir)
   vocab = config.model.vocab_size
@@ -126,7 +128,7 @@ def _generate(args) -> int:
       text = encoding.decode_single_token_bytes(token).decode("utf-8", "replace")
       raise _ArgumentError(f"--prompt: token {text!r} (id {token}) is outside the model's "
                            f"vocabulary of {vocab} tokens (model.vocab_size)")
-  stop = (EOT_TOKEN,) if EOT_TOKEN < vocab else ()
+  stop = tuple(t for t in stop if t < vocab)
   print(f"{PROG}: step {step} of {args.workdir} ({config.model.attention} attention, "
         f"{count_params(config.model):,} parameters): {len(tokens)} prompt tokens, up to "
         f"{new_tokens} new", file=sys.stderr)

@@ -11,7 +11,10 @@ Sources (any mix):
                      already downloaded (a machine without network).
 Documents are tokenised with the exact GPT-2 BPE (`pisa_jax.train.tokenizer`), each followed by
 <|endoftext|> (50256), and whole documents go to val.bin with probability --val-fraction (seeded),
-the rest to train.bin.
+the rest to train.bin. With --tokenizer RUN (a `pisa-import` run folder) they are tokenised with
+that model's own tokenizer instead, each followed by its <|endoftext|> (or, without one, its first
+end-of-sequence token): the corpus a run of that model trains and evaluates on (a vocabulary of
+at most 65,536 tokens: the files hold uint16).
 
 The corpus is written into a fresh folder beside --out and swapped in only when complete, so a
 failed or interrupted run (Ctrl-C included) leaves an existing corpus exactly as it was. --out must
@@ -300,13 +303,14 @@ def _split_error(docs: dict[str, int], tokens: int, val_fraction: float, seed: i
 
 
 def write_tokens(documents: Iterator[str], folder: Path, *, val_fraction: float, seed: int,
-                 sources: list[str]) -> dict:
+                 sources: list[str], tokenizer: "RunVocabulary | None" = None) -> dict:
   """Tokenises, packs with EOT after each document, splits by document, writes folder/*.bin + meta.
 
   `folder` must be new (it may hold the owner file): `write_corpus` gives it a temporary one and
-  swaps it in.
+  swaps it in. tokenizer: a run's own (`run_vocabulary`); None is GPT-2's.
   """
-  enc = gpt2_encoding()
+  enc = gpt2_encoding() if tokenizer is None else tokenizer
+  eot = EOT_TOKEN if tokenizer is None else tokenizer.eot
   rng = np.random.default_rng(seed)
   counts = {"train": 0, "val": 0}
   docs = {"train": 0, "val": 0}
@@ -317,7 +321,7 @@ def write_tokens(documents: Iterator[str], folder: Path, *, val_fraction: float,
     def flush():
       for ids in enc.encode_ordinary_batch(batch):
         split = "val" if rng.random() < val_fraction else "train"
-        arr = np.asarray(ids + [EOT_TOKEN], dtype=np.uint16)
+        arr = np.asarray(ids + [eot], dtype=np.uint16)
         arr.tofile(files[split])
         counts[split] += arr.size
         docs[split] += 1
@@ -334,8 +338,10 @@ def write_tokens(documents: Iterator[str], folder: Path, *, val_fraction: float,
     for f in files.values():
       f.flush()
       os.fsync(f.fileno())
-  meta = {"format": FORMAT, "dtype": "uint16", "tokenizer": "gpt2", "vocab_size": VOCAB_SIZE,
-          "eot": EOT_TOKEN, "train_tokens": counts["train"], "val_tokens": counts["val"],
+  meta = {"format": FORMAT, "dtype": "uint16",
+          "tokenizer": "gpt2" if tokenizer is None else tokenizer.name,
+          "vocab_size": VOCAB_SIZE if tokenizer is None else tokenizer.n_vocab,
+          "eot": eot, "train_tokens": counts["train"], "val_tokens": counts["val"],
           "train_documents": docs["train"], "val_documents": docs["val"], "sources": sources,
           "val_fraction": val_fraction, "seed": seed}
   with open(folder / "meta.json", "w") as f:
@@ -535,12 +541,42 @@ def _check_paths(args: argparse.Namespace) -> None:
                          f"give a new folder", 2)
 
 
+class RunVocabulary:
+  """A pretrained run's tokenizer for corpora: `encode_ordinary_batch`, `n_vocab`, the `eot`
+  that closes each document and a `name` for meta.json."""
+
+  def __init__(self, run: Path):
+    from pisa_jax.train.tokenizer import run_encoding
+
+    encoding, stop = run_encoding(run)
+    if encoding is None:
+      raise PrepareError(f"--tokenizer {run} holds no tokenizer.json: give a pisa-import run "
+                         f"folder", 2)
+    self.encoding, self.n_vocab = encoding, encoding.n_vocab
+    if self.n_vocab > 1 << 16:
+      raise PrepareError(f"--tokenizer {run}: its {self.n_vocab:,} tokens do not fit the corpus "
+                         f"files' uint16 ids (at most 65,536)", 2)
+    endoftext = encoding.tokenizer.token_to_id("<|endoftext|>")
+    if endoftext is None and not stop:
+      raise PrepareError(f"--tokenizer {run}: the tokenizer has no <|endoftext|> and the run no "
+                         f"end-of-sequence token (pretrained.json) to close documents with", 2)
+    self.eot = int(stop[0] if endoftext is None else endoftext)
+    self.name = f"{run}/tokenizer.json"
+
+  def encode_ordinary_batch(self, texts: list[str]) -> list[list[int]]:
+    return [e.ids for e in self.encoding.tokenizer.encode_batch(texts)]
+
+
 def _prepare(args: argparse.Namespace) -> tuple[dict, list[str]]:
   _check_paths(args)
   for notice in remove_stale(args.out.resolve(), args.cache):
     print(f"{PROG}: {notice}", file=sys.stderr, flush=True)
+  tokenizer = None
   try:
-    gpt2_encoding()
+    if args.tokenizer is None:
+      gpt2_encoding()
+    else:
+      tokenizer = RunVocabulary(args.tokenizer)
   except (FileNotFoundError, ValueError) as e:
     raise PrepareError(str(e)) from None
   sources: list[str] = []
@@ -561,7 +597,7 @@ def _prepare(args: argparse.Namespace) -> tuple[dict, list[str]]:
       yield from it
 
   meta = write_corpus(documents(), args.out, val_fraction=args.val_fraction, seed=args.seed,
-                      sources=sources)
+                      sources=sources, tokenizer=tokenizer)
   return meta, sources
 
 
@@ -578,6 +614,9 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--out", type=Path, required=True)
   parser.add_argument("--val-fraction", type=float, default=0.02)
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--tokenizer", type=Path, default=None, metavar="RUN",
+                      help="a pisa-import run folder: tokenise with its model's own tokenizer "
+                           "(default: GPT-2's BPE)")
   args = parser.parse_args(argv)
   existed = args.out.exists()
   try:

@@ -1,10 +1,13 @@
-"""The exact GPT-2 BPE tokenizer (the paper's, 50,257 tokens), offline.
+"""The exact GPT-2 BPE tokenizer (the paper's, 50,257 tokens), offline; and a run's own tokenizer.
 
 tiktoken fetches its `r50k_base` file from a blob store the machines cannot reach. The PyPI source
 package `openai-whisper==20250625` ships the byte-identical file `whisper/assets/gpt2.tiktoken`:
 install it with `pip install --no-deps openai-whisper==20250625` and it is found here without ever
 importing `whisper` (that would pull torch). `PISA_GPT2_TIKTOKEN=/path/gpt2.tiktoken` points at a
 copy elsewhere.
+
+A run imported from a pretrained model (`pisa-import`) carries the model's own tokenizer.json:
+`run_encoding` gives it to the tools in place of GPT-2's.
 """
 
 from __future__ import annotations
@@ -64,3 +67,79 @@ def gpt2_encoding():
       name="gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
       special_tokens={"<|endoftext|>": EOT_TOKEN},
   )
+
+
+# A pretrained model's own tokenizer (`pisa-import` writes both files into the run folder).
+RUN_TOKENIZER = "tokenizer.json"
+PRETRAINED_RECORD = "pretrained.json"
+
+
+@functools.cache
+def _byte_of_char() -> dict[str, int]:
+  """GPT-2's byte-level alphabet inverted: the character each byte is written as -> the byte."""
+  printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+               *range(ord("®"), ord("ÿ") + 1)]
+  chars, extra = {}, 0
+  for b in range(256):
+    if b in printable:
+      chars[chr(b)] = b
+    else:
+      chars[chr(256 + extra)] = b
+      extra += 1
+  return chars
+
+
+class RunTokenizer:
+  """A run's own `tokenizers.Tokenizer` with what the tools use of a tiktoken Encoding:
+  `encode` / `encode_ordinary` (the model's convention: a BOS token where its tokenizer adds
+  one), `decode`, `decode_single_token_bytes`, `n_vocab`."""
+
+  def __init__(self, tokenizer):
+    self.tokenizer = tokenizer
+    self._special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+
+  @property
+  def n_vocab(self) -> int:
+    return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+  def encode(self, text: str) -> list[int]:
+    return self.tokenizer.encode(text).ids
+
+  encode_ordinary = encode
+
+  def decode(self, ids) -> str:
+    return self.tokenizer.decode(list(ids))
+
+  def decode_single_token_bytes(self, token: int) -> bytes:
+    """The bytes of one token: a byte-level BPE token's characters mapped back to bytes, a
+    byte-fallback token `<0xNN>` its byte, a SentencePiece piece with "▁" as a space; special
+    tokens decode to nothing, as `decode` leaves them out."""
+    piece = self.tokenizer.id_to_token(int(token))
+    if piece is None or int(token) in self._special:
+      return b""
+    table = _byte_of_char()
+    if all(c in table for c in piece):
+      return bytes(table[c] for c in piece)
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+      return bytes([int(piece[3:5], 16)])
+    return piece.replace("\u2581", " ").encode()
+
+
+def run_encoding(workdir) -> tuple[object, tuple[int, ...]]:
+  """(encoding, stop tokens) of a run: its own tokenizer.json (`pisa-import`) as a
+  `RunTokenizer` with the tokens that end its generations, else None (GPT-2's BPE, which the
+  tools load themselves) with <|endoftext|>."""
+  import json
+
+  folder = Path(workdir)
+  if not (folder / RUN_TOKENIZER).is_file():
+    return None, (EOT_TOKEN,)
+  from tokenizers import Tokenizer
+
+  try:
+    tokenizer = Tokenizer.from_file(str(folder / RUN_TOKENIZER))
+  except Exception as e:  # tokenizers raises its own Exception type for a bad file
+    raise ValueError(f"{folder / RUN_TOKENIZER} is not a tokenizers file ({e})") from None
+  record = folder / PRETRAINED_RECORD
+  stop = json.loads(record.read_text()).get("eos_token_ids", []) if record.is_file() else []
+  return RunTokenizer(tokenizer), tuple(int(t) for t in stop)

@@ -79,8 +79,8 @@ def loss_sums(graphdef, params, inputs, targets, weights, *, chunk: int | None =
   """
   model = nnx.merge(graphdef, params)
   nll, weight, hits = token_loss_sums(
-      model.hidden_states(inputs, segment_ids, positions), model.lm_head[...], targets, weights,
-      vocab_size=model.cfg.vocab_size, chunk=chunk)
+      model.hidden_states(inputs, segment_ids, positions), model.output_embedding(), targets,
+      weights, vocab_size=model.cfg.vocab_size, chunk=chunk)
   return nll, (weight, hits)
 
 

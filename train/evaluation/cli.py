@@ -260,7 +260,10 @@ def _evaluate(args, arrays, common, report) -> int:
     if name in args.suite:
       common.check_data(config, lengths=lengths, data=args.data, what=name)
   if "ruler" in args.suite:
-    needles.check_vocabulary(config)
+    from pisa_jax.train.tokenizer import run_encoding
+
+    encoding, stop = run_encoding(args.workdir)
+    needles.check_vocabulary(config, encoding)
     needles.load_ruler()
   if "mqar" in args.suite:
     pairs = args.mqar_pairs or mqar.default_pairs(config, lengths)
@@ -276,7 +279,8 @@ def _evaluate(args, arrays, common, report) -> int:
   kw = dict(lengths=lengths, samples=samples, seed=args.seed, progress=progress)
 
   def ruler_part():
-    part, records = needles.run_ruler(model, config, batch_size=batch, **kw)
+    part, records = needles.run_ruler(model, config, batch_size=batch, encoding=encoding,
+                                      stop=stop, **kw)
     out.mkdir(parents=True, exist_ok=True)
     with deferred_interrupt():
       _write_whole(out / part["predictions"], "".join(json.dumps(r) + "\n" for r in records))

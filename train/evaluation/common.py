@@ -157,12 +157,12 @@ def _token_scores(model, inputs, targets, segment_ids, positions, *, chunk: int)
   x = model.hidden_states(inputs, segment_ids, positions)  # [B, T, E]
   b, t, e = x.shape
   if chunk >= t:
-    return _chunk_scores(x, targets, model.lm_head[...], model.cfg.vocab_size)
+    return _chunk_scores(x, targets, model.output_embedding(), model.cfg.vocab_size)
   pad = -t % chunk
   x = jnp.pad(x, ((0, 0), (0, pad), (0, 0)))
   targets = jnp.pad(targets, ((0, 0), (0, pad)))
   n = (t + pad) // chunk
-  lm_head = model.lm_head[...]
+  lm_head = model.output_embedding()
   # One chunk's [B, chunk, Vp] float32 logits at a time: the whole [B, T, Vp] never exists.
   one = lambda xs: _chunk_scores(*xs, lm_head, model.cfg.vocab_size)
   split = lambda a: jnp.moveaxis(a.reshape(b, n, chunk, *a.shape[2:]), 1, 0)

@@ -134,7 +134,7 @@ def token_scores(model, inputs: Int[Array, "B T"], targets: Int[Array, "B T"], *
   them); the output projection and log-softmax run over chunks of `chunk` positions (dividing T).
   """
   x = model.hidden_states(inputs)  # [B, T, E]
-  lm_head, vocab_size = model.lm_head[...], model.cfg.vocab_size
+  lm_head, vocab_size = model.output_embedding(), model.cfg.vocab_size
   b, t = inputs.shape
 
   def score(xs):

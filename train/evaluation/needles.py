@@ -35,11 +35,14 @@ def load_ruler():
                                    f"installation lacks") from None
 
 
-def check_vocabulary(config) -> None:
-  """RULER's prompts are GPT-2 text: every id of the tokenizer must be a token of the model."""
-  if config.model.vocab_size < VOCAB_SIZE:
+def check_vocabulary(config, encoding=None) -> None:
+  """RULER's prompts are text of the run's tokenizer (`encoding`; None: GPT-2's): every id of the
+  tokenizer must be a token of the model."""
+  n_vocab = VOCAB_SIZE if encoding is None else encoding.n_vocab
+  what = "GPT-2 tokens" if encoding is None else "tokens of the run's tokenizer"
+  if config.model.vocab_size < n_vocab:
     raise common.EvalArgumentError(
-        f"--suite: ruler prompts are GPT-2 tokens (ids up to {VOCAB_SIZE - 1}) and the model's "
+        f"--suite: ruler prompts are {what} (ids up to {n_vocab - 1}) and the model's "
         f"vocabulary holds {config.model.vocab_size} (model.vocab_size)")
 
 
@@ -74,12 +77,13 @@ def greedy(model, prompts: list[list[int]], max_new_tokens: list[int], *, batch_
 
 def run_ruler(model, config, *, lengths: list[int], samples: int, seed: int, batch_size: int,
               progress: bool, ruler=None, haystack: str | None = None,
-              encoding=None) -> tuple[dict, list[dict]]:
+              encoding=None, stop: tuple[int, ...] = (EOT_TOKEN,)) -> tuple[dict, list[dict]]:
   """Every RULER task of `ruler.FAMILIES` at each length, `samples` samples each.
 
   Returns the `ruler` part of eval.json (scores are fractions in [0, 1]: tasks, families,
   by_length and the paper's average) and one record per sample (task, length, index, prompt
-  length, answers, prediction, score, needle depths) for ruler_predictions.jsonl.
+  length, answers, prediction, score, needle depths) for ruler_predictions.jsonl. encoding: the
+  run's tokenizer (None: GPT-2's), stop: the tokens that end a generation.
   """
   from pisa_jax.train.tokenizer import gpt2_encoding
 
@@ -89,13 +93,12 @@ def run_ruler(model, config, *, lengths: list[int], samples: int, seed: int, bat
   if config.model.vocab_size > encoding.n_vocab:
     # Checked before any generation: an id past the tokenizer's has no text to score.
     raise common.EvalArgumentError(
-        f"--suite ruler: the run's model.vocab_size={config.model.vocab_size} exceeds the GPT-2 "
+        f"--suite ruler: the run's model.vocab_size={config.model.vocab_size} exceeds the "
         f"tokenizer's {encoding.n_vocab:,} ids, so its generations cannot all be read as text")
   if haystack is None:
     haystack = ruler.load_haystack()
   families = {name: tuple(tasks) for name, tasks in ruler.FAMILIES.items()}
   tasks = [(family, task) for family, names in families.items() for task in names]
-  stop = (EOT_TOKEN,)
   records: list[dict] = []
   bar = common.progress_bar(samples * len(tasks) * len(lengths), "ruler", progress)
   for length in lengths:

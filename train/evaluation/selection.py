@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pisa_jax
-from pisa_jax.models.decoder import apply_rope, compute_dtype, rope_angles
+from pisa_jax.models.decoder import RopeSpec, compute_dtype
 from pisa_jax.train.evaluation import common
 
 FLAT = ("bsa", "pisa1", "pisa2")
@@ -47,19 +47,15 @@ def _embed(model, tokens):
 def _layer(block, x, cos, sin):
   """One block: its post-RoPE q `[B, T, HQ, D]` and k `[B, T, HKV, D]` in float32, as its
   attention sees them, and its output (the next block's input)."""
-  cdt = x.dtype
-  h = block.attn_norm(x)
-  q = jnp.einsum("bte,ehd->bthd", h, block.attn.wq[...].astype(cdt))
-  k = jnp.einsum("bte,ehd->bthd", h, block.attn.wk[...].astype(cdt))
-  return (apply_rope(q, cos, sin).astype(jnp.float32),
-          apply_rope(k, cos, sin).astype(jnp.float32), block(x, cos, sin))
+  q, k = block.attn.rotated_qk(block.attn_norm(x), cos, sin)
+  return q.astype(jnp.float32), k.astype(jnp.float32), block(x, cos, sin)
 
 
 def capture_layers(model, tokens: np.ndarray) -> Iterator[tuple[jax.Array, jax.Array]]:
   """Each layer's (q, k) over `tokens` `[B, T]`, one layer at a time: all layers at once would
   hold L x B x T x (HQ + HKV) x D floats."""
   cfg = model.cfg
-  cos, sin = rope_angles(tokens.shape[1], cfg.head_dim, cfg.rope_base)
+  cos, sin = RopeSpec.of(cfg).angles(tokens.shape[1])
   x = _embed(model, jnp.asarray(tokens, jnp.int32))
   for block in model.blocks:
     q, k, x = _layer(block, x, cos, sin)

