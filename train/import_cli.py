@@ -119,6 +119,7 @@ def _write(source, config, out: Path, path) -> None:
   from pisa_jax.models.pretrained import build_decoder
   from pisa_jax.models.sharding import make_mesh
   from pisa_jax.train import checkpoint as ckpt_lib
+  from pisa_jax.train import run_folder
   from pisa_jax.train.trainer import build_optimizer
 
   t = config.train
@@ -141,8 +142,9 @@ def _write(source, config, out: Path, path) -> None:
     checkpoints.save(0, state, config, force=True)
   finally:
     checkpoints.close()
-  # Last: a folder with config.json and a sealed checkpoint is a run folder.
+  # Last: config.json beside a sealed checkpoint, then the run-folder marker.
   (out / "config.json").write_text(config.to_json() + "\n")
+  run_folder.mark(out)
 
 
 def main(argv: list[str] | None = None) -> int:
