@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-import traceback
 from pathlib import Path
 
 from pisa_jax.train import distributed
@@ -170,9 +169,7 @@ def main(argv: list[str] | None = None) -> int:
   except BaseException as e:
     if runtime is None:
       raise
-    # Anything unforeseen still ends the other processes, after its traceback.
-    traceback.print_exc()
-    runtime.fail(f"pisa-train: error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    runtime.fail_unforeseen(e)  # the others end too
   if runtime is not None:
     runtime.done()
   return status

@@ -15,8 +15,9 @@ None and never calls `jax.distributed.initialize`.
 Failure. `start` runs a watchdog thread in every process: each beats a counter in the
 coordination service's key-value store every second; a process that has not beaten for
 `failure_timeout` seconds (killed, crashed, hung) or that reported a failure (`Runtime.fail`)
-ends every other process with one line on stderr and exit status 1. jax's own heartbeat, at twice
-that timeout, is the backstop: it ends a process the watchdog could not (its message, SIGABRT).
+ends every other process with one line on stderr and exit status 1, within that timeout and
+`GRACE_S`. jax's own heartbeat (`heartbeat_timeout`, twice that plus 10 s) is the backstop: it
+ends a process the watchdog could not (with jax's message, by SIGABRT).
 A process that loses process 0, which hosts the coordination service, is ended by jax's runtime
 at once ("Terminating process because the JAX distributed service detected fatal errors").
 `jax.distributed.initialize` waits `INITIALIZATION_TIMEOUT_S` for every process to start.
@@ -36,6 +37,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -284,6 +286,16 @@ class Runtime:
     finally:
       self.watchdog.halt.set()
 
+  def fail_unforeseen(self, error: BaseException):
+    """Ends this process on an error it did not foresee, often the effect of another process's
+    end (a collective cut short): the watchdog gets its timeout to find that out and say so in
+    its line; otherwise the traceback, then `fail`. Never returns."""
+    if self.watchdog.is_alive():
+      self.watchdog.join(self.launch.failure_timeout + 2 * BEAT_INTERVAL_S)
+    traceback.print_exception(error)
+    first = str(error).splitlines()[0] if str(error) else ""
+    self.fail(f"{self.watchdog.prog}: error: {type(error).__name__}: {first}")
+
   def fail(self, line: str, status: int = 1):
     """Ends this process after printing `line`: the others read it and end too (process 0 waits
     until they have). Never returns."""
@@ -297,6 +309,12 @@ class Runtime:
     if self.launch.primary:
       time.sleep(GRACE_S)
     os._exit(status)
+
+
+def heartbeat_timeout(failure_timeout: int) -> int:
+  """jax's heartbeat timeout for a watchdog of `failure_timeout` seconds: late enough that the
+  watchdog, with its grace, speaks first."""
+  return 2 * failure_timeout + 10
 
 
 def start(launch: Launch, *, prog: str = "pisa-jax") -> Runtime | None:
@@ -319,7 +337,7 @@ def start(launch: Launch, *, prog: str = "pisa-jax") -> Runtime | None:
         process_id=launch.process_id,
         cluster_detection_method=None if launch.cluster else "deactivate",
         initialization_timeout=INITIALIZATION_TIMEOUT_S,
-        heartbeat_timeout_seconds=2 * launch.failure_timeout,
+        heartbeat_timeout_seconds=heartbeat_timeout(launch.failure_timeout),
         shutdown_timeout_seconds=launch.failure_timeout)
   except Exception as e:
     first = str(e).splitlines()[0] if str(e) else type(e).__name__
