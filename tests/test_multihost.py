@@ -2,11 +2,12 @@
 devices in each.
 
 How a launch is read (flags, JAX_* variables, SLURM / Open MPI / Kubernetes), the mesh layout,
-the refusal of processes started differently and the watchdog are checked in-process. One run of
-2 processes x 2 devices (in CI) resumes a one-process checkpoint, trains the losses one process
-trains over the same global batch, writes checkpoints one process restores to the same state,
-and loses a process to kill -9: the other ends with one line within the failure timeout, and a
-rerun resumes from the last complete checkpoint. Slow: 4 processes resume the 2-process
+the refusal of processes started differently and the watchdog are checked in-process, and
+pisa-eval refuses a multi-process launch (it runs on one device). One run of 2 processes x 2
+devices (in CI) resumes a one-process checkpoint, trains the losses one process trains over the
+same global batch, writes checkpoints one process restores to the same state, and loses a
+process to kill -9: the other ends with one line within the failure timeout, and a rerun
+resumes from the last complete checkpoint. Slow: 4 processes resume the 2-process
 checkpoint (environment launch), and processes given different configs are refused.
 """
 
@@ -126,6 +127,15 @@ NO_JAX = textwrap.dedent("""
                               "--process-id", "0", "--coordinator", "h:1"])}
     os.environ["JAX_NUM_PROCESSES"] = "4"
     out["disagree"] = status(["--num-processes", "2", "--process-id", "0", "--coordinator", "h:1"])
+    # pisa-eval runs in one process: launched as several, it refuses.
+    from pisa_jax.train.evaluation import cli as eval_cli
+    del os.environ["JAX_NUM_PROCESSES"]
+    os.environ.update(SLURM_JOB_ID="7", SLURM_STEP_NODELIST="n1", SLURM_NTASKS="2",
+                      SLURM_PROCID="1", SLURM_LOCALID="1")
+    try:
+      eval_cli.main(["--workdir", ".", "--suite", "ppl"])
+    except SystemExit as e:
+      out["eval"] = [e.code, "jax" in sys.modules]
     print(json.dumps(out))
 """)
 
@@ -143,7 +153,9 @@ def test_launch_mistakes_are_reported_before_jax_is_imported():
       "pisa-train: error: argument --process-id: -1 must be >= 0",
       "pisa-train: error: --failure-timeout=2 must be >= 5 seconds",
       "pisa-train: error: --num-processes=2 disagrees with JAX_NUM_PROCESSES=4: give the launch "
-      "once, or the same values everywhere"], proc.stderr
+      "once, or the same values everywhere",
+      "pisa-eval: error: launched as process 1 of 2 (SLURM): pisa-eval evaluates in one process "
+      "on one device; run it once (srun --ntasks=1, or without the JAX_* variables)"], proc.stderr
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,9 +285,7 @@ def _launch(started, tmp_path, n, devices, workdir, extra, *, name, per_process=
   port; their output goes to tmp_path/<name>-<i>.log."""
   port = _free_port()
   base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "JAX_"))}
-  base |= {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-           "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla"),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+  base |= {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
   logs = []
   for i in range(n):
     argv = [sys.executable, "-m", "pisa_jax.train.cli", "--config", "tiny", "--no-progress",

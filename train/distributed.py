@@ -291,7 +291,8 @@ class Runtime:
     end (a collective cut short): the watchdog gets its timeout to find that out and say so in
     its line; otherwise the traceback, then `fail`. Never returns."""
     if self.watchdog.is_alive():
-      self.watchdog.join(self.launch.failure_timeout + 2 * BEAT_INTERVAL_S)
+      # The silence it measures began up to a beat before this error; it checks once a beat.
+      self.watchdog.join(self.launch.failure_timeout + 4 * BEAT_INTERVAL_S)
     traceback.print_exception(error)
     first = str(error).splitlines()[0] if str(error) else ""
     self.fail(f"{self.watchdog.prog}: error: {type(error).__name__}: {first}")
