@@ -47,7 +47,8 @@ ENV_PROCESS_ID = "JAX_PROCESS_ID"
 DEFAULT_FAILURE_TIMEOUT_S = 60
 MIN_FAILURE_TIMEOUT_S = 5
 INITIALIZATION_TIMEOUT_S = 300
-# How long `agree`, `share_from_primary` and `barrier` wait for the slowest process.
+# How long `agree`, `share_from_primary` and `barrier` wait for the slowest process (the watchdog
+# ends a wait on a process that is gone well before).
 SYNC_TIMEOUT_S = 300
 # Beats and checks of the watchdog; process 0 outlives a failure by GRACE_S so that every other
 # process reads the failure from its key-value store before the store goes away with it.
@@ -243,14 +244,14 @@ class _Watchdog(threading.Thread):
         if self.halt.is_set():
           return
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        self.end(f"lost process 0, which hosts the coordination service ({first})")
+        self.end(f"lost process 0, which hosts the coordination service ({first})", True)
         return
       if self.halt.is_set():
         return
       now = time.monotonic()
       for p in seen:
         if f"{_PREFIX}/failed/{p}" in entries:
-          self.end(f"process {p} of {self.num} failed: {entries[f'{_PREFIX}/failed/{p}']}")
+          self.end(f"process {p} of {self.num} failed: {entries[f'{_PREFIX}/failed/{p}']}", False)
           return
       for p, (last, since) in seen.items():
         if f"{_PREFIX}/done/{p}" in entries:
@@ -260,13 +261,14 @@ class _Watchdog(threading.Thread):
           seen[p] = (beat, now)
         elif now - since > self.timeout:
           self.end(f"process {p} of {self.num} has not answered for {self.timeout:g} s "
-                   f"(killed, crashed or hung)")
+                   f"(killed, crashed or hung)", True)
           return
 
-  def end(self, reason: str) -> None:
-    _stderr_line(f"{self.prog}: error: {reason}; stopped process {self.process_id} too: run the "
-                 f"same command on every process again to resume from the last complete "
-                 f"checkpoint")
+  def end(self, reason: str, resume: bool) -> None:
+    """Ends this process with one line: `reason`, and with `resume` how to go on."""
+    advice = (": run the same command on every process again to resume from the last complete "
+              "checkpoint" if resume else "")
+    _stderr_line(f"{self.prog}: error: {reason}; stopped process {self.process_id} too{advice}")
     if self.process_id == 0:
       time.sleep(GRACE_S)
     os._exit(1)
@@ -281,10 +283,11 @@ class Runtime:
 
   def done(self) -> None:
     """This process ends normally: the others stop watching it, and it stops watching them."""
+    self.watchdog.halt.set()
     try:
       _client().key_value_set(f"{_PREFIX}/done/{self.launch.process_id}", "1")
-    finally:
-      self.watchdog.halt.set()
+    except Exception:  # process 0 has gone already: nobody is left to watch this one
+      pass
 
   def fail_unforeseen(self, error: BaseException):
     """Ends this process on an error it did not foresee, often the effect of another process's
@@ -422,9 +425,9 @@ def share_from_primary(name: str, compute: Callable[[], Any]) -> Any:
   return json.loads(_get(client, key))
 
 
-def barrier(name: str) -> None:
-  """Waits until every process has reached `name` (at most SYNC_TIMEOUT_S)."""
+def barrier(name: str, timeout_s: float = SYNC_TIMEOUT_S) -> None:
+  """Waits until every process has reached `name`, at most `timeout_s`."""
   import jax
 
   if jax.process_count() > 1:
-    _client().wait_at_barrier(_key("barrier", name), SYNC_TIMEOUT_S * 1000)
+    _client().wait_at_barrier(_key("barrier", name), int(timeout_s * 1000))

@@ -9,6 +9,11 @@ counted tokens, clips at global norm 1.0 and applies AdamW with the schedule's l
 (checksums, and the model they were written for), and the compiled step's memory against the
 device's. Its status lines go to the `pisa_jax.train.trainer` logger; `console_logging` prints them
 above the progress bar.
+
+In a multi-process run (after `jax.distributed.initialize`, which `pisa-train` calls through
+`pisa_jax.train.distributed`) every process calls `train` with the same config: the mesh spans
+all their devices, each process places its own rows of every batch, and process 0 alone writes
+the run folder and prints; the processes agree on the config at the start and on every early stop.
 """
 
 from __future__ import annotations
@@ -50,6 +55,9 @@ from pisa_jax.train.memory import (PEAK_FLOPS, InsufficientMemoryError, _fmt_byt
 from pisa_jax.train.schedule import make_schedule
 
 log = logging.getLogger(__name__)
+# How long the other processes of a multi-process run wait for process 0 to seal the last
+# checkpoint (sha256 of every file); a process that dies meanwhile is caught by the watchdog.
+FINAL_SEAL_TIMEOUT_S = 3600
 
 
 class NonFiniteLossError(RuntimeError):
@@ -422,8 +430,12 @@ def train(config: Config, workdir: str | Path, *, run_steps: int | None = None,
       say(f"resumed from {checkpoint_dir}/{begin.point.step} (step {start} of {t.steps})")
     if dropped:
       say(f"dropped {dropped} rows past step {start} from metrics.jsonl: those steps run again")
-    return _loop(cfg, workdir, begin, checkpoints, run_steps=run_steps, max_seconds=max_seconds,
-                 progress=progress, say=say, primary=primary)
+    result = _loop(cfg, workdir, begin, checkpoints, run_steps=run_steps,
+                   max_seconds=max_seconds, progress=progress, say=say, primary=primary)
+    # Process 0 may still be sealing the last checkpoint (its checksums): the others wait for it
+    # here, as long as it takes, rather than in jax's shutdown, which has a timeout.
+    distributed.barrier("trained", timeout_s=FINAL_SEAL_TIMEOUT_S)
+    return result
   finally:
     if held is not None:
       held.release()
