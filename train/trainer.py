@@ -153,9 +153,12 @@ class Trainer:
     return jax.jit(init, out_shardings=self.state_shardings, donate_argnums=0)
 
   def place_batch(self, batch: dict[str, np.ndarray], shardings: dict) -> dict:
-    """This process's rows `[..., B_local, T]` as global arrays `[..., global_batch, T]`."""
+    """This process's rows `[..., B_local, T]` as global arrays `[..., global_batch, T]` (one
+    process: the arrays as they are)."""
 
     def place(sharding, rows):
+      if jax.process_count() == 1:
+        return jax.make_array_from_process_local_data(sharding, rows)
       shape = rows.shape[:-2] + (self.global_batch, rows.shape[-1])
       return jax.make_array_from_process_local_data(sharding, rows, shape)
 
@@ -375,11 +378,12 @@ def train(config: Config, workdir: str | Path, *, run_steps: int | None = None,
   if primary:
     check_workdir(workdir)
     run_folder.inspect_run_folder(workdir)  # a foreign folder is refused before anything is written
+  # Warnings as ever on process 0 (quiet or not); nothing at all from the others.
+  warn = log.warning if primary else (lambda *a: None)
   quiet, progress = quiet or not primary, progress and primary
   if not quiet:
     console_logging()
   say = (lambda *a: None) if quiet else log.info
-  warn = (lambda *a: None) if quiet else log.warning
   checkpoint_dir = (workdir / "checkpoints").absolute()
 
   created = run_folder.first_missing(workdir) if primary else None  # removed if set-up fails
