@@ -83,6 +83,8 @@ SLURM = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[01-02]", "SLURM_NTASK
 def test_a_launch_is_read_from_flags_environment_and_cluster(flags, environ, expected):
   assert resolve_launch(**flags, environ=environ) == expected
   assert expected.multi_process == (expected.num_processes != 1)
+  if not expected.multi_process:  # one process never starts jax's runtime
+    assert distributed.start(expected) is None
 
 
 @pytest.mark.parametrize("flags,environ,message", [
@@ -422,6 +424,7 @@ def test_two_processes_train_as_one_and_a_killed_one_ends_the_run(reference, two
 def test_four_processes_resume_two_and_mismatched_processes_are_refused(reference,
                                                                         two_processes):
   tmp = two_processes.tmp
+  ref = _losses(reference.workdir)
   # 2 -> 4: the 2-process run's checkpoint 4, resumed by 4 processes x 1 device, launched
   # through JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID.
   workdir = tmp / "four"
@@ -436,9 +439,23 @@ def test_four_processes_resume_two_and_mismatched_processes_are_refused(referenc
     assert _wait(procs, logs, 400) == [3, 3, 3, 3], logs[0].read_text()[-3000:]
   output = logs[0].read_text()
   assert "mesh {'data': 4, 'fsdp': 1} on 4 x cpu" in output
-  assert output.rstrip().splitlines()[-1] == "stopped at step 6 of 1000 (--run-steps); rerun to continue"
-  ours, ref = _losses(workdir), _losses(reference.workdir)
+  assert output.rstrip().splitlines()[-1] == ("stopped at step 6 of 1000 (--run-steps); rerun to "
+                                              "continue")
+  ours = _losses(workdir)
   np.testing.assert_allclose([ours[5], ours[6]], [ref[5], ref[6]], rtol=2e-6)
+  # 4 -> 2 with every process taking part in the fallback: checkpoint 6 (of 4 processes) is
+  # corrupt, process 0 finds it, sets it aside, and all resume from 4.
+  (workdir / "checkpoints" / "6" / "meta" / "metadata").write_text("{}")
+  with _processes() as started:
+    procs, logs = _launch(started, tmp, 2, 2, workdir,
+                          ["--set", "train.per_device_batch=2", "--run-steps", "1"],
+                          name="fallback")
+    assert _wait(procs, logs, 300) == [3, 3], logs[0].read_text()[-3000:]
+  output = logs[0].read_text()
+  assert f"skipped checkpoint {workdir / 'checkpoints'}/6 (meta/metadata " in output, output[-3000:]
+  assert f"resumed from {workdir / 'checkpoints'}/4 (step 4 of 1000)" in output
+  assert (workdir / "skipped_checkpoints" / "6").is_dir()
+  np.testing.assert_allclose(_losses(workdir)[5], ref[5], rtol=2e-6)
   # Processes given different configs stop before anything is written.
   fresh = tmp / "mismatch"
   with _processes() as started:
