@@ -239,9 +239,9 @@ def test_processes_started_differently_are_refused_naming_the_field(monkeypatch)
 
 
 @pytest.mark.parametrize("entries,reason", [
-    ({"pisa-jax/failed/1": "loss is nan at step 3"},
+    ({"pisa-jax/watch/failed/1": "loss is nan at step 3"},
      ("process 1 of 3 failed: loss is nan at step 3", False)),
-    ({"pisa-jax/done/1": "1"},
+    ({"pisa-jax/watch/done/1": "1"},
      ("process 2 of 3 has not answered for 0.5 s (killed, crashed or hung)", True)),
 ])
 def test_the_watchdog_ends_the_process_when_another_fails_or_goes_silent(entries, reason,
@@ -249,14 +249,14 @@ def test_the_watchdog_ends_the_process_when_another_fails_or_goes_silent(entries
   monkeypatch.setattr(distributed, "BEAT_INTERVAL_S", 0.05)
   store = _Store(entries)
   # Process 2 beats; process 1 is done (or failed), process 2 beats on; only process 0 is watched.
-  store.key_value_set("pisa-jax/beat/2", "1")
+  store.key_value_set("pisa-jax/watch/beat/2", "1")
   ended = []
   watchdog = distributed._Watchdog(store, process_id=0, num_processes=3, timeout=0.5, prog="t")
   watchdog.end = lambda why, resume: (ended.append((why, resume)), watchdog.halt.set())
   watchdog.start()
   watchdog.join(10)
   assert ended == [reason]
-  assert int(store.entries["pisa-jax/beat/0"]) >= 1
+  assert int(store.entries["pisa-jax/watch/beat/0"]) >= 1
 
 
 # ---------------------------------------------------------------------------------------------

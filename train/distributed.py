@@ -55,6 +55,7 @@ SYNC_TIMEOUT_S = 300
 BEAT_INTERVAL_S = 1.0
 GRACE_S = 2.5 * BEAT_INTERVAL_S
 _PREFIX = "pisa-jax"
+_WATCH = f"{_PREFIX}/watch"
 
 
 class LaunchError(ValueError):
@@ -237,9 +238,9 @@ class _Watchdog(threading.Thread):
     while not self.halt.wait(BEAT_INTERVAL_S):
       beats += 1
       try:
-        self.client.key_value_set(f"{_PREFIX}/beat/{self.process_id}", str(beats),
+        self.client.key_value_set(f"{_WATCH}/beat/{self.process_id}", str(beats),
                                   allow_overwrite=True)
-        entries = dict(self.client.key_value_dir_get(f"{_PREFIX}/"))
+        entries = dict(self.client.key_value_dir_get(f"{_WATCH}/"))
       except Exception as e:  # the store went away with process 0
         if self.halt.is_set():
           return
@@ -250,13 +251,14 @@ class _Watchdog(threading.Thread):
         return
       now = time.monotonic()
       for p in seen:
-        if f"{_PREFIX}/failed/{p}" in entries:
-          self.end(f"process {p} of {self.num} failed: {entries[f'{_PREFIX}/failed/{p}']}", False)
+        failure = entries.get(f"{_WATCH}/failed/{p}")
+        if failure is not None:
+          self.end(f"process {p} of {self.num} failed: {failure}", False)
           return
       for p, (last, since) in seen.items():
-        if f"{_PREFIX}/done/{p}" in entries:
+        if f"{_WATCH}/done/{p}" in entries:
           continue
-        beat = entries.get(f"{_PREFIX}/beat/{p}")
+        beat = entries.get(f"{_WATCH}/beat/{p}")
         if beat != last:
           seen[p] = (beat, now)
         elif now - since > self.timeout:
@@ -285,7 +287,7 @@ class Runtime:
     """This process ends normally: the others stop watching it, and it stops watching them."""
     self.watchdog.halt.set()
     try:
-      _client().key_value_set(f"{_PREFIX}/done/{self.launch.process_id}", "1")
+      _client().key_value_set(f"{_WATCH}/done/{self.launch.process_id}", "1")
     except Exception:  # process 0 has gone already: nobody is left to watch this one
       pass
 
@@ -306,7 +308,7 @@ class Runtime:
     self.watchdog.halt.set()
     _stderr_line(line)
     try:
-      _client().key_value_set(f"{_PREFIX}/failed/{self.launch.process_id}",
+      _client().key_value_set(f"{_WATCH}/failed/{self.launch.process_id}",
                               line.split(": error: ", 1)[-1], allow_overwrite=True)
     except Exception:  # the store is gone: the others learn it from jax's runtime
       pass
