@@ -20,7 +20,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from types import SimpleNamespace
 
