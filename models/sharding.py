@@ -6,6 +6,8 @@ the parameters and optimizer state, ZeRO-3 style). The batch is split over both;
 split over "fsdp" along their model dimension. Context parallelism (`train.context_parallel` > 1)
 adds a third axis, "seq", that splits the sequence of every activation; parameters are whole
 along it, and attention gathers the keys and values over it (`pisa_jax.models.context_parallel`).
+In a multi-process run the mesh spans every process's devices, seq and fsdp innermost so that
+their collectives stay inside a process, and so a host (`mesh_devices`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
@@ -194,24 +197,60 @@ def batch_ways(mesh: Mesh, context_parallel: int = 1) -> int:
   return mesh.devices.size // seq
 
 
+def mesh_devices(devices, fsdp: int = -1, context_parallel: int = 1) -> "np.ndarray":
+  """`devices` (every process's) laid out as the `(data, fsdp)` or `(data, fsdp, seq)` device
+  array of `make_mesh`.
+
+  The layout rule: devices are ordered by (process, device id) and reshaped, seq innermost, then
+  fsdp, then data. So a "seq" group (context parallelism, keys and values exchanged every layer)
+  is always inside one process, and an "fsdp" group (parameters gathered every layer) is inside
+  one process when `fsdp * context_parallel` divides a process's devices, else whole consecutive
+  processes; "data" (one gradient all-reduce a step) spans the rest. Launchers number the
+  processes of one host consecutively (srun's block distribution, a host list in order), so
+  these groups stay inside a host where they can. Within a process the order is jax.make_mesh's
+  on GPU and CPU (device ids). `fsdp=-1` puts every device of one process (over
+  `context_parallel`) on "fsdp". Each process's devices hold a contiguous range of the batch
+  rows, in process order: the rows `pisa_jax.train.data` gives each process.
+  """
+  per_process: dict[int, list] = {}
+  for d in devices:
+    per_process.setdefault(d.process_index, []).append(d)
+  counts = {len(v) for v in per_process.values()}
+  if len(counts) != 1:
+    sizes = {p: len(v) for p, v in sorted(per_process.items())}
+    raise ValueError(f"every process must have as many devices (devices per process: {sizes})")
+  (local,) = counts
+  total = len(devices)
+  if context_parallel < 1 or local % context_parallel:
+    raise ValueError(f"train.context_parallel={context_parallel} must be >= 1 and divide the "
+                     f"{local} local devices (a sequence's shards stay in one process)")
+  fsdp = local // context_parallel if fsdp == -1 else fsdp
+  group = fsdp * context_parallel
+  within = fsdp >= 1 and local % group == 0
+  whole = fsdp >= 1 and group % local == 0 and total % group == 0
+  if not (within or whole):
+    many = len(per_process) > 1
+    raise ValueError(
+        f"train.fsdp={fsdp} must divide the {local} local devices"
+        + (f" / train.context_parallel={context_parallel} = {local // context_parallel}"
+           if context_parallel > 1 else "")
+        + (f", or span whole processes ({local} devices each, {total} in all)" if many else ""))
+  ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+  shape = (total // group, fsdp) + ((context_parallel,) if context_parallel > 1 else ())
+  return np.asarray(ordered, dtype=object).reshape(shape)
+
+
 def make_mesh(fsdp: int = -1, context_parallel: int = 1) -> Mesh:
-  """A (data, fsdp) mesh over all local devices; `fsdp=-1` puts every device on "fsdp".
+  """A (data, fsdp) mesh over every device of every process (`mesh_devices` gives the layout);
+  `fsdp=-1` puts every device of one process on "fsdp".
 
   With `context_parallel` > 1, a (data, fsdp, seq) mesh whose "seq" axis has that many devices
-  (`fsdp=-1`: every other device on "fsdp").
+  of one process (`fsdp=-1`: every other device of the process on "fsdp"). In a single process
+  the devices are jax.make_mesh's.
   """
-  n = jax.local_device_count()
-  if context_parallel < 1 or n % context_parallel:
-    raise ValueError(f"train.context_parallel={context_parallel} must be >= 1 and divide the {n} "
-                     f"local devices")
-  rest = n // context_parallel
-  fsdp = rest if fsdp == -1 else fsdp
-  if rest % fsdp:
-    raise ValueError(f"train.fsdp={fsdp} must divide the {n} local devices"
-                     + (f" / train.context_parallel={context_parallel} = {rest}"
-                        if context_parallel > 1 else ""))
-  if context_parallel == 1:
-    return jax.make_mesh((rest // fsdp, fsdp), MESH_AXES,
-                         axis_types=(AxisType.Auto,) * 2, devices=jax.local_devices())
-  return jax.make_mesh((rest // fsdp, fsdp, context_parallel), MESH_AXES + (SEQ_AXIS,),
-                       axis_types=(AxisType.Auto,) * 3, devices=jax.local_devices())
+  names = MESH_AXES + ((SEQ_AXIS,) if context_parallel > 1 else ())
+  layout = mesh_devices(jax.devices(), fsdp, context_parallel)
+  if jax.process_count() == 1:
+    return jax.make_mesh(layout.shape, names, axis_types=(AxisType.Auto,) * len(names),
+                         devices=jax.local_devices())
+  return Mesh(layout, names, axis_types=(AxisType.Auto,) * len(names))

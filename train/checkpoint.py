@@ -7,6 +7,14 @@ crash never looks complete. Once Orbax has finished, the sha256 of every file of
 written to `checksums.json` (the checkpoint is then "sealed"); a restore first checks every file
 against it, so a truncated, missing or bit-flipped file, or a checkpoint whose run died before it
 was sealed, is found before anything is read, and the run falls back to the newest one that checks.
+
+Several processes (`pisa_jax.train.distributed`): every process saves and restores its shards of
+the global arrays through Orbax, which needs one filesystem that every process sees at the same
+path (NFS, Lustre, GCS...). Process 0 seals a checkpoint once Orbax has finalized it, which is
+after every process's files are written; to resume, process 0 alone verifies the checksums and
+reads the meta (reading every file once, not once per process) and hands the step it chose, or
+its error, to the others. A checkpoint restores under any process count and mesh: Orbax reads
+each array's slices for the shardings asked for.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import orbax.checkpoint as ocp
 
 from pisa_jax.configs.base import Config
 from pisa_jax.models.config import SPARSE_ATTENTION_KINDS, ModelConfig
+from pisa_jax.train import distributed
 
 FORMAT = "pisa-jax-train-state-v1"
 MANIFEST = "checksums.json"
@@ -128,19 +137,24 @@ def verify(step_dir: Path) -> str | None:
 class Checkpointer:
   """A CheckpointManager over `directory`: async saves, keep the last `keep`, sealed by checksums.
 
-  With `read_only=True` nothing is created or written: it lists, verifies and restores.
+  With `read_only=True` nothing is created or written: it lists, verifies and restores. Every
+  process of a multi-process run creates it and takes part in its saves and restores, except
+  with `this_process_only=True` (a reader of this process alone, for metadata).
   """
 
   def __init__(self, directory: str | Path, *, keep: int = 1, use_async: bool = True,
-               read_only: bool = False):
+               read_only: bool = False, this_process_only: bool = False):
     self.directory = Path(directory).absolute()
     self.use_async = use_async
+    alone = {jax.process_index()} if this_process_only and jax.process_count() > 1 else None
     self.manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=use_async, create=not read_only,
             # A temporary folder left by a save that a kill cut short.
             cleanup_tmp_directories=not read_only,
+            multiprocessing_options=ocp.options.MultiprocessingOptions(
+                primary_host=jax.process_index() if alone else 0, active_processes=alone),
         ),
     )
     self._last_saved: int | None = None
@@ -176,6 +190,7 @@ class Checkpointer:
 
   def _seal(self, step: int) -> None:
     try:
+      # On process 0 this returns once Orbax has finalized the step, after every process wrote.
       self.manager.wait_until_finished()
       if jax.process_index() == 0:
         write_manifest(self.directory / str(step))
@@ -270,12 +285,38 @@ def find_resume_point(directory: str | Path, model: ModelConfig, *,
   Walks from the newest checkpoint down to the first that passes its checksums; checks that one
   against `model` (shapes always, attention fields unless `allow_attention_change`). Raises
   CorruptCheckpointError when checkpoints exist but none passes, IncompatibleCheckpointError when
-  the newest good one was written for another model.
+  the newest good one was written for another model. In a multi-process run process 0 checks
+  and every process returns (or raises) its answer.
   """
   directory = Path(directory).absolute()
+  if jax.process_count() == 1:
+    return _find_resume_point(directory, model, allow_attention_change)
+
+  def checked() -> dict | None:
+    try:
+      point = _find_resume_point(directory, model, allow_attention_change)
+    except (CorruptCheckpointError, IncompatibleCheckpointError) as e:
+      return {"error": type(e).__name__, "message": str(e),
+              "skipped": list(getattr(e, "skipped", ()))}
+    return None if point is None else dataclasses.asdict(point)
+
+  found = distributed.share_from_primary("resume point", checked)
+  if found is None:
+    return None
+  if "error" in found:
+    if found["error"] == CorruptCheckpointError.__name__:
+      raise CorruptCheckpointError(found["message"],
+                                   skipped=tuple(tuple(s) for s in found["skipped"]))
+    raise IncompatibleCheckpointError(found["message"])
+  return ResumePoint(step=found["step"], meta=found["meta"],
+                     skipped=tuple(tuple(s) for s in found["skipped"]))
+
+
+def _find_resume_point(directory: Path, model: ModelConfig,
+                       allow_attention_change: bool) -> ResumePoint | None:
   if not directory.is_dir():
     return None
-  reader = Checkpointer(directory, read_only=True)
+  reader = Checkpointer(directory, read_only=True, this_process_only=True)
   try:
     skipped = []
     for step in reversed(reader.all_steps()):

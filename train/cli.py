@@ -4,6 +4,14 @@
   pisa-train --config small --set data.path=data/corpus --set train.steps=500 --workdir runs/s
   pisa-train --config cpt-1.47b --set train.init_from=runs/pretrain --workdir runs/cpt
 
+Several processes (one per host, or per GPU under srun) train one run as jax's multi-controller
+runtime when launched so: --coordinator HOST:PORT --num-processes N --process-id I, the same from
+JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID, or from SLURM, Open MPI or a
+Kubernetes Indexed Job (`pisa_jax.train.distributed` gives the rules); one process with none of
+these runs alone. Every process gets the same command; process 0 alone locks and writes the run
+folder, which must be on a filesystem every process sees; a process that stops ends the others
+within --failure-timeout seconds, and the same command resumes from the last complete checkpoint.
+
 --workdir is a new or empty folder, which becomes a run folder (marked by its pisa-run.json), or a
 run folder to resume; any other folder is refused untouched, and one run at a time may use a run
 folder. Running the same command again resumes from the newest checkpoint that passes its
@@ -22,7 +30,9 @@ Exit status, and the last line printed:
        resume" (143: the same for SIGTERM; a second signal exits at once, without saving)
   2    a bad argument or config, in one line
   1    a run that cannot start or continue (a folder in use or not a run folder, missing data,
-       no usable checkpoint, not enough memory, a non-finite loss), in one line
+       no usable checkpoint, not enough memory, a non-finite loss, processes started with
+       different configs, another process that stopped), in one line
+A process that loses process 0 (the coordinator) is ended at once by jax's runtime (SIGABRT).
 """
 
 from __future__ import annotations
@@ -31,6 +41,8 @@ import argparse
 import signal
 import sys
 from pathlib import Path
+
+from pisa_jax.train import distributed
 
 # Exit status of a run that --run-steps or --max-seconds stopped before train.steps.
 EXIT_STOPPED = 3
@@ -67,6 +79,16 @@ def _positive(kind):
   return parse
 
 
+def _index(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+  if value < 0:
+    raise argparse.ArgumentTypeError(f"{text} must be >= 0")
+  return value
+
+
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="pisa-train", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,6 +110,18 @@ def _parser() -> argparse.ArgumentParser:
                       help="resume even though model.attention (or its block_size, top_k, "
                            "branching or beam) differs from the checkpoint's: the weights trained "
                            "with the old attention continue under the new one")
+  parser.add_argument("--coordinator", metavar="HOST:PORT",
+                      help="multi-process: process 0's address (else JAX_COORDINATOR_ADDRESS or "
+                           "the cluster's)")
+  parser.add_argument("--num-processes", type=_positive(int), metavar="N",
+                      help="multi-process: how many (else JAX_NUM_PROCESSES or the cluster's)")
+  parser.add_argument("--process-id", type=_index, metavar="I",
+                      help="multi-process: this one, 0..N-1 (else JAX_PROCESS_ID or the "
+                           "cluster's)")
+  parser.add_argument("--failure-timeout", type=_positive(int), metavar="SECONDS",
+                      default=distributed.DEFAULT_FAILURE_TIMEOUT_S,
+                      help="multi-process: a process silent this long ends the others "
+                           "(default %(default)s)")
   parser.add_argument("--print-config", action="store_true")
   parser.add_argument("--no-progress", action="store_true")
   return parser
@@ -110,6 +144,11 @@ def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   parser = _parser()
   args = parser.parse_args(argv)
+  try:
+    launch = distributed.resolve_launch(args.coordinator, args.num_processes, args.process_id,
+                                        failure_timeout=args.failure_timeout)
+  except distributed.LaunchError as e:
+    parser.error(str(e))
   # Imported once the arguments parse: a mistake in them is reported before jax starts.
   from pisa_jax.configs import apply_overrides, validate
   from pisa_jax.train import run_folder
@@ -135,13 +174,39 @@ def main(argv: list[str] | None = None) -> int:
     # Checked again by the trainer; here a folder that cannot hold a run is refused before jax.
     run_folder.check_workdir(workdir)
     run_folder.inspect_run_folder(workdir)
-    run_folder.check_not_in_use(workdir)
+    if launch.primary:  # the others never lock it
+      run_folder.check_not_in_use(workdir)
   except (run_folder.RunFolderError, OSError) as e:
     print(f"pisa-train: error: {e}", file=sys.stderr)
     return 1
   from pisa_jax.train import compilation_cache
 
   compilation_cache.enable_for(parser)
+  try:
+    runtime = distributed.start(launch, prog="pisa-train")
+  except RuntimeError as e:
+    print(f"pisa-train: error: {e}", file=sys.stderr)
+    return 1
+  try:
+    status = _train(config, workdir, args, argv, runtime)
+  except BaseException as e:
+    if runtime is None:
+      raise
+    runtime.fail_unforeseen(e)  # the others end too
+  if runtime is not None:
+    runtime.done()
+  return status
+
+
+def _train(config, workdir: Path, args, argv: list[str], runtime) -> int:
+  """Trains and returns the exit status. A process of a multi-process run that cannot go on
+  ends itself and the others through `runtime.fail` (its line, its status)."""
+
+  def failed(line: str, status: int) -> int:
+    if runtime is not None:
+      runtime.fail(line, status)
+    print(line, file=sys.stderr)
+    return status
 
   # SIGTERM during the set-up stops it as Ctrl-C does (the loop catches both signals itself).
   terminated = []
@@ -159,35 +224,41 @@ def main(argv: list[str] | None = None) -> int:
                            allow_attention_change=args.allow_attention_change,
                            command=["pisa-train", *argv])
   except KeyboardInterrupt as e:
-    print(f"pisa-train: {str(e) or 'interrupted'}", file=sys.stderr)
-    return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
+    return failed(f"pisa-train: {str(e) or 'interrupted'}",
+                  128 + (signal.SIGTERM if terminated else signal.SIGINT))
   except (ValueError, OSError, trainer.NonFiniteLossError, trainer.InsufficientMemoryError) as e:
-    # ValueError covers the config, data, run-folder and checkpoint errors.
-    print(f"pisa-train: error: {e}", file=sys.stderr)
-    return 1
+    # ValueError covers the config, data, run-folder and checkpoint errors, and processes that
+    # were started differently.
+    return failed(f"pisa-train: error: {e}", 1)
   finally:
     signal.signal(signal.SIGTERM, previous)
-  return _report(result, config.train.steps)
+  return _report(result, config.train.steps, show=runtime is None or runtime.launch.primary)
 
 
-def _report(result, steps: int) -> int:
-  """Prints the last line, which says how the run ended, and returns the exit status."""
+def _report(result, steps: int, *, show: bool = True) -> int:
+  """Prints the last line, which says how the run ended (unless not `show`: the processes of a
+  multi-process run other than 0), and returns the exit status."""
   step = result.end_step
+
+  def say(line: str, stream=sys.stdout) -> None:
+    if show:
+      print(line, file=stream)
+
   if result.stop_reason in ("SIGINT", "SIGTERM"):
     what = "interrupted" if result.stop_reason == "SIGINT" else "terminated (SIGTERM)"
-    print(f"{what} at step {step}; rerun the same command to resume", file=sys.stderr)
+    say(f"{what} at step {step}; rerun the same command to resume", sys.stderr)
     return 128 + signal.Signals[result.stop_reason]
   if result.stop_reason is not None:
     flag = "--run-steps" if result.stop_reason == "run_steps" else "--max-seconds"
-    print(f"stopped at step {step} of {steps} ({flag}); rerun to continue")
+    say(f"stopped at step {step} of {steps} ({flag}); rerun to continue")
     return EXIT_STOPPED
   if result.already_complete:
-    print(f"done: step {step} of {steps}, reached before this run; nothing was trained")
+    say(f"done: step {step} of {steps}, reached before this run; nothing was trained")
     return 0
   final = result.evals[-1] if result.evals else None
   evals = (f", eval loss {final['eval_loss']:.4f}, eval accuracy {final['eval_accuracy']:.3f}"
            if final else "")
-  print(f"done: step {step} of {steps}{evals}; metrics in {result.workdir}/metrics.jsonl")
+  say(f"done: step {step} of {steps}{evals}; metrics in {result.workdir}/metrics.jsonl")
   return 0
 
 

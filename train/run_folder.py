@@ -10,6 +10,11 @@ A run folder holds what `pisa_jax.train.trainer.train` writes, and anything a us
   config_history.jsonl  one row per resume that changed fields: time, step, command, old and new
   memory.json, metrics.jsonl, checkpoints/, skipped_checkpoints/, tensorboard/
 
+In a multi-process run (`pisa_jax.train.distributed`) the folder has one writer too: process 0
+(`jax.process_index()` once `jax.distributed.initialize` has run; before jax, the launch's
+process id) checks that it is free, locks, marks and writes it; the other processes only read
+and write checkpoints through Orbax, never the lock.
+
 This module imports neither jax nor the configs: the CLI refuses a folder before jax starts.
 """
 

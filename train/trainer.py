@@ -9,6 +9,11 @@ counted tokens, clips at global norm 1.0 and applies AdamW with the schedule's l
 (checksums, and the model they were written for), and the compiled step's memory against the
 device's. Its status lines go to the `pisa_jax.train.trainer` logger; `console_logging` prints them
 above the progress bar.
+
+In a multi-process run (after `jax.distributed.initialize`, which `pisa-train` calls through
+`pisa_jax.train.distributed`) every process calls `train` with the same config: the mesh spans
+all their devices, each process places its own rows of every batch, and process 0 alone writes
+the run folder and prints; the processes agree on the config at the start and on every early stop.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import functools
 import json
 import logging
 import math
+import os
 import shutil
 import sys
 import time
@@ -36,6 +42,7 @@ from pisa_jax.configs.base import Config, TrainConfig
 from pisa_jax.models.decoder import Decoder, count_params, flops_per_token
 from pisa_jax.models.sharding import batch_sharding, batch_ways, make_mesh, param_shardings
 from pisa_jax.train import checkpoint as ckpt_lib
+from pisa_jax.train import distributed
 from pisa_jax.train.data import make_batches
 from pisa_jax.train.loss import token_loss_sums
 from pisa_jax.train import run_folder
@@ -48,6 +55,9 @@ from pisa_jax.train.memory import (PEAK_FLOPS, InsufficientMemoryError, _fmt_byt
 from pisa_jax.train.schedule import make_schedule
 
 log = logging.getLogger(__name__)
+# How long the other processes of a multi-process run wait for process 0 to seal the last
+# checkpoint (sha256 of every file); a process that dies meanwhile is caught by the watchdog.
+FINAL_SEAL_TIMEOUT_S = 3600
 
 
 class NonFiniteLossError(RuntimeError):
@@ -143,7 +153,31 @@ class Trainer:
     return jax.jit(init, out_shardings=self.state_shardings, donate_argnums=0)
 
   def place_batch(self, batch: dict[str, np.ndarray], shardings: dict) -> dict:
-    return {k: jax.make_array_from_process_local_data(shardings[k], v) for k, v in batch.items()}
+    """This process's rows `[..., B_local, T]` as global arrays `[..., global_batch, T]` (one
+    process: the arrays as they are)."""
+
+    def place(sharding, rows):
+      if jax.process_count() == 1:
+        return jax.make_array_from_process_local_data(sharding, rows)
+      shape = rows.shape[:-2] + (self.global_batch, rows.shape[-1])
+      return jax.make_array_from_process_local_data(sharding, rows, shape)
+
+    return {k: place(shardings[k], v) for k, v in batch.items()}
+
+  @functools.cached_property
+  def _vote(self):
+    """The largest of every process's stop code: one int32 per device, each process's own."""
+    sharding = NamedSharding(self.mesh, P(self.mesh.axis_names))
+    with jax.set_mesh(self.mesh):
+      fn = jax.jit(jnp.max, out_shardings=NamedSharding(self.mesh, P()))
+    return sharding, fn
+
+  def vote(self, code: int) -> jax.Array:
+    """Dispatches this process's stop code (`STOP_CODES`) and returns every process's largest,
+    a replicated scalar that is ready once the steps dispatched before it are."""
+    sharding, fn = self._vote
+    local = np.full((jax.local_device_count(),), code, np.int32)
+    return fn(jax.make_array_from_process_local_data(sharding, local, (self.mesh.devices.size,)))
 
 
 def build_trainer(config: Config, mesh: Mesh | None = None) -> Trainer:
@@ -334,44 +368,57 @@ def train(config: Config, workdir: str | Path, *, run_steps: int | None = None,
     raise ValueError("trainer was built for a different config than config: build it with "
                      "build_trainer(config) or pass trainer=None")
   workdir = Path(workdir)
-  check_workdir(workdir)
-  run_folder.inspect_run_folder(workdir)  # a foreign folder is refused before anything is written
+  command = list(sys.argv if command is None else command)
+  # In a multi-process run every process must run the same thing; process 0 alone locks, marks
+  # and writes the run folder, and prints.
+  distributed.agree("train", {"config": cfg.to_dict(), "workdir": str(workdir.absolute()),
+                              "run_steps": run_steps, "max_seconds": max_seconds,
+                              "allow_attention_change": allow_attention_change})
+  primary = jax.process_index() == 0
+  if primary:
+    check_workdir(workdir)
+    run_folder.inspect_run_folder(workdir)  # a foreign folder is refused before anything is written
+  # Warnings as ever on process 0 (quiet or not); nothing at all from the others.
+  warn = log.warning if primary else (lambda *a: None)
+  quiet, progress = quiet or not primary, progress and primary
   if not quiet:
     console_logging()
   say = (lambda *a: None) if quiet else log.info
   checkpoint_dir = (workdir / "checkpoints").absolute()
-  command = list(sys.argv if command is None else command)
-  primary = jax.process_index() == 0  # owns the folder's lock and records in a multi-host run
 
-  created = run_folder.first_missing(workdir)  # removed again if the set-up fails
+  created = run_folder.first_missing(workdir) if primary else None  # removed if set-up fails
   held = run_folder.lock(workdir, command) if primary else None
   try:
     try:
-      kind = run_folder.inspect_run_folder(workdir)  # again, now that no other run can change it
-      if held is not None and held.notice:
-        log.warning(held.notice)
-      begin = _set_up(cfg, checkpoint_dir, mesh=mesh, trainer=trainer, say=say,
+      if primary:
+        kind = run_folder.inspect_run_folder(workdir)  # again, now that no other run can change it
+        if held.notice:
+          warn(held.notice)
+      begin = _set_up(cfg, checkpoint_dir, mesh=mesh, trainer=trainer, say=say, warn=warn,
                       print_config=print_config, allow_attention_change=allow_attention_change)
       if isinstance(begin, TrainResult):
         return dataclasses.replace(begin, workdir=workdir)
       # The run starts: from here on the run folder is written.
-      start = int(begin.state["step"])
-      workdir.mkdir(parents=True, exist_ok=True)
-      if primary and kind != "run":
-        run_folder.mark(workdir, say if kind == "unmarked run" else None)
-      if begin.point is not None and begin.point.skipped:
-        skipped = [step for step, _ in begin.point.skipped]
-        moved = ckpt_lib.set_aside(checkpoint_dir, skipped, workdir / "skipped_checkpoints")
-        log.warning("; ".join(
-            f"skipped checkpoint {checkpoint_dir}/{step} ({reason}): moved it to {target}"
-            for (step, reason), target in zip(begin.point.skipped, moved)))
-      if begin.point is None or not (workdir / "config.json").exists():
-        (workdir / "config.json").write_text(cfg.to_json() + "\n")
-      if begin.changes and primary:
-        run_folder.append_history(workdir, step=start, changes=begin.changes, command=command)
-      memory = json.dumps(memory_record(begin.trainer), indent=1)
-      (workdir / "memory.json").write_text(memory + "\n")
-      dropped = _truncate_metrics(workdir / "metrics.jsonl", start)
+      start, dropped = int(begin.state["step"]), 0
+      if primary:
+        workdir.mkdir(parents=True, exist_ok=True)
+        if kind != "run":
+          run_folder.mark(workdir, say if kind == "unmarked run" else None)
+        if begin.point is not None and begin.point.skipped:
+          skipped = [step for step, _ in begin.point.skipped]
+          moved = ckpt_lib.set_aside(checkpoint_dir, skipped, workdir / "skipped_checkpoints")
+          warn("; ".join(
+              f"skipped checkpoint {checkpoint_dir}/{step} ({reason}): moved it to {target}"
+              for (step, reason), target in zip(begin.point.skipped, moved)))
+        if begin.point is None or not (workdir / "config.json").exists():
+          (workdir / "config.json").write_text(cfg.to_json() + "\n")
+        if begin.changes:
+          run_folder.append_history(workdir, step=start, changes=begin.changes, command=command)
+        memory = json.dumps(memory_record(begin.trainer), indent=1)
+        (workdir / "memory.json").write_text(memory + "\n")
+        dropped = _truncate_metrics(workdir / "metrics.jsonl", start)
+      # Every process opens the checkpoints once process 0 has set the skipped ones aside.
+      distributed.barrier("run folder ready")
       checkpoints = ckpt_lib.Checkpointer(checkpoint_dir, keep=t.keep_checkpoints,
                                           use_async=t.async_checkpointing)
     except BaseException as e:
@@ -387,14 +434,18 @@ def train(config: Config, workdir: str | Path, *, run_steps: int | None = None,
       say(f"resumed from {checkpoint_dir}/{begin.point.step} (step {start} of {t.steps})")
     if dropped:
       say(f"dropped {dropped} rows past step {start} from metrics.jsonl: those steps run again")
-    return _loop(cfg, workdir, begin, checkpoints, run_steps=run_steps, max_seconds=max_seconds,
-                 progress=progress, say=say)
+    result = _loop(cfg, workdir, begin, checkpoints, run_steps=run_steps,
+                   max_seconds=max_seconds, progress=progress, say=say, primary=primary)
+    # Process 0 may still be sealing the last checkpoint (its checksums): the others wait for it
+    # here, as long as it takes, rather than in jax's shutdown, which has a timeout.
+    distributed.barrier("trained", timeout_s=FINAL_SEAL_TIMEOUT_S)
+    return result
   finally:
     if held is not None:
       held.release()
 
 
-def _set_up(cfg: Config, checkpoint_dir: Path, *, mesh, trainer, say, print_config: bool,
+def _set_up(cfg: Config, checkpoint_dir: Path, *, mesh, trainer, say, warn, print_config: bool,
             allow_attention_change: bool) -> _Start | TrainResult:
   """Checks the data and checkpoints, compiles, checks the memory and restores: writes nothing."""
   t = cfg.train
@@ -421,13 +472,13 @@ def _set_up(cfg: Config, checkpoint_dir: Path, *, mesh, trainer, say, print_conf
     say("resolved config:\n" + cfg.to_json())
   changed = {} if point is None else run_folder.config_changes(point.meta["config"], cfg)
   if changed:
-    log.warning(f"resuming checkpoint {point.step} with changed fields (config.json keeps the "
+    warn(f"resuming checkpoint {point.step} with changed fields (config.json keeps the "
                 f"original; {run_folder.HISTORY} records the changes):\n"
                 + run_folder.describe_changes(changed))
   if point is not None and allow_attention_change:
     changes = ckpt_lib.attention_changes(point.meta["config"]["model"], cfg.model)
     if changes:
-      log.warning(f"continuing checkpoint {point.step} under other attention "
+      warn(f"continuing checkpoint {point.step} under other attention "
                   f"({'; '.join(changes)}), as --allow-attention-change asks")
 
   trainer = build_trainer(cfg, mesh) if trainer is None else trainer
@@ -445,7 +496,7 @@ def _set_up(cfg: Config, checkpoint_dir: Path, *, mesh, trainer, say, print_conf
   elif t.init_from:
     state, source = ckpt_lib.init_from(t.init_from, trainer.abstract_state, cfg)
     for step, reason in source.skipped:
-      log.warning(f"train.init_from: skipped checkpoint {step} ({reason})")
+      warn(f"train.init_from: skipped checkpoint {step} ({reason})")
     say(f"initialised parameters and Adam moments from {t.init_from} (checkpoint {source.step}); "
         f"step reset to 0")
   else:
@@ -455,15 +506,16 @@ def _set_up(cfg: Config, checkpoint_dir: Path, *, mesh, trainer, say, print_conf
 
 
 def _loop(cfg: Config, workdir: Path, begin: _Start, checkpoints: ckpt_lib.Checkpointer, *,
-          run_steps, max_seconds, progress, say) -> TrainResult:
-  """The training loop, from the set-up's state to `train.steps` or an early stop."""
+          run_steps, max_seconds, progress, say, primary: bool = True) -> TrainResult:
+  """The training loop, from the set-up's state to `train.steps` or an early stop; only the
+  `primary` process writes metrics and TensorBoard (every process computes them)."""
   t, trainer, state = cfg.train, begin.trainer, begin.state
   start = int(state["step"])
   n_dev = trainer.mesh.devices.size
   flops_tok = flops_per_token(cfg.model, t.seq_len)
   peak = t.peak_tflops_per_device * 1e12 or peak_flops(jax.devices()[0])
-  metrics_file = open(workdir / "metrics.jsonl", "a")
-  tb = _tensorboard(workdir)
+  metrics_file = open(workdir / "metrics.jsonl" if primary else os.devnull, "a")
+  tb = _tensorboard(workdir) if primary else None
   losses: dict[int, float] = {}
   accuracies: dict[int, float] = {}
   evals: list[dict] = []
@@ -529,7 +581,8 @@ def _loop(cfg: Config, workdir: Path, begin: _Start, checkpoints: ckpt_lib.Check
   def save(step: int, force: bool = False) -> None:
     checkpoints.save(step, state, cfg, force=force)
 
-  stop_reason, out_of_time = None, False
+  stop_reason, stop = None, 0
+  agreement = _StopAgreement(trainer)
   t_loop = time.perf_counter()
   bar = tqdm(total=t.steps, initial=start, disable=not progress, desc="train", unit="step",
              dynamic_ncols=True)
@@ -550,7 +603,8 @@ def _loop(cfg: Config, workdir: Path, begin: _Start, checkpoints: ckpt_lib.Check
         ckpt = step % t.checkpoint_every == 0 or step == t.steps
         ev = step % t.eval_every == 0 or step == t.steps
         out_of_time = max_seconds is not None and time.perf_counter() - t_loop > max_seconds
-        if done or ckpt or ev or interrupt.requested or out_of_time or step == stop_at:
+        stop = agreement(interrupt, out_of_time)
+        if done or ckpt or ev or stop or step == stop_at:
           record(*pending)
           pending = None
           bar.set_postfix(loss_ema=f"{ema:.4f}")
@@ -560,11 +614,10 @@ def _loop(cfg: Config, workdir: Path, begin: _Start, checkpoints: ckpt_lib.Check
           run_eval(step)
         if ckpt:
           save(step)
-        if interrupt.requested or out_of_time:
+        if stop:
           break
       if step < t.steps:
-        stop_reason = (interrupt.signal.name if interrupt.requested else
-                       "max_seconds" if out_of_time else "run_steps")
+        stop_reason = STOP_REASONS[stop] if stop else "run_steps"
         log_interval(step)
         if not evals or evals[-1]["step"] != step:
           run_eval(step)
@@ -587,6 +640,34 @@ def _loop(cfg: Config, workdir: Path, begin: _Start, checkpoints: ckpt_lib.Check
   return TrainResult(start_step=start, end_step=step, losses=losses, accuracies=accuracies,
                      evals=evals, stopped_early=stop_reason is not None, workdir=workdir,
                      stop_reason=stop_reason)
+
+
+# What stops a run before train.steps, as the codes the processes agree on (the largest wins).
+STOP_REASONS = {1: "max_seconds", 2: "SIGINT", 3: "SIGTERM"}
+
+
+class _StopAgreement:
+  """Whether the loop stops after the step just dispatched, the same answer on every process.
+
+  One process: at once, from its own signal or clock. Several: each dispatches its stop code
+  with its step (`Trainer.vote`) and reads everyone's code of the step before, which is ready
+  when that step is (the loop fetches its metrics anyway): all processes stop after the same
+  step, one step after the first request, with the same reason.
+  """
+
+  def __init__(self, trainer: Trainer):
+    self.trainer = trainer
+    self.multi_process = jax.process_count() > 1
+    self.pending = None
+
+  def __call__(self, interrupt: run_folder.StopRequest, out_of_time: bool) -> int:
+    codes = {name: code for code, name in STOP_REASONS.items()}
+    local = (codes[interrupt.signal.name] if interrupt.requested else
+             codes["max_seconds"] if out_of_time else 0)
+    if not self.multi_process:
+      return local
+    previous, self.pending = self.pending, self.trainer.vote(local)
+    return 0 if previous is None else int(previous)
 
 
 def _tensorboard(workdir: Path):

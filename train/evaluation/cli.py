@@ -25,6 +25,11 @@ eval.md (the tables) and one PNG per part to RUN/eval (or --out), after every pa
 earlier on the same checkpoint are kept. --compare reads the eval.json of runs (a run folder,
 its eval folder or the file) and writes one table across them to stdout and --out/compare.md.
 
+pisa-eval runs in one process on one device (the model is restored whole to it): launched as
+several processes (the JAX_* variables, srun or mpirun with more than one task; the rules of
+`pisa_jax.train.distributed`), it refuses before importing jax rather than run every process on
+the same files.
+
 A mistake ends in one line on stderr: exit status 2 for a bad argument or input (one that names
 it), 1 for a checkpoint, tokenizer or haystack that cannot be read. Ctrl-C ends it with status
 130 and a line naming the parts kept in eval.json (each is saved whole as it finishes) and the
@@ -40,7 +45,7 @@ import sys
 from pathlib import Path
 
 from pisa_jax._command_line import ArgumentParser, deferred_interrupt
-from pisa_jax.train import compilation_cache, restore
+from pisa_jax.train import compilation_cache, distributed, restore
 from pisa_jax.train.evaluation import arguments
 from pisa_jax.train.evaluation.arguments import EvalArgumentError
 
@@ -159,6 +164,13 @@ def _only_with(parser, args, mode: str, allowed: set[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
   parser = build_parser()
   args = parser.parse_args(argv)
+  try:
+    launch = distributed.launch_from_environment()
+  except distributed.LaunchError as e:
+    parser.error(str(e))
+  if launch.multi_process:
+    parser.error(f"launched as {launch.describe()}: {PROG} evaluates in one process on one "
+                 f"device; run it once (srun --ntasks=1, or without the JAX_* variables)")
   if args.compare:
     _only_with(parser, args, "--compare", set())
   elif args.npz:
