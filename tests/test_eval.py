@@ -320,6 +320,7 @@ def test_ruler_through_a_stand_in_module(gpt2_model, tmp_path, monkeypatch):
   fake = _fake_ruler()
   monkeypatch.setitem(__import__("sys").modules, needles.RULER_MODULE, fake)
   monkeypatch.setattr(cli, "restore_model", lambda workdir: (config, model, 7))
+  (tmp_path / "config.json").write_text(config.to_json())  # a run folder, as the CLI checks
   assert cli.main(["--workdir", str(tmp_path), "--suite", "ruler", "--lengths", "32,64",
                    "--samples", "2", "--batch-size", "2", "--no-progress"]) == 0
   part = json.loads((tmp_path / "eval" / "eval.json").read_text())["parts"]["ruler"]

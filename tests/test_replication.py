@@ -456,7 +456,16 @@ def _write(folder: Path, record: dict) -> None:
   (folder / f"{record['run']}.json").write_text(json.dumps(record))
 
 
+def _without_nsa(monkeypatch):
+  """A build without the nsa kind: its runs are unavailable (their rows stay pending)."""
+  from pisa_jax.models import config
+
+  monkeypatch.setattr(config, "ATTENTION_KINDS",
+                      tuple(k for k in config.ATTENTION_KINDS if k != "nsa"))
+
+
 def test_done_runs_are_skipped_and_the_next_ones_run(tmp_path, capsys, monkeypatch):
+  _without_nsa(monkeypatch)
   path = _manifest(tmp_path)
   m = rep.load_manifest(path)
   results, out = tmp_path / "results", tmp_path / "out"
@@ -517,6 +526,7 @@ def test_a_stage_for_some_methods_leaves_the_others_results_done(tmp_path):
 
 
 def test_a_run_matching_another_runs_wall_time_waits_for_it(tmp_path, capsys, monkeypatch):
+  _without_nsa(monkeypatch)
   path = _manifest(tmp_path, TOY.replace("\n[eval]", LONG + "\n[eval]", 1))
   m = rep.load_manifest(path)
   assert m.stage("long").match_wall == "pisa"
