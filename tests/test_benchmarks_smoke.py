@@ -255,6 +255,7 @@ def test_decode_select_sweeps_time_the_kernel_at_each_setting(tmp_path):
   assert "w1 " in table and "w2 " in table
 
 
+@pytest.mark.slow  # ~80 s of CPU; generation itself is tested in test_generate.py
 def test_decode_generation_runs_on_the_reference(tmp_path):
   # The generation part alone: the tiny preset's decoder with each attention, two prompts.
   from benchmarks import decode
@@ -564,6 +565,7 @@ def test_paper_settings_goals_and_table():
   assert all(s.seq_len in paper_settings.GOALS for s in paper_settings.SETTINGS)
 
 
+@pytest.mark.slow  # ~25 s of CPU: two toy trainings
 def test_paper_settings_toy_runs_both_sides_in_one_process(tmp_path):
   from benchmarks import paper_settings
   record = paper_settings.main(["--toy", "--out", str(tmp_path)])
