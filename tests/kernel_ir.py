@@ -120,10 +120,10 @@ def _s(shape, dtype=BF16):
 
 
 def _selection(selector="pisa", *, d=64, top_k=8, beam=None, hq=32, hkv=2, dtype=BF16,
-               config=None, offset=False, t=SEQ):
+               config=None, offset=False, t=SEQ, branching=2):
   from pisa_jax.kernels import selection as sel
 
-  kw = dict(block_size=64, top_k=top_k, branching=2, selector=selector, scale=d ** -0.5,
+  kw = dict(block_size=64, top_k=top_k, branching=branching, selector=selector, scale=d ** -0.5,
             beam=beam or top_k, interpret=False, config=config)
   q, k = _s((1, t, hq, d), dtype), _s((1, t, hkv, d), dtype)
   if offset:
@@ -138,11 +138,12 @@ def _selection_config(**changes):
   return dataclasses.replace(SelectionConfig.default(seq_len=SEQ, group=16), **changes)
 
 
-def _packed_selection(selector="pisa", *, d=64, top_k=8, beam=None, hq=32, hkv=2, dtype=BF16):
+def _packed_selection(selector="pisa", *, d=64, top_k=8, beam=None, hq=32, hkv=2, dtype=BF16,
+                      branching=2):
   from pisa_jax import selection
 
   fn = functools.partial(selection.select_blocks_packed_pallas, block_size=64, top_k=top_k,
-                         branching=2, selector=selector, scale=d ** -0.5, beam=beam or top_k,
+                         branching=branching, selector=selector, scale=d ** -0.5, beam=beam or top_k,
                          interpret=False)
   return fn, _s((1, SEQ, hq, d), dtype), _s((1, SEQ, hkv, d), dtype), _s((1, SEQ), jnp.int32)
 
@@ -182,19 +183,22 @@ def _attention(*, d=64, top_k=8, hq=32, hkv=2, dtype=BF16, packed=False, offset=
   return jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv, idx, *extra
 
 
-def _decode_shapes(*, batch, d, hq, hkv=2, dtype=BF16):
+def _decode_shapes(*, batch, d, hq, hkv=2, dtype=BF16, branching=2):
   from pisa_jax.decode_cache import DecodeCache
 
-  cache = jax.eval_shape(lambda: DecodeCache.create(batch, DECODE_CAPACITY, hkv, d, dtype=dtype))
+  cache = jax.eval_shape(lambda: DecodeCache.create(batch, DECODE_CAPACITY, hkv, d, dtype=dtype,
+                                                    branching=branching))
   return (_s((batch, hq, d), dtype), _s((batch, hkv, d), dtype), cache,
           _s((batch,), jnp.int32))
 
 
-def _decode(what, selector="pisa", *, batch=16, d=128, top_k=32, beam=None, hq=32, dtype=BF16):
+def _decode(what, selector="pisa", *, batch=16, d=128, top_k=32, beam=None, hq=32, dtype=BF16,
+            branching=2):
   from pisa_jax.kernels import decode
 
-  q, kv_new, cache, positions = _decode_shapes(batch=batch, d=d, hq=hq, dtype=dtype)
-  walk = dict(block_size=64, branching=2, top_k=top_k, beam=beam or top_k, selector=selector,
+  q, kv_new, cache, positions = _decode_shapes(batch=batch, d=d, hq=hq, dtype=dtype,
+                                               branching=branching)
+  walk = dict(block_size=64, branching=branching, top_k=top_k, beam=beam or top_k, selector=selector,
               scale=d ** -0.5, interpret=False)
   caches = (cache.k, cache.v, cache.summaries)
   if what == "step":
@@ -207,7 +211,7 @@ def _decode(what, selector="pisa", *, batch=16, d=128, top_k=32, beam=None, hq=3
     return (functools.partial(decode.decode_select_pallas, **walk), q, cache.k, cache.summaries,
             positions)
   if what == "append":
-    return (functools.partial(decode.decode_append_pallas, block_size=64, branching=2,
+    return (functools.partial(decode.decode_append_pallas, block_size=64, branching=branching,
                               interpret=False), kv_new, kv_new, *caches, positions)
   if what == "attention":
     return (functools.partial(decode.decode_attention_pallas, block_size=64, scale=d ** -0.5,
@@ -240,6 +244,10 @@ CASES: dict[str, Callable[[], tuple]] = {
     "selection/d64k8/f32": lambda: _selection(dtype=F32),
     "selection/d128k32/f16": lambda: _selection(d=128, top_k=32, dtype=F16),
     "selection/d48k8/g3": lambda: _selection(d=48, hq=6),
+    # Branching 3 (not a power of two) and 4: the walks' table reads and other expansions.
+    "selection/d64k8/branching3": lambda: _selection(branching=3),
+    "selection/d64k8/branching4_two_stage": lambda: _selection(
+        branching=4, config=_selection_config(variant="two_stage")),
     # A sequence shard (query offset input).
     "selection/d64k8/offset": lambda: _selection(offset=True),
     "selection/d128k32/offset": lambda: _selection(d=128, top_k=32, offset=True),
@@ -250,6 +258,7 @@ CASES: dict[str, Callable[[], tuple]] = {
     "packed_selection/d128k32/pisa": lambda: _packed_selection(d=128, top_k=32),
     "packed_selection/d64k8/bsa": lambda: _packed_selection("bsa"),
     "packed_selection/d128k32/bsa": lambda: _packed_selection("bsa", d=128, top_k=32),
+    "packed_selection/d64k8/branching3": lambda: _packed_selection(beam=5, branching=3),
     # The pyramid alone (the selection cases lower it too).
     "pyramid/d64/g2": lambda: _pyramid(),
     "pyramid/d128/g4": lambda: _pyramid(d=128, branching=4),
@@ -273,6 +282,8 @@ CASES: dict[str, Callable[[], tuple]] = {
     "decode/d64k8/f32/pisa1/step": lambda: _decode("step", "pisa1", d=64, top_k=8, hq=4,
                                                    dtype=F32),
     "decode/d128k32/bsa/step": lambda: _decode("step", "bsa"),
+    "decode/d64k8/branching3/step": lambda: _decode("step", d=64, top_k=8, branching=3),
+    "decode/d64k8/branching4/append": lambda: _decode("append", d=64, top_k=8, branching=4),
     "decode/d128k32/select": lambda: _decode("select"),
     "decode/d128k32/append_select": lambda: _decode("append_select"),
     "decode/d128k32/append": lambda: _decode("append"),
