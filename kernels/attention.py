@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -44,13 +43,10 @@ from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
 from pisa_jax import checkpoint_names, segments
+from pisa_jax.kernels._common import LN2, LOG2E, next_pow2
 from pisa_jax.kernels._common import call_kernel as _call_kernel
 from pisa_jax.kernels._common import dot_precision as _dot_precision
-from pisa_jax.kernels._common import next_pow2
 from pisa_jax.kernels.attention_backward import backward_dkv, inverted_index, packed_inverted_index
-
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +226,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, *refs, block_size: int, scale: flo
   # [R, D]
   b_q = _load_rows(q_ref, t, group, rows)
   precision = _dot_precision(b_q.dtype)
-  qk_scale = scale * _LOG2E
+  qk_scale = scale * LOG2E
   d = b_q.shape[-1]
   steps_per_block = block_size // step_keys
 
@@ -263,7 +259,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, *refs, block_size: int, scale: flo
   # A row with no visible key has l = 0 and acc = 0: it gets zeros and lse = -inf.
   has_key = b_l > 0
   b_o = b_acc / jnp.where(has_key, b_l, 1.0)[:, None]
-  b_lse = jnp.where(has_key, (b_m + jnp.log2(jnp.where(has_key, b_l, 1.0))) * _LN2, -jnp.inf)
+  b_lse = jnp.where(has_key, (b_m + jnp.log2(jnp.where(has_key, b_l, 1.0))) * LN2, -jnp.inf)
   _store_rows(o_ref, t, b_o.astype(o_ref.dtype), group, rows)
   _store_rows(lse_ref, t, b_lse, group, rows)
 
@@ -346,9 +342,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, do_ref, lse_ref, *refs, bloc
   # [R]
   b_delta = jnp.sum(b_o.astype(jnp.float32) * b_do.astype(jnp.float32), axis=1)
   # Rows without a visible key carry lse = -inf; every entry of theirs is masked below.
-  b_lse2 = _load_rows(lse_ref, t, group, rows) * _LOG2E
+  b_lse2 = _load_rows(lse_ref, t, group, rows) * LOG2E
   precision = _dot_precision(b_q.dtype)
-  qk_scale = scale * _LOG2E
+  qk_scale = scale * LOG2E
   d = b_q.shape[-1]
 
   def body(i, b_dq):

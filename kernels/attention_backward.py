@@ -30,7 +30,6 @@ packed dk/dv 8.43 ms against the unpacked 3.56 ms.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -39,9 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Int
 
-from pisa_jax.kernels._common import call_kernel, dot_precision, next_pow2
-
-_LOG2E = math.log2(math.e)
+from pisa_jax.kernels._common import LOG2E, call_kernel, dot_precision, next_pow2
 
 
 # ----------------------------------------------------------------------------- inverted index
@@ -158,7 +155,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entry_ref, blk_
   first = start_ref[i]
   last = end_ref[i]
   per_step = rows // group
-  qk_scale = scale * _LOG2E
+  qk_scale = scale * LOG2E
   d = k_ref.shape[-1]
   o_r = jnp.arange(rows)
   o_j = o_r // group
@@ -185,7 +182,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entry_ref, blk_
       i_d = jnp.broadcast_to(o_d[None, :], (rows, d))
       b_q = plt.load(q_ref.at[i_t, i_g, i_d], mask=m_rd, other=0.0)
       b_do = plt.load(do_ref.at[i_t, i_g, i_d], mask=m_rd, other=0.0)
-      b_lse2 = plt.load(lse_ref.at[o_t, o_g], mask=m_r, other=0.0) * _LOG2E
+      b_lse2 = plt.load(lse_ref.at[o_t, o_g], mask=m_r, other=0.0) * LOG2E
       b_delta = plt.load(delta_ref.at[o_t, o_g], mask=m_r, other=0.0)
       # [W, R]
       b_s = jnp.dot(b_k, b_q.T, precision=precision,

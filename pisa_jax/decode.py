@@ -46,9 +46,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from pisa_jax import _dispatch, _validation
 from pisa_jax.decode_cache import DecodeCache, bucket_capacity
-from pisa_jax.geometry import level_sizes
+from pisa_jax.geometry import level_offsets, level_sizes
 from pisa_jax.kernels import decode as decode_kernels
-from pisa_jax.kernels.decode import level_offsets
 from pisa_jax.selection import _bsa_chunk, _hierarchical_chunk
 
 __all__ = ["DECODE_SELECTORS", "DecodeCache", "bucket_capacity", "decode_append_reference",

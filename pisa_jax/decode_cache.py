@@ -18,8 +18,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from pisa_jax import _validation
-from pisa_jax.geometry import level_sizes
-from pisa_jax.kernels.decode import level_offsets
+from pisa_jax.geometry import level_offsets, level_sizes
 
 def bucket_capacity(num_tokens: int, block_size: int) -> int:
   """The capacity bucket of `num_tokens`: block_size times the next power of two of the blocks

@@ -143,7 +143,8 @@ def _packed_selection(selector="pisa", *, d=64, top_k=8, beam=None, hq=32, hkv=2
   from pisa_jax import selection
 
   fn = functools.partial(selection.select_blocks_packed_pallas, block_size=64, top_k=top_k,
-                         branching=branching, selector=selector, scale=d ** -0.5, beam=beam or top_k,
+                         branching=branching, selector=selector, scale=d ** -0.5,
+                         beam=beam or top_k,
                          interpret=False)
   return fn, _s((1, SEQ, hq, d), dtype), _s((1, SEQ, hkv, d), dtype), _s((1, SEQ), jnp.int32)
 
@@ -198,8 +199,8 @@ def _decode(what, selector="pisa", *, batch=16, d=128, top_k=32, beam=None, hq=3
 
   q, kv_new, cache, positions = _decode_shapes(batch=batch, d=d, hq=hq, dtype=dtype,
                                                branching=branching)
-  walk = dict(block_size=64, branching=branching, top_k=top_k, beam=beam or top_k, selector=selector,
-              scale=d ** -0.5, interpret=False)
+  walk = dict(block_size=64, branching=branching, top_k=top_k, beam=beam or top_k,
+              selector=selector, scale=d ** -0.5, interpret=False)
   caches = (cache.k, cache.v, cache.summaries)
   if what == "step":
     return (functools.partial(decode.decode_step_pallas, **walk), q, kv_new, kv_new, *caches,

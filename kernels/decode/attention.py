@@ -13,11 +13,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
-from pisa_jax.kernels._common import next_pow2
+from pisa_jax.kernels._common import LOG2E, load_rows, next_pow2, pallas_launch, qk_dot
 from pisa_jax.kernels.decode.config import DecodeConfig, default_attend_blocks
-from pisa_jax.kernels.decode.layout import (Geometry, launch, load_group_queries, load_rows,
-                                            load_scalar, make_geometry, store_row)
-from pisa_jax.kernels.decode.scoring import LOG2E, dot_t
+from pisa_jax.kernels.decode.layout import (Geometry, load_group_queries, load_scalar,
+                                            make_geometry, store_row)
 
 
 def attend(block_at, qg, k_ref, v_ref, i_b, i_h, t, first_slot, *, geo: Geometry, blocks: int):
@@ -40,7 +39,7 @@ def attend(block_at, qg, k_ref, v_ref, i_b, i_h, t, first_slot, *, geo: Geometry
     rows = (i_b * geo.capacity + jnp.minimum(key_pos, geo.capacity - 1)) * geo.hkv + i_h
     keys = load_rows(k_ref, rows, visible, geo.d, geo.dp)
     vals = load_rows(v_ref, rows, visible, geo.d, geo.dp)
-    s = jnp.where(visible[None, :], dot_t(qg, keys, geo.key_mode) * qk_scale, -jnp.inf)
+    s = jnp.where(visible[None, :], qk_dot(qg, keys, geo.key_mode == "native") * qk_scale, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     p = jnp.exp2(s - m_use[:, None])
@@ -121,10 +120,10 @@ def merge_splits(o, m, l, geo: Geometry, splits: int, dtype, *, interpret: bool)
   """The partials of `partial_shapes` merged into the output `[B, HQ, D]` in `dtype`, one
   program per query head: a row that saw no key gets zeros, a NaN sum gives NaN. (XLA fused the
   same merge into three or four kernels of a microsecond or two each, H200.)"""
-  out = launch(functools.partial(_merge_kernel, geo=geo, splits=splits),
-               jax.ShapeDtypeStruct((geo.batch * geo.hq, geo.d), dtype),
-               (geo.batch * geo.hkv, geo.group), warps=4, stages=1, interpret=interpret,
-               name="pisa_decode_merge")(o.reshape(-1, geo.dp), m.reshape(-1), l.reshape(-1))
+  out = pallas_launch(functools.partial(_merge_kernel, geo=geo, splits=splits),
+                      jax.ShapeDtypeStruct((geo.batch * geo.hq, geo.d), dtype),
+                      (geo.batch * geo.hkv, geo.group), warps=4, stages=1, interpret=interpret,
+                      name="pisa_decode_merge")(o.reshape(-1, geo.dp), m.reshape(-1), l.reshape(-1))
   return out.reshape(geo.batch, geo.hq, geo.d)
 
 
@@ -148,10 +147,10 @@ def decode_attention_pallas(
                       selector="pisa", scale=scale)
   config = config or DecodeConfig.default(head_dim=d)
   blocks, splits = split_plan(geo, config)
-  call = launch(functools.partial(_attend_kernel, geo=geo, blocks=blocks, splits=splits),
-                partial_shapes(geo, splits), (geo.batch * geo.hkv, splits),
-                warps=config.attend_warps, stages=config.num_stages, interpret=interpret,
-                name="pisa_decode_attention")
+  call = pallas_launch(functools.partial(_attend_kernel, geo=geo, blocks=blocks, splits=splits),
+                       partial_shapes(geo, splits), (geo.batch * geo.hkv, splits),
+                       warps=config.attend_warps, stages=config.num_stages, interpret=interpret,
+                       name="pisa_decode_attention")
   o, m, l = call(positions.astype(jnp.int32), q.reshape(-1, d), k_cache.reshape(-1, d),
                  v_cache.reshape(-1, d), block_indices.astype(jnp.int32).reshape(-1))
   return merge_splits(o, m, l, geo, splits, q.dtype, interpret=interpret)

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pisa_jax.kernels._common import next_pow2
-
-# Triton's tensor-core dots need every dimension >= 16.
-MIN_DOT = 16
+from pisa_jax.kernels._common import MIN_DOT, next_pow2
 
 
 @dataclasses.dataclass(frozen=True)

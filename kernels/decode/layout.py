@@ -13,19 +13,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import fuser as _fuser  # noqa: F401
 from jax.experimental.pallas import triton as plt
 
-from pisa_jax.geometry import level_sizes
-from pisa_jax.kernels._common import next_pow2, triton_deprecation_silenced
-from pisa_jax.kernels.decode.config import MIN_DOT
-
-
-def level_offsets(capacity: int, block_size: int, branching: int) -> tuple[int, ...]:
-  """First index along axis 1 of the stacked summaries `[B, S, HKV, D]` of each level (leaves
-  first); S = offsets[-1] + 1 (the root)."""
-  offsets, acc = [], 0
-  for m in level_sizes(capacity, block_size, branching):
-    offsets.append(acc)
-    acc += m
-  return tuple(offsets)
+from pisa_jax.geometry import level_offsets, level_sizes
+from pisa_jax.kernels._common import MIN_DOT, load_rows, next_pow2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,26 +83,6 @@ def make_geometry(q, k_cache, *, block_size, branching, top_k, beam, selector, s
 
 
 
-
-def launch(kernel, out_shape, grid, *, warps: int, stages: int, interpret: bool, name: str,
-           aliases=None):
-  """One `pallas_call`; `aliases` maps input indices to the outputs they are donated to."""
-  with triton_deprecation_silenced():
-    return pl.pallas_call(
-        kernel, out_shape=out_shape, grid=grid, input_output_aliases=aliases or {},
-        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
-        interpret=interpret, name=name)
-
-
-def load_rows(ref, rows, m_row, d: int, dp: int):
-  """Rows `[N]` of a `[*, D]` ref as `[N, Dp]`; masked rows and padded columns read as zero."""
-  o_col = jnp.arange(dp)
-  if d == dp:
-    return plt.load(ref.at[rows[:, None], o_col[None, :]], mask=m_row[:, None], other=0.0)
-  return plt.load(ref.at[rows[:, None], jnp.minimum(o_col, d - 1)[None, :]],
-                  mask=m_row[:, None] & (o_col < d)[None, :], other=0.0)
-
-
 def load_row(ref, row, m_row, d: int, dp: int):
   """Row `row` (a scalar) of a `[*, D]` ref as `[Dp]`, zero where masked or padded."""
   return plt.load(ref.at[row, pl.ds(0, dp)], mask=(jnp.arange(dp) < d) & m_row, other=0.0)
@@ -129,11 +98,6 @@ def store_row(ref, row, value, m_row, d: int, dp: int):
 def load_scalar(ref, i, n: int = 2):
   """ref[i] of a 1-D ref, loaded as an n-vector (a value's shape is a power of two)."""
   return jnp.max(plt.load(ref.at[jnp.full((n,), i, jnp.int32)]))
-
-
-def pick(vec, i):
-  """vec[i] for a value (no dynamic indexing of values in Triton kernels)."""
-  return jnp.sum(jnp.where(jnp.arange(vec.shape[0]) == i, vec, 0))
 
 
 def load_group_queries(q_ref, i_b, i_h, geo: Geometry):

@@ -16,25 +16,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
-from pisa_jax.kernels._common import int32_table, next_pow2
+from pisa_jax.kernels._common import (int32_table, load_rows, next_pow2, pallas_launch, pick,
+                                      qk_dot, rank_by_id, rank_by_key, rank_key)
 from pisa_jax.kernels.decode.append import append_geometry, append_token, decode_append_pallas
 from pisa_jax.kernels.decode.bsa import select_bsa
 from pisa_jax.kernels.decode.config import DecodeConfig
-from pisa_jax.kernels.decode.layout import (Geometry, launch, load_group_queries, load_rows,
-                                            load_scalar, make_geometry, pick)
-from pisa_jax.kernels.decode.scoring import (dot_t, rank_key, reduce_children, reduce_keys,
-                                             summary_logits)
+from pisa_jax.kernels.decode.layout import (Geometry, load_group_queries, load_scalar,
+                                            make_geometry)
+from pisa_jax.kernels.decode.scoring import reduce_children, reduce_keys, summary_logits
 
 SELECTORS = ("pisa", "pisa1", "pisa2", "bsa")
-
-
-def _rank(cand, valid, key):
-  """Each candidate's rank in (key descending, id ascending) among the valid ones, `[N]`: one
-  all-pairs compare instead of a sort (ids are distinct, so the order is strict)."""
-  k_i, k_j = key[None, :], key[:, None]
-  c_i, c_j = cand[None, :], cand[:, None]
-  before = valid[:, None] & ((k_j > k_i) | ((k_j == k_i) & (c_j < c_i)))
-  return jnp.sum(before.astype(jnp.int32), axis=0)
 
 
 def _select_k(cand, valid, forced, score, keep: int, *, may_keep_all: bool = True):
@@ -45,7 +36,7 @@ def _select_k(cand, valid, forced, score, keep: int, *, may_keep_all: bool = Tru
   key = rank_key(score)
   if may_keep_all:
     key = jnp.where(jnp.sum(valid.astype(jnp.int32)) <= keep, jnp.inf, key)
-  rank = _rank(cand, valid, jnp.where(forced, jnp.inf, key))
+  rank = rank_by_key(cand, valid, jnp.where(forced, jnp.inf, key), by_column=True)
   return valid & (rank < keep), rank
 
 
@@ -65,13 +56,8 @@ def _expand(cand, kept, rank, branching: int, width: int):
                  axis=1)
 
 
-def _kept_order(cand, kept):
-  """Each kept candidate's rank by id among the kept ones `[N]` (its slot in the ascending list)."""
-  return jnp.sum((kept[:, None] & (cand[:, None] < cand[None, :])).astype(jnp.int32), axis=0)
-
-
 def kept_ids(cand, kept, order, width: int):
-  """The kept ids ascending, -1 padded, `[width]` (`order` from `_kept_order`)."""
+  """The kept ids ascending, -1 padded, `[width]` (`order` from `_common.rank_by_id`)."""
   slot = jnp.arange(width)
   hit = kept[None, :] & (order[None, :] == slot[:, None])
   return jnp.max(jnp.where(hit, cand[None, :], -1), axis=1)
@@ -167,7 +153,8 @@ def _leaf_keys(k_ref, leaf, i_b, i_h, m_load, geo: Geometry):
 def _leaf_score(qg, m_head, leaf_keys, geo: Geometry):
   """A leaf's score from its raw keys, summed over the group's heads (Eq. 21, 22)."""
   m_key = jnp.arange(geo.cp) < geo.block_size
-  per_head = reduce_keys(dot_t(qg, leaf_keys, geo.key_mode), m_key, geo.selector, geo.scale)
+  z = qk_dot(qg, leaf_keys, geo.key_mode == "native")
+  per_head = reduce_keys(z, m_key, geo.selector, geo.scale)
   return jnp.sum(jnp.where(m_head, per_head, 0.0))
 
 
@@ -176,7 +163,7 @@ def leaf_select(cand, cur, scores, geo: Geometry):
   scores `[NC]` (`_leaf_kernel`'s): (kept mask, each kept leaf's slot in ascending id order)."""
   valid, forced, need = _leaf_slots(cand, cur, geo)
   kept, _ = _select_k(cand, valid, forced, jnp.where(need, scores, 0.0), geo.top_k)
-  return kept, _kept_order(cand, kept)
+  return kept, rank_by_id(cand, kept, by_column=True)
 
 
 # The selection is three launches, so that at small B the leaves' key loads (up to NC - 3 leaves
@@ -248,20 +235,20 @@ def leaf_scores(positions, q_rows, k_rows, cand, geo: Geometry, config: DecodeCo
                 interpret: bool):
   """Launch 2 after the walk's candidates `[B * HKV, NC]`: their scores `[B * HKV, NC]`."""
   rows = geo.batch * geo.hkv
-  return launch(functools.partial(_leaf_kernel, geo=geo),
-                jax.ShapeDtypeStruct((rows, geo.nc), jnp.float32), (rows, geo.nc),
-                name=f"pisa_decode_select_{geo.selector}_leaves",
-                **_launch_opts(config, interpret))(positions, q_rows, k_rows, cand)
+  return pallas_launch(functools.partial(_leaf_kernel, geo=geo),
+                       jax.ShapeDtypeStruct((rows, geo.nc), jnp.float32), (rows, geo.nc),
+                       name=f"pisa_decode_select_{geo.selector}_leaves",
+                       **_launch_opts(config, interpret))(positions, q_rows, k_rows, cand)
 
 
 def _scored_leaves(positions, q_rows, k_rows, cand, geo: Geometry, config: DecodeConfig,
                    interpret: bool):
   """Launches 2 and 3 after the walk's candidates `[B * HKV, NC]`: the leaf ids `[B * HKV, KP]`."""
   scores = leaf_scores(positions, q_rows, k_rows, cand, geo, config, interpret)
-  return launch(functools.partial(_final_kernel, geo=geo),
-                jax.ShapeDtypeStruct((geo.batch * geo.hkv, geo.kp), jnp.int32),
-                (geo.batch * geo.hkv,), name=f"pisa_decode_select_{geo.selector}_final",
-                **_launch_opts(config, interpret))(positions, cand, scores)
+  return pallas_launch(functools.partial(_final_kernel, geo=geo),
+                       jax.ShapeDtypeStruct((geo.batch * geo.hkv, geo.kp), jnp.int32),
+                       (geo.batch * geo.hkv,), name=f"pisa_decode_select_{geo.selector}_final",
+                       **_launch_opts(config, interpret))(positions, cand, scores)
 
 
 def _level_table(geo: Geometry, branching: int):
@@ -307,11 +294,11 @@ def decode_select_pallas(
   if selector == "bsa":
     out = select_bsa(positions, rows[0], rows[2], geo, config, interpret)
   else:
-    cand = launch(functools.partial(_walk_kernel, geo=geo),
-                  jax.ShapeDtypeStruct((b * hkv, geo.nc), jnp.int32), (b * hkv,),
-                  name=f"pisa_decode_select_{selector}_walk",
-                  **_launch_opts(config, interpret, walk=True))(
-                      positions, rows[0], rows[2], _level_table(geo, branching))
+    cand = pallas_launch(functools.partial(_walk_kernel, geo=geo),
+                         jax.ShapeDtypeStruct((b * hkv, geo.nc), jnp.int32), (b * hkv,),
+                         name=f"pisa_decode_select_{selector}_walk",
+                         **_launch_opts(config, interpret, walk=True))(
+                             positions, rows[0], rows[2], _level_table(geo, branching))
     out = _scored_leaves(positions, rows[0], rows[1], cand, geo, config, interpret)
   return out[:, :top_k].reshape(b, hkv, top_k)
 
@@ -370,7 +357,7 @@ def append_walk(q_rows, k_new, v_new, k_cache, v_cache, summaries, positions, ge
   kernel = functools.partial(_append_walk_kernel, geo=geo,
                              append=append_geometry(k_cache, geo.block_size, geo.branching))
   shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in caches]
-  return launch(
+  return pallas_launch(
       kernel, shapes + [jax.ShapeDtypeStruct((geo.batch * geo.hkv, geo.nc), jnp.int32)],
       (geo.batch * geo.hkv, 2), name=f"pisa_decode_select_{geo.selector}_append_walk",
       aliases={4: 0, 5: 1, 6: 2}, **_launch_opts(config, interpret, walk=True))(

@@ -19,10 +19,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
+from pisa_jax.kernels._common import pallas_launch
 from pisa_jax.kernels.decode.attention import (attend, decode_attention_pallas, merge_splits,
                                                partial_shapes, split_plan, store_partials)
 from pisa_jax.kernels.decode.config import DecodeConfig
-from pisa_jax.kernels.decode.layout import Geometry, launch, load_group_queries, load_scalar
+from pisa_jax.kernels.decode.layout import Geometry, load_group_queries, load_scalar
 from pisa_jax.kernels.decode.select import (append_walk, decode_append_select_pallas, kept_ids,
                                             leaf_scores, leaf_select, prepare)
 
@@ -104,7 +105,7 @@ def decode_step_pallas(
   scores = leaf_scores(positions, q_rows, k_rows, cand, geo, config, interpret)
   blocks, splits = split_plan(geo, config)
   bh = b * geo.hkv
-  o, m, l, idx, lengths = launch(
+  o, m, l, idx, lengths = pallas_launch(
       functools.partial(_select_attend_kernel, geo=geo, blocks=blocks, splits=splits),
       partial_shapes(geo, splits) + [jax.ShapeDtypeStruct((bh, geo.kp), jnp.int32),
                                      jax.ShapeDtypeStruct((b, 1), jnp.int32)],

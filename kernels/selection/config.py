@@ -5,16 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from pisa_jax.kernels._common import next_pow2
+from pisa_jax.kernels._common import MIN_DOT, next_pow2, pow2_at_least
 
 VARIANTS = ("fused", "two_stage")
 TOPK_IMPLS = ("rank", "passes")
-# Triton's tensor-core dots need every dimension >= 16.
-MIN_DOT = 16
-
-
-def pow2_at_least(n: int, floor: int) -> int:
-  return max(floor, next_pow2(n))
 
 
 def candidate_slots(beam: int, branching: int) -> int:

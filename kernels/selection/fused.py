@@ -13,6 +13,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pisa_jax.kernels._common import qk_dot, reduce_keys
 from pisa_jax.kernels.selection import scoring, topk
 from pisa_jax.kernels.selection.config import SelectionConfig
 from pisa_jax.kernels.selection.layout import (Geometry, launch, leaf_key_rows, level_table,
@@ -26,8 +27,8 @@ def leaf_score(qg, m_head, leaf, i_b, i_h, k_ref, geo: Geometry, unshifted: bool
   then Eq. 22): qg `[Gp, Dp]` -> scalar."""
   rows, m_load, m_key = leaf_key_rows(leaf, i_b, i_h, geo)
   b_k = load_rows(k_ref, rows, m_load, geo)
-  per_head = scoring.reduce_keys(scoring.qk_dot(qg, b_k, geo.inputs_16bit), m_key, geo.selector,
-                                 geo.scale, geo.approx_log, unshifted)
+  per_head = reduce_keys(qk_dot(qg, b_k, geo.inputs_16bit), m_key, geo.selector, geo.scale,
+                         geo.approx_log, unshifted)
   return jnp.sum(jnp.where(m_head, per_head, 0.0))
 
 

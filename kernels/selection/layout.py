@@ -18,10 +18,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float
 
-from pisa_jax.geometry import level_sizes
-from pisa_jax.kernels._common import int32_table, next_pow2, triton_deprecation_silenced
-from pisa_jax.kernels.selection.config import (MIN_DOT, SelectionConfig, candidate_slots,
-                                               pow2_at_least)
+from pisa_jax import geometry
+from pisa_jax.kernels import _common
+from pisa_jax.kernels._common import MIN_DOT, int32_table, next_pow2, pick, pow2_at_least
+from pisa_jax.kernels.selection.config import SelectionConfig, candidate_slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Geometry:
   scale: float
   level_sizes: tuple[int, ...]  # nodes per level, leaves first, the root last
   # q and k share one 16-bit dtype: scores come from 16-bit tensor-core dots with float32
-  # accumulation (`scoring.qk_dot`), the float32 summaries split into two 16-bit rows
+  # accumulation (`_common.qk_dot`), the float32 summaries split into two 16-bit rows
   # (`summary_rows`). Otherwise every dot is an IEEE float32 one.
   inputs_16bit: bool
   approx_log: bool = False  # log2 by the MUFU (compiled for the GPU; not in the interpreter)
@@ -94,18 +94,15 @@ def make_geometry(q, k, *, block_size, top_k, branching, selector, scale, beam,
   return Geometry(
       batch=b, seq_len=t, hq=hq, hkv=hkv, d=d, block_size=block_size, top_k=top_k, beam=beam,
       branching=branching, selector=selector, scale=float(scale),
-      level_sizes=level_sizes(t, block_size, branching), inputs_16bit=inputs_16bit,
+      level_sizes=geometry.level_sizes(t, block_size, branching), inputs_16bit=inputs_16bit,
       approx_log=not interpret, query_len=None if tq == t else tq, has_offset=has_offset)
 
 
 def launch(kernel, out_shape, grid: int, config: SelectionConfig, warps: int, interpret: bool,
            name: str, *args):
   """One `pallas_call` over a 1-D grid."""
-  with triton_deprecation_silenced():
-    return pl.pallas_call(
-        kernel, out_shape=out_shape, grid=(grid,),
-        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=config.num_stages),
-        interpret=interpret, name=name)(*args)
+  return _common.pallas_launch(kernel, out_shape, (grid,), warps=warps, stages=config.num_stages,
+                               interpret=interpret, name=name)(*args)
 
 
 def query_tile_program(geo: Geometry, q_tile: int):
@@ -119,15 +116,7 @@ def query_tile_program(geo: Geometry, q_tile: int):
 
 def load_rows(ref, rows, m_row, geo: Geometry):
   """Rows `[N]` of a `[*, D]` ref as `[N, Dp]`, masked rows and padded columns zero."""
-  o_col = jnp.arange(geo.head_dim_padded)
-  if geo.d == geo.head_dim_padded:
-    # No column clamp or column mask: Triton then sees each row as Dp contiguous, aligned
-    # elements and issues 128-bit loads (with the clamp it issued one scalar load, address and
-    # predicate per element: a third of the walk's instructions).
-    return plt.load(ref.at[rows[:, None], o_col[None, :]], mask=m_row[:, None], other=0.0)
-  # D not a power of two (48, say): clamp the columns into the row and mask the padding.
-  return plt.load(ref.at[rows[:, None], jnp.minimum(o_col, geo.d - 1)[None, :]],
-                  mask=m_row[:, None] & (o_col < geo.d)[None, :], other=0.0)
+  return _common.load_rows(ref, rows, m_row, geo.d, geo.head_dim_padded)
 
 
 def query_position(i_q, off_ref):
@@ -154,7 +143,7 @@ def load_group_queries(q_ref, geo: Geometry, i_b, t, i_h, rows: int):
 
 def leaf_key_rows(leaf, i_b, i_h, geo: Geometry, first_pos=None):
   """Leaf `leaf`'s raw keys in the `[B*T*HKV, D]` view: (rows `[Cp]`, load mask `[Cp]`, the key
-  mask `scoring.reduce_keys` needs or None). first_pos: None, or the leaf's first key position
+  mask `_common.reduce_keys` needs or None). first_pos: None, or the leaf's first key position
   (a packed document's leaf starts at its document's start + leaf * C, on no block edge).
 
   Only complete past leaves are scored (`topk.leaf_needs_score`: eligible, not the current or
@@ -171,15 +160,6 @@ def leaf_key_rows(leaf, i_b, i_h, geo: Geometry, first_pos=None):
   return (i_b * geo.seq_len + jnp.minimum(pos, geo.seq_len - 1)) * geo.hkv + i_h, m_key, m_key
 
 
-def level_offsets(geo: Geometry, sizes=None) -> list[int]:
-  """First row of each level (`sizes`, default the pyramid's) in the stacked summaries."""
-  offsets, acc = [], 0
-  for m in (geo.level_sizes if sizes is None else sizes):
-    offsets.append(acc)
-    acc += geo.batch * m * geo.hkv
-  return offsets
-
-
 def level_table(geo: Geometry):
   """int32 `[3, LP]`: per level l (index l - 1) its node count, its first row in the stacked
   summaries `[sum_l B*M_l*HKV, D]` of levels 1..L-1, and its leaves per node g^(l-1).
@@ -191,7 +171,8 @@ def level_table(geo: Geometry):
   num_levels = len(geo.level_sizes)
   lp = next_pow2(num_levels + 1)
   sizes = list(geo.level_sizes) + [1] * (lp - num_levels)
-  offsets = level_offsets(geo, sizes)
+  # The first row of each level: its first node's, times the B * HKV rows of a node.
+  offsets = [geo.batch * geo.hkv * o for o in geometry.stacked_offsets(sizes)]
   pows = [geo.branching ** i if i < num_levels else 1 for i in range(lp)]
   return int32_table([sizes, offsets, pows], "the selection level table")
 
@@ -201,11 +182,6 @@ def load_table(tab_ref, geo: Geometry):
   lp = tab_ref.shape[1]
   o = jnp.arange(lp)
   return tuple(plt.load(tab_ref.at[jnp.full((lp,), r, jnp.int32), o]) for r in range(3))
-
-
-def pick(vec, idx):
-  """vec[idx] for a value (no dynamic indexing of values in Triton kernels)."""
-  return jnp.sum(jnp.where(jnp.arange(vec.shape[0]) == idx, vec, 0))
 
 
 def summary_rows(rows: Float[Array, "R D"], geo: Geometry, dtype) -> Array:

@@ -36,11 +36,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
-from pisa_jax.kernels._common import INT32_MAX, int32_table, next_pow2
+from pisa_jax import geometry
+from pisa_jax.kernels._common import (INT32_MAX, MIN_DOT, int32_table, next_pow2, pick, qk_dot,
+                                      reduce_keys)
 from pisa_jax.kernels.selection import scoring, topk, two_stage
-from pisa_jax.kernels.selection.config import MIN_DOT, SelectionConfig, candidate_slots
+from pisa_jax.kernels.selection.config import SelectionConfig, candidate_slots
 from pisa_jax.kernels.selection.layout import (Geometry, launch, load_group_queries, load_rows,
-                                               make_geometry, pick, summary_rows)
+                                               make_geometry, summary_rows)
 from pisa_jax.kernels.selection.walk import group_child_score, uses_pair_lse
 
 HIERARCHICAL = ("pisa", "pisa1", "pisa2")
@@ -67,11 +69,9 @@ def stacked_offsets(capacities, geo: Geometry) -> list[int]:
   """First row of each packed level 1..L-1 in the stacked summaries (`[B, N_l, HKV]` rows per
   level). Raises where a summary row (two per node for 16-bit inputs) or a key row would pass
   int32: the walk's row arithmetic is int32."""
-  offsets, acc = [], 0
-  for cap in capacities[:-1]:
-    offsets.append(acc)
-    acc += geo.batch * cap * geo.hkv
-  rows = max(2 * acc, geo.batch * geo.seq_len * max(geo.hq, geo.hkv))
+  per_node = geo.batch * geo.hkv
+  offsets = [per_node * o for o in geometry.stacked_offsets(capacities[:-1])]
+  rows = max(2 * per_node * sum(capacities[:-1]), geo.batch * geo.seq_len * max(geo.hq, geo.hkv))
   if rows > INT32_MAX:
     raise ValueError(f"q / k / packed summaries of {rows} rows: past int32 (max {INT32_MAX}) in "
                      "the packed walk's row arithmetic")
@@ -185,8 +185,8 @@ def document_leaf_score(qg, m_head, leaf, i_b, i_h, start, k_ref, geo: Geometry,
     m_load = m_key = o_key < geo.block_size
     rows = (i_b * geo.seq_len + jnp.minimum(pos, geo.seq_len - 1)) * geo.hkv + i_h
   b_k = load_rows(k_ref, rows, m_load, geo)
-  per_head = scoring.reduce_keys(scoring.qk_dot(qg, b_k, geo.inputs_16bit), m_key, geo.selector,
-                                 geo.scale, geo.approx_log, unshifted)
+  per_head = reduce_keys(qk_dot(qg, b_k, geo.inputs_16bit), m_key, geo.selector, geo.scale,
+                         geo.approx_log, unshifted)
   return jnp.sum(jnp.where(m_head, per_head, 0.0))
 
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from pisa_jax.kernels._common import pick, reduce_children
 from pisa_jax.kernels.selection import scoring, topk
 from pisa_jax.kernels.selection.config import SelectionConfig
-from pisa_jax.kernels.selection.layout import Geometry, load_table, pick
+from pisa_jax.kernels.selection.layout import Geometry, load_table
 
 
 def first_scored_level(geo: Geometry) -> int:
@@ -39,8 +40,8 @@ def group_child_score(child_logits, m_head, geo, pair_lse: bool, unshifted: bool
     per_head = scoring.pair_lse(z0, z1, m1, geo.scale, geo.approx_log, unshifted)
   else:
     zs, masks = zip(*(child_logits(j) for j in range(geo.branching)))
-    per_head = scoring.reduce_children(list(zs), list(masks), geo.selector, geo.scale,
-                                       geo.approx_log, unshifted)
+    per_head = reduce_children(list(zs), list(masks), geo.selector, geo.scale, geo.approx_log,
+                               unshifted)
   return jnp.sum(jnp.where(m_head[:, None], per_head, 0.0), axis=0)
 
 
