@@ -20,7 +20,6 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
 from pisa_jax import _chunking, _dispatch, _validation, checkpoint_names
-from pisa_jax.kernels import attention as attention_kernels
 from pisa_jax.selection import select_blocks
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -460,8 +459,6 @@ def _attend(q, k, v, block_indices, segment_ids, *, block_size: int, scale: floa
   """Dispatches validated arguments to the reference or the kernel (packed rows: the
   "sparse_attention_packed" op of `pisa_jax.packed_attention`)."""
   if segment_ids is not None:
-    # packed_attention builds on this module, so it is imported here, not at the top.
-    from pisa_jax import packed_attention  # noqa: F401  (registers the packed op)
     attend = _dispatch.lookup("sparse_attention_packed", implementation)
     return attend(q, k, v, block_indices, segment_ids, block_size=block_size, scale=scale)
   attend = _dispatch.lookup("sparse_attention", implementation)
@@ -522,10 +519,3 @@ def pisa_attention(
   return _attend(q, k, v, block_indices, segment_ids,
                  block_size=int(block_size), scale=_validation.resolve_scale(scale, q.shape[-1]),
                  implementation=implementation)
-
-
-_dispatch.register(
-    "sparse_attention",
-    xla=sparse_attention_reference,
-    pallas=_dispatch.with_interpret(attention_kernels.sparse_attention_pallas),
-)

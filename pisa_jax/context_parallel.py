@@ -20,7 +20,7 @@ the side-by-side baseline, not a tuned one.
 
 Both implementations take the offset: "xla" the jnp references (`select_blocks_reference_offset`,
 `sparse_attention_reference_at`), "pallas" the kernels with a query-offset input (an int32 `[1]`
-array, since `lax.axis_index` is traced under `shard_map`), registered as the ops
+array, since `lax.axis_index` is traced under `shard_map`), registered (`pisa_jax._ops`) as the ops
 "select_blocks_offset" and "sparse_attention_offset".
 """
 
@@ -36,10 +36,6 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
 from pisa_jax import _dispatch, _validation, checkpoint_names
-from pisa_jax.attention import sparse_attention_reference_at
-from pisa_jax.kernels import attention as attention_kernels
-from pisa_jax.kernels import selection as selection_kernels
-from pisa_jax.selection import select_blocks_reference_offset
 
 
 def _check_at(q, k, v, query_offset) -> tuple[int, int]:
@@ -156,24 +152,3 @@ def sequence_sharded(attend_at: Callable, axis_name: str) -> Callable:
     return attend_at(q, k_all, v_all, offset)
 
   return attend
-
-
-def _select_blocks_offset_pallas(q, k, query_offset, *, block_size: int, top_k: int,
-                                 branching: int, selector: str, scale: float, beam: int,
-                                 interpret: bool):
-  """The kernels' twin of `select_blocks_reference_offset` (same signature)."""
-  return selection_kernels.select_blocks_pallas(
-      q, k, block_size=block_size, top_k=top_k, branching=branching, selector=selector,
-      scale=scale, beam=beam, interpret=interpret, query_offset=query_offset)
-
-
-_dispatch.register(
-    "select_blocks_offset",
-    xla=select_blocks_reference_offset,
-    pallas=_dispatch.with_interpret(_select_blocks_offset_pallas),
-)
-_dispatch.register(
-    "sparse_attention_offset",
-    xla=sparse_attention_reference_at,
-    pallas=_dispatch.with_interpret(attention_kernels.sparse_attention_pallas_at),
-)

@@ -47,7 +47,6 @@ from jaxtyping import Array, Bool, Float, Int
 from pisa_jax import _dispatch, _validation
 from pisa_jax.decode_cache import DecodeCache, bucket_capacity
 from pisa_jax.geometry import level_offsets, level_sizes
-from pisa_jax.kernels import decode as decode_kernels
 from pisa_jax.selection import _bsa_chunk, _hierarchical_chunk
 
 __all__ = ["DECODE_SELECTORS", "DecodeCache", "bucket_capacity", "decode_append_reference",
@@ -378,30 +377,3 @@ def decode_step(
   out, cache, idx = step(q, k, v, cache, new_document, top_k=int(top_k), selector=selector, beam=beam,
                          scale=scale, implementation=implementation)
   return (out, cache, idx) if return_indices else (out, cache)
-
-
-_dispatch.register(
-    "decode_append",
-    xla=decode_append_reference,
-    pallas=_dispatch.with_interpret(decode_kernels.decode_append_pallas),
-)
-_dispatch.register(
-    "decode_select",
-    xla=decode_select_reference,
-    pallas=_dispatch.with_interpret(decode_kernels.decode_select_pallas),
-)
-_dispatch.register(
-    "decode_append_select",
-    xla=decode_append_select_reference,
-    pallas=_dispatch.with_interpret(decode_kernels.decode_append_select_pallas),
-)
-_dispatch.register(
-    "decode_step",
-    xla=decode_step_reference,
-    pallas=_dispatch.with_interpret(decode_kernels.decode_step_pallas),
-)
-_dispatch.register(
-    "decode_attention",
-    xla=decode_attention_reference,
-    pallas=_dispatch.with_interpret(decode_kernels.decode_attention_pallas),
-)

@@ -24,10 +24,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pisa_jax import _chunking, _dispatch, segments
+from pisa_jax import _chunking, segments
 from pisa_jax.attention import (attend_selected, chunk_size, dq_selected, group_entries,
                                 item_grads, sum_items)
-from pisa_jax.kernels import attention as attention_kernels
 
 
 def _selected_keys(positions, q, block_indices, start, k, v, *, block_size):
@@ -161,10 +160,3 @@ def sparse_attention_packed_reference(q, k, v, block_indices, segment_ids, *, bl
   q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
   out = _sparse_attention_f32(q32, k32, v32, block_indices, start, block_size, scale)
   return out.astype(q.dtype)
-
-
-_dispatch.register(
-    "sparse_attention_packed",
-    xla=sparse_attention_packed_reference,
-    pallas=_dispatch.with_interpret(attention_kernels.sparse_attention_packed_pallas),
-)

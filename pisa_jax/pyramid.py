@@ -11,8 +11,6 @@ from jaxtyping import Array, Float, Int
 
 from pisa_jax import _dispatch, _validation, segments
 from pisa_jax.geometry import Pyramid, level_sizes, node_span
-from pisa_jax.kernels import packed_pyramid as packed_pyramid_kernels
-from pisa_jax.kernels import pyramid as pyramid_kernels
 from pisa_jax.segments import PackedPyramid
 
 
@@ -91,15 +89,3 @@ def build_pyramid(
     return build(k, segment_ids, block_size=int(block_size), branching=int(branching))
   build = _dispatch.lookup("build_pyramid", implementation)
   return build(k, block_size=int(block_size), branching=int(branching))
-
-
-_dispatch.register(
-    "build_pyramid",
-    xla=build_pyramid_reference,
-    pallas=_dispatch.with_interpret(pyramid_kernels.build_pyramid_pallas),
-)
-_dispatch.register(
-    "build_pyramid_packed",
-    xla=build_packed_pyramid_reference,
-    pallas=_dispatch.with_interpret(packed_pyramid_kernels.build_packed_pyramid_pallas),
-)

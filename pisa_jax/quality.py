@@ -54,7 +54,9 @@ def _quality_chunk(positions, q, block_indices, k, *, block_size, scale):
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "scale"))
-def _selection_quality(q, k, block_indices, *, block_size: int, scale: float) -> SelectionQuality:
+def selection_quality_reference(q, k, block_indices, *, block_size: int,
+                                scale: float) -> SelectionQuality:
+  """jnp reference of `selection_quality`; arguments are already validated."""
   b, seq_len, hq, _ = q.shape
   num_blocks = -(-seq_len // block_size)
   chunk = _chunking.query_chunk_size(seq_len, 3 * b * hq * num_blocks * block_size)
@@ -119,6 +121,3 @@ def selection_quality(
         f"the first, previous and current blocks")
   return quality(q, k, block_indices, block_size=int(block_size),
                  scale=_validation.resolve_scale(scale, d))
-
-
-_dispatch.register("selection_quality", xla=_selection_quality)

@@ -18,7 +18,6 @@ from jaxtyping import Array, Float, Int
 from pisa_jax import _chunking, _dispatch, _validation, segments
 from pisa_jax.geometry import node_span
 from pisa_jax.kernels import packed_pyramid as packed_pyramid_kernels
-from pisa_jax.kernels import selection as selection_kernels
 from pisa_jax.kernels.selection import packed as packed_selection_kernels
 from pisa_jax.kernels.selection import packed_walk as packed_walk_kernels
 from pisa_jax.pyramid import build_pyramid_reference
@@ -583,15 +582,3 @@ def select_blocks(
   select = _dispatch.lookup("select_blocks", implementation)
   return select(q, k, block_size=int(block_size), top_k=int(top_k), branching=int(branching),
                 selector=selector, scale=scale, beam=beam)
-
-
-_dispatch.register(
-    "select_blocks",
-    xla=select_blocks_reference,
-    pallas=_dispatch.with_interpret(selection_kernels.select_blocks_pallas),
-)
-_dispatch.register(
-    "select_blocks_packed",
-    xla=select_blocks_packed_reference,
-    pallas=_dispatch.with_interpret(select_blocks_packed_pallas),
-)

@@ -69,3 +69,14 @@ def select_blocks_pallas(
     select = select_fused if config.variant == "fused" else select_two_stage
     out = select(q, k, pyramid.summaries, geo, interpret=interpret, config=config, offset=offset)
   return out[:, :top_k].reshape(b, t, hkv, top_k)
+
+
+def select_blocks_pallas_at(q: Float[Array, "B Tq HQ D"], k: Float[Array, "B T HKV D"],
+                            query_offset: Int[Array, ""] | int, *, block_size: int, top_k: int,
+                            branching: int, selector: str, scale: float, beam: int,
+                            interpret: bool) -> Int[Array, "B Tq HKV K"]:
+  """Kernel twin of `select_blocks_reference_offset` (its signature): `select_blocks_pallas`
+  for the queries at positions query_offset .. query_offset + Tq - 1 of k's T."""
+  return select_blocks_pallas(q, k, block_size=block_size, top_k=top_k, branching=branching,
+                              selector=selector, scale=scale, beam=beam, interpret=interpret,
+                              query_offset=query_offset)
