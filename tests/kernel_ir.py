@@ -259,7 +259,7 @@ CASES: dict[str, Callable[[], tuple]] = {
     "packed_selection/d128k32/pisa": lambda: _packed_selection(d=128, top_k=32),
     "packed_selection/d64k8/bsa": lambda: _packed_selection("bsa"),
     "packed_selection/d128k32/bsa": lambda: _packed_selection("bsa", d=128, top_k=32),
-    "packed_selection/d64k8/branching3": lambda: _packed_selection(beam=5, branching=3),
+    "packed_selection/d64k4/branching3": lambda: _packed_selection(top_k=4, beam=5, branching=3),
     # The pyramid alone (the selection cases lower it too).
     "pyramid/d64/g2": lambda: _pyramid(),
     "pyramid/d128/g4": lambda: _pyramid(d=128, branching=4),
