@@ -5,6 +5,7 @@ ranking key and the all-pairs rank that Select_K orders candidates by)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import warnings
@@ -15,6 +16,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
+
+from pisa_jax.spec import SelectionSpec
 
 INT32_MAX = 2**31 - 1
 # Triton's tensor-core dots need every dimension >= 16.
@@ -29,7 +32,7 @@ NAN_RANK = float(np.finfo(np.float32).max)
 SCORE_LIMIT = float(np.nextafter(np.float32(NAN_RANK), np.float32(0)))
 
 
-# ----------------------------------------------------------------------------- launches, tables
+# ----------------------------------------------------------------------------- shapes
 
 
 def next_pow2(n: int) -> int:
@@ -39,6 +42,87 @@ def next_pow2(n: int) -> int:
 
 def pow2_at_least(n: int, floor: int) -> int:
   return max(floor, next_pow2(n))
+
+
+def candidate_slots(beam: int, branching: int) -> int:
+  """NC, the candidate slots per walk level below the root: up to beam * branching children,
+  padded to a power of two >= 16 (a dot dimension)."""
+  return pow2_at_least(beam * branching, MIN_DOT)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelGeometry:
+  """The static shapes of one kernel call and the (resolved) selection it computes: what the
+  selection and decode families' `Geometry` share. Every in-kernel value has power-of-two
+  shapes, so the group's heads, the head dim, the block, the candidates and top_k are padded.
+
+  Attributes:
+    batch, hq, hkv, d: B, query heads, KV heads and head dim of the inputs.
+    spec: the `SelectionSpec`, resolved (its scale and beam filled in).
+  """
+
+  batch: int
+  hq: int
+  hkv: int
+  d: int
+  spec: SelectionSpec
+
+  def __post_init__(self):
+    if not self.spec.is_resolved:
+      raise ValueError(f"spec={self.spec} must be resolved: spec.resolved(head_dim)")
+
+  @property
+  def block_size(self) -> int:
+    return self.spec.block_size
+
+  @property
+  def top_k(self) -> int:
+    return self.spec.top_k
+
+  @property
+  def branching(self) -> int:
+    return self.spec.branching
+
+  @property
+  def selector(self) -> str:
+    return self.spec.selector
+
+  @property
+  def scale(self) -> float:
+    return self.spec.scale
+
+  @property
+  def beam(self) -> int:
+    """Nodes kept per walk level (top_k for the flat "bsa")."""
+    return self.spec.kept_per_level
+
+  @property
+  def group(self) -> int:
+    return self.hq // self.hkv
+
+  @property
+  def group_padded(self) -> int:
+    return pow2_at_least(self.group, MIN_DOT)
+
+  @property
+  def head_dim_padded(self) -> int:
+    return pow2_at_least(self.d, MIN_DOT)
+
+  @property
+  def block_padded(self) -> int:
+    return pow2_at_least(self.block_size, MIN_DOT)
+
+  @property
+  def num_slots(self) -> int:
+    """NC, candidate slots per level below the root: up to beam * branching children."""
+    return candidate_slots(self.beam, self.branching)
+
+  @property
+  def top_k_padded(self) -> int:
+    return next_pow2(self.top_k)
+
+
+# ----------------------------------------------------------------------------- launches, tables
 
 
 def int32_table(rows, name: str):

@@ -21,6 +21,7 @@ from jaxtyping import Array, Float, Int
 
 from pisa_jax import _chunking, _dispatch, _validation, checkpoint_names
 from pisa_jax.selection import select_blocks
+from pisa_jax.spec import SelectionSpec
 
 _HIGHEST = lax.Precision.HIGHEST
 
@@ -398,8 +399,9 @@ def sparse_attention(
     v: Float[Array, "B T HKV D"],
     block_indices: Int[Array, "B T HKV K"],
     *,
-    block_size: int = 64,
+    block_size: int | None = None,
     scale: float | None = None,
+    spec: SelectionSpec | None = None,
     segment_ids: Int[Array, "B T"] | None = None,
     implementation: str | None = None,
 ) -> Float[Array, "B T HQ D"]:
@@ -421,8 +423,10 @@ def sparse_attention(
       `jax.experimental.checkify.checkify`; an unchecked call treats out-of-range entries like
       -1, and an entry equal to an earlier one of its `[b, t, hkv]` row like -1 too (a block
       is attended once however often it is listed), in both implementations.
-    block_size: C, keys per leaf block.
+    block_size: C, keys per leaf block (default 64).
     scale: logit scale, default 1/sqrt(D).
+    spec: the `pisa_jax.SelectionSpec` that selected the blocks, instead of (or agreeing with)
+      block_size and scale; its other fields are unused here.
     segment_ids: None, or int32 `[B, T]` non-decreasing within a row: packed documents (runs of
       equal ids). block_indices are then the block numbers of each query's own document (block i
       holds its keys i C .. i C + C - 1, counted from its first token), a query sees only keys
@@ -437,21 +441,21 @@ def sparse_attention(
   Returns:
     `[B, T, HQ, D]` in q's dtype. Differentiable in q, k and v; the indices get no gradient.
   """
-  _validation.check_static("sparse_attention", block_size=block_size, scale=scale,
-                           implementation=implementation)
+  _validation.check_static("sparse_attention", implementation=implementation)
   b, t, _, hkv, d = _validation.check_qk(q, k)
   _validation.check_v(v, k)
-  _validation.check_block_size(block_size)
+  spec = _validation.resolve_spec("sparse_attention", spec, d, block_size=block_size,
+                                  scale=scale)
   _validation.check_block_indices(
-      block_indices, batch=b, seq_len=t, num_kv_heads=hkv, block_size=int(block_size))
+      block_indices, batch=b, seq_len=t, num_kv_heads=hkv, block_size=spec.block_size)
   _validation.check_segment_ids(segment_ids, batch=b, seq_len=t)
   if isinstance(block_indices, jax.core.Tracer):
     # Concrete indices with a repeat have raised; traced ones count a repeat once, in every
     # implementation: the rule is applied here, before dispatch. (pisa_attention skips this
     # pass: its selection never repeats a block.)
     block_indices = _validation.drop_repeated_blocks(block_indices)
-  return _attend(q, k, v, block_indices, segment_ids, block_size=int(block_size),
-                 scale=_validation.resolve_scale(scale, d), implementation=implementation)
+  return _attend(q, k, v, block_indices, segment_ids, block_size=spec.block_size,
+                 scale=spec.scale, implementation=implementation)
 
 
 def _attend(q, k, v, block_indices, segment_ids, *, block_size: int, scale: float,
@@ -467,8 +471,7 @@ def _attend(q, k, v, block_indices, segment_ids, *, block_size: int, scale: floa
 
 # Selection inside a jit: a checkpointed backward that has the indices saved leaves it unused and
 # drops it (jax keeps every bare pallas_call; `pisa_jax.checkpoint_names`).
-_select_blocks_jit = jax.jit(select_blocks, static_argnames=(
-    "block_size", "top_k", "branching", "selector", "scale", "beam", "implementation"))
+_select_blocks_jit = jax.jit(select_blocks, static_argnames=("spec", "implementation"))
 
 
 def pisa_attention(
@@ -476,12 +479,13 @@ def pisa_attention(
     k: Float[Array, "B T HKV D"],
     v: Float[Array, "B T HKV D"],
     *,
-    block_size: int = 64,
-    top_k: int = 8,
-    branching: int = 2,
-    selector: str = "pisa",
+    block_size: int | None = None,
+    top_k: int | None = None,
+    branching: int | None = None,
+    selector: str | None = None,
     scale: float | None = None,
     beam: int | None = None,
+    spec: SelectionSpec | None = None,
     segment_ids: Int[Array, "B T"] | None = None,
     implementation: str | None = None,
 ) -> Float[Array, "B T HQ D"]:
@@ -489,10 +493,11 @@ def pisa_attention(
 
   Appendix B: during backpropagation the selected indices are held fixed; gradients flow through
   attention on the selected entries only. Arguments as in `select_blocks` and `sparse_attention`
-  (options static under `jax.jit`). Selection ranks a NaN score right after the forced blocks, so
-  the block of a NaN key stays selected wherever there is room, and the NaN reaches those
-  queries' outputs instead of being dropped. With segment_ids (packed documents), each query
-  selects and attends within its own document, as the document alone would.
+  (options static under `jax.jit`; `spec=` the selection options whole). Selection ranks a NaN
+  score right after the forced blocks, so the block of a NaN key stays selected wherever there
+  is room, and the NaN reaches those queries' outputs instead of being dropped. With
+  segment_ids (packed documents), each query selects and attends within its own document, as
+  the document alone would.
 
   Under `jax.checkpoint` a policy may save the indices and the attention's residuals by the
   names of `pisa_jax.checkpoint_names`; the backward pass then does not select again (nor run
@@ -501,21 +506,20 @@ def pisa_attention(
   Returns:
     `[B, T, HQ, D]` in q's dtype, differentiable in q, k and v.
   """
-  _validation.check_static("pisa_attention", block_size=block_size, top_k=top_k,
-                           branching=branching, selector=selector, scale=scale, beam=beam,
-                           implementation=implementation)
+  _validation.check_static("pisa_attention", implementation=implementation)
   _validation.check_qk(q, k)
   _validation.check_v(v, k)
+  spec = _validation.resolve_spec("pisa_attention", spec, q.shape[-1], block_size=block_size,
+                                  top_k=top_k, branching=branching, selector=selector,
+                                  scale=scale, beam=beam)
   # Concrete segment ids are checked here, where they are still concrete (not inside the jit).
   _validation.check_segment_ids(segment_ids, batch=q.shape[0], seq_len=q.shape[1])
   block_indices = _select_blocks_jit(
-      lax.stop_gradient(q), lax.stop_gradient(k), block_size=block_size, top_k=top_k,
-      branching=branching, selector=selector, scale=scale, beam=beam, segment_ids=segment_ids,
+      lax.stop_gradient(q), lax.stop_gradient(k), spec=spec, segment_ids=segment_ids,
       implementation=implementation)
   # Tagged so that a remat policy can keep the indices: a backward then never selects again.
   block_indices = checkpoint_name(lax.stop_gradient(block_indices), checkpoint_names.BLOCK_INDICES)
   # select_blocks has validated every argument, and its indices are valid by construction: no
   # second check (which would copy concrete indices to the host on every eager call).
-  return _attend(q, k, v, block_indices, segment_ids,
-                 block_size=int(block_size), scale=_validation.resolve_scale(scale, q.shape[-1]),
-                 implementation=implementation)
+  return _attend(q, k, v, block_indices, segment_ids, block_size=spec.block_size,
+                 scale=spec.scale, implementation=implementation)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -10,8 +9,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from pisa_jax import _dispatch, _validation, segments
-from pisa_jax.geometry import Pyramid, level_sizes, node_span
+from pisa_jax.geometry import Pyramid
 from pisa_jax.segments import PackedPyramid
+from pisa_jax.spec import SelectionSpec
 
 
 def _mean_pool(x: Float[Array, "B N H D"], group: int, num_valid: int):
@@ -50,8 +50,9 @@ def build_packed_pyramid_reference(k, segment_ids, *, block_size: int,
 def build_pyramid(
     k: Float[Array, "B T HKV D"],
     *,
-    block_size: int = 64,
-    branching: int = 2,
+    block_size: int | None = None,
+    branching: int | None = None,
+    spec: SelectionSpec | None = None,
     segment_ids: Int[Array, "B T"] | None = None,
     implementation: str | None = None,
 ) -> Pyramid | PackedPyramid:
@@ -59,8 +60,10 @@ def build_pyramid(
 
   Args:
     k: keys `[B, T, HKV, D]`, any float dtype; summaries are float32.
-    block_size: C, keys per leaf block.
-    branching: g, children merged into each upper node.
+    block_size: C, keys per leaf block (default 64).
+    branching: g, children merged into each upper node (default 2).
+    spec: a `pisa_jax.SelectionSpec` whose block_size and branching to use (an option also
+      passed as a keyword must agree with it).
     segment_ids: None, or int32 `[B, T]` non-decreasing within a row: packed documents (runs of
       equal ids), each summarised on its own block grid from its first token
       (`pisa_jax.segments`).
@@ -75,17 +78,16 @@ def build_pyramid(
     the document alone returns), its nodes at consecutive slots of `[B, N_l, HKV, D]` per level
     from `first_node`.
   """
-  _validation.check_static("build_pyramid", block_size=block_size, branching=branching,
-                           implementation=implementation)
+  _validation.check_static("build_pyramid", implementation=implementation)
   _validation.check_float("k", k)
   _validation.check_rank4("k", k, "[B, T, HKV, D]")
   if k.shape[1] < 1:
     raise ValueError(f"sequence length T={k.shape[1]} must be >= 1")
-  _validation.check_block_size(block_size)
-  _validation.check_branching(branching)
+  spec = _validation.resolve_spec("build_pyramid", spec, k.shape[-1], block_size=block_size,
+                                  branching=branching)
   _validation.check_segment_ids(segment_ids, batch=k.shape[0], seq_len=k.shape[1])
   if segment_ids is not None:
     build = _dispatch.lookup("build_pyramid_packed", implementation)
-    return build(k, segment_ids, block_size=int(block_size), branching=int(branching))
+    return build(k, segment_ids, block_size=spec.block_size, branching=spec.branching)
   build = _dispatch.lookup("build_pyramid", implementation)
-  return build(k, block_size=int(block_size), branching=int(branching))
+  return build(k, block_size=spec.block_size, branching=spec.branching)

@@ -21,6 +21,7 @@ from pisa_jax.kernels import packed_pyramid as packed_pyramid_kernels
 from pisa_jax.kernels.selection import packed as packed_selection_kernels
 from pisa_jax.kernels.selection import packed_walk as packed_walk_kernels
 from pisa_jax.pyramid import build_pyramid_reference
+from pisa_jax.spec import SelectionSpec, takes_spec
 
 _HIGHEST = lax.Precision.HIGHEST
 # Select_K's ranking keys: a NaN score ranks as the largest float32, every other score is clamped
@@ -117,9 +118,9 @@ def _first_top_k(cand: Int[Array, "B Tc H n"], top_k: int) -> Int[Array, "B Tc H
   return cand[..., :top_k]
 
 
-def _hierarchical_chunk(positions, q, k, summaries, *, block_size, top_k, beam, branching,
-                        selector, scale, level_sizes):
+def _hierarchical_chunk(positions, q, k, summaries, *, spec: SelectionSpec, level_sizes):
   """PISA selection for one chunk of queries: q `[B, Tc, HQ, D]` -> int32 `[B, Tc, HKV, top_k]`."""
+  block_size, top_k, beam, branching = spec.block_size, spec.top_k, spec.beam, spec.branching
   b, tc, hq, d = q.shape
   seq_len, hkv = k.shape[1], k.shape[2]
   qg = q.astype(jnp.float32).reshape(b, tc, hkv, hq // hkv, d)
@@ -156,7 +157,7 @@ def _hierarchical_chunk(positions, q, k, summaries, *, block_size, top_k, beam, 
         child_valid = valid[..., None] & (child < level_sizes[level - 2])
         child_vecs = summaries[level - 2][b_idx, jnp.minimum(child, level_sizes[level - 2] - 1), h_idx]
       kept = _score_and_keep(qg, child_vecs, child_valid, cand, valid, forced, keep=keep,
-                             scale=scale, selector=selector)
+                             scale=spec.scale, selector=spec.selector)
     cand = kept if level == 1 else _expand(kept, branching)
   return _first_top_k(cand, top_k)
 
@@ -181,9 +182,10 @@ def flat_top_k(scores: Float[Array, "B Tc H M"], positions, *, block_size: int, 
   return _keep(cand, valid, forced, scores, top_k)
 
 
-def _bsa_chunk(positions, q, leaves, *, block_size, top_k, scale):
+def _bsa_chunk(positions, q, leaves, *, spec: SelectionSpec):
   """BSA for one chunk: per-head softmax over the blocks complete at t, summed over the group, as
   the score of each complete block before the current one."""
+  block_size, top_k, scale = spec.block_size, spec.top_k, spec.scale
   b, tc, hq, d = q.shape
   hkv = leaves.shape[2]
   qg = q.astype(jnp.float32).reshape(b, tc, hkv, hq // hkv, d)
@@ -220,8 +222,9 @@ def block_log_mass(positions, q, k, *, block_size: int, scale: float, causal_in_
   return jax.nn.logsumexp(jnp.where(visible, z, -jnp.inf), axis=-1)
 
 
-def _exact_chunk(positions, q, k, *, block_size, top_k, scale):
+def _exact_chunk(positions, q, k, *, spec: SelectionSpec):
   """Exhaustive selection: every complete past block by its exact raw-key LSE, summed over heads."""
+  block_size, top_k, scale = spec.block_size, spec.top_k, spec.scale
   lse = block_log_mass(positions, q, k, block_size=block_size, scale=scale, causal_in_block=False)
   cur = (positions // block_size)[None, :, None, None]
   num_blocks = lse.shape[-1]
@@ -229,63 +232,63 @@ def _exact_chunk(positions, q, k, *, block_size, top_k, scale):
   return flat_top_k(scores, positions, block_size=block_size, top_k=top_k)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("block_size", "top_k", "branching", "selector", "scale", "beam"))
-def select_blocks_reference(q, k, *, block_size: int, top_k: int, branching: int, selector: str,
-                            scale: float, beam: int):
-  """jnp reference of `select_blocks`; arguments are already validated and resolved."""
-  return _select(q, k, None, block_size=block_size, top_k=top_k, branching=branching,
-                 selector=selector, scale=scale, beam=beam)
+@takes_spec
+@functools.partial(jax.jit, static_argnames=("spec",))
+def select_blocks_reference(q, k, *, spec: SelectionSpec):
+  """jnp reference of `select_blocks`; the spec already checked and resolved (or its fields as
+  keywords)."""
+  return _select(q, k, None, spec)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("block_size", "top_k", "branching", "selector", "scale", "beam"))
-def select_blocks_reference_offset(q, k, query_offset, *, block_size: int, top_k: int,
-                                   branching: int, selector: str, scale: float, beam: int):
+@takes_spec
+@functools.partial(jax.jit, static_argnames=("spec",))
+def select_blocks_reference_offset(q, k, query_offset, *, spec: SelectionSpec):
   """Rows query_offset .. query_offset + Tq - 1 of `select_blocks_reference(q_all, k, ...)`, any
   selector: q `[B, Tq, HQ, D]` those queries, k `[B, T, HKV, D]` every key (the pyramid is all
   of k's), query_offset an int32 scalar, traced or not (a device's place in a sharded sequence)."""
   positions = query_offset + jnp.arange(q.shape[1], dtype=jnp.int32)
-  return _select(q, k, positions, block_size=block_size, top_k=top_k, branching=branching,
-                 selector=selector, scale=scale, beam=beam)
+  return _select(q, k, positions, spec)
 
 
-def _select(q, k, positions, *, block_size, top_k, branching, selector, scale, beam):
+def _select(q, k, positions, spec: SelectionSpec):
   """The selection of the queries q at positions (None: q holds all T, at 0 .. T-1)."""
   b, n_queries, hq, _ = q.shape
+  block_size = spec.block_size
   num_blocks = -(-k.shape[1] // block_size)
-  if selector == "bsa":
-    leaves = build_pyramid_reference(k, block_size=block_size, branching=branching).summaries[0]
+  if spec.selector == "bsa":
+    leaves = build_pyramid_reference(k, block_size=block_size,
+                                     branching=spec.branching).summaries[0]
     chunk = _chunking.query_chunk_size(n_queries, 3 * b * hq * num_blocks)
-    fn = functools.partial(_bsa_chunk, block_size=block_size, top_k=top_k, scale=scale)
+    fn = functools.partial(_bsa_chunk, spec=spec)
     return _chunking.map_query_chunks(fn, chunk, (q,), (leaves,), positions=positions)
-  if selector == "exact":
+  if spec.selector == "exact":
     chunk = _chunking.query_chunk_size(n_queries, 3 * b * hq * num_blocks * block_size)
-    fn = functools.partial(_exact_chunk, block_size=block_size, top_k=top_k, scale=scale)
+    fn = functools.partial(_exact_chunk, spec=spec)
     return _chunking.map_query_chunks(fn, chunk, (q,), (k,), positions=positions)
-  fn, chunk, summaries = _hierarchical_setup(
-      q, k, block_size=block_size, top_k=top_k, beam=beam, branching=branching, selector=selector,
-      scale=scale)
+  fn, chunk, summaries = _hierarchical_setup(q, k, spec)
   return _chunking.map_query_chunks(fn, chunk, (q,), (k, summaries), positions=positions)
 
 
-def _hierarchical_setup(q, k, *, block_size, top_k, beam, branching, selector, scale):
-  """The hierarchical walk's per-chunk function, its query chunk size and the pyramid summaries."""
-  b, _, hq, d = q.shape
+def _walk_chunk_size(q, k, spec: SelectionSpec) -> int:
+  """Queries per chunk of the walk: its gathered children `[Tc, HKV, max(K, beam) g, max(C, g)]`
+  and their logits stay near CHUNK_ELEMENTS."""
+  b, seq_len, hq, d = q.shape
   hkv = k.shape[2]
-  pyramid = build_pyramid_reference(k, block_size=block_size, branching=branching)
+  width = max(spec.top_k, spec.beam) * spec.branching
+  return _chunking.query_chunk_size(
+      seq_len, b * hkv * width * max(spec.block_size, spec.branching) * (d + hq // hkv))
+
+
+def _hierarchical_setup(q, k, spec: SelectionSpec):
+  """The hierarchical walk's per-chunk function, its query chunk size and the pyramid summaries."""
+  pyramid = build_pyramid_reference(k, block_size=spec.block_size, branching=spec.branching)
   sizes = tuple(s.shape[1] for s in pyramid.summaries)
-  width = max(top_k, beam) * branching
-  chunk = _chunking.query_chunk_size(
-      q.shape[1], b * hkv * width * max(block_size, branching) * (d + hq // hkv))
-  fn = functools.partial(
-      _hierarchical_chunk, block_size=block_size, top_k=top_k, beam=beam, branching=branching,
-      selector=selector, scale=scale, level_sizes=sizes)
-  return fn, chunk, pyramid.summaries
+  fn = functools.partial(_hierarchical_chunk, spec=spec, level_sizes=sizes)
+  return fn, _walk_chunk_size(q, k, spec), pyramid.summaries
 
 
-def select_blocks_reference_at(q, k, positions, *, block_size: int, top_k: int, branching: int,
-                               selector: str, scale: float, beam: int, chunk: int | None = None):
+@takes_spec
+def select_blocks_reference_at(q, k, positions, *, spec: SelectionSpec, chunk: int | None = None):
   """The hierarchical reference for some query positions only (long-sequence spot checks).
 
   Selection for query t depends only on q_t and the pyramid of all keys (eligibility and the
@@ -299,8 +302,9 @@ def select_blocks_reference_at(q, k, positions, *, block_size: int, top_k: int, 
   Returns:
     int32 `[B, P, HKV, top_k]`.
   """
-  if selector not in ("pisa", "pisa1", "pisa2"):
-    raise ValueError(f"{selector=} must be 'pisa', 'pisa1' or 'pisa2' (the hierarchical walk)")
+  if not spec.hierarchical:
+    raise ValueError(f"selector={spec.selector!r} must be 'pisa', 'pisa1' or 'pisa2' (the "
+                     "hierarchical walk)")
   if not jnp.issubdtype(positions.dtype, jnp.integer) or positions.ndim != 1:
     raise TypeError(f"positions must be a 1-D integer array [P], got {positions.dtype} "
                     f"{positions.shape}")
@@ -312,9 +316,7 @@ def select_blocks_reference_at(q, k, positions, *, block_size: int, top_k: int, 
   if q.shape[1] != positions.shape[0]:
     raise ValueError(f"q.shape[1]={q.shape[1]} must equal positions.shape[0]="
                      f"{positions.shape[0]}: q holds the queries at those positions")
-  fn, auto_chunk, summaries = _hierarchical_setup(
-      q, k, block_size=block_size, top_k=top_k, beam=beam, branching=branching, selector=selector,
-      scale=scale)
+  fn, auto_chunk, summaries = _hierarchical_setup(q, k, spec)
   return _chunking.map_query_chunks(fn, chunk or auto_chunk, (q,), (k, summaries),
                                     positions=positions)
 
@@ -338,17 +340,18 @@ def _child_scores(qg, source, base, count, *, width, scale, selector):
   return reduce_scores(z, child_valid[:, :, :, None], selector).sum(axis=3)
 
 
-def _packed_walk_chunk(positions, q, start, length, first_node, k, summaries, *, block_size,
-                       top_k, beam, branching, selector, scale):
+def _packed_walk_chunk(positions, q, start, length, first_node, k, summaries, *,
+                       spec: SelectionSpec):
   """`_hierarchical_chunk` for packed rows: q `[B, Tc, HQ, D]`; start, length `[B, Tc]` and
   first_node `[B, Tc, L]` from `segments.documents`; summaries the `PackedPyramid` levels.
   The walk starts at the top level a T-token document could have; above a document's root a
   level holds one node (`segments.level_node_counts`), kept unscored, so from the root down it
   makes the document's own decisions on the same candidates in the same order."""
+  block_size, top_k, beam, branching = spec.block_size, spec.top_k, spec.beam, spec.branching
   b, tc, hq, d = q.shape
   hkv = k.shape[2]
   qg = q.astype(jnp.float32).reshape(b, tc, hkv, hq // hkv, d)
-  child_scores = functools.partial(_child_scores, scale=scale, selector=selector)
+  child_scores = functools.partial(_child_scores, scale=spec.scale, selector=spec.selector)
   rel = positions[None, :] - start  # [B, Tc]: the query's position in its document
   leaves, leaf_exists = forced_leaves(rel, block_size)  # [B, Tc, 3]
   t = rel[:, :, None, None]
@@ -389,11 +392,12 @@ def _packed_walk_chunk(positions, q, start, length, first_node, k, summaries, *,
   return _first_top_k(cand, top_k)
 
 
-def _packed_bsa_chunk(positions, q, start, first_leaf, leaves, *, block_size, top_k, scale,
+def _packed_bsa_chunk(positions, q, start, first_leaf, leaves, *, spec: SelectionSpec,
                       num_blocks, bsa_scores=None):
   """`_bsa_chunk` for packed rows: each query scores its document's leaves, the `num_blocks`
   (= ceil(T / C), the most a document has) packed slots from its first leaf `[B, Tc]`.
   bsa_scores: None, or a kernel (qg, leaves, first_leaf, rel) -> the group-summed scores."""
+  block_size, top_k, scale = spec.block_size, spec.top_k, spec.scale
   b, tc, hq, d = q.shape
   hkv = leaves.shape[2]
   qg = q.astype(jnp.float32).reshape(b, tc, hkv, hq // hkv, d)
@@ -414,9 +418,10 @@ def _packed_bsa_chunk(positions, q, start, first_leaf, leaves, *, block_size, to
   return flat_top_k(probs.sum(axis=3), rel, block_size=block_size, top_k=top_k)
 
 
-def _packed_exact_chunk(positions, q, start, length, k, *, block_size, top_k, scale):
+def _packed_exact_chunk(positions, q, start, length, k, *, spec: SelectionSpec):
   """`_exact_chunk` for packed rows: the exact LSE of each complete past block of the query's
   document, its keys taken from the document's start."""
+  block_size, top_k, scale = spec.block_size, spec.top_k, spec.scale
   b, tc, hq, d = q.shape
   seq_len, hkv = k.shape[1], k.shape[2]
   num_blocks = -(-seq_len // block_size)
@@ -434,18 +439,18 @@ def _packed_exact_chunk(positions, q, start, length, k, *, block_size, top_k, sc
   return flat_top_k(scores, rel, block_size=block_size, top_k=top_k)
 
 
-def _select_packed(q, k, segment_ids, *, block_size, top_k, branching, selector, scale, beam,
-                   interpret=None):
+def _select_packed(q, k, segment_ids, spec: SelectionSpec, interpret=None):
   """Packed selection; interpret None runs the reference, a bool the Pallas kernels in that mode:
   the packed pyramid, then the fused packed walk, the packed two-stage or the BSA kernel."""
   b, seq_len, hq, d = q.shape
   hkv = k.shape[2]
+  block_size, branching, selector = spec.block_size, spec.branching, spec.selector
   num_blocks = -(-seq_len // block_size)
   docs = segments.documents(segment_ids, block_size, branching)
   if selector == "exact":
     # Twice the unpacked chunk's logits: all T of them, and the document's window of them.
     chunk = _chunking.query_chunk_size(seq_len, 6 * b * hq * num_blocks * block_size)
-    fn = functools.partial(_packed_exact_chunk, block_size=block_size, top_k=top_k, scale=scale)
+    fn = functools.partial(_packed_exact_chunk, spec=spec)
     return _chunking.map_query_chunks(fn, chunk, (q, docs.start, docs.length), (k,))
   kernels = interpret is not None
   if kernels:
@@ -453,52 +458,43 @@ def _select_packed(q, k, segment_ids, *, block_size, top_k, branching, selector,
         k, segment_ids, block_size=block_size, branching=branching, interpret=interpret)
   else:
     pyramid = segments.packed_pyramid(k, docs, block_size=block_size, branching=branching)
-  if kernels and selector in packed_walk_kernels.HIERARCHICAL:
+  if kernels and spec.hierarchical:
     # As unpacked: the fused walk (every level in one launch) at beam * g <= 16 candidate slots,
     # the two-stage pipeline (walk, leaf tiles, final Select_K) past them.
-    fused = packed_walk_kernels.covers(selector, beam, branching)
+    fused = packed_walk_kernels.covers(selector, spec.beam, branching)
     return (packed_walk_kernels.select_packed_fused if fused else
             packed_walk_kernels.select_packed_two_stage)(
-        q, k, docs.start, docs.length, docs.first_node, pyramid.summaries,
-        block_size=block_size, top_k=top_k, branching=branching, selector=selector,
-        scale=scale, beam=beam, interpret=interpret)
+        q, k, docs.start, docs.length, docs.first_node, pyramid.summaries, spec=spec,
+        interpret=interpret)
   if selector == "bsa":
     # Each query's document's leaves, [M, HKV, D], beside the scores.
     chunk = _chunking.query_chunk_size(seq_len, b * num_blocks * (3 * hq + hkv * d))
     scores = functools.partial(packed_selection_kernels.bsa_scores_pallas,
-                               block_size=block_size, num_blocks=num_blocks, scale=scale,
+                               block_size=block_size, num_blocks=num_blocks, scale=spec.scale,
                                interpret=interpret) if kernels else None
-    fn = functools.partial(_packed_bsa_chunk, block_size=block_size, top_k=top_k, scale=scale,
-                           num_blocks=num_blocks, bsa_scores=scores)
+    fn = functools.partial(_packed_bsa_chunk, spec=spec, num_blocks=num_blocks,
+                           bsa_scores=scores)
     return _chunking.map_query_chunks(fn, chunk, (q, docs.start, docs.first_node[..., 0]),
                                       (pyramid.summaries[0],))
-  width = max(top_k, beam) * branching
-  chunk = _chunking.query_chunk_size(
-      seq_len, b * hkv * width * max(block_size, branching) * (d + hq // hkv))
-  fn = functools.partial(_packed_walk_chunk, block_size=block_size, top_k=top_k, beam=beam,
-                         branching=branching, selector=selector, scale=scale)
-  return _chunking.map_query_chunks(fn, chunk, (q, docs.start, docs.length, docs.first_node),
+  fn = functools.partial(_packed_walk_chunk, spec=spec)
+  return _chunking.map_query_chunks(fn, _walk_chunk_size(q, k, spec),
+                                    (q, docs.start, docs.length, docs.first_node),
                                     (k, pyramid.summaries))
 
 
-@functools.partial(
-    jax.jit, static_argnames=("block_size", "top_k", "branching", "selector", "scale", "beam"))
-def select_blocks_packed_reference(q, k, segment_ids, *, block_size: int, top_k: int,
-                                   branching: int, selector: str, scale: float, beam: int):
+@takes_spec
+@functools.partial(jax.jit, static_argnames=("spec",))
+def select_blocks_packed_reference(q, k, segment_ids, *, spec: SelectionSpec):
   """jnp reference of `select_blocks` with segment_ids; arguments are already validated. Against
   the one-document reference: the walk scores the same candidates per query (levels above a short
   document's root kept unscored); "bsa" gathers each query's document leaves `[M, HKV, D]` beside
   the same `[M]` scores per head; "exact" takes the document's window of the same `[T]` logits."""
-  return _select_packed(q, k, segment_ids, block_size=block_size, top_k=top_k,
-                        branching=branching, selector=selector, scale=scale, beam=beam)
+  return _select_packed(q, k, segment_ids, spec)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("block_size", "top_k", "branching", "selector", "scale", "beam",
-                              "interpret"))
-def select_blocks_packed_pallas(q, k, segment_ids, *, block_size: int, top_k: int,
-                                branching: int, selector: str, scale: float, beam: int,
-                                interpret: bool):
+@takes_spec
+@functools.partial(jax.jit, static_argnames=("spec", "interpret"))
+def select_blocks_packed_pallas(q, k, segment_ids, *, spec: SelectionSpec, interpret: bool):
   """`select_blocks` with segment_ids on the Pallas kernels, for "pisa", "pisa1", "pisa2" and
   "bsa" ("exact" is reference-only, as without segment_ids).
 
@@ -508,21 +504,20 @@ def select_blocks_packed_pallas(q, k, segment_ids, *, block_size: int, top_k: in
   the unpacked selection with document geometry (`packed_walk.select_packed_two_stage`); "bsa"
   scores in `kernels.selection.packed` with its flat top-k in XLA.
   """
-  return _select_packed(q, k, segment_ids, block_size=block_size, top_k=top_k,
-                        branching=branching, selector=selector, scale=scale, beam=beam,
-                        interpret=interpret)
+  return _select_packed(q, k, segment_ids, spec, interpret=interpret)
 
 
 def select_blocks(
     q: Float[Array, "B T HQ D"],
     k: Float[Array, "B T HKV D"],
     *,
-    block_size: int = 64,
-    top_k: int = 8,
-    branching: int = 2,
-    selector: str = "pisa",
+    block_size: int | None = None,
+    top_k: int | None = None,
+    branching: int | None = None,
+    selector: str | None = None,
     scale: float | None = None,
     beam: int | None = None,
+    spec: SelectionSpec | None = None,
     segment_ids: Int[Array, "B T"] | None = None,
     implementation: str | None = None,
 ) -> Int[Array, "B T HKV K"]:
@@ -531,15 +526,19 @@ def select_blocks(
   Args:
     q: queries `[B, T, HQ, D]`.
     k: keys `[B, T, HKV, D]`; HQ must be a multiple of HKV. Causal: query t sees keys 0..t.
-    block_size: C, keys per leaf block.
-    top_k: K, blocks selected per query (>= 3: first, previous and current are forced).
-    branching: g, children per upper pyramid node.
-    selector: "pisa" (LSE, Eq. 21), "pisa1" (mean, Eq. 33), "pisa2" (mean + variance / 2,
-      Eq. 34), "bsa" (flat, per-head softmax over mean-key summaries summed over the group) or
-      "exact" (flat, exact raw-key LSE of every complete past block: PISA's upper bound; xla only).
+    block_size: C, keys per leaf block (default 64).
+    top_k: K, blocks selected per query (>= 3: first, previous and current are forced; default
+      8).
+    branching: g, children per upper pyramid node (default 2).
+    selector: "pisa" (LSE, Eq. 21; the default), "pisa1" (mean, Eq. 33), "pisa2" (mean +
+      variance / 2, Eq. 34), "bsa" (flat, per-head softmax over mean-key summaries summed over
+      the group) or "exact" (flat, exact raw-key LSE of every complete past block: PISA's upper
+      bound; xla only).
     scale: logit scale, default 1/sqrt(D).
     beam: nodes kept at each level above the leaves (None: top_k, the paper's rule); the leaf
       level always keeps top_k. Hierarchical selectors only.
+    spec: the six options above as one `pisa_jax.SelectionSpec` (its defaults are the ones
+      listed); an option also passed as a keyword must agree with it.
     segment_ids: None, or int32 `[B, T]` non-decreasing within a row: packed documents (runs of
       equal ids). Each query then selects as its document would alone from position 0: the
       document's own block grid from its first token, its own pyramid, forced blocks and
@@ -560,25 +559,15 @@ def select_blocks(
     blocks are eligible (min(top_k, t // block_size + 1) are valid, t the query's position in its
     document).
   """
-  _validation.check_static("select_blocks", block_size=block_size, top_k=top_k,
-                           branching=branching, selector=selector, scale=scale, beam=beam,
-                           implementation=implementation)
+  _validation.check_static("select_blocks", implementation=implementation)
   _, _, _, _, d = _validation.check_qk(q, k)
-  _validation.check_block_size(block_size)
-  _validation.check_branching(branching)
-  _validation.check_top_k(top_k)
-  _validation.check_selector(selector)
-  beam = _validation.resolve_beam(beam, top_k, selector)
-  scale = _validation.resolve_scale(scale, d)
+  spec = _validation.resolve_spec("select_blocks", spec, d, block_size=block_size, top_k=top_k,
+                                  branching=branching, selector=selector, scale=scale, beam=beam)
   _validation.check_segment_ids(segment_ids, batch=q.shape[0], seq_len=q.shape[1])
-  if selector == "exact" and _dispatch.resolve_implementation(implementation) != "xla":
+  if spec.selector == "exact" and _dispatch.resolve_implementation(implementation) != "xla":
     raise ValueError(
-        f"{selector=} exists only in the reference: pass implementation='xla' for it")
+        f"selector={spec.selector!r} exists only in the reference: pass implementation='xla' "
+        "for it")
   if segment_ids is not None:
-    select = _dispatch.lookup("select_blocks_packed", implementation)
-    return select(
-        q, k, segment_ids, block_size=int(block_size), top_k=int(top_k),
-        branching=int(branching), selector=selector, scale=scale, beam=beam)
-  select = _dispatch.lookup("select_blocks", implementation)
-  return select(q, k, block_size=int(block_size), top_k=int(top_k), branching=int(branching),
-                selector=selector, scale=scale, beam=beam)
+    return _dispatch.lookup("select_blocks_packed", implementation)(q, k, segment_ids, spec=spec)
+  return _dispatch.lookup("select_blocks", implementation)(q, k, spec=spec)

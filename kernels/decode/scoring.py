@@ -16,8 +16,8 @@ from pisa_jax.kernels.decode.layout import Geometry, load_rows
 def summary_logits(qg, s_ref, rows, m_row, geo: Geometry):
   """qg @ summaries[rows].T, `[Gp, N]` float32. In "split" mode the float32 summary is the sum of
   its high half (bits truncated to bfloat16's, so exact) and the bfloat16 rounding of the rest."""
-  s = load_rows(s_ref, rows, m_row, geo.d, geo.dp)
-  if geo.score_mode != "split":
+  s = load_rows(s_ref, rows, m_row, geo.d, geo.head_dim_padded)
+  if not geo.split_summaries:
     return qk_dot(qg, s, False)
   return split_logits(qg, s)
 

@@ -5,16 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from pisa_jax.kernels._common import MIN_DOT, next_pow2, pow2_at_least
+from pisa_jax.kernels._common import MIN_DOT, candidate_slots, next_pow2
 
 VARIANTS = ("fused", "two_stage")
 TOPK_IMPLS = ("rank", "passes")
-
-
-def candidate_slots(beam: int, branching: int) -> int:
-  """NC, the candidate slots per level below the root: up to beam * branching children, padded
-  to a power of two >= 16 (the value `SelectionConfig.default` takes as `candidates`)."""
-  return pow2_at_least(beam * branching, MIN_DOT)
 
 
 @dataclasses.dataclass(frozen=True)

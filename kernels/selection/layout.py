@@ -20,25 +20,17 @@ from jaxtyping import Array, Float
 
 from pisa_jax import geometry
 from pisa_jax.kernels import _common
-from pisa_jax.kernels._common import MIN_DOT, int32_table, next_pow2, pick, pow2_at_least
-from pisa_jax.kernels.selection.config import SelectionConfig, candidate_slots
+from pisa_jax.kernels._common import KernelGeometry, int32_table, next_pow2
+from pisa_jax.kernels.selection.config import SelectionConfig
+from pisa_jax.spec import SelectionSpec, takes_spec
 
 
 @dataclasses.dataclass(frozen=True)
-class Geometry:
-  """Static shapes shared by the selection kernels."""
+class Geometry(KernelGeometry):
+  """Static shapes of one selection call: `KernelGeometry` (B, heads, D, the spec) and the
+  sequence, the pyramid's level sizes and the dot mode."""
 
-  batch: int
   seq_len: int
-  hq: int
-  hkv: int
-  d: int
-  block_size: int
-  top_k: int
-  beam: int
-  branching: int
-  selector: str
-  scale: float
   level_sizes: tuple[int, ...]  # nodes per level, leaves first, the root last
   # q and k share one 16-bit dtype: scores come from 16-bit tensor-core dots with float32
   # accumulation (`_common.qk_dot`), the float32 summaries split into two 16-bit rows
@@ -56,46 +48,23 @@ class Geometry:
     return self.seq_len if self.query_len is None else self.query_len
 
   @property
-  def group(self) -> int:
-    return self.hq // self.hkv
-
-  @property
-  def group_padded(self) -> int:
-    return pow2_at_least(self.group, MIN_DOT)
-
-  @property
-  def head_dim_padded(self) -> int:
-    return pow2_at_least(self.d, MIN_DOT)
-
-  @property
-  def block_padded(self) -> int:
-    return pow2_at_least(self.block_size, MIN_DOT)
-
-  @property
-  def num_slots(self) -> int:
-    """NC, candidate slots per level below the root: up to beam * branching children."""
-    return candidate_slots(self.beam, self.branching)
-
-  @property
-  def top_k_padded(self) -> int:
-    return next_pow2(self.top_k)
-
-  @property
   def num_blocks(self) -> int:
     return self.level_sizes[0]
 
 
-def make_geometry(q, k, *, block_size, top_k, branching, selector, scale, beam,
-                  interpret: bool = True, has_offset: bool = False) -> Geometry:
+@takes_spec
+def make_geometry(q, k, *, spec: SelectionSpec, interpret: bool = True,
+                  has_offset: bool = False) -> Geometry:
+  """The geometry of a selection of q `[B, Tq, HQ, D]` against k `[B, T, HKV, D]`."""
   b, tq, hq, d = q.shape
   t, hkv = k.shape[1], k.shape[2]
   # Anything but 16-bit inputs of one dtype is upcast to float32.
   inputs_16bit = q.dtype == k.dtype and q.dtype in (jnp.bfloat16, jnp.float16)
   return Geometry(
-      batch=b, seq_len=t, hq=hq, hkv=hkv, d=d, block_size=block_size, top_k=top_k, beam=beam,
-      branching=branching, selector=selector, scale=float(scale),
-      level_sizes=geometry.level_sizes(t, block_size, branching), inputs_16bit=inputs_16bit,
-      approx_log=not interpret, query_len=None if tq == t else tq, has_offset=has_offset)
+      batch=b, hq=hq, hkv=hkv, d=d, spec=spec, seq_len=t,
+      level_sizes=geometry.level_sizes(t, spec.block_size, spec.branching),
+      inputs_16bit=inputs_16bit, approx_log=not interpret, query_len=None if tq == t else tq,
+      has_offset=has_offset)
 
 
 def launch(kernel, out_shape, grid: int, config: SelectionConfig, warps: int, interpret: bool,

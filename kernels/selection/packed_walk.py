@@ -44,6 +44,7 @@ from pisa_jax.kernels.selection.config import SelectionConfig, candidate_slots
 from pisa_jax.kernels.selection.layout import (Geometry, launch, load_group_queries, load_rows,
                                                make_geometry, summary_rows)
 from pisa_jax.kernels.selection.walk import group_child_score, uses_pair_lse
+from pisa_jax.spec import SelectionSpec, takes_spec
 
 HIERARCHICAL = ("pisa", "pisa1", "pisa2")
 # Columns of the document table: the document's start, its leaves M_1, its first scored level
@@ -239,11 +240,11 @@ def packed_fused_kernel(q_ref, k_ref, s_ref, pow_ref, doc_ref, *refs, geo: Geome
   out_ref[pl.ds(row, 1), :] = out
 
 
-def _walk_inputs(q, k, start, length, first_node, summaries, config, **selection):
+def _walk_inputs(q, k, start, length, first_node, summaries, config, spec, interpret):
   """(geo, config, stacked summaries, powers table, document table) of a packed walk; config None
   picks `SelectionConfig.default` for the geometry's candidate slots."""
   b, t, hq, d = q.shape
-  geo = make_geometry(q, k, **selection)
+  geo = make_geometry(q, k, spec=spec, interpret=interpret)
   config = config or SelectionConfig.default(seq_len=t, group=hq // geo.hkv,
                                              candidates=geo.num_slots)
   # Levels 1..L-1 stacked (the root level is never read), rows as `layout.summary_rows`.
@@ -254,12 +255,12 @@ def _walk_inputs(q, k, start, length, first_node, summaries, config, **selection
   return geo, config, stacked, powers_table(geo, len(capacities)), doc
 
 
+@takes_spec
 def select_packed_fused(q: Float[Array, "B T HQ D"], k: Float[Array, "B T HKV D"],
                         start: Int[Array, "B T"], length: Int[Array, "B T"],
                         first_node: Int[Array, "B T L"],
-                        summaries: tuple[Float[Array, "B N HKV D"], ...], *, block_size: int,
-                        top_k: int, branching: int, selector: str, scale: float, beam: int,
-                        interpret: bool,
+                        summaries: tuple[Float[Array, "B N HKV D"], ...], *,
+                        spec: SelectionSpec, interpret: bool,
                         config: SelectionConfig | None = None) -> Int[Array, "B T HKV K"]:
   """The fused packed walk: int32 `[B, T, HKV, top_k]` document leaf ids ascending, -1 padded.
 
@@ -267,13 +268,14 @@ def select_packed_fused(q: Float[Array, "B T HQ D"], k: Float[Array, "B T HKV D"
   (leaves first, `segments.packed_capacities` slots each); the rest as `select_blocks_pallas`.
   config: None picks `SelectionConfig.default` (the fused variant here).
   """
-  if not covers(selector, beam, branching):
-    raise ValueError(f"{selector=}, {beam=}, {branching=}: the fused packed walk takes a selector "
-                     f"in {HIERARCHICAL} with beam * branching <= {MIN_DOT}")
+  selector, top_k = spec.selector, spec.top_k
+  if not covers(selector, spec.beam, spec.branching):
+    raise ValueError(f"{selector=}, beam={spec.beam}, branching={spec.branching}: the fused "
+                     f"packed walk takes a selector in {HIERARCHICAL} with beam * branching <= "
+                     f"{MIN_DOT}")
   b, t, _, d = q.shape
   geo, config, stacked, powers, doc = _walk_inputs(
-      q, k, start, length, first_node, summaries, config, block_size=block_size, top_k=top_k,
-      branching=branching, selector=selector, scale=scale, beam=beam, interpret=interpret)
+      q, k, start, length, first_node, summaries, config, spec, interpret)
   rows = b * t * geo.hkv
   pair_lse = uses_pair_lse(config, geo)
   unshifted = config.fused_unshifted_lse and selector == "pisa"
@@ -305,23 +307,24 @@ def packed_walk_kernel(q_ref, s_ref, pow_ref, doc_ref, cand_ref, *, geo: Geometr
   cand_ref[(i_b * geo.seq_len + t) * geo.hkv + i_h, :] = cand
 
 
+@takes_spec
 def select_packed_two_stage(q: Float[Array, "B T HQ D"], k: Float[Array, "B T HKV D"],
                             start: Int[Array, "B T"], length: Int[Array, "B T"],
                             first_node: Int[Array, "B T L"],
-                            summaries: tuple[Float[Array, "B N HKV D"], ...], *, block_size: int,
-                            top_k: int, branching: int, selector: str, scale: float, beam: int,
-                            interpret: bool, config: SelectionConfig | None = None
-                            ) -> Int[Array, "B T HKV K"]:
+                            summaries: tuple[Float[Array, "B N HKV D"], ...], *,
+                            spec: SelectionSpec, interpret: bool,
+                            config: SelectionConfig | None = None) -> Int[Array, "B T HKV K"]:
   """The packed selection of wide candidate sets (`covers_two_stage`), arguments and result as
   `select_packed_fused`: the document walk to level 2, then `two_stage`'s leaf tiles and final
   Select_K given each row's document start and position in it."""
-  if not covers_two_stage(selector, beam, branching):
-    raise ValueError(f"{selector=}, {beam=}, {branching=}: the packed two-stage selection takes a "
-                     f"selector in {HIERARCHICAL} with beam * branching > {MIN_DOT}")
+  selector, top_k = spec.selector, spec.top_k
+  if not covers_two_stage(selector, spec.beam, spec.branching):
+    raise ValueError(f"{selector=}, beam={spec.beam}, branching={spec.branching}: the packed "
+                     f"two-stage selection takes a selector in {HIERARCHICAL} with beam * "
+                     f"branching > {MIN_DOT}")
   b, t, _, d = q.shape
   geo, config, stacked, powers, doc = _walk_inputs(
-      q, k, start, length, first_node, summaries, config, block_size=block_size, top_k=top_k,
-      branching=branching, selector=selector, scale=scale, beam=beam, interpret=interpret)
+      q, k, start, length, first_node, summaries, config, spec, interpret)
   rows = b * t * geo.hkv
   pair_lse = uses_pair_lse(config, geo)
   name = (f"pisa_select_packed_walk_{selector}_{config.topk_impl}"
