@@ -120,10 +120,10 @@ def _s(shape, dtype=BF16):
 
 
 def _selection(selector="pisa", *, d=64, top_k=8, beam=None, hq=32, hkv=2, dtype=BF16,
-               config=None, offset=False, t=SEQ, branching=2):
+               config=None, offset=False, t=SEQ, branching=2, block_size=64):
   from pisa_jax.kernels import selection as sel
 
-  kw = dict(block_size=64, top_k=top_k, branching=branching, selector=selector, scale=d ** -0.5,
+  kw = dict(block_size=block_size, top_k=top_k, branching=branching, selector=selector, scale=d ** -0.5,
             beam=beam or top_k, interpret=False, config=config)
   q, k = _s((1, t, hq, d), dtype), _s((1, t, hkv, d), dtype)
   if offset:
@@ -139,10 +139,11 @@ def _selection_config(**changes):
 
 
 def _packed_selection(selector="pisa", *, d=64, top_k=8, beam=None, hq=32, hkv=2, dtype=BF16,
-                      branching=2):
+                      branching=2, block_size=64):
   from pisa_jax import selection
 
-  fn = functools.partial(selection.select_blocks_packed_pallas, block_size=64, top_k=top_k,
+  fn = functools.partial(selection.select_blocks_packed_pallas, block_size=block_size,
+                         top_k=top_k,
                          branching=branching, selector=selector, scale=d ** -0.5,
                          beam=beam or top_k,
                          interpret=False)
@@ -249,6 +250,10 @@ CASES: dict[str, Callable[[], tuple]] = {
     "selection/d64k8/branching3": lambda: _selection(branching=3),
     "selection/d64k8/branching4_two_stage": lambda: _selection(
         branching=4, config=_selection_config(variant="two_stage")),
+    # A block size that is not a power of two (padded key tiles with masks).
+    "selection/d64k8/c48": lambda: _selection(block_size=48),
+    "selection/d64k8/c48_two_stage": lambda: _selection(
+        block_size=48, config=_selection_config(variant="two_stage")),
     # A sequence shard (query offset input).
     "selection/d64k8/offset": lambda: _selection(offset=True),
     "selection/d128k32/offset": lambda: _selection(d=128, top_k=32, offset=True),
@@ -260,6 +265,8 @@ CASES: dict[str, Callable[[], tuple]] = {
     "packed_selection/d64k8/bsa": lambda: _packed_selection("bsa"),
     "packed_selection/d128k32/bsa": lambda: _packed_selection("bsa", d=128, top_k=32),
     "packed_selection/d64k4/branching3": lambda: _packed_selection(top_k=4, beam=5, branching=3),
+    "packed_selection/d64k8/c48": lambda: _packed_selection(block_size=48),
+    "packed_selection/d64k32/c48": lambda: _packed_selection(top_k=32, block_size=48),
     # The pyramid alone (the selection cases lower it too).
     "pyramid/d64/g2": lambda: _pyramid(),
     "pyramid/d128/g4": lambda: _pyramid(d=128, branching=4),
