@@ -1,7 +1,7 @@
 """Pallas (Triton) block-sparse attention over selected leaf blocks (Eq. 6), forward and backward.
 
 The twin of `pisa_jax.attention.sparse_attention_reference` (and, with segment_ids, of
-`pisa_jax.packed_attention.sparse_attention_packed_reference`). Reads top to bottom: the tile
+`pisa_jax.attention.sparse_attention_packed_reference`). Reads top to bottom: the tile
 config, the forward kernel, the dq kernel (which also writes delta = rowsum(o * do)), then the
 `custom_vjp` op; the inverted index and the dk/dv kernels live in `attention_backward`.
 

@@ -24,8 +24,8 @@ from jaxtyping import Array, Float, Int
 
 from pisa_jax import segments
 from pisa_jax.geometry import node_span
-from pisa_jax.kernels._common import next_pow2, triton_deprecation_silenced
-from pisa_jax.kernels.pyramid import PyramidConfig
+from pisa_jax.kernels._common import next_pow2, pallas_launch
+from pisa_jax.kernels.pyramid import PyramidConfig, load_children
 from pisa_jax.segments import PackedPyramid
 
 
@@ -56,9 +56,7 @@ def _run_pool_kernel(x_ref, first_ref, count_ref, o_ref, *, batch: int, num_chil
     child = jnp.clip(b_first + j, 0, num_children - 1)
     m_child = m_parent & (j < b_count)
     rows = (i_b * num_children + child) * hkv + i_h
-    b_x = plt.load(x_ref.at[rows[:, None], c_col[None, :]],
-                   mask=m_child[:, None] & (o_col < d)[None, :], other=0.0)
-    return acc + b_x.astype(jnp.float32)
+    return acc + load_children(x_ref, rows, m_child, o_col, c_col, d)
 
   acc = jnp.zeros((node_tile, dp), jnp.float32)
   if group <= 8:
@@ -87,17 +85,11 @@ def pool_runs(x2: Array, first: Int[Array, "B N"], count: Int[Array, "B N"], *, 
   kernel = functools.partial(
       _run_pool_kernel, batch=batch, num_children=num_children, num_parents=num_parents,
       group=group, hkv=hkv, d=d, node_tile=config.node_tile)
-  with triton_deprecation_silenced():
-    out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((batch * num_parents * hkv + 1, next_pow2(d)),
-                                       jnp.float32),
-        grid=(batch * hkv * tiles,),
-        compiler_params=plt.CompilerParams(num_warps=config.num_warps,
-                                           num_stages=config.num_stages),
-        interpret=interpret,
-        name=f"pisa_pool_runs_g{group}",
-    )(x2, first.reshape(-1), count.reshape(-1))
+  out = pallas_launch(
+      kernel, jax.ShapeDtypeStruct((batch * num_parents * hkv + 1, next_pow2(d)), jnp.float32),
+      (batch * hkv * tiles,), warps=config.num_warps, stages=config.num_stages,
+      interpret=interpret, name=f"pisa_pool_runs_g{group}")(x2, first.reshape(-1),
+                                                             count.reshape(-1))
   return out[:-1, :d]
 
 

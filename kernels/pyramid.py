@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float
 
-from pisa_jax.kernels._common import next_pow2, triton_deprecation_silenced
+from pisa_jax.kernels._common import next_pow2, pallas_launch
 
 from pisa_jax.geometry import Pyramid, level_sizes
 
@@ -50,6 +50,14 @@ class PyramidConfig:
     return cls(node_tile=min(16, next_pow2(num_nodes)))
 
 
+def load_children(x_ref, rows, m_child, o_col, c_col, d: int):
+  """Child rows `[N]` of x_ref as float32 `[N, Dp]`: masked rows and the columns past D read as
+  zero. The columns are clamped as well as masked: out-of-range indices read garbage on the GPU
+  and NaN in the interpreter."""
+  return plt.load(x_ref.at[rows[:, None], c_col[None, :]],
+                  mask=m_child[:, None] & (o_col < d)[None, :], other=0.0).astype(jnp.float32)
+
+
 def _pool_kernel(x_ref, o_ref, *, batch: int, num_children: int, group: int,
                  num_parents: int, hkv: int, d: int, node_tile: int):
   """Mean of `group` consecutive child rows for `node_tile` parents of one (batch, KV head).
@@ -64,9 +72,7 @@ def _pool_kernel(x_ref, o_ref, *, batch: int, num_children: int, group: int,
   # [NT] parent ids, [Dp] feature columns.
   o_parent = i_tile * node_tile + jnp.arange(node_tile)
   o_col = jnp.arange(dp)
-  # Columns past D (padding to a power of two) are clamped as well as masked: out-of-range
-  # indices read garbage on the GPU and NaN in the interpreter.
-  c_col = jnp.minimum(o_col, d - 1)
+  c_col = jnp.minimum(o_col, d - 1)  # `load_children`
   m_parent = o_parent < num_parents
 
   def add_child(j, acc):
@@ -74,9 +80,7 @@ def _pool_kernel(x_ref, o_ref, *, batch: int, num_children: int, group: int,
     child = o_parent * group + j
     m_child = m_parent & (child < num_children)
     rows = (i_b * num_children + jnp.minimum(child, num_children - 1)) * hkv + i_h
-    b_x = plt.load(x_ref.at[rows[:, None], c_col[None, :]],
-                   mask=m_child[:, None] & (o_col < d)[None, :], other=0.0)
-    return acc + b_x.astype(jnp.float32)
+    return acc + load_children(x_ref, rows, m_child, o_col, c_col, d)
 
   acc = jnp.zeros((node_tile, dp), jnp.float32)
   if group <= 8:
@@ -103,16 +107,10 @@ def pool_rows(x2: Array, *, batch: int, num_children: int, group: int, hkv: int,
   kernel = functools.partial(
       _pool_kernel, batch=batch, num_children=num_children, group=group,
       num_parents=num_parents, hkv=hkv, d=d, node_tile=config.node_tile)
-  with triton_deprecation_silenced():
-    out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((batch * num_parents * hkv + 1, next_pow2(d)), jnp.float32),
-        grid=(batch * hkv * tiles,),
-        compiler_params=plt.CompilerParams(num_warps=config.num_warps,
-                                           num_stages=config.num_stages),
-        interpret=interpret,
-        name=f"pisa_pool_g{group}",
-    )(x2)
+  out = pallas_launch(
+      kernel, jax.ShapeDtypeStruct((batch * num_parents * hkv + 1, next_pow2(d)), jnp.float32),
+      (batch * hkv * tiles,), warps=config.num_warps, stages=config.num_stages,
+      interpret=interpret, name=f"pisa_pool_g{group}")(x2)
   return out[:-1, :d]
 
 
@@ -150,8 +148,7 @@ def _subtree_kernel(x_ref, *o_refs, batch: int, num_children: int, branching: in
   child = i_tile * span + o_child
   m_child = (o_child < span) & (child < num_children)
   x_rows = (i_b * num_children + jnp.minimum(child, num_children - 1)) * hkv + i_h
-  b_x = plt.load(x_ref.at[x_rows[:, None], c_col[None, :]],
-                 mask=m_child[:, None] & (o_col < d)[None, :], other=0.0).astype(jnp.float32)
+  b_x = load_children(x_ref, x_rows, m_child, o_col, c_col, d)
   width = span
   for o_ref, num_parents in zip(o_refs, sizes):
     width //= g
@@ -181,17 +178,11 @@ def pool_levels(x2: Array, *, batch: int, num_children: int, branching: int,
   tiles = -(-num_children // span)
   kernel = functools.partial(_subtree_kernel, batch=batch, num_children=num_children,
                              branching=branching, sizes=tuple(sizes), hkv=hkv, d=d)
-  with triton_deprecation_silenced():
-    outs = pl.pallas_call(
-        kernel,
-        out_shape=[jax.ShapeDtypeStruct((batch * m * hkv + 1, next_pow2(d)), jnp.float32)
-                   for m in sizes],
-        grid=(batch * hkv * tiles,),
-        compiler_params=plt.CompilerParams(num_warps=config.num_warps,
-                                           num_stages=config.num_stages),
-        interpret=interpret,
-        name=f"pisa_pool_levels_g{branching}",
-    )(x2)
+  outs = pallas_launch(
+      kernel, [jax.ShapeDtypeStruct((batch * m * hkv + 1, next_pow2(d)), jnp.float32)
+               for m in sizes],
+      (batch * hkv * tiles,), warps=config.num_warps, stages=config.num_stages,
+      interpret=interpret, name=f"pisa_pool_levels_g{branching}")(x2)
   return [o[:-1, :d] for o in outs]
 
 

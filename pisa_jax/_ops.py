@@ -9,8 +9,7 @@ op is one more `register` call here.
 
 from __future__ import annotations
 
-from pisa_jax import (attention, decode, nsa, nsa_decode, packed_attention, pyramid, quality,
-                      selection)
+from pisa_jax import attention, decode, nsa, nsa_decode, pyramid, quality, selection
 from pisa_jax._dispatch import register, with_interpret
 from pisa_jax.kernels import attention as attention_kernels
 from pisa_jax.kernels import decode as decode_kernels
@@ -35,7 +34,7 @@ register("select_blocks_offset", xla=selection.select_blocks_reference_offset,
 # Sparse attention (Eq. 6), as selection.
 register("sparse_attention", xla=attention.sparse_attention_reference,
          pallas=with_interpret(attention_kernels.sparse_attention_pallas))
-register("sparse_attention_packed", xla=packed_attention.sparse_attention_packed_reference,
+register("sparse_attention_packed", xla=attention.sparse_attention_packed_reference,
          pallas=with_interpret(attention_kernels.sparse_attention_packed_pallas))
 register("sparse_attention_offset", xla=attention.sparse_attention_reference_at,
          pallas=with_interpret(attention_kernels.sparse_attention_pallas_at))

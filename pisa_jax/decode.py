@@ -47,7 +47,7 @@ from jaxtyping import Array, Bool, Float, Int
 from pisa_jax import _dispatch, _validation
 from pisa_jax.decode_cache import DecodeCache, bucket_capacity
 from pisa_jax.geometry import level_offsets, level_sizes
-from pisa_jax.selection import _bsa_chunk, _hierarchical_chunk
+from pisa_jax.selection import _bsa_chunk, _walk_chunk
 from pisa_jax.spec import SelectionSpec, takes_spec
 
 __all__ = ["DECODE_SELECTORS", "DecodeCache", "bucket_capacity", "decode_append_reference",
@@ -145,14 +145,13 @@ def decode_select_reference(
   t = jnp.minimum(positions, capacity - 1).astype(jnp.int32)
   if spec.selector == "bsa":
     def row(t, q, leaves):
-      return _bsa_chunk(t[None], q[None, None], leaves[None], spec=spec)[0, 0]
+      return _bsa_chunk(t[None], q[None, None], None, None, leaves[None], spec=spec)[0, 0]
 
     return jax.vmap(row)(t, q, levels[0])
 
   def row(t, q, k, levels):
-    return _hierarchical_chunk(t[None], q[None, None], k[None],
-                               tuple(level[None] for level in levels), spec=spec,
-                               level_sizes=sizes)[0, 0]
+    return _walk_chunk(t[None], q[None, None], None, None, None, k[None],
+                       tuple(level[None] for level in levels), spec=spec)[0, 0]
 
   return jax.vmap(row)(t, q, k_cache, levels)
 

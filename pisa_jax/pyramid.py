@@ -1,4 +1,12 @@
-"""The key-summary pyramid (Section 3.2, Eq. 7-15): mean pooling from the leaves to one root."""
+"""The key-summary pyramid (Section 3.2, Eq. 7-15): mean pooling from the leaves to one root.
+
+Two layouts, two references: one document's level l is exactly `[B, M_l, HKV, D]`, each node the
+mean of a fixed run of rows (a reshape and a sum); packed documents' levels hold every
+document's nodes at static capacities (`pisa_jax.segments`: N_1 = T leaf slots), each node a
+segment sum. One document as a packed row would hold T leaf slots instead of T / C and sum in
+another order (the means then differ in the last bit from the ones the decode cache and the
+golden cases pin), so the one-document pyramid keeps its own code.
+"""
 
 from __future__ import annotations
 

@@ -25,14 +25,14 @@ def test_every_register_call_is_in_the_ops_module():
 
 def test_lookup_loads_the_registrations_itself(monkeypatch):
   # A fresh process in miniature: an empty registry and `_ops` not yet imported. Without the
-  # import in `lookup`, the packed op would exist only once `pisa_jax.packed_attention` had been
-  # imported for its side effect.
+  # import in `lookup`, no op would be registered until a module registered it as a side effect
+  # of its import.
   monkeypatch.setattr(_dispatch, "_REGISTRY", {})
   monkeypatch.delitem(sys.modules, "pisa_jax._ops", raising=False)
-  from pisa_jax import packed_attention
+  from pisa_jax import attention
 
   assert (_dispatch.lookup("sparse_attention_packed", "xla")
-          is packed_attention.sparse_attention_packed_reference)
+          is attention.sparse_attention_packed_reference)
   assert {"build_pyramid", "select_blocks", "decode_step", "nsa_attention"} <= set(
       _dispatch._REGISTRY)
   with pytest.raises(ValueError, match=r"op='select' is not registered"):

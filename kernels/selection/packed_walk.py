@@ -39,11 +39,13 @@ from jaxtyping import Array, Float, Int
 from pisa_jax import geometry
 from pisa_jax.kernels._common import (INT32_MAX, MIN_DOT, int32_table, next_pow2, pick, qk_dot,
                                       reduce_keys)
-from pisa_jax.kernels.selection import scoring, topk, two_stage
+from pisa_jax.kernels.selection import topk, two_stage
 from pisa_jax.kernels.selection.config import SelectionConfig, candidate_slots
+from pisa_jax.kernels.selection.fused import (bounded_select, key_norm_bounds,
+                                              score_needed_leaves)
 from pisa_jax.kernels.selection.layout import (Geometry, launch, load_group_queries, load_rows,
-                                               make_geometry, summary_rows)
-from pisa_jax.kernels.selection.walk import group_child_score, uses_pair_lse
+                                               make_geometry, stacked_summaries)
+from pisa_jax.kernels.selection.walk import uses_pair_lse, walk_level
 from pisa_jax.spec import SelectionSpec, takes_spec
 
 HIERARCHICAL = ("pisa", "pisa1", "pisa2")
@@ -149,23 +151,14 @@ def packed_walk_to_leaves(qg, m_head, i_h, rel, doc, tab_pow, s_ref, geo: Geomet
       leaves_per_node, shift = pick(tab_pow, level - 1), None
       per_child = pick(tab_pow, level - 2)
       n_child = (leaves + per_child - 1) // per_child
-    # Appendix B: eligible nodes start at or before the query (at or before the current leaf's
-    # ancestor, which also keeps them below the document's M_l); forced: the ancestors of the
-    # document's first, previous and current leaves.
-    anc_cur, _ = topk.ancestors(cur, leaves_per_node, shift)
-    valid = (cand >= 0) & (cand <= anc_cur)
-    forced = valid & topk.forced_nodes(cand, cur, leaves_per_node, shift)
 
-    def child_logits(j):
-      """[Gp, NC] logits of every head against child j of every candidate, and its mask."""
-      child = jnp.where(valid, cand, 0) * g + j
-      m_child = valid & (child < n_child)
-      rows = first_row + jnp.minimum(child, n_child - 1) * geo.hkv + i_h
-      return scoring.summary_logits(qg, s_ref, rows, m_child, geo), m_child
+    def child_row(child):
+      # The document's nodes of a level are consecutive packed rows from its first one.
+      return first_row + jnp.minimum(child, n_child - 1) * geo.hkv + i_h
 
-    score = group_child_score(child_logits, m_head, geo, pair_lse, unshifted)
-    # Eq. 17 (Select_K, keep = beam) and Eq. 18 (the kept nodes' children).
-    return topk.select_and_expand(cand, valid, forced, score, geo, topk_impl)
+    # Eligibility and the forced nodes read the document's own current leaf and M_l.
+    return walk_level(cand, cur, leaves_per_node, shift, n_child, child_row, qg, m_head, s_ref,
+                      geo, topk_impl, pair_lse, unshifted)
 
   cand = jnp.where(slot < pick(doc, DOC_NODES), slot, -1)
   cand = lax.fori_loop(0, first_level - 1, one_level, cand)
@@ -197,19 +190,13 @@ def packed_select(qg, m_head, i_b, i_h, rel, doc, tab_pow, k_ref, s_ref, geo: Ge
   leaf ids. As `fused.fused_select`, only the leaves that need a score are scored."""
   cand = packed_walk_to_leaves(qg, m_head, i_h, rel, doc, tab_pow, s_ref, geo, topk_impl,
                                pair_lse, unshifted)
-  need, _, _ = topk.leaf_needs_score(cand, rel, geo)
-  slot = jnp.arange(geo.num_slots)
-  order = jnp.sum((need[None, :] & (slot[None, :] < slot[:, None])).astype(jnp.int32), axis=1)
-  n_need = jnp.sum(need.astype(jnp.int32))
-  start = pick(doc, DOC_START)
 
-  def score_leaf(c, scores):
-    hit = need & (order == c)
-    leaf = jnp.sum(jnp.where(hit, cand, 0))
-    s = document_leaf_score(qg, m_head, leaf, i_b, i_h, start, k_ref, geo, unshifted)
-    return jnp.where(hit, s, scores)
+  def leaf_scorer():
+    start = pick(doc, DOC_START)
+    return lambda leaf: document_leaf_score(qg, m_head, leaf, i_b, i_h, start, k_ref, geo,
+                                            unshifted)
 
-  scores = lax.fori_loop(0, n_need, score_leaf, jnp.zeros((geo.num_slots,), jnp.float32))
+  scores = score_needed_leaves(cand, rel, geo, leaf_scorer)
   return topk.final_select(cand[None, :], scores[None, :], rel, geo, topk_impl, by_column=True)
 
 
@@ -229,27 +216,26 @@ def packed_fused_kernel(q_ref, k_ref, s_ref, pow_ref, doc_ref, *refs, geo: Geome
   rel = t - pick(doc, DOC_START)
   select = functools.partial(packed_select, qg, m_head, i_b, i_h, rel, doc, tab_pow, k_ref, s_ref,
                              geo, topk_impl, pair_lse)
-  if unshifted:
-    kn2 = jnp.max(plt.load(kn2_ref.at[jnp.full((2,), i_bh, jnp.int32)]))
-    out = lax.cond(scoring.unshifted_ok(qg, m_head, kn2, geo.scale),
-                   functools.partial(select, unshifted=True),
-                   functools.partial(select, unshifted=False))
-  else:
-    out = select()
+  out = bounded_select(select, qg, m_head, kn2_ref, i_bh, geo) if unshifted else select()
   row = (i_b * geo.seq_len + t) * geo.hkv + i_h
   out_ref[pl.ds(row, 1), :] = out
 
 
-def _walk_inputs(q, k, start, length, first_node, summaries, config, spec, interpret):
-  """(geo, config, stacked summaries, powers table, document table) of a packed walk; config None
-  picks `SelectionConfig.default` for the geometry's candidate slots."""
+def _walk_inputs(q, k, start, length, first_node, summaries, config, spec, interpret, *,
+                 fused: bool):
+  """(geo, config, stacked summaries, powers table, document table) of a packed walk, the fused
+  one or the two-stage one (each checks that it covers the spec); config None picks
+  `SelectionConfig.default` for the geometry's candidate slots."""
+  if not (covers if fused else covers_two_stage)(spec.selector, spec.beam, spec.branching):
+    kind, rule = ("fused packed walk", "<=") if fused else ("packed two-stage selection", ">")
+    raise ValueError(f"selector={spec.selector!r}, beam={spec.beam}, branching={spec.branching}: "
+                     f"the {kind} takes a selector in {HIERARCHICAL} with beam * branching "
+                     f"{rule} {MIN_DOT}")
   b, t, hq, d = q.shape
   geo = make_geometry(q, k, spec=spec, interpret=interpret)
   config = config or SelectionConfig.default(seq_len=t, group=hq // geo.hkv,
                                              candidates=geo.num_slots)
-  # Levels 1..L-1 stacked (the root level is never read), rows as `layout.summary_rows`.
-  used = summaries[:-1] or summaries[:1]
-  stacked = summary_rows(jnp.concatenate([s.reshape(-1, d) for s in used], axis=0), geo, q.dtype)
+  stacked = stacked_summaries(summaries, geo, q.dtype)
   capacities = [s.shape[1] for s in summaries]
   doc = document_table(start, length, first_node, capacities, geo)
   return geo, config, stacked, powers_table(geo, len(capacities)), doc
@@ -269,18 +255,13 @@ def select_packed_fused(q: Float[Array, "B T HQ D"], k: Float[Array, "B T HKV D"
   config: None picks `SelectionConfig.default` (the fused variant here).
   """
   selector, top_k = spec.selector, spec.top_k
-  if not covers(selector, spec.beam, spec.branching):
-    raise ValueError(f"{selector=}, beam={spec.beam}, branching={spec.branching}: the fused "
-                     f"packed walk takes a selector in {HIERARCHICAL} with beam * branching <= "
-                     f"{MIN_DOT}")
   b, t, _, d = q.shape
   geo, config, stacked, powers, doc = _walk_inputs(
-      q, k, start, length, first_node, summaries, config, spec, interpret)
+      q, k, start, length, first_node, summaries, config, spec, interpret, fused=True)
   rows = b * t * geo.hkv
   pair_lse = uses_pair_lse(config, geo)
   unshifted = config.fused_unshifted_lse and selector == "pisa"
-  kn2 = (jnp.max(jnp.sum(jnp.square(k.astype(jnp.float32)), axis=-1), axis=1).reshape(-1),
-         ) if unshifted else ()
+  kn2 = (key_norm_bounds(k),) if unshifted else ()
   name = (f"pisa_select_packed_fused_{selector}_{config.topk_impl}"
           + ("_pair_lse" if pair_lse else "") + ("_unshifted" if unshifted else ""))
   out = launch(functools.partial(packed_fused_kernel, geo=geo, topk_impl=config.topk_impl,
@@ -318,13 +299,9 @@ def select_packed_two_stage(q: Float[Array, "B T HQ D"], k: Float[Array, "B T HK
   `select_packed_fused`: the document walk to level 2, then `two_stage`'s leaf tiles and final
   Select_K given each row's document start and position in it."""
   selector, top_k = spec.selector, spec.top_k
-  if not covers_two_stage(selector, spec.beam, spec.branching):
-    raise ValueError(f"{selector=}, beam={spec.beam}, branching={spec.branching}: the packed "
-                     f"two-stage selection takes a selector in {HIERARCHICAL} with beam * "
-                     f"branching > {MIN_DOT}")
   b, t, _, d = q.shape
   geo, config, stacked, powers, doc = _walk_inputs(
-      q, k, start, length, first_node, summaries, config, spec, interpret)
+      q, k, start, length, first_node, summaries, config, spec, interpret, fused=False)
   rows = b * t * geo.hkv
   pair_lse = uses_pair_lse(config, geo)
   name = (f"pisa_select_packed_walk_{selector}_{config.topk_impl}"
