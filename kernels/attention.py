@@ -102,25 +102,17 @@ class SparseAttentionConfig:
   @classmethod
   def default(cls, *, head_dim: int, group: int, top_k: int, block_size: int
               ) -> "SparseAttentionConfig":
-    """Heuristic defaults, from a sweep on the H200 at N=16K, HQ=32, HKV=2 (WORKSPACE.md).
+    """Heuristic defaults, the fastest settings of sweeps at N = 16K-128K, HQ = 32, HKV = 2.
 
-    Forward: 2 warps beat 4 and 8 (0.54 vs 0.66 / 1.11 ms at d=64, K=8; 3.81 vs 4.11 / 6.29 ms at
-    d=128, K=32), 2 stages beat 1. dq: 4 warps beat 8 (0.66 vs 0.92 ms at d=64; 4.30 vs 5.66 at
-    d=128) and 2 stages beat 1; 2 warps, the forward's shape (same loads, 128 registers, no
-    spills), beat 4: 0.545 vs 0.649 ms at d=64, 3.93 vs 4.32 at d=128 (16K), which took
-    forward + backward to 1.51-1.54x fla at 64K-128K. dk/dv: 64 rows (4 queries of a
-    group of 16) and 4 warps beat 32 or 128 rows and 8 warps at both head dims; 2 warps spill.
-    One warp at d <= 64: forward 0.509 -> 0.413 ms at 16K and 4.11 -> 3.55 at 128K (dq
-    0.545 -> 0.501 at 16K): the `[16, C]` tile's row max and sums stay inside one
-    warp, no exchange through shared memory. At d = 128 one warp spills on whole blocks but not
-    in steps of 16 keys (128 registers, 12 KB of shared memory, 16 programs per SM): forward
-    3.51 -> 3.37 ms at 16K, 15.10 -> 14.74 at 64K. Against these defaults in the same run: at
-    d = 128, 2 warps in 16- or 32-key steps 0.71-0.98x, one warp in 32-key steps 0.99-1.00x;
-    at d = 64, 16- or 32-key steps 0.86-1.01x, 2 warps 0.81-0.86x. Packed dk/dv: items within
-    one document block run the unpacked launch; the 2C-key launch of the items across a
-    document boundary, from ptxas for sm_90a: 8 warps hold 64 rows at d = 64 without spills (4
-    warps spill 1,632 bytes) and spill 592 bytes at d = 128 (4 warps: 7,144; the unpacked kernel
-    at 4 warps: 720); float32 operands take half the rows there (shared memory).
+    Forward and dq: fewest warps that hold the tile without spilling: one at d <= 64 (the
+    `[16, C]` tile's row max and sums stay inside one warp, no exchange through shared memory);
+    at d = 128 the forward on one warp in steps of 16 keys (on whole blocks one warp spills) and
+    dq on two (the forward's shape: same loads, no spills); 2 pipelining stages beat 1. dk/dv:
+    64 rows (4 queries of a group of 16) on 4 warps beat 32 or 128 rows and 8 warps; 2 warps
+    spill. Packed dk/dv: items within one document block run the unpacked launch; the 2C-key
+    launch of the items across a document boundary takes 8 warps, which hold its 64 rows at
+    d = 64 without spills (ptxas, sm_90a); float32 operands take half the rows there (shared
+    memory).
     """
     dp = next_pow2(max(16, head_dim))
     warps = 1 if dp <= 64 else 2

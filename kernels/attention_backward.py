@@ -23,8 +23,7 @@ n - 1's items, each in item order (no atomics, bit-identical). Two launches fill
 - an item with several lo values loads the 2C keys of blocks n and n + 1 and masks each
   entry's keys outside [lo, lo + C): twice the dots, once per straddling item. Its launch
   writes into the first launch's partials (aliased) and skips every other item.
-On the H200 (128K of packed 2K-16K documents, d64 K8) the 2C window for every item made the
-packed dk/dv 8.43 ms against the unpacked 3.56 ms.
+A 2C window for every item does twice the dots (WORKSPACE.md, "Tried and dropped").
 """
 
 from __future__ import annotations
@@ -199,8 +198,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entry_ref, blk_
       b_p = jnp.where(visible, jnp.exp2(b_s - b_lse2[None, :]), 0.0)
       # Masked again: a hidden pair's dp (a NaN value) or delta (a query whose output is NaN)
       # must not reach that key's dk through p = 0 (0 * NaN = NaN). dp comes before the dv dot
-      # so that both selects sit together (fewer live predicates: 720 bytes of spills instead
-      # of 996 at d = 128 on sm_90).
+      # so that both selects sit together (fewer live predicates, fewer spills at d = 128).
       b_ds = b_p * jnp.where(visible, b_dp - b_delta[None, :], 0.0)
       b_dv = b_dv + jnp.dot(b_p.astype(b_do.dtype), b_do, precision=precision,
                             preferred_element_type=jnp.float32)

@@ -3,6 +3,7 @@ itself, so nothing depends on which modules were imported first."""
 
 from __future__ import annotations
 
+import importlib
 import pathlib
 import re
 import sys
@@ -27,8 +28,9 @@ def test_lookup_loads_the_registrations_itself(monkeypatch):
   # A fresh process in miniature: an empty registry and `_ops` not yet imported. Without the
   # import in `lookup`, no op would be registered until a module registered it as a side effect
   # of its import.
+  importlib.import_module("pisa_jax._ops")  # so that the patches below restore a full registry
   monkeypatch.setattr(_dispatch, "_REGISTRY", {})
-  monkeypatch.delitem(sys.modules, "pisa_jax._ops", raising=False)
+  monkeypatch.delitem(sys.modules, "pisa_jax._ops")
   from pisa_jax import attention
 
   assert (_dispatch.lookup("sparse_attention_packed", "xla")

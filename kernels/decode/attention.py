@@ -122,7 +122,7 @@ def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, geo: Geometry, splits: int):
 def merge_splits(o, m, l, geo: Geometry, splits: int, dtype, *, interpret: bool):
   """The partials of `partial_shapes` merged into the output `[B, HQ, D]` in `dtype`, one
   program per query head: a row that saw no key gets zeros, a NaN sum gives NaN. (XLA fused the
-  same merge into three or four kernels of a microsecond or two each, H200.)"""
+  same merge into three or four kernels, each a dependent launch.)"""
   out = pallas_launch(functools.partial(_merge_kernel, geo=geo, splits=splits),
                       jax.ShapeDtypeStruct((geo.batch * geo.hq, geo.d), dtype),
                       (geo.batch * geo.hkv, geo.group), warps=4, stages=1, interpret=interpret,

@@ -45,7 +45,7 @@ def _expand(cand, kept, rank, branching: int, width: int):
   """Eq. 18: the kept node of rank p fills slots p * g .. p * g + g - 1 with its children."""
   if branching == 2:
     # Each rank's node `[width / 2]`, then its two children side by side: half the all-pairs
-    # compare of the general form below (walk launch 1M B=1: 35.5 -> 34.6 us, H200).
+    # compare of the general form below.
     o_rank = jnp.arange(width // 2)
     hit = kept[None, :] & (rank[None, :] == o_rank[:, None])
     first = jnp.max(jnp.where(hit, cand[None, :] * 2, -1), axis=1)
@@ -115,7 +115,7 @@ def _walk(qg, m_head, s_ref, tab_ref, i_b, i_h, cur, geo: Geometry):
     masks = [valid & (first + j <= anc_child) for j in range(g)]
     if g == 2:
       # Both children in one gather and one dot (candidate i's at rows 2i, 2i + 1), split after:
-      # fewer, larger loads (walk launch 1M B=1: 34.6 -> 29.2 us, H200).
+      # fewer, larger loads.
       both = jnp.stack([first, first + 1], axis=-1).reshape(2 * nc)
       m_both = jnp.stack([valid, valid], axis=-1).reshape(2 * nc) & (both <= anc_child)
       z = summary_logits(qg, s_ref, rows(both), m_both, geo).reshape(geo.group_padded, nc, 2)
@@ -170,7 +170,7 @@ def leaf_select(cand, cur, scores, geo: Geometry):
 
 # The selection is three launches, so that at small B the leaves' key loads (up to NC - 3 leaves
 # of C keys each) spread over many SMs: one program per (row, KV head) scored them one after the
-# other, 2.3x slower at 1M tokens (B = 1, d128 K32) and never faster (H200, 2026-12-03).
+# other, serialised on one SM (slower in every sweep; WORKSPACE.md, "Tried and dropped").
 
 
 def _walk_kernel(pos_ref, q_ref, s_ref, tab_ref, cand_ref, *, geo: Geometry):

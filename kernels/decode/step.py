@@ -3,11 +3,10 @@ Select_K of the leaves fused with the split-K attention, whose programs also wri
 indices and the rows' new lengths and poison a row past capacity, then the merge kernel. BSA
 composes its own append + select with the attention kernel.
 
-Each dependent launch costs a microsecond or more of device time however little it does
-(H200): with a separate Select_K launch, XLA's merge and its small fusions for the past-capacity
-rows and the lengths, a step was eight kernels; it is these four and one copy. Every attention
-program of a (row, KV head) ranks the same candidates (an `[NC, NC]` compare), so Select_K's
-answer needs no launch of its own.
+Each dependent launch costs device time however little it does: with a separate Select_K
+launch, XLA's merge and its small fusions for the past-capacity rows and the lengths, a step was
+eight kernels; it is these four and one copy. Every attention program of a (row, KV head) ranks
+the same candidates (an `[NC, NC]` compare), so Select_K's answer needs no launch of its own.
 """
 
 from __future__ import annotations

@@ -162,7 +162,7 @@ def summary_rows(rows: Float[Array, "R D"], geo: Geometry, dtype) -> Array:
     return rows
   # The high part by reduce_precision, not a round trip through the 16-bit dtype: XLA on the GPU
   # (xla_allow_excess_precision, on by default) may fold convert(convert(x, bf16), f32) into x,
-  # which made every low part zero (the H200's bf16 check at 128K caught it: 4,792 rows off).
+  # which made every low part zero (the GPU's bf16 check caught it).
   finfo = jnp.finfo(dtype)
   hi = lax.reduce_precision(rows, exponent_bits=finfo.nexp, mantissa_bits=finfo.nmant)
   lo = (rows - hi).astype(dtype)
