@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
 from pisa_jax import segments
 from pisa_jax.geometry import node_span
-from pisa_jax.kernels._common import next_pow2, pallas_launch
-from pisa_jax.kernels.pyramid import PyramidConfig, load_children
+from pisa_jax.kernels._common import next_pow2
+from pisa_jax.kernels.pyramid import PyramidConfig, launch_pool, load_children, parent_tile
 from pisa_jax.segments import PackedPyramid
 
 
@@ -37,13 +35,8 @@ def _run_pool_kernel(x_ref, first_ref, count_ref, o_ref, *, batch: int, num_chil
   `[B * num_parents]`, each parent's first child and number of children (<= group, 0 for an
   unused slot); o_ref: float32 rows `[B * num_parents * HKV + 1, Dp]`, the last a trash row.
   """
-  tiles = pl.cdiv(num_parents, node_tile)
-  i_p = pl.program_id(0)
-  i_bh, i_tile = i_p // tiles, i_p % tiles
-  i_b, i_h = i_bh // hkv, i_bh % hkv
+  i_b, i_h, o_parent = parent_tile(num_parents, node_tile, hkv)  # [NT] parent slots
   dp = next_pow2(d)
-  # [NT] parent slots, [Dp] feature columns (clamped and masked past D).
-  o_parent = i_tile * node_tile + jnp.arange(node_tile)
   m_parent = o_parent < num_parents
   o_col = jnp.arange(dp)
   c_col = jnp.minimum(o_col, d - 1)
@@ -85,11 +78,9 @@ def pool_runs(x2: Array, first: Int[Array, "B N"], count: Int[Array, "B N"], *, 
   kernel = functools.partial(
       _run_pool_kernel, batch=batch, num_children=num_children, num_parents=num_parents,
       group=group, hkv=hkv, d=d, node_tile=config.node_tile)
-  out = pallas_launch(
-      kernel, jax.ShapeDtypeStruct((batch * num_parents * hkv + 1, next_pow2(d)), jnp.float32),
-      (batch * hkv * tiles,), warps=config.num_warps, stages=config.num_stages,
-      interpret=interpret, name=f"pisa_pool_runs_g{group}")(x2, first.reshape(-1),
-                                                             count.reshape(-1))
+  out = launch_pool(kernel, batch=batch, parents=num_parents, hkv=hkv, d=d, tiles=tiles,
+                    config=config, interpret=interpret, name=f"pisa_pool_runs_g{group}")(
+                        x2, first.reshape(-1), count.reshape(-1))
   return out[:-1, :d]
 
 

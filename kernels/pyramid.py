@@ -58,19 +58,24 @@ def load_children(x_ref, rows, m_child, o_col, c_col, d: int):
                   mask=m_child[:, None] & (o_col < d)[None, :], other=0.0).astype(jnp.float32)
 
 
+def parent_tile(num_parents: int, node_tile: int, hkv: int):
+  """This program's (batch, KV head) and its `[NT]` parent ids, in a grid over (batch, KV head,
+  tile of node_tile parents)."""
+  tiles = pl.cdiv(num_parents, node_tile)
+  i_p = pl.program_id(0)
+  i_bh, i_tile = i_p // tiles, i_p % tiles
+  i_b, i_h = i_bh // hkv, i_bh % hkv
+  return i_b, i_h, i_tile * node_tile + jnp.arange(node_tile)
+
+
 def _pool_kernel(x_ref, o_ref, *, batch: int, num_children: int, group: int,
                  num_parents: int, hkv: int, d: int, node_tile: int):
   """Mean of `group` consecutive child rows for `node_tile` parents of one (batch, KV head).
 
   x_ref: rows `[B * num_children * HKV, D]`; o_ref: rows `[B * num_parents * HKV, D]` (float32).
   """
-  tiles = pl.cdiv(num_parents, node_tile)
-  i_p = pl.program_id(0)
-  i_bh, i_tile = i_p // tiles, i_p % tiles
-  i_b, i_h = i_bh // hkv, i_bh % hkv
+  i_b, i_h, o_parent = parent_tile(num_parents, node_tile, hkv)
   dp = next_pow2(d)
-  # [NT] parent ids, [Dp] feature columns.
-  o_parent = i_tile * node_tile + jnp.arange(node_tile)
   o_col = jnp.arange(dp)
   c_col = jnp.minimum(o_col, d - 1)  # `load_children`
   m_parent = o_parent < num_parents
@@ -97,6 +102,18 @@ def _pool_kernel(x_ref, o_ref, *, batch: int, num_children: int, group: int,
   plt.store(o_ref.at[out_rows[:, None], o_col[None, :]], acc / count[:, None])
 
 
+def launch_pool(kernel, *, batch: int, parents, hkv: int, d: int, tiles: int,
+                config: PyramidConfig, interpret: bool, name: str):
+  """One pooling launch over (batch, KV head, tile of parents): float32 outputs of
+  `B * P * HKV + 1` rows `[Dp]` for each parent count P of `parents` (the last row of each a
+  trash row for masked stores), one output or a list."""
+  shapes = [jax.ShapeDtypeStruct((batch * p * hkv + 1, next_pow2(d)), jnp.float32)
+            for p in ([parents] if isinstance(parents, int) else parents)]
+  return pallas_launch(kernel, shapes[0] if isinstance(parents, int) else shapes,
+                       (batch * hkv * tiles,), warps=config.num_warps, stages=config.num_stages,
+                       interpret=interpret, name=name)
+
+
 def pool_rows(x2: Array, *, batch: int, num_children: int, group: int, hkv: int, d: int,
               interpret: bool, config: PyramidConfig | None = None) -> Array:
   """Means of `group` consecutive rows per (batch, KV head): `[B*N*HKV, D]` -> float32
@@ -107,10 +124,8 @@ def pool_rows(x2: Array, *, batch: int, num_children: int, group: int, hkv: int,
   kernel = functools.partial(
       _pool_kernel, batch=batch, num_children=num_children, group=group,
       num_parents=num_parents, hkv=hkv, d=d, node_tile=config.node_tile)
-  out = pallas_launch(
-      kernel, jax.ShapeDtypeStruct((batch * num_parents * hkv + 1, next_pow2(d)), jnp.float32),
-      (batch * hkv * tiles,), warps=config.num_warps, stages=config.num_stages,
-      interpret=interpret, name=f"pisa_pool_g{group}")(x2)
+  out = launch_pool(kernel, batch=batch, parents=num_parents, hkv=hkv, d=d, tiles=tiles,
+                    config=config, interpret=interpret, name=f"pisa_pool_g{group}")(x2)
   return out[:-1, :d]
 
 
@@ -178,11 +193,9 @@ def pool_levels(x2: Array, *, batch: int, num_children: int, branching: int,
   tiles = -(-num_children // span)
   kernel = functools.partial(_subtree_kernel, batch=batch, num_children=num_children,
                              branching=branching, sizes=tuple(sizes), hkv=hkv, d=d)
-  outs = pallas_launch(
-      kernel, [jax.ShapeDtypeStruct((batch * m * hkv + 1, next_pow2(d)), jnp.float32)
-               for m in sizes],
-      (batch * hkv * tiles,), warps=config.num_warps, stages=config.num_stages,
-      interpret=interpret, name=f"pisa_pool_levels_g{branching}")(x2)
+  outs = launch_pool(kernel, batch=batch, parents=list(sizes), hkv=hkv, d=d, tiles=tiles,
+                     config=config, interpret=interpret,
+                     name=f"pisa_pool_levels_g{branching}")(x2)
   return [o[:-1, :d] for o in outs]
 
 

@@ -200,12 +200,10 @@ def packed_select(qg, m_head, i_b, i_h, rel, doc, tab_pow, k_ref, s_ref, geo: Ge
   return topk.final_select(cand[None, :], scores[None, :], rel, geo, topk_impl, by_column=True)
 
 
-def packed_fused_kernel(q_ref, k_ref, s_ref, pow_ref, doc_ref, *refs, geo: Geometry,
-                        topk_impl: str, pair_lse: bool = False, unshifted: bool = False):
-  """Every level of the query's document, the leaves included, for one (query, KV head); writes
-  its `[1, KP]` leaf ids. refs: (out_ref,) or, with `unshifted`, (kn2_ref, out_ref) as in
-  `fused.fused_kernel` (max_t |k_t|^2 over the row bounds every document's keys too)."""
-  kn2_ref, out_ref = refs if unshifted else (None, refs[0])
+def _query_program(q_ref, pow_ref, doc_ref, geo: Geometry):
+  """What a packed walk program (one query, one KV head) loads first: (i_bh, t, i_b, i_h, the
+  head mask `[Gp]`, the group's queries `[Gp, Dp]`, the query's document-table row `[DP]`, the
+  powers table `[LP]`)."""
   i_p = pl.program_id(0)
   i_bh, t = i_p // geo.seq_len, i_p % geo.seq_len
   i_b, i_h = i_bh // geo.hkv, i_bh % geo.hkv
@@ -213,6 +211,16 @@ def packed_fused_kernel(q_ref, k_ref, s_ref, pow_ref, doc_ref, *refs, geo: Geome
   qg = load_group_queries(q_ref, geo, i_b, t, i_h, geo.group_padded)
   doc = _load_vector(doc_ref, i_b * geo.seq_len + t, doc_ref.shape[1])
   tab_pow = plt.load(pow_ref.at[jnp.arange(pow_ref.shape[0])])
+  return i_bh, t, i_b, i_h, m_head, qg, doc, tab_pow
+
+
+def packed_fused_kernel(q_ref, k_ref, s_ref, pow_ref, doc_ref, *refs, geo: Geometry,
+                        topk_impl: str, pair_lse: bool = False, unshifted: bool = False):
+  """Every level of the query's document, the leaves included, for one (query, KV head); writes
+  its `[1, KP]` leaf ids. refs: (out_ref,) or, with `unshifted`, (kn2_ref, out_ref) as in
+  `fused.fused_kernel` (max_t |k_t|^2 over the row bounds every document's keys too)."""
+  kn2_ref, out_ref = refs if unshifted else (None, refs[0])
+  i_bh, t, i_b, i_h, m_head, qg, doc, tab_pow = _query_program(q_ref, pow_ref, doc_ref, geo)
   rel = t - pick(doc, DOC_START)
   select = functools.partial(packed_select, qg, m_head, i_b, i_h, rel, doc, tab_pow, k_ref, s_ref,
                              geo, topk_impl, pair_lse)
@@ -276,13 +284,7 @@ def packed_walk_kernel(q_ref, s_ref, pow_ref, doc_ref, cand_ref, *, geo: Geometr
                        topk_impl: str, pair_lse: bool = False):
   """Two-stage stage 1 for one (query, KV head): its document walk down to level 2, writing the
   level-1 candidates `[NC]` (document leaf ids) as `two_stage.walk_kernel` does."""
-  i_p = pl.program_id(0)
-  i_bh, t = i_p // geo.seq_len, i_p % geo.seq_len
-  i_b, i_h = i_bh // geo.hkv, i_bh % geo.hkv
-  m_head = jnp.arange(geo.group_padded) < geo.group
-  qg = load_group_queries(q_ref, geo, i_b, t, i_h, geo.group_padded)
-  doc = _load_vector(doc_ref, i_b * geo.seq_len + t, doc_ref.shape[1])
-  tab_pow = plt.load(pow_ref.at[jnp.arange(pow_ref.shape[0])])
+  _, t, i_b, i_h, m_head, qg, doc, tab_pow = _query_program(q_ref, pow_ref, doc_ref, geo)
   cand = packed_walk_to_leaves(qg, m_head, i_h, t - pick(doc, DOC_START), doc, tab_pow, s_ref,
                                geo, topk_impl, pair_lse, False)
   cand_ref[(i_b * geo.seq_len + t) * geo.hkv + i_h, :] = cand
