@@ -16,14 +16,14 @@ from __future__ import annotations
 import functools
 
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
 from pisa_jax import segments
 from pisa_jax.geometry import node_span
 from pisa_jax.kernels._common import next_pow2
-from pisa_jax.kernels.pyramid import PyramidConfig, launch_pool, load_children, parent_tile
+from pisa_jax.kernels.pyramid import (PyramidConfig, launch_pool, load_children, parent_tile,
+                                      sum_children)
 from pisa_jax.segments import PackedPyramid
 
 
@@ -51,14 +51,9 @@ def _run_pool_kernel(x_ref, first_ref, count_ref, o_ref, *, batch: int, num_chil
     rows = (i_b * num_children + child) * hkv + i_h
     return acc + load_children(x_ref, rows, m_child, o_col, c_col, d)
 
-  acc = jnp.zeros((node_tile, dp), jnp.float32)
-  if group <= 8:
-    for j in range(group):
-      acc = add_child(j, acc)
-  else:
-    # Up to the tile's largest count: the leaf level has T slots, of which only about T / C
-    # plus one per document are used, so most tiles of a long row stop at once.
-    acc = lax.fori_loop(0, jnp.max(b_count), add_child, acc)
+  # A loop runs up to the tile's largest count: the leaf level has T slots, of which only about
+  # T / C plus one per document are used, so most tiles of a long row stop at once.
+  acc = sum_children(add_child, group, node_tile, dp, bound=lambda: jnp.max(b_count))
   # Eq. 15 (Eq. 2 for the leaves): divide by the children that exist; an unused slot stays 0.
   mean = acc / jnp.maximum(b_count, 1).astype(jnp.float32)[:, None]
   # Masked stores go to the trash row (the interpreter rewrites a masked store's address).

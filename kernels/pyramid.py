@@ -68,6 +68,17 @@ def parent_tile(num_parents: int, node_tile: int, hkv: int):
   return i_b, i_h, i_tile * node_tile + jnp.arange(node_tile)
 
 
+def sum_children(add_child, group: int, node_tile: int, dp: int, bound=None):
+  """float32 `[NT, Dp]`: add_child(j, acc) for the children j of every parent, unrolled up to 8
+  children, else a loop to `bound()` (None: all `group`)."""
+  acc = jnp.zeros((node_tile, dp), jnp.float32)
+  if group <= 8:
+    for j in range(group):
+      acc = add_child(j, acc)
+    return acc
+  return jax.lax.fori_loop(0, group if bound is None else bound(), add_child, acc)
+
+
 def _pool_kernel(x_ref, o_ref, *, batch: int, num_children: int, group: int,
                  num_parents: int, hkv: int, d: int, node_tile: int):
   """Mean of `group` consecutive child rows for `node_tile` parents of one (batch, KV head).
@@ -87,12 +98,7 @@ def _pool_kernel(x_ref, o_ref, *, batch: int, num_children: int, group: int,
     rows = (i_b * num_children + jnp.minimum(child, num_children - 1)) * hkv + i_h
     return acc + load_children(x_ref, rows, m_child, o_col, c_col, d)
 
-  acc = jnp.zeros((node_tile, dp), jnp.float32)
-  if group <= 8:
-    for j in range(group):
-      acc = add_child(j, acc)
-  else:
-    acc = jax.lax.fori_loop(0, group, add_child, acc)
+  acc = sum_children(add_child, group, node_tile, dp)
   # Eq. 15: divide by the number of children that exist (the last node may be partial).
   count = jnp.clip(num_children - o_parent * group, 1, group).astype(jnp.float32)
   # A masked store still rewrites its address in the interpreter, so masked rows go to a trash
