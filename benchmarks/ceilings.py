@@ -39,9 +39,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from benchmarks import _record, timing
-from pisa_jax.kernels._common import triton_deprecation_silenced
+from pisa_jax.kernels._common import qk_dot, triton_deprecation_silenced
 from pisa_jax.kernels.decode.layout import load_scalar
-from pisa_jax.kernels.decode.scoring import dot_t, split_logits
+from pisa_jax.kernels.decode.scoring import split_logits
 
 NAME = "ceilings"
 HKV, GROUP, LOOP = 2, 16, 200
@@ -62,7 +62,7 @@ def _chain_kernel(start_ref, s_ref, q_ref, o_ref, *, levels: int, variant: str, 
     if variant == "f32 sum":
       value = jnp.sum(rows, axis=1)
     elif variant == "bf16 dot":
-      value = jnp.sum(dot_t(q, rows, "native"), axis=0)
+      value = jnp.sum(qk_dot(q, rows, True), axis=0)
     else:  # the walk's own scoring of float32 summaries (`summary_logits`)
       value = jnp.sum(split_logits(q, rows), axis=0)
     return (node * 2 + (value > 0).astype(jnp.int32) + i) % nodes

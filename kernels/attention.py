@@ -1,7 +1,7 @@
 """Pallas (Triton) block-sparse attention over selected leaf blocks (Eq. 6), forward and backward.
 
 The twin of `pisa_jax.attention.sparse_attention_reference` (and, with segment_ids, of
-`pisa_jax.packed_attention.sparse_attention_packed_reference`). Reads top to bottom: the tile
+`pisa_jax.attention.sparse_attention_packed_reference`). Reads top to bottom: the tile
 config, the forward kernel, the dq kernel (which also writes delta = rowsum(o * do)), then the
 `custom_vjp` op; the inverted index and the dk/dv kernels live in `attention_backward`.
 
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -44,13 +43,10 @@ from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
 from pisa_jax import checkpoint_names, segments
+from pisa_jax.kernels._common import LN2, LOG2E, next_pow2
 from pisa_jax.kernels._common import call_kernel as _call_kernel
 from pisa_jax.kernels._common import dot_precision as _dot_precision
-from pisa_jax.kernels._common import next_pow2
 from pisa_jax.kernels.attention_backward import backward_dkv, inverted_index, packed_inverted_index
-
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,25 +102,17 @@ class SparseAttentionConfig:
   @classmethod
   def default(cls, *, head_dim: int, group: int, top_k: int, block_size: int
               ) -> "SparseAttentionConfig":
-    """Heuristic defaults, from a sweep on the H200 at N=16K, HQ=32, HKV=2 (WORKSPACE.md).
+    """Heuristic defaults, the fastest settings of sweeps at N = 16K-128K, HQ = 32, HKV = 2.
 
-    Forward: 2 warps beat 4 and 8 (0.54 vs 0.66 / 1.11 ms at d=64, K=8; 3.81 vs 4.11 / 6.29 ms at
-    d=128, K=32), 2 stages beat 1. dq: 4 warps beat 8 (0.66 vs 0.92 ms at d=64; 4.30 vs 5.66 at
-    d=128) and 2 stages beat 1; 2 warps, the forward's shape (same loads, 128 registers, no
-    spills), beat 4: 0.545 vs 0.649 ms at d=64, 3.93 vs 4.32 at d=128 (16K), which took
-    forward + backward to 1.51-1.54x fla at 64K-128K. dk/dv: 64 rows (4 queries of a
-    group of 16) and 4 warps beat 32 or 128 rows and 8 warps at both head dims; 2 warps spill.
-    One warp at d <= 64: forward 0.509 -> 0.413 ms at 16K and 4.11 -> 3.55 at 128K (dq
-    0.545 -> 0.501 at 16K): the `[16, C]` tile's row max and sums stay inside one
-    warp, no exchange through shared memory. At d = 128 one warp spills on whole blocks but not
-    in steps of 16 keys (128 registers, 12 KB of shared memory, 16 programs per SM): forward
-    3.51 -> 3.37 ms at 16K, 15.10 -> 14.74 at 64K. Against these defaults in the same run: at
-    d = 128, 2 warps in 16- or 32-key steps 0.71-0.98x, one warp in 32-key steps 0.99-1.00x;
-    at d = 64, 16- or 32-key steps 0.86-1.01x, 2 warps 0.81-0.86x. Packed dk/dv: items within
-    one document block run the unpacked launch; the 2C-key launch of the items across a
-    document boundary, from ptxas for sm_90a: 8 warps hold 64 rows at d = 64 without spills (4
-    warps spill 1,632 bytes) and spill 592 bytes at d = 128 (4 warps: 7,144; the unpacked kernel
-    at 4 warps: 720); float32 operands take half the rows there (shared memory).
+    Forward and dq: fewest warps that hold the tile without spilling: one at d <= 64 (the
+    `[16, C]` tile's row max and sums stay inside one warp, no exchange through shared memory);
+    at d = 128 the forward on one warp in steps of 16 keys (on whole blocks one warp spills) and
+    dq on two (the forward's shape: same loads, no spills); 2 pipelining stages beat 1. dk/dv:
+    64 rows (4 queries of a group of 16) on 4 warps beat 32 or 128 rows and 8 warps; 2 warps
+    spill. Packed dk/dv: items within one document block run the unpacked launch; the 2C-key
+    launch of the items across a document boundary takes 8 warps, which hold its 64 rows at
+    d = 64 without spills (ptxas, sm_90a); float32 operands take half the rows there (shared
+    memory).
     """
     dp = next_pow2(max(16, head_dim))
     warps = 1 if dp <= 64 else 2
@@ -230,7 +218,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, *refs, block_size: int, scale: flo
   # [R, D]
   b_q = _load_rows(q_ref, t, group, rows)
   precision = _dot_precision(b_q.dtype)
-  qk_scale = scale * _LOG2E
+  qk_scale = scale * LOG2E
   d = b_q.shape[-1]
   steps_per_block = block_size // step_keys
 
@@ -263,7 +251,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, *refs, block_size: int, scale: flo
   # A row with no visible key has l = 0 and acc = 0: it gets zeros and lse = -inf.
   has_key = b_l > 0
   b_o = b_acc / jnp.where(has_key, b_l, 1.0)[:, None]
-  b_lse = jnp.where(has_key, (b_m + jnp.log2(jnp.where(has_key, b_l, 1.0))) * _LN2, -jnp.inf)
+  b_lse = jnp.where(has_key, (b_m + jnp.log2(jnp.where(has_key, b_l, 1.0))) * LN2, -jnp.inf)
   _store_rows(o_ref, t, b_o.astype(o_ref.dtype), group, rows)
   _store_rows(lse_ref, t, b_lse, group, rows)
 
@@ -346,9 +334,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, do_ref, lse_ref, *refs, bloc
   # [R]
   b_delta = jnp.sum(b_o.astype(jnp.float32) * b_do.astype(jnp.float32), axis=1)
   # Rows without a visible key carry lse = -inf; every entry of theirs is masked below.
-  b_lse2 = _load_rows(lse_ref, t, group, rows) * _LOG2E
+  b_lse2 = _load_rows(lse_ref, t, group, rows) * LOG2E
   precision = _dot_precision(b_q.dtype)
-  qk_scale = scale * _LOG2E
+  qk_scale = scale * LOG2E
   d = b_q.shape[-1]
 
   def body(i, b_dq):

@@ -23,14 +23,12 @@ n - 1's items, each in item order (no atomics, bit-identical). Two launches fill
 - an item with several lo values loads the 2C keys of blocks n and n + 1 and masks each
   entry's keys outside [lo, lo + C): twice the dots, once per straddling item. Its launch
   writes into the first launch's partials (aliased) and skips every other item.
-On the H200 (128K of packed 2K-16K documents, d64 K8) the 2C window for every item made the
-packed dk/dv 8.43 ms against the unpacked 3.56 ms.
+A 2C window for every item does twice the dots (WORKSPACE.md, "Tried and dropped").
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -39,9 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Int
 
-from pisa_jax.kernels._common import call_kernel, dot_precision, next_pow2
-
-_LOG2E = math.log2(math.e)
+from pisa_jax.kernels._common import LOG2E, call_kernel, dot_precision, next_pow2
 
 
 # ----------------------------------------------------------------------------- inverted index
@@ -158,7 +154,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entry_ref, blk_
   first = start_ref[i]
   last = end_ref[i]
   per_step = rows // group
-  qk_scale = scale * _LOG2E
+  qk_scale = scale * LOG2E
   d = k_ref.shape[-1]
   o_r = jnp.arange(rows)
   o_j = o_r // group
@@ -185,7 +181,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entry_ref, blk_
       i_d = jnp.broadcast_to(o_d[None, :], (rows, d))
       b_q = plt.load(q_ref.at[i_t, i_g, i_d], mask=m_rd, other=0.0)
       b_do = plt.load(do_ref.at[i_t, i_g, i_d], mask=m_rd, other=0.0)
-      b_lse2 = plt.load(lse_ref.at[o_t, o_g], mask=m_r, other=0.0) * _LOG2E
+      b_lse2 = plt.load(lse_ref.at[o_t, o_g], mask=m_r, other=0.0) * LOG2E
       b_delta = plt.load(delta_ref.at[o_t, o_g], mask=m_r, other=0.0)
       # [W, R]
       b_s = jnp.dot(b_k, b_q.T, precision=precision,
@@ -202,8 +198,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entry_ref, blk_
       b_p = jnp.where(visible, jnp.exp2(b_s - b_lse2[None, :]), 0.0)
       # Masked again: a hidden pair's dp (a NaN value) or delta (a query whose output is NaN)
       # must not reach that key's dk through p = 0 (0 * NaN = NaN). dp comes before the dv dot
-      # so that both selects sit together (fewer live predicates: 720 bytes of spills instead
-      # of 996 at d = 128 on sm_90).
+      # so that both selects sit together (fewer live predicates, fewer spills at d = 128).
       b_ds = b_p * jnp.where(visible, b_dp - b_delta[None, :], 0.0)
       b_dv = b_dv + jnp.dot(b_p.astype(b_do.dtype), b_do, precision=precision,
                             preferred_element_type=jnp.float32)

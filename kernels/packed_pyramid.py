@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
 from pisa_jax import segments
 from pisa_jax.geometry import node_span
-from pisa_jax.kernels._common import next_pow2, triton_deprecation_silenced
-from pisa_jax.kernels.pyramid import PyramidConfig
+from pisa_jax.kernels._common import next_pow2
+from pisa_jax.kernels.pyramid import (PyramidConfig, launch_pool, load_children, parent_tile,
+                                      sum_children)
 from pisa_jax.segments import PackedPyramid
 
 
@@ -37,13 +35,8 @@ def _run_pool_kernel(x_ref, first_ref, count_ref, o_ref, *, batch: int, num_chil
   `[B * num_parents]`, each parent's first child and number of children (<= group, 0 for an
   unused slot); o_ref: float32 rows `[B * num_parents * HKV + 1, Dp]`, the last a trash row.
   """
-  tiles = pl.cdiv(num_parents, node_tile)
-  i_p = pl.program_id(0)
-  i_bh, i_tile = i_p // tiles, i_p % tiles
-  i_b, i_h = i_bh // hkv, i_bh % hkv
+  i_b, i_h, o_parent = parent_tile(num_parents, node_tile, hkv)  # [NT] parent slots
   dp = next_pow2(d)
-  # [NT] parent slots, [Dp] feature columns (clamped and masked past D).
-  o_parent = i_tile * node_tile + jnp.arange(node_tile)
   m_parent = o_parent < num_parents
   o_col = jnp.arange(dp)
   c_col = jnp.minimum(o_col, d - 1)
@@ -56,18 +49,11 @@ def _run_pool_kernel(x_ref, first_ref, count_ref, o_ref, *, batch: int, num_chil
     child = jnp.clip(b_first + j, 0, num_children - 1)
     m_child = m_parent & (j < b_count)
     rows = (i_b * num_children + child) * hkv + i_h
-    b_x = plt.load(x_ref.at[rows[:, None], c_col[None, :]],
-                   mask=m_child[:, None] & (o_col < d)[None, :], other=0.0)
-    return acc + b_x.astype(jnp.float32)
+    return acc + load_children(x_ref, rows, m_child, o_col, c_col, d)
 
-  acc = jnp.zeros((node_tile, dp), jnp.float32)
-  if group <= 8:
-    for j in range(group):
-      acc = add_child(j, acc)
-  else:
-    # Up to the tile's largest count: the leaf level has T slots, of which only about T / C
-    # plus one per document are used, so most tiles of a long row stop at once.
-    acc = lax.fori_loop(0, jnp.max(b_count), add_child, acc)
+  # A loop runs up to the tile's largest count: the leaf level has T slots, of which only about
+  # T / C plus one per document are used, so most tiles of a long row stop at once.
+  acc = sum_children(add_child, group, node_tile, dp, bound=lambda: jnp.max(b_count))
   # Eq. 15 (Eq. 2 for the leaves): divide by the children that exist; an unused slot stays 0.
   mean = acc / jnp.maximum(b_count, 1).astype(jnp.float32)[:, None]
   # Masked stores go to the trash row (the interpreter rewrites a masked store's address).
@@ -87,17 +73,9 @@ def pool_runs(x2: Array, first: Int[Array, "B N"], count: Int[Array, "B N"], *, 
   kernel = functools.partial(
       _run_pool_kernel, batch=batch, num_children=num_children, num_parents=num_parents,
       group=group, hkv=hkv, d=d, node_tile=config.node_tile)
-  with triton_deprecation_silenced():
-    out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((batch * num_parents * hkv + 1, next_pow2(d)),
-                                       jnp.float32),
-        grid=(batch * hkv * tiles,),
-        compiler_params=plt.CompilerParams(num_warps=config.num_warps,
-                                           num_stages=config.num_stages),
-        interpret=interpret,
-        name=f"pisa_pool_runs_g{group}",
-    )(x2, first.reshape(-1), count.reshape(-1))
+  out = launch_pool(kernel, batch=batch, parents=num_parents, hkv=hkv, d=d, tiles=tiles,
+                    config=config, interpret=interpret, name=f"pisa_pool_runs_g{group}")(
+                        x2, first.reshape(-1), count.reshape(-1))
   return out[:-1, :d]
 
 

@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float
 
-from pisa_jax.kernels._common import next_pow2, triton_deprecation_silenced
+from pisa_jax.kernels._common import next_pow2, pallas_launch
 
 from pisa_jax.geometry import Pyramid, level_sizes
 
@@ -50,23 +50,45 @@ class PyramidConfig:
     return cls(node_tile=min(16, next_pow2(num_nodes)))
 
 
+def load_children(x_ref, rows, m_child, o_col, c_col, d: int):
+  """Child rows `[N]` of x_ref as float32 `[N, Dp]`: masked rows and the columns past D read as
+  zero. The columns are clamped as well as masked: out-of-range indices read garbage on the GPU
+  and NaN in the interpreter."""
+  return plt.load(x_ref.at[rows[:, None], c_col[None, :]],
+                  mask=m_child[:, None] & (o_col < d)[None, :], other=0.0).astype(jnp.float32)
+
+
+def parent_tile(num_parents: int, node_tile: int, hkv: int):
+  """This program's (batch, KV head) and its `[NT]` parent ids, in a grid over (batch, KV head,
+  tile of node_tile parents)."""
+  tiles = pl.cdiv(num_parents, node_tile)
+  i_p = pl.program_id(0)
+  i_bh, i_tile = i_p // tiles, i_p % tiles
+  i_b, i_h = i_bh // hkv, i_bh % hkv
+  return i_b, i_h, i_tile * node_tile + jnp.arange(node_tile)
+
+
+def sum_children(add_child, group: int, node_tile: int, dp: int, bound=None):
+  """float32 `[NT, Dp]`: add_child(j, acc) for the children j of every parent, unrolled up to 8
+  children, else a loop to `bound()` (None: all `group`)."""
+  acc = jnp.zeros((node_tile, dp), jnp.float32)
+  if group <= 8:
+    for j in range(group):
+      acc = add_child(j, acc)
+    return acc
+  return jax.lax.fori_loop(0, group if bound is None else bound(), add_child, acc)
+
+
 def _pool_kernel(x_ref, o_ref, *, batch: int, num_children: int, group: int,
                  num_parents: int, hkv: int, d: int, node_tile: int):
   """Mean of `group` consecutive child rows for `node_tile` parents of one (batch, KV head).
 
   x_ref: rows `[B * num_children * HKV, D]`; o_ref: rows `[B * num_parents * HKV, D]` (float32).
   """
-  tiles = pl.cdiv(num_parents, node_tile)
-  i_p = pl.program_id(0)
-  i_bh, i_tile = i_p // tiles, i_p % tiles
-  i_b, i_h = i_bh // hkv, i_bh % hkv
+  i_b, i_h, o_parent = parent_tile(num_parents, node_tile, hkv)
   dp = next_pow2(d)
-  # [NT] parent ids, [Dp] feature columns.
-  o_parent = i_tile * node_tile + jnp.arange(node_tile)
   o_col = jnp.arange(dp)
-  # Columns past D (padding to a power of two) are clamped as well as masked: out-of-range
-  # indices read garbage on the GPU and NaN in the interpreter.
-  c_col = jnp.minimum(o_col, d - 1)
+  c_col = jnp.minimum(o_col, d - 1)  # `load_children`
   m_parent = o_parent < num_parents
 
   def add_child(j, acc):
@@ -74,16 +96,9 @@ def _pool_kernel(x_ref, o_ref, *, batch: int, num_children: int, group: int,
     child = o_parent * group + j
     m_child = m_parent & (child < num_children)
     rows = (i_b * num_children + jnp.minimum(child, num_children - 1)) * hkv + i_h
-    b_x = plt.load(x_ref.at[rows[:, None], c_col[None, :]],
-                   mask=m_child[:, None] & (o_col < d)[None, :], other=0.0)
-    return acc + b_x.astype(jnp.float32)
+    return acc + load_children(x_ref, rows, m_child, o_col, c_col, d)
 
-  acc = jnp.zeros((node_tile, dp), jnp.float32)
-  if group <= 8:
-    for j in range(group):
-      acc = add_child(j, acc)
-  else:
-    acc = jax.lax.fori_loop(0, group, add_child, acc)
+  acc = sum_children(add_child, group, node_tile, dp)
   # Eq. 15: divide by the number of children that exist (the last node may be partial).
   count = jnp.clip(num_children - o_parent * group, 1, group).astype(jnp.float32)
   # A masked store still rewrites its address in the interpreter, so masked rows go to a trash
@@ -91,6 +106,18 @@ def _pool_kernel(x_ref, o_ref, *, batch: int, num_children: int, group: int,
   trash = batch * num_parents * hkv
   out_rows = jnp.where(m_parent, (i_b * num_parents + o_parent) * hkv + i_h, trash)
   plt.store(o_ref.at[out_rows[:, None], o_col[None, :]], acc / count[:, None])
+
+
+def launch_pool(kernel, *, batch: int, parents, hkv: int, d: int, tiles: int,
+                config: PyramidConfig, interpret: bool, name: str):
+  """One pooling launch over (batch, KV head, tile of parents): float32 outputs of
+  `B * P * HKV + 1` rows `[Dp]` for each parent count P of `parents` (the last row of each a
+  trash row for masked stores), one output or a list."""
+  shapes = [jax.ShapeDtypeStruct((batch * p * hkv + 1, next_pow2(d)), jnp.float32)
+            for p in ([parents] if isinstance(parents, int) else parents)]
+  return pallas_launch(kernel, shapes[0] if isinstance(parents, int) else shapes,
+                       (batch * hkv * tiles,), warps=config.num_warps, stages=config.num_stages,
+                       interpret=interpret, name=name)
 
 
 def pool_rows(x2: Array, *, batch: int, num_children: int, group: int, hkv: int, d: int,
@@ -103,16 +130,8 @@ def pool_rows(x2: Array, *, batch: int, num_children: int, group: int, hkv: int,
   kernel = functools.partial(
       _pool_kernel, batch=batch, num_children=num_children, group=group,
       num_parents=num_parents, hkv=hkv, d=d, node_tile=config.node_tile)
-  with triton_deprecation_silenced():
-    out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((batch * num_parents * hkv + 1, next_pow2(d)), jnp.float32),
-        grid=(batch * hkv * tiles,),
-        compiler_params=plt.CompilerParams(num_warps=config.num_warps,
-                                           num_stages=config.num_stages),
-        interpret=interpret,
-        name=f"pisa_pool_g{group}",
-    )(x2)
+  out = launch_pool(kernel, batch=batch, parents=num_parents, hkv=hkv, d=d, tiles=tiles,
+                    config=config, interpret=interpret, name=f"pisa_pool_g{group}")(x2)
   return out[:-1, :d]
 
 
@@ -150,8 +169,7 @@ def _subtree_kernel(x_ref, *o_refs, batch: int, num_children: int, branching: in
   child = i_tile * span + o_child
   m_child = (o_child < span) & (child < num_children)
   x_rows = (i_b * num_children + jnp.minimum(child, num_children - 1)) * hkv + i_h
-  b_x = plt.load(x_ref.at[x_rows[:, None], c_col[None, :]],
-                 mask=m_child[:, None] & (o_col < d)[None, :], other=0.0).astype(jnp.float32)
+  b_x = load_children(x_ref, x_rows, m_child, o_col, c_col, d)
   width = span
   for o_ref, num_parents in zip(o_refs, sizes):
     width //= g
@@ -181,17 +199,9 @@ def pool_levels(x2: Array, *, batch: int, num_children: int, branching: int,
   tiles = -(-num_children // span)
   kernel = functools.partial(_subtree_kernel, batch=batch, num_children=num_children,
                              branching=branching, sizes=tuple(sizes), hkv=hkv, d=d)
-  with triton_deprecation_silenced():
-    outs = pl.pallas_call(
-        kernel,
-        out_shape=[jax.ShapeDtypeStruct((batch * m * hkv + 1, next_pow2(d)), jnp.float32)
-                   for m in sizes],
-        grid=(batch * hkv * tiles,),
-        compiler_params=plt.CompilerParams(num_warps=config.num_warps,
-                                           num_stages=config.num_stages),
-        interpret=interpret,
-        name=f"pisa_pool_levels_g{branching}",
-    )(x2)
+  outs = launch_pool(kernel, batch=batch, parents=list(sizes), hkv=hkv, d=d, tiles=tiles,
+                     config=config, interpret=interpret,
+                     name=f"pisa_pool_levels_g{branching}")(x2)
   return [o[:-1, :d] for o in outs]
 
 

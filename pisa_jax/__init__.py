@@ -6,6 +6,8 @@ Public API (shapes follow `jax.nn.dot_product_attention`: q `[B, T, HQ, D]`, k/v
   sparse_attention   causal attention over selected blocks (Eq. 6)
   pisa_attention     selection under stop_gradient, then sparse attention
   selection_quality  Recall@K, captured mass and mass ratio against full attention (App. D.2)
+  SelectionSpec      the selection's options (block size, top-k, branching, selector, scale,
+                     beam) as one frozen value: every function above takes `spec=` or the keywords
   nsa_attention      Native Sparse Attention (Yuan et al., 2025): compressed, selected and
                      sliding-window branches, gated; its pieces nsa_compress,
                      compressed_attention, nsa_select_blocks, sliding_window_attention
@@ -57,6 +59,7 @@ _EXPORTS = {
     "PackedPyramid": "pisa_jax.segments",
     "Pyramid": "pisa_jax.pyramid",
     "SelectionQuality": "pisa_jax.quality",
+    "SelectionSpec": "pisa_jax.spec",
     "bucket_capacity": "pisa_jax.decode",
     "build_pyramid": "pisa_jax.pyramid",
     "compressed_attention": "pisa_jax.nsa",
@@ -93,6 +96,7 @@ __all__ = [
     "PackedPyramid",
     "Pyramid",
     "SelectionQuality",
+    "SelectionSpec",
     "bucket_capacity",
     "build_pyramid",
     "compressed_attention",

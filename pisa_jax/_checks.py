@@ -9,6 +9,7 @@ flag) and the value expected.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 SELECTORS = ("pisa", "pisa1", "pisa2", "bsa", "exact")
@@ -58,6 +59,18 @@ def check_beam(beam, top_k: int, selector: str, *, name: str = "beam",
     raise ValueError(
         f"{name}={beam!r} applies only to the hierarchical selectors {HIERARCHICAL_SELECTORS}; "
         f"{selector_name}={selector!r} has no levels above the leaves: use {name}=None")
+
+
+def check_scale(scale, *, name: str = "scale") -> None:
+  """scale: None (1 / sqrt(D)), or a finite real number > 0."""
+  if scale is None:
+    return
+  try:
+    value = float(scale)
+  except (TypeError, ValueError):
+    value = math.nan
+  if isinstance(scale, bool) or not math.isfinite(value) or value <= 0:
+    raise ValueError(f"{name}={scale!r} must be a finite float > 0 (default 1/sqrt(D))")
 
 
 def check_implementation(implementation, *, name: str = "implementation") -> None:

@@ -27,7 +27,8 @@ def map_query_chunks(fn: Callable, chunk: int, per_query: tuple, shared: tuple =
   Args:
     fn: maps int32 positions `[Tc]` and arrays `[B, Tc, ...]` to a pytree of arrays `[B, Tc, ...]`.
     chunk: Tc, queries per chunk.
-    per_query: arrays `[B, T, ...]` split along T.
+    per_query: arrays `[B, T, ...]` split along T (the first one an array; None passes through
+      as None).
     shared: arguments passed whole to every call.
     positions: int32 `[T]`, the sequence position of each per_query row; None: 0..T-1.
 
@@ -45,12 +46,14 @@ def map_query_chunks(fn: Callable, chunk: int, per_query: tuple, shared: tuple =
   positions = positions.reshape(num_chunks, chunk)
 
   def split(x):
+    if x is None:
+      return None
     x = jnp.pad(x, [(0, 0), (0, padded - seq_len)] + [(0, 0)] * (x.ndim - 2))
     x = x.reshape(x.shape[0], num_chunks, chunk, *x.shape[2:])
     return jnp.moveaxis(x, 1, 0)
 
   if num_chunks == 1:
-    out = fn(positions[0], *[split(x)[0] for x in per_query], *shared)
+    out = fn(positions[0], *[None if x is None else split(x)[0] for x in per_query], *shared)
     return jax.tree.map(lambda y: y[:, :seq_len], out)
   out = jax.lax.map(lambda xs: fn(xs[0], *xs[1], *shared), (positions, tuple(split(x) for x in per_query)))
 

@@ -1,10 +1,12 @@
 """One registry per op: `implementation=` picks the jnp reference or a kernel backend.
 
-Each public op (`build_pyramid`, `select_blocks`, `sparse_attention`) registers its
-implementations under one name each, all with the reference's signature: "xla" is the jnp
-reference in `pisa_jax`, "pallas" the kernel twin in `pisa_jax.kernels` (compiled through Triton
-on a GPU, run by the Pallas interpreter on any other backend: that is how CI tests the kernels).
-Another backend (Mosaic GPU) is one more `register` call; callers do not change.
+Each op (`build_pyramid`, `select_blocks`, `sparse_attention`, the decode step's parts...) has
+its implementations registered under one name each, all with the reference's signature: "xla"
+is the jnp reference in `pisa_jax`, "pallas" the kernel twin in `pisa_jax.kernels` (compiled
+through Triton on a GPU, run by the Pallas interpreter on any other backend: that is how CI
+tests the kernels). Every `register` call is in `pisa_jax._ops`, which `lookup` imports before
+its first lookup: what is registered never depends on which modules a program imported, or in
+what order. Another backend (Mosaic GPU) is one more `register` call; callers do not change.
 
 None means "pallas" on a GPU backend and "xla" elsewhere. A name that is not registered raises:
 nothing ever falls back silently to another implementation.
@@ -12,6 +14,7 @@ nothing ever falls back silently to another implementation.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
 import jax
@@ -32,6 +35,10 @@ def register(op: str, **implementations: Callable) -> None:
 def lookup(op: str, implementation: str | None) -> Callable:
   """The function registered for `op` under `implementation` (None: the platform default)."""
   name = resolve_implementation(implementation)
+  # The registrations, on the first lookup (`_ops` imports the whole library: not at import).
+  importlib.import_module("pisa_jax._ops")
+  if op not in _REGISTRY:
+    raise ValueError(f"{op=} is not registered: expected one of {tuple(_REGISTRY)}")
   table = _REGISTRY[op]
   if name not in table:
     raise ValueError(f"{implementation=} is not available for {op}: expected one of "

@@ -26,10 +26,12 @@ from pisa_jax._checks import (  # noqa: F401
     check_block_size,
     check_branching,
     check_implementation,
+    check_scale,
     check_selector,
     check_top_k,
     resolve_beam,
 )
+from pisa_jax.spec import SelectionSpec
 
 # Whether value checks on traced arrays are part of the traced computation. A `debug_check`
 # puts a checkify error effect in the jaxpr even when nothing discharges it, and an effectful
@@ -117,15 +119,21 @@ def check_static(function: str, **options) -> None:
           f"functools.partial({function}, {name}=...)")
 
 
+def resolve_spec(function: str, spec, head_dim: int, **options) -> SelectionSpec:
+  """The checked, resolved `SelectionSpec` of a public call from `spec=` and its keyword options
+  (None: not given): a traced option raises (`check_static`), one that disagrees with the spec
+  raises naming both (`SelectionSpec.merge`)."""
+  check_static(function, **options)
+  return SelectionSpec.merge(spec, **options).resolved(head_dim)
+
+
 def resolve_scale(scale, head_dim: int) -> float:
   if scale is None:
     return 1.0 / math.sqrt(head_dim)
   if isinstance(scale, jax.core.Tracer):
     raise TypeError("scale must be a Python float (it is a compile-time constant), got a traced value")
-  scale = float(scale)
-  if not math.isfinite(scale) or scale <= 0:
-    raise ValueError(f"{scale=} must be a finite float > 0 (default 1/sqrt(D))")
-  return scale
+  check_scale(scale)
+  return float(scale)
 
 
 def check_block_indices(block_indices, *, batch: int, seq_len: int, num_kv_heads: int,

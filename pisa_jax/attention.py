@@ -4,9 +4,8 @@ The jnp reference computes in float32 whatever the input dtype and rounds its ou
 gradient) once. It has two forms of Eq. 6: gathered (each query's K * C selected keys, chunked
 over queries, under a `custom_vjp` whose dk and dv go key block by key block through an inverted
 index, so that no gradient is a scatter-add) and masked (dense `[T, T]` products under the
-selection's mask, for short sequences with finite inputs). Packed documents (segment_ids) go to
-`pisa_jax.packed_attention`, which shares the gathered form's pieces (`attend_selected`,
-`dq_selected`, `group_entries`, `item_grads`, `sum_items`, `chunk_size`).
+selection's mask, for short sequences with finite inputs). The gathered form takes packed
+documents (segment_ids) too: one document is the case whose document start is 0.
 """
 
 from __future__ import annotations
@@ -19,32 +18,38 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
-from pisa_jax import _chunking, _dispatch, _validation, checkpoint_names
-from pisa_jax.kernels import attention as attention_kernels
+from pisa_jax import _chunking, _dispatch, _validation, checkpoint_names, segments
 from pisa_jax.selection import select_blocks
+from pisa_jax.spec import SelectionSpec
 
 _HIGHEST = lax.Precision.HIGHEST
 
 
-def _selected_keys(positions, q, block_indices, k, v, *, block_size):
+def _selected_keys(positions, q, block_indices, start, k, v, *, block_size):
   """The keys and values of the blocks each query selected, and which of them it sees.
 
   Args:
     positions: int32 `[Tc]`, the sequence position of each query.
     q: float32 `[B, Tc, HQ, D]`; block_indices: int32 `[B, Tc, HKV, K]`.
+    start: None (one document: the sequence), or int32 `[B, Tc]`, each query's document start
+      (packed rows): its block i covers the keys start + i C .. start + i C + C - 1.
     k, v: float32 `[B, T, HKV, D]`, every key.
 
   Returns:
     qg `[B, Tc, HKV, G, D]`, k_sel and v_sel `[B, Tc, HKV, K, C, D]` and visible
-    `[B, Tc, HKV, K, C]`. A query sees key j of a selected block when j <= t and j < T; -1
-    padding and entries outside [0, t // C] select nothing. Keys and values the query does not see
-    are zeroed, so that a NaN among them cannot reach it through a zero weight (0 * NaN = NaN).
+    `[B, Tc, HKV, K, C]`. A query at position t of its document sees key r of a selected block
+    of that document when r <= t (so the key is in its document and not after it) and the key
+    exists; -1 padding and entries outside [0, t // C] select nothing. Keys and values the query
+    does not see are zeroed, so that a NaN among them cannot reach it through a zero weight
+    (0 * NaN = NaN).
   """
   b, tc, hq, d = q.shape
   seq_len, hkv = k.shape[1], k.shape[2]
-  key_pos = jnp.maximum(block_indices, 0)[..., None] * block_size + jnp.arange(block_size)
+  doc_start = 0 if start is None else start[:, :, None, None, None]
+  key_rel = jnp.maximum(block_indices, 0)[..., None] * block_size + jnp.arange(block_size)
+  key_pos = doc_start + key_rel
   visible = ((block_indices >= 0)[..., None] & (key_pos < seq_len)
-             & (key_pos <= positions[None, :, None, None, None]))
+             & (key_rel <= positions[None, :, None, None, None] - doc_start))
   gather_pos = jnp.minimum(key_pos, seq_len - 1)
   b_idx = jnp.arange(b)[:, None, None, None, None]
   h_idx = jnp.arange(hkv)[None, None, :, None, None]
@@ -90,48 +95,24 @@ def dq_selected(qg, k_sel, v_sel, visible, do, lse, delta, *, scale):
   return scale * jnp.einsum("bthgkc,bthkcd->bthgd", ds, k_sel, precision=_HIGHEST)
 
 
-def _forward_chunk(positions, q, block_indices, k, v, *, block_size, scale):
+def _forward_chunk(positions, q, block_indices, start, k, v, *, block_size, scale):
   """Eq. 6 for one chunk of queries: out `[B, Tc, HQ, D]` and its log-sum-exp `[B, Tc, HKV, G]`."""
-  qg, k_sel, v_sel, visible = _selected_keys(positions, q, block_indices, k, v,
+  qg, k_sel, v_sel, visible = _selected_keys(positions, q, block_indices, start, k, v,
                                              block_size=block_size)
   out, lse = attend_selected(qg, k_sel, v_sel, visible, scale=scale)
   return out.reshape(q.shape), lse
 
 
-def _dq_chunk(positions, q, block_indices, do, lse, delta, k, v, *, block_size, scale):
+def _dq_chunk(positions, q, block_indices, start, do, lse, delta, k, v, *, block_size, scale):
   """dq of Eq. 6 for one chunk of queries, from the forward's lse and delta = rowsum(out * do)."""
-  qg, k_sel, v_sel, visible = _selected_keys(positions, q, block_indices, k, v,
+  qg, k_sel, v_sel, visible = _selected_keys(positions, q, block_indices, start, k, v,
                                              block_size=block_size)
   return dq_selected(qg, k_sel, v_sel, visible, do, lse, delta, scale=scale).reshape(q.shape)
 
 
-def _inverted_index(block_indices, positions, *, num_blocks: int, block_size: int,
-                    item_size: int):
-  """Which queries selected each key block, for one KV head: block_indices int32 `[Tq, K]` of
-  the queries at positions int32 `[Tq]`.
-
-  The valid entries (0 <= index <= t // C) are grouped by block, queries ascending (a stable
-  sort), and each block's run is cut into items of at most `item_size` entries, so that block 0,
-  which every query selects, is spread over many items instead of one long one.
-
-  Returns:
-    entry_query: int32 `[Tq * K]`, the query (its row, not its position) of each entry, grouped
-      by block.
-    item_block, item_start, item_end: int32 `[NI]`; item i covers entries [item_start,
-      item_end) of block item_block (an empty item has start == end).
-    item_offsets: int32 `[M + 1]`; the items of block n are [item_offsets[n], item_offsets[n + 1]).
-  """
-  top_k = block_indices.shape[1]
-  cur = positions[:, None] // block_size
-  valid = (block_indices >= 0) & (block_indices <= cur)
-  entry_block = jnp.where(valid, block_indices, num_blocks).reshape(-1)
-  order, block, start, end, item_offsets = group_entries(
-      entry_block, num_blocks=num_blocks, item_size=item_size)
-  return (order // top_k).astype(jnp.int32), block, start, end, item_offsets
-
-
 def group_entries(entry_block, *, num_blocks: int, item_size: int):
-  """Groups entries by key block and cuts each block's run into items (`_inverted_index`).
+  """Groups entries by key block and cuts each block's run into items, so that block 0, which
+  every query selects, is spread over many items instead of one long one.
 
   Args:
     entry_block: int32 `[E]`, the key block of each entry; `num_blocks` marks an entry that
@@ -139,7 +120,9 @@ def group_entries(entry_block, *, num_blocks: int, item_size: int):
 
   Returns:
     order: `[E]`, entry ids grouped by block (ascending within a block: a stable sort).
-    item_block, item_start, item_end, item_offsets: as `_inverted_index` returns them.
+    item_block, item_start, item_end: int32 `[NI]`; item i covers entries [item_start,
+      item_end) of the sorted order, all of block item_block (an empty item: start == end).
+    item_offsets: int32 `[M + 1]`; the items of block n are [item_offsets[n], item_offsets[n + 1]).
   """
   order = jnp.argsort(entry_block, stable=True)
   # Entries of block n are [offsets[n], offsets[n + 1]) of the sorted order. (An integer count:
@@ -183,35 +166,62 @@ def sum_items(parts, item_block, item_offsets):
   return jnp.where((item_offsets[1:] > item_offsets[:-1])[:, None, None], last, 0.0)
 
 
-def _dkv_one_head(q, k, v, block_indices, do, lse, delta, *, positions, block_size, scale):
-  """dk, dv `[T, D]` of Eq. 6 for one (batch, KV head), block by block through the inverted
-  index: q, do `[Tq, G, D]` of the queries at positions `[Tq]` (None: Tq = T, at 0 .. T-1);
-  k, v `[T, D]`; block_indices `[Tq, K]`; lse, delta `[Tq, G]`."""
+def _dkv_one_head(q, k, v, block_indices, start, do, lse, delta, *, positions, block_size,
+                  scale):
+  """dk, dv `[T, D]` of Eq. 6 for one (batch, KV head), key block by key block through an inverted
+  index (which queries selected each key block): q, do `[Tq, G, D]` of the queries at positions
+  `[Tq]` (None: Tq = T, at 0 .. T-1); k, v `[T, D]`; block_indices `[Tq, K]`; start None or
+  `[Tq]` (as in `_selected_keys`); lse, delta `[Tq, G]`.
+
+  The valid entries (0 <= index <= the query's block in its document) are grouped by key block,
+  queries ascending (a stable sort), and cut into items of at most K C entries (`group_entries`).
+  A packed document's block need not align with the key array's blocks: it covers parts of at
+  most two of them, so each (query, selected block) has an entry per part, and each part's item
+  masks the keys outside the document's block. One document (start None) aligns every block:
+  one entry each.
+  """
   n_queries, group, d = q.shape
   seq_len = k.shape[0]
   top_k = block_indices.shape[-1]
   if positions is None:
     positions = jnp.arange(n_queries, dtype=jnp.int32)
+  doc_start = 0 if start is None else start[:, None]
   num_blocks = -(-seq_len // block_size)
+  valid = (block_indices >= 0) & (block_indices <= (positions[:, None] - doc_start) // block_size)
+  # [Tq, K]: the first key of each selected block, and the key-array block that holds it.
+  lo = doc_start + jnp.maximum(block_indices, 0) * block_size
+  first = lo // block_size
+  parts = [jnp.where(valid, first, num_blocks)]
+  if start is not None:
+    # The block's other part lies in the next key-array block when it is not aligned, and
+    # matters only if that block starts at or before the query.
+    second = valid & (lo % block_size != 0) & ((first + 1) * block_size <= positions[:, None])
+    parts.append(jnp.where(second, first + 1, num_blocks))
+  entry_block = jnp.stack(parts, axis=-1).reshape(-1)
   # An item holds as many entries as a block has on average (T * K / M).
   item_size = top_k * block_size
-  entry_query, item_block, item_start, item_end, item_offsets = _inverted_index(
-      block_indices, positions, num_blocks=num_blocks, block_size=block_size,
-      item_size=item_size)
+  order, item_block, item_start, item_end, item_offsets = group_entries(
+      entry_block, num_blocks=num_blocks, item_size=item_size)
+  entry_query = (order // (len(parts) * top_k)).astype(jnp.int32)
+  entry_lo = lo.reshape(-1)[order // len(parts)]
   pad = ((0, num_blocks * block_size - seq_len), (0, 0))
   k_blocks = jnp.pad(k, pad).reshape(num_blocks, block_size, d)
   v_blocks = jnp.pad(v, pad).reshape(num_blocks, block_size, d)
 
   def item_partials(item):
-    block, start, end = item
-    entry = start + jnp.arange(item_size)
+    block, begin, end = item
+    entry = begin + jnp.arange(item_size)
     real = entry < end
-    t = entry_query[jnp.minimum(entry, entry_query.shape[0] - 1)]
+    clamped = jnp.minimum(entry, entry_query.shape[0] - 1)
+    t, lo_e = entry_query[clamped], entry_lo[clamped]
     # [E, G, D]: padding entries are zeroed (0 * NaN would otherwise reach the block's sums).
     q_e = jnp.where(real[:, None, None], q[t], 0.0)
     do_e = jnp.where(real[:, None, None], do[t], 0.0)
     key_pos = block * block_size + jnp.arange(block_size)
-    visible = (real[:, None] & (key_pos[None, :] <= positions[t][:, None]))[:, None, :]  # [E, 1, C]
+    # The keys of this part: inside the selected block [lo, lo + C) and not after the query.
+    visible = (real[:, None] & (key_pos[None, :] >= lo_e[:, None])
+               & (key_pos[None, :] < lo_e[:, None] + block_size)
+               & (key_pos[None, :] <= positions[t][:, None]))[:, None, :]  # [E, 1, C]
     return item_grads(q_e, do_e, t, block, visible, k_blocks, v_blocks, lse, delta, scale=scale)
 
   dk_parts, dv_parts = lax.map(item_partials, (item_block, item_start, item_end))
@@ -242,44 +252,49 @@ def chunk_size(q, k, top_k, block_size):
   return _chunking.query_chunk_size(seq_len, b * hkv * top_k * block_size * (2 * d + 4 * hq // hkv))
 
 
-def _forward(q, k, v, block_indices, positions, block_size, scale):
+def _forward(q, k, v, block_indices, positions, start, block_size, scale):
   fn = functools.partial(_forward_chunk, block_size=block_size, scale=scale)
   chunk = chunk_size(q, k, block_indices.shape[-1], block_size)
-  return _chunking.map_query_chunks(fn, chunk, (q, block_indices), (k, v), positions=positions)
+  return _chunking.map_query_chunks(fn, chunk, (q, block_indices, start), (k, v),
+                                    positions=positions)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _sparse_attention_f32(q, k, v, block_indices, positions, block_size, scale):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _sparse_attention_f32(q, k, v, block_indices, positions, start, block_size, scale):
   """Eq. 6 on float32 q, k, v, with a backward pass free of scatter-adds: dq per query chunk,
-  dk and dv per key block through `_inverted_index`, every sum in a fixed order. positions:
-  int32 `[Tq]` of the queries (the keys are all of 0 .. T-1), or None for Tq = T at 0 .. T-1."""
-  return _forward(q, k, v, block_indices, positions, block_size, scale)[0]
+  dk and dv per key block through an inverted index (`_dkv_one_head`), every sum in a fixed
+  order. positions: int32 `[Tq]` of the queries (the keys are all of 0 .. T-1), or None for
+  Tq = T at 0 .. T-1; start: None (one document), or each query's document start `[B, Tq]`."""
+  return _forward(q, k, v, block_indices, positions, start, block_size, scale)[0]
 
 
-def _sparse_attention_fwd(q, k, v, block_indices, positions, block_size, scale):
-  out, lse = _forward(q, k, v, block_indices, positions, block_size, scale)
+def _sparse_attention_fwd(q, k, v, block_indices, positions, start, block_size, scale):
+  out, lse = _forward(q, k, v, block_indices, positions, start, block_size, scale)
   # Tagged for remat policies, as the kernel's forward rule tags its own (`checkpoint_names`).
   out = checkpoint_name(out, checkpoint_names.ATTENTION_OUT)
   lse = checkpoint_name(lse, checkpoint_names.ATTENTION_LSE)
-  return out, (q, k, v, block_indices, positions, out, lse)
+  return out, (q, k, v, block_indices, positions, start, out, lse)
 
 
 def _sparse_attention_bwd(block_size, scale, residuals, do):
-  q, k, v, block_indices, positions, out, lse = residuals
+  q, k, v, block_indices, positions, start, out, lse = residuals
   delta = jnp.sum(out * do, axis=-1).reshape(lse.shape)
   fn = functools.partial(_dq_chunk, block_size=block_size, scale=scale)
   chunk = chunk_size(q, k, block_indices.shape[-1], block_size)
-  dq = _chunking.map_query_chunks(fn, chunk, (q, block_indices, do, lse, delta), (k, v),
+  dq = _chunking.map_query_chunks(fn, chunk, (q, block_indices, start, do, lse, delta), (k, v),
                                   positions=positions)
   b, n_queries, hkv, group = lse.shape
   per_head = functools.partial(_dkv_one_head, positions=positions, block_size=block_size,
                                scale=scale)
-  # Over the batch (axis 0), then the KV heads (axis 1 of each batch entry's arrays).
-  per_head = jax.vmap(per_head, in_axes=1, out_axes=1)
-  dk, dv = jax.vmap(per_head)(q.reshape(b, n_queries, hkv, group, -1), k, v, block_indices,
-                              do.reshape(b, n_queries, hkv, group, -1), lse, delta)
-  # The indices and positions are integers: no cotangent.
-  return dq, dk, dv, None, None
+  # Over the batch (axis 0), then the KV heads (axis 1 of each batch entry's arrays; the
+  # document starts have none).
+  start_axis = None if start is None else 0
+  per_head = jax.vmap(per_head, in_axes=(1, 1, 1, 1, None, 1, 1, 1), out_axes=1)
+  dk, dv = jax.vmap(per_head, in_axes=(0, 0, 0, 0, start_axis, 0, 0, 0))(
+      q.reshape(b, n_queries, hkv, group, -1), k, v, block_indices, start,
+      do.reshape(b, n_queries, hkv, group, -1), lse, delta)
+  # The indices, positions and document starts are integers: no cotangent.
+  return dq, dk, dv, None, None, None
 
 
 _sparse_attention_f32.defvjp(_sparse_attention_fwd, _sparse_attention_bwd)
@@ -347,8 +362,26 @@ def sparse_attention_reference(q, k, v, block_indices, *, block_size: int, scale
   form (both are Eq. 6; the tests pin them equal). Inputs with a non-finite value always take
   the gathered form, which computes each output from exactly the keys and values its query sees.
   """
-  return _reference(q, k, v, block_indices, None, block_size=block_size, scale=scale,
+  return _reference(q, k, v, block_indices, None, None, block_size=block_size, scale=scale,
                     masked=masked)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "scale"))
+def sparse_attention_packed_reference(q, k, v, block_indices, segment_ids, *, block_size: int,
+                                      scale: float):
+  """jnp reference of `sparse_attention` with segment_ids; arguments are already validated.
+
+  The one-document reference with each query's document start (`_selected_keys`): block i of a
+  document that starts at position s covers its keys s + i C .. s + i C + C - 1, and each output
+  row, and each row of dq, dk and dv, is its document's own, as if run alone from position 0.
+  Costs: the forward and dq are the one-document form's; the inverted index holds 2 T K entries
+  in ceil(2T / C) + M items of K C entries (one per part of a block that straddles two key-array
+  blocks), so the dk / dv pass does up to 1.5 times the one-document form's work. Packed rows
+  always take the gathered form (the masked form of short sequences is not used).
+  """
+  start, _ = segments.document_bounds(segment_ids)
+  return _reference(q, k, v, block_indices, None, start, block_size=block_size, scale=scale,
+                    masked=False)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "scale", "masked"))
@@ -368,12 +401,14 @@ def sparse_attention_reference_at(q, k, v, block_indices, query_offset, *, block
   or gathered form is chosen as for the whole sequence of T queries, so that both agree.
   """
   positions = query_offset + jnp.arange(q.shape[1], dtype=jnp.int32)
-  return _reference(q, k, v, block_indices, positions, block_size=block_size, scale=scale,
-                    masked=masked)
+  return _reference(q, k, v, block_indices, positions, None, block_size=block_size,
+                    scale=scale, masked=masked)
 
 
-def _reference(q, k, v, block_indices, positions, *, block_size, scale, masked):
-  """Eq. 6 in float32 for the queries at positions (None: q holds all T, at 0 .. T-1)."""
+def _reference(q, k, v, block_indices, positions, start, *, block_size, scale, masked):
+  """Eq. 6 in float32 for the queries at positions (None: q holds all T, at 0 .. T-1), of one
+  document (start None) or of packed documents (start `[B, Tq]`, each query's document start;
+  always the gathered form)."""
   b, hq = q.shape[0], q.shape[2]
   block_indices = lax.stop_gradient(block_indices.astype(jnp.int32))
   if masked is None:
@@ -381,9 +416,9 @@ def _reference(q, k, v, block_indices, positions, *, block_size, scale, masked):
   q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
 
   def gathered(q, k, v):
-    return _sparse_attention_f32(q, k, v, block_indices, positions, block_size, scale)
+    return _sparse_attention_f32(q, k, v, block_indices, positions, start, block_size, scale)
 
-  if masked:
+  if masked and start is None:
     dense = functools.partial(_sparse_attention_masked, block_indices=block_indices,
                               positions=positions, block_size=block_size, scale=scale)
     finite = jnp.all(jnp.isfinite(q32)) & jnp.all(jnp.isfinite(k32)) & jnp.all(jnp.isfinite(v32))
@@ -399,8 +434,9 @@ def sparse_attention(
     v: Float[Array, "B T HKV D"],
     block_indices: Int[Array, "B T HKV K"],
     *,
-    block_size: int = 64,
+    block_size: int | None = None,
     scale: float | None = None,
+    spec: SelectionSpec | None = None,
     segment_ids: Int[Array, "B T"] | None = None,
     implementation: str | None = None,
 ) -> Float[Array, "B T HQ D"]:
@@ -422,13 +458,15 @@ def sparse_attention(
       `jax.experimental.checkify.checkify`; an unchecked call treats out-of-range entries like
       -1, and an entry equal to an earlier one of its `[b, t, hkv]` row like -1 too (a block
       is attended once however often it is listed), in both implementations.
-    block_size: C, keys per leaf block.
+    block_size: C, keys per leaf block (default 64).
     scale: logit scale, default 1/sqrt(D).
+    spec: the `pisa_jax.SelectionSpec` that selected the blocks, instead of (or agreeing with)
+      block_size and scale; its other fields are unused here.
     segment_ids: None, or int32 `[B, T]` non-decreasing within a row: packed documents (runs of
       equal ids). block_indices are then the block numbers of each query's own document (block i
       holds its keys i C .. i C + C - 1, counted from its first token), a query sees only keys
       of its document, and every row of the output and of the gradients is the document's own,
-      run alone from position 0 (`pisa_jax.packed_attention`).
+      run alone from position 0 (`pisa_jax.segments`).
     implementation: "xla" (jnp reference), "pallas" (kernel) or None (pallas on GPU, else xla).
 
   Options (block_size, scale, implementation) fix shapes or compiled code: under `jax.jit` pass
@@ -438,30 +476,28 @@ def sparse_attention(
   Returns:
     `[B, T, HQ, D]` in q's dtype. Differentiable in q, k and v; the indices get no gradient.
   """
-  _validation.check_static("sparse_attention", block_size=block_size, scale=scale,
-                           implementation=implementation)
+  _validation.check_static("sparse_attention", implementation=implementation)
   b, t, _, hkv, d = _validation.check_qk(q, k)
   _validation.check_v(v, k)
-  _validation.check_block_size(block_size)
+  spec = _validation.resolve_spec("sparse_attention", spec, d, block_size=block_size,
+                                  scale=scale)
   _validation.check_block_indices(
-      block_indices, batch=b, seq_len=t, num_kv_heads=hkv, block_size=int(block_size))
+      block_indices, batch=b, seq_len=t, num_kv_heads=hkv, block_size=spec.block_size)
   _validation.check_segment_ids(segment_ids, batch=b, seq_len=t)
   if isinstance(block_indices, jax.core.Tracer):
     # Concrete indices with a repeat have raised; traced ones count a repeat once, in every
     # implementation: the rule is applied here, before dispatch. (pisa_attention skips this
     # pass: its selection never repeats a block.)
     block_indices = _validation.drop_repeated_blocks(block_indices)
-  return _attend(q, k, v, block_indices, segment_ids, block_size=int(block_size),
-                 scale=_validation.resolve_scale(scale, d), implementation=implementation)
+  return _attend(q, k, v, block_indices, segment_ids, block_size=spec.block_size,
+                 scale=spec.scale, implementation=implementation)
 
 
 def _attend(q, k, v, block_indices, segment_ids, *, block_size: int, scale: float,
             implementation):
   """Dispatches validated arguments to the reference or the kernel (packed rows: the
-  "sparse_attention_packed" op of `pisa_jax.packed_attention`)."""
+  "sparse_attention_packed" op)."""
   if segment_ids is not None:
-    # packed_attention builds on this module, so it is imported here, not at the top.
-    from pisa_jax import packed_attention  # noqa: F401  (registers the packed op)
     attend = _dispatch.lookup("sparse_attention_packed", implementation)
     return attend(q, k, v, block_indices, segment_ids, block_size=block_size, scale=scale)
   attend = _dispatch.lookup("sparse_attention", implementation)
@@ -470,8 +506,7 @@ def _attend(q, k, v, block_indices, segment_ids, *, block_size: int, scale: floa
 
 # Selection inside a jit: a checkpointed backward that has the indices saved leaves it unused and
 # drops it (jax keeps every bare pallas_call; `pisa_jax.checkpoint_names`).
-_select_blocks_jit = jax.jit(select_blocks, static_argnames=(
-    "block_size", "top_k", "branching", "selector", "scale", "beam", "implementation"))
+_select_blocks_jit = jax.jit(select_blocks, static_argnames=("spec", "implementation"))
 
 
 def pisa_attention(
@@ -479,12 +514,13 @@ def pisa_attention(
     k: Float[Array, "B T HKV D"],
     v: Float[Array, "B T HKV D"],
     *,
-    block_size: int = 64,
-    top_k: int = 8,
-    branching: int = 2,
-    selector: str = "pisa",
+    block_size: int | None = None,
+    top_k: int | None = None,
+    branching: int | None = None,
+    selector: str | None = None,
     scale: float | None = None,
     beam: int | None = None,
+    spec: SelectionSpec | None = None,
     segment_ids: Int[Array, "B T"] | None = None,
     implementation: str | None = None,
 ) -> Float[Array, "B T HQ D"]:
@@ -492,10 +528,11 @@ def pisa_attention(
 
   Appendix B: during backpropagation the selected indices are held fixed; gradients flow through
   attention on the selected entries only. Arguments as in `select_blocks` and `sparse_attention`
-  (options static under `jax.jit`). Selection ranks a NaN score right after the forced blocks, so
-  the block of a NaN key stays selected wherever there is room, and the NaN reaches those
-  queries' outputs instead of being dropped. With segment_ids (packed documents), each query
-  selects and attends within its own document, as the document alone would.
+  (options static under `jax.jit`; `spec=` the selection options whole). Selection ranks a NaN
+  score right after the forced blocks, so the block of a NaN key stays selected wherever there
+  is room, and the NaN reaches those queries' outputs instead of being dropped. With
+  segment_ids (packed documents), each query selects and attends within its own document, as
+  the document alone would.
 
   Under `jax.checkpoint` a policy may save the indices and the attention's residuals by the
   names of `pisa_jax.checkpoint_names`; the backward pass then does not select again (nor run
@@ -504,28 +541,20 @@ def pisa_attention(
   Returns:
     `[B, T, HQ, D]` in q's dtype, differentiable in q, k and v.
   """
-  _validation.check_static("pisa_attention", block_size=block_size, top_k=top_k,
-                           branching=branching, selector=selector, scale=scale, beam=beam,
-                           implementation=implementation)
+  _validation.check_static("pisa_attention", implementation=implementation)
   _validation.check_qk(q, k)
   _validation.check_v(v, k)
+  spec = _validation.resolve_spec("pisa_attention", spec, q.shape[-1], block_size=block_size,
+                                  top_k=top_k, branching=branching, selector=selector,
+                                  scale=scale, beam=beam)
   # Concrete segment ids are checked here, where they are still concrete (not inside the jit).
   _validation.check_segment_ids(segment_ids, batch=q.shape[0], seq_len=q.shape[1])
   block_indices = _select_blocks_jit(
-      lax.stop_gradient(q), lax.stop_gradient(k), block_size=block_size, top_k=top_k,
-      branching=branching, selector=selector, scale=scale, beam=beam, segment_ids=segment_ids,
+      lax.stop_gradient(q), lax.stop_gradient(k), spec=spec, segment_ids=segment_ids,
       implementation=implementation)
   # Tagged so that a remat policy can keep the indices: a backward then never selects again.
   block_indices = checkpoint_name(lax.stop_gradient(block_indices), checkpoint_names.BLOCK_INDICES)
   # select_blocks has validated every argument, and its indices are valid by construction: no
   # second check (which would copy concrete indices to the host on every eager call).
-  return _attend(q, k, v, block_indices, segment_ids,
-                 block_size=int(block_size), scale=_validation.resolve_scale(scale, q.shape[-1]),
-                 implementation=implementation)
-
-
-_dispatch.register(
-    "sparse_attention",
-    xla=sparse_attention_reference,
-    pallas=_dispatch.with_interpret(attention_kernels.sparse_attention_pallas),
-)
+  return _attend(q, k, v, block_indices, segment_ids, block_size=spec.block_size,
+                 scale=spec.scale, implementation=implementation)

@@ -20,7 +20,7 @@ the side-by-side baseline, not a tuned one.
 
 Both implementations take the offset: "xla" the jnp references (`select_blocks_reference_offset`,
 `sparse_attention_reference_at`), "pallas" the kernels with a query-offset input (an int32 `[1]`
-array, since `lax.axis_index` is traced under `shard_map`), registered as the ops
+array, since `lax.axis_index` is traced under `shard_map`), registered (`pisa_jax._ops`) as the ops
 "select_blocks_offset" and "sparse_attention_offset".
 """
 
@@ -36,10 +36,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
 from pisa_jax import _dispatch, _validation, checkpoint_names
-from pisa_jax.attention import sparse_attention_reference_at
-from pisa_jax.kernels import attention as attention_kernels
-from pisa_jax.kernels import selection as selection_kernels
-from pisa_jax.selection import select_blocks_reference_offset
+from pisa_jax.spec import SelectionSpec
 
 
 def _check_at(q, k, v, query_offset) -> tuple[int, int]:
@@ -72,12 +69,13 @@ def pisa_attention_at(
     v: Float[Array, "B T HKV D"],
     query_offset: Int[Array, ""] | int,
     *,
-    block_size: int = 64,
-    top_k: int = 8,
-    branching: int = 2,
-    selector: str = "pisa",
+    block_size: int | None = None,
+    top_k: int | None = None,
+    branching: int | None = None,
+    selector: str | None = None,
     scale: float | None = None,
     beam: int | None = None,
+    spec: SelectionSpec | None = None,
     implementation: str | None = None,
 ) -> Float[Array, "B Tq HQ D"]:
   """`pisa_attention` for the queries at positions query_offset .. query_offset + Tq - 1.
@@ -87,43 +85,35 @@ def pisa_attention_at(
     k, v: every key and value of the sequence `[B, T, HKV, D]`, q's dtype.
     query_offset: int32 scalar, the position of q's first row; may be traced (under
       `shard_map`, `lax.axis_index(axis) * Tq`).
-    The options are `pisa_attention`'s. implementation: "xla", "pallas" or None ("pallas" on a
-      GPU, "xla" elsewhere); selector="exact" has no kernel and needs "xla".
+    The options (and `spec=`) are `pisa_attention`'s. implementation: "xla", "pallas" or None
+      ("pallas" on a GPU, "xla" elsewhere); selector="exact" has no kernel and needs "xla".
 
   Returns:
     `[B, Tq, HQ, D]` in q's dtype: rows query_offset .. query_offset + Tq - 1 of
     `pisa_attention(q_all, k, v, ...)`. Differentiable in q, k and v; dk and dv are the local
     queries' share of the gradients.
   """
-  _validation.check_static("pisa_attention_at", block_size=block_size, top_k=top_k,
-                           branching=branching, selector=selector, scale=scale, beam=beam,
-                           implementation=implementation)
+  _validation.check_static("pisa_attention_at", implementation=implementation)
   _check_at(q, k, v, query_offset)
-  _validation.check_block_size(block_size)
-  _validation.check_branching(branching)
-  _validation.check_top_k(top_k)
-  _validation.check_selector(selector)
-  if selector == "exact" and _dispatch.resolve_implementation(implementation) != "xla":
-    raise ValueError(f"{selector=} exists only in the reference: pass implementation='xla' "
-                     f"for it (got implementation={implementation!r})")
-  beam = _validation.resolve_beam(beam, top_k, selector)
-  scale = _validation.resolve_scale(scale, q.shape[-1])
+  spec = _validation.resolve_spec("pisa_attention_at", spec, q.shape[-1], block_size=block_size,
+                                  top_k=top_k, branching=branching, selector=selector,
+                                  scale=scale, beam=beam)
+  if spec.selector == "exact" and _dispatch.resolve_implementation(implementation) != "xla":
+    raise ValueError(f"selector={spec.selector!r} exists only in the reference: pass "
+                     f"implementation='xla' for it (got implementation={implementation!r})")
   offset = jnp.asarray(query_offset, jnp.int32)
   select = _jitted(_dispatch.lookup("select_blocks_offset", implementation))
-  block_indices = select(
-      lax.stop_gradient(q), lax.stop_gradient(k), offset, block_size=int(block_size),
-      top_k=int(top_k), branching=int(branching), selector=selector, scale=scale, beam=beam)
+  block_indices = select(lax.stop_gradient(q), lax.stop_gradient(k), offset, spec=spec)
   # Selected in a jit and tagged, as in `pisa_attention`: a remat policy can keep the indices,
   # and a checkpointed backward then drops the selection (`checkpoint_names`).
   block_indices = checkpoint_name(lax.stop_gradient(block_indices), checkpoint_names.BLOCK_INDICES)
   attend = _dispatch.lookup("sparse_attention_offset", implementation)
-  return attend(q, k, v, block_indices, offset, block_size=int(block_size), scale=scale)
+  return attend(q, k, v, block_indices, offset, block_size=spec.block_size, scale=spec.scale)
 
 
 @functools.cache
 def _jitted(select: Callable) -> Callable:
-  return jax.jit(select, static_argnames=("block_size", "top_k", "branching", "selector", "scale",
-                                          "beam"))
+  return jax.jit(select, static_argnames=("spec",))
 
 
 def dense_attention_at(
@@ -156,24 +146,3 @@ def sequence_sharded(attend_at: Callable, axis_name: str) -> Callable:
     return attend_at(q, k_all, v_all, offset)
 
   return attend
-
-
-def _select_blocks_offset_pallas(q, k, query_offset, *, block_size: int, top_k: int,
-                                 branching: int, selector: str, scale: float, beam: int,
-                                 interpret: bool):
-  """The kernels' twin of `select_blocks_reference_offset` (same signature)."""
-  return selection_kernels.select_blocks_pallas(
-      q, k, block_size=block_size, top_k=top_k, branching=branching, selector=selector,
-      scale=scale, beam=beam, interpret=interpret, query_offset=query_offset)
-
-
-_dispatch.register(
-    "select_blocks_offset",
-    xla=select_blocks_reference_offset,
-    pallas=_dispatch.with_interpret(_select_blocks_offset_pallas),
-)
-_dispatch.register(
-    "sparse_attention_offset",
-    xla=sparse_attention_reference_at,
-    pallas=_dispatch.with_interpret(attention_kernels.sparse_attention_pallas_at),
-)

@@ -46,10 +46,9 @@ from jaxtyping import Array, Bool, Float, Int
 
 from pisa_jax import _dispatch, _validation
 from pisa_jax.decode_cache import DecodeCache, bucket_capacity
-from pisa_jax.geometry import level_sizes
-from pisa_jax.kernels import decode as decode_kernels
-from pisa_jax.kernels.decode import level_offsets
-from pisa_jax.selection import _bsa_chunk, _hierarchical_chunk
+from pisa_jax.geometry import level_offsets, level_sizes
+from pisa_jax.selection import _bsa_chunk, _walk_chunk
+from pisa_jax.spec import SelectionSpec, takes_spec
 
 __all__ = ["DECODE_SELECTORS", "DecodeCache", "bucket_capacity", "decode_append_reference",
            "decode_append_select_reference",
@@ -123,43 +122,36 @@ def decode_append_reference(
   return k_cache, v_cache, summaries
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "branching", "top_k", "beam",
-                                             "selector", "scale"))
+@takes_spec
+@functools.partial(jax.jit, static_argnames=("spec",))
 def decode_select_reference(
     q: Float[Array, "B HQ D"],
     k_cache: Float[Array, "B N HKV D"],
     summaries: Float[Array, "B S HKV D"],
     positions: Int[Array, "B"],
     *,
-    block_size: int,
-    branching: int,
-    top_k: int,
-    beam: int,
-    selector: str,
-    scale: float,
+    spec: SelectionSpec,
 ) -> Int[Array, "B HKV K"]:
   """Selection for the token at `positions` (already appended): the full-sequence reference's own
   per-query code (`select_blocks_reference`'s walk, or its BSA rule), one row at a time over the
   cache. The walk starts at the capacity pyramid's root; the levels above a row's own root hold
   one eligible node each and keep it unscored, so the result is the row's. Gathers only the
-  candidates' children: O(log N) per row, except "bsa", which scores every leaf."""
+  candidates' children: O(log N) per row, except "bsa", which scores every leaf. spec: the
+  selection (or its fields as keywords), its block size and branching the cache's."""
   capacity = k_cache.shape[1]
-  sizes = level_sizes(capacity, block_size, branching)
-  offsets = level_offsets(capacity, block_size, branching)
+  sizes = level_sizes(capacity, spec.block_size, spec.branching)
+  offsets = level_offsets(capacity, spec.block_size, spec.branching)
   levels = tuple(summaries[:, o:o + m] for o, m in zip(offsets, sizes))
   t = jnp.minimum(positions, capacity - 1).astype(jnp.int32)
-  if selector == "bsa":
+  if spec.selector == "bsa":
     def row(t, q, leaves):
-      return _bsa_chunk(t[None], q[None, None], leaves[None], block_size=block_size,
-                        top_k=top_k, scale=scale)[0, 0]
+      return _bsa_chunk(t[None], q[None, None], None, None, leaves[None], spec=spec)[0, 0]
 
     return jax.vmap(row)(t, q, levels[0])
 
   def row(t, q, k, levels):
-    return _hierarchical_chunk(
-        t[None], q[None, None], k[None], tuple(level[None] for level in levels),
-        block_size=block_size, top_k=top_k, beam=beam, branching=branching, selector=selector,
-        scale=scale, level_sizes=sizes)[0, 0]
+    return _walk_chunk(t[None], q[None, None], None, None, None, k[None],
+                       tuple(level[None] for level in levels), spec=spec)[0, 0]
 
   return jax.vmap(row)(t, q, k_cache, levels)
 
@@ -203,8 +195,7 @@ def decode_attention_reference(
 # ----------------------------------------------------------------------------- the decode step
 
 
-def _step(q, k, v, cache: DecodeCache, new_document, *, top_k: int, selector: str, beam: int,
-          scale: float, implementation: str):
+def _step(q, k, v, cache: DecodeCache, new_document, *, spec: SelectionSpec, implementation: str):
   """One validated decode step: append, select, attend."""
   # A new document's first token takes position 0: the row's earlier tokens, summaries included,
   # become stale slots, as past a row's length (append rewrites the path it needs; selection
@@ -218,45 +209,40 @@ def _step(q, k, v, cache: DecodeCache, new_document, *, top_k: int, selector: st
       f"{cache.capacity}: grow the cache before the step (DecodeCache.grow)", jnp.max(positions))
   step = _dispatch.lookup("decode_step", implementation)
   k_cache, v_cache, summaries, idx, out, lengths = step(
-      q[:, 0], k[:, 0], v[:, 0], cache.k, cache.v, cache.summaries, positions,
-      block_size=cache.block_size, branching=cache.branching, top_k=top_k, beam=beam,
-      selector=selector, scale=scale)
+      q[:, 0], k[:, 0], v[:, 0], cache.k, cache.v, cache.summaries, positions, spec=spec)
   cache = dataclasses.replace(cache, k=k_cache, v=v_cache, summaries=summaries, lengths=lengths)
   return out[:, None], cache, idx[:, None]
 
 
+@takes_spec
 def decode_append_select_reference(q, k_new, v_new, k_cache, v_cache, summaries, positions, *,
-                                   block_size: int, branching: int, top_k: int, beam: int,
-                                   selector: str, scale: float):
+                                   spec: SelectionSpec):
   """`decode_append_reference`, then `decode_select_reference` on the updated cache:
   (k_cache, v_cache, summaries, indices). The kernels run both in fewer launches."""
   k_cache, v_cache, summaries = decode_append_reference(
-      k_new, v_new, k_cache, v_cache, summaries, positions, block_size=block_size,
-      branching=branching)
-  idx = decode_select_reference(q, k_cache, summaries, positions, block_size=block_size,
-                                branching=branching, top_k=top_k, beam=beam, selector=selector,
-                                scale=scale)
+      k_new, v_new, k_cache, v_cache, summaries, positions, block_size=spec.block_size,
+      branching=spec.branching)
+  idx = decode_select_reference(q, k_cache, summaries, positions, spec=spec)
   return k_cache, v_cache, summaries, idx
 
 
+@takes_spec
 def decode_step_reference(q, k_new, v_new, k_cache, v_cache, summaries, positions, *,
-                          block_size: int, branching: int, top_k: int, beam: int, selector: str,
-                          scale: float):
+                          spec: SelectionSpec):
   """A whole step: `decode_append_select_reference`, then `decode_attention_reference`:
   (k_cache, v_cache, summaries, indices `[B, HKV, top_k]`, output `[B, HQ, D]`, lengths `[B]` =
   positions + 1). A row past capacity (possible only under jit) was dropped by the append: it
   says so loudly, with -1 indices and a NaN output."""
   k_cache, v_cache, summaries, idx = decode_append_select_reference(
-      q, k_new, v_new, k_cache, v_cache, summaries, positions, block_size=block_size,
-      branching=branching, top_k=top_k, beam=beam, selector=selector, scale=scale)
-  out = decode_attention_reference(q, k_cache, v_cache, idx, positions, block_size=block_size,
-                                   scale=scale)
+      q, k_new, v_new, k_cache, v_cache, summaries, positions, spec=spec)
+  out = decode_attention_reference(q, k_cache, v_cache, idx, positions,
+                                   block_size=spec.block_size, scale=spec.scale)
   over = (positions >= k_cache.shape[1])[:, None, None]
   return (k_cache, v_cache, summaries, jnp.where(over, -1, idx),
           jnp.where(over, jnp.asarray(jnp.nan, out.dtype), out), positions + 1)
 
 
-_STATIC = ("top_k", "selector", "beam", "scale", "implementation")
+_STATIC = ("spec", "implementation")
 _step_donating = jax.jit(_step, static_argnames=_STATIC, donate_argnames=("cache",))
 _step_keeping = jax.jit(_step, static_argnames=_STATIC)
 
@@ -298,10 +284,11 @@ def decode_step(
     cache: DecodeCache,
     *,
     new_document: Bool[Array, "B"] | None = None,
-    top_k: int = 8,
-    selector: str = "pisa",
+    top_k: int | None = None,
+    selector: str | None = None,
     beam: int | None = None,
     scale: float | None = None,
+    spec: SelectionSpec | None = None,
     implementation: str | None = None,
     return_indices: bool = False,
     grow: bool = True,
@@ -324,6 +311,8 @@ def decode_step(
       cache; the row's length becomes 1. None: every row continues its document.
     top_k, selector, beam, scale: as in `select_blocks`; selector one of "pisa", "pisa1",
       "pisa2", "bsa" ("exact" scores every past block's raw keys and does not decode).
+    spec: those options as one `pisa_jax.SelectionSpec` (a keyword must agree with it); its
+      block_size and branching must be the cache's. Without one, the cache's are used.
     implementation: "xla" (jnp reference), "pallas" (kernels) or None (pallas on GPU, else xla).
     return_indices: also return the selected blocks.
     grow: outside `jit`, reallocate the cache (`DecodeCache.grow`) when a row's token would pass
@@ -353,13 +342,20 @@ def decode_step(
           "but it fixes shapes or compiled code and must be a Python value. Bind it before "
           f"jitting, functools.partial(decode_step, {name}=...), or mark it static")
   _check_step(q, k, v, cache, new_document)
-  _validation.check_top_k(top_k)
-  _validation.check_selector(selector)
-  if selector not in DECODE_SELECTORS:
-    raise ValueError(f"{selector=} does not decode: expected one of {DECODE_SELECTORS} ('exact' "
-                     "scores the raw keys of every past block, O(N) per token)")
-  beam = _validation.resolve_beam(beam, top_k, selector)
-  scale = _validation.resolve_scale(scale, q.shape[-1])
+  selection = dict(top_k=top_k, selector=selector, beam=beam, scale=scale)
+  if spec is None:
+    spec = _validation.resolve_spec("decode_step", None, q.shape[-1], block_size=cache.block_size,
+                                    branching=cache.branching, **selection)
+  else:
+    spec = _validation.resolve_spec("decode_step", spec, q.shape[-1], **selection)
+    if (spec.block_size, spec.branching) != (cache.block_size, cache.branching):
+      raise ValueError(f"spec.block_size={spec.block_size}, spec.branching={spec.branching} must "
+                       f"be the cache's block_size={cache.block_size}, branching="
+                       f"{cache.branching} (DecodeCache.create)")
+  if spec.selector not in DECODE_SELECTORS:
+    raise ValueError(f"selector={spec.selector!r} does not decode: expected one of "
+                     f"{DECODE_SELECTORS} ('exact' scores the raw keys of every past block, O(N) "
+                     "per token)")
   implementation = _dispatch.resolve_implementation(implementation)
   if not isinstance(cache.lengths, jax.core.Tracer):
     lengths = np.asarray(cache.lengths)
@@ -376,33 +372,6 @@ def decode_step(
                          "growable=False")
       cache = cache.grow(needed)
   step = _step_donating if donate else _step_keeping
-  out, cache, idx = step(q, k, v, cache, new_document, top_k=int(top_k), selector=selector, beam=beam,
-                         scale=scale, implementation=implementation)
+  out, cache, idx = step(q, k, v, cache, new_document, spec=spec,
+                         implementation=implementation)
   return (out, cache, idx) if return_indices else (out, cache)
-
-
-_dispatch.register(
-    "decode_append",
-    xla=decode_append_reference,
-    pallas=_dispatch.with_interpret(decode_kernels.decode_append_pallas),
-)
-_dispatch.register(
-    "decode_select",
-    xla=decode_select_reference,
-    pallas=_dispatch.with_interpret(decode_kernels.decode_select_pallas),
-)
-_dispatch.register(
-    "decode_append_select",
-    xla=decode_append_select_reference,
-    pallas=_dispatch.with_interpret(decode_kernels.decode_append_select_pallas),
-)
-_dispatch.register(
-    "decode_step",
-    xla=decode_step_reference,
-    pallas=_dispatch.with_interpret(decode_kernels.decode_step_pallas),
-)
-_dispatch.register(
-    "decode_attention",
-    xla=decode_attention_reference,
-    pallas=_dispatch.with_interpret(decode_kernels.decode_attention_pallas),
-)

@@ -18,8 +18,8 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from pisa_jax import _validation
-from pisa_jax.geometry import level_sizes
-from pisa_jax.kernels.decode import level_offsets
+from pisa_jax.geometry import level_offsets, level_sizes
+from pisa_jax.spec import SelectionSpec
 
 def bucket_capacity(num_tokens: int, block_size: int) -> int:
   """The capacity bucket of `num_tokens`: block_size times the next power of two of the blocks
@@ -59,15 +59,18 @@ class DecodeCache:
   v: Float[Array, "B N HKV D"]
   summaries: Float[Array, "B S HKV D"]
   lengths: Int[Array, "B"]
-  block_size: int = 64
-  branching: int = 2
+  block_size: int
+  branching: int
   growable: bool = True
 
   @classmethod
   def create(cls, batch: int, capacity: int, num_kv_heads: int, head_dim: int, *,
-             block_size: int = 64, branching: int = 2, dtype=jnp.bfloat16,
+             block_size: int | None = None, branching: int | None = None,
+             spec: SelectionSpec | None = None, dtype=jnp.bfloat16,
              growable: bool = True) -> "DecodeCache":
     """An empty cache (every length 0) for `capacity` tokens per row, rounded up to whole blocks.
+    block_size, branching: the pyramid's C and g (default 64, 2), or `spec`'s (a
+    `pisa_jax.SelectionSpec`; a keyword must agree with it).
 
     Memory: 2 * B * capacity * HKV * D cache-dtype elements for keys and values, plus about
     2 * B * (capacity / C) * HKV * D float32 for the pyramid (with g = 2).
@@ -76,8 +79,8 @@ class DecodeCache:
                         ("head_dim", head_dim)):
       if not _validation._is_int(value) or value < 1:
         raise ValueError(f"{name}={value!r} must be an int >= 1")
-    _validation.check_block_size(block_size)
-    _validation.check_branching(branching)
+    spec = SelectionSpec.merge(spec, block_size=block_size, branching=branching)
+    block_size, branching = spec.block_size, spec.branching
     if not jnp.issubdtype(dtype, jnp.floating):
       raise TypeError(f"{dtype=} must be a floating-point dtype (bfloat16, float16 or float32)")
     capacity = -(-int(capacity) // block_size) * block_size
@@ -85,8 +88,8 @@ class DecodeCache:
     num_nodes = level_offsets(capacity, block_size, branching)[-1] + 1
     return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                summaries=jnp.zeros((batch, num_nodes, num_kv_heads, head_dim), jnp.float32),
-               lengths=jnp.zeros((batch,), jnp.int32), block_size=int(block_size),
-               branching=int(branching), growable=bool(growable))
+               lengths=jnp.zeros((batch,), jnp.int32), block_size=block_size,
+               branching=branching, growable=bool(growable))
 
   @property
   def batch(self) -> int:

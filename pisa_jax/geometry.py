@@ -60,3 +60,20 @@ def level_sizes(seq_len: int, block_size: int, branching: int) -> tuple[int, ...
 def node_span(level: int, block_size: int, branching: int) -> int:
   """Number of key positions a full node at `level` (1 = leaf) covers."""
   return block_size * branching ** (level - 1)
+
+
+def stacked_offsets(sizes) -> tuple[int, ...]:
+  """Where each of the consecutive runs of `sizes` elements starts when they are stacked along
+  one axis: 0, sizes[0], sizes[0] + sizes[1], ..."""
+  offsets, acc = [], 0
+  for m in sizes:
+    offsets.append(acc)
+    acc += m
+  return tuple(offsets)
+
+
+def level_offsets(seq_len: int, block_size: int, branching: int) -> tuple[int, ...]:
+  """First index of each level (leaves first) of the pyramid over seq_len keys when its levels
+  are stacked along one axis (the decode cache's summaries `[B, S, HKV, D]`); S = offsets[-1] + 1
+  (the root)."""
+  return stacked_offsets(level_sizes(seq_len, block_size, branching))

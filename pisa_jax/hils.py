@@ -543,9 +543,3 @@ def hils_chunk_scores(
   score = _lookup("hils_chunk_scores", implementation)
   return score(landmark_q, landmark_k, landmark_bias, segment_ids, chunk_size=int(chunk_size),
                window=int(window), scale=_validation.resolve_scale(scale, d))
-
-
-_dispatch.register("hils_attention", xla=hils_attention_reference)
-_dispatch.register("hils_select_chunks", xla=hils_select_chunks_reference)
-_dispatch.register("hils_landmarks", xla=hils_landmarks_reference)
-_dispatch.register("hils_chunk_scores", xla=hils_chunk_scores_reference)

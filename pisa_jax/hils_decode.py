@@ -183,6 +183,3 @@ def hils_decode_step_reference(q, k, v, landmark_q, cache: HiLSCache, *, top_k: 
   return out.astype(q.dtype), HiLSCache(k=k_cache, v=v_cache, landmark_k=landmark_k,
                                         landmark_bias=landmark_bias, lengths=pos + 1,
                                         chunk_size=c)
-
-
-_dispatch.register("hils_decode_step", xla=hils_decode_step_reference)

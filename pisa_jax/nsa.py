@@ -680,10 +680,3 @@ def nsa_attention(
                 block_length=int(block_length), stride=int(stride),
                 select_block_size=int(select_block_size), top_n=int(top_n), window=int(window),
                 scale=_validation.resolve_scale(scale, d))
-
-
-_dispatch.register("nsa_compress", xla=nsa_compress_reference)
-_dispatch.register("nsa_compressed_attention", xla=compressed_attention_reference)
-_dispatch.register("nsa_select_blocks", xla=nsa_select_blocks_reference)
-_dispatch.register("sliding_window_attention", xla=sliding_window_attention_reference)
-_dispatch.register("nsa_attention", xla=nsa_attention_reference, pallas=nsa_attention_pallas)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from pisa_jax import _dispatch, _validation, nsa
+from pisa_jax import _validation, nsa
 from pisa_jax.attention import attend_selected
 from pisa_jax.decode_cache import last_document
 
@@ -246,6 +246,3 @@ def nsa_decode_step(
   step = nsa._xla_only("nsa_decode_step", implementation)
   return step(q, k, v, gates, cache, key_mlp, value_mlp, select_block_size=int(select_block_size),
               top_n=int(top_n), window=int(window), scale=_validation.resolve_scale(scale, d))
-
-
-_dispatch.register("nsa_decode_step", xla=nsa_decode_step_reference)

@@ -1,8 +1,15 @@
-"""The key-summary pyramid (Section 3.2, Eq. 7-15): mean pooling from the leaves to one root."""
+"""The key-summary pyramid (Section 3.2, Eq. 7-15): mean pooling from the leaves to one root.
+
+Two layouts, two references: one document's level l is exactly `[B, M_l, HKV, D]`, each node the
+mean of a fixed run of rows (a reshape and a sum); packed documents' levels hold every
+document's nodes at static capacities (`pisa_jax.segments`: N_1 = T leaf slots), each node a
+segment sum. One document as a packed row would hold T leaf slots instead of T / C and sum in
+another order (the means then differ in the last bit from the ones the decode cache and the
+golden cases pin), so the one-document pyramid keeps its own code.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -10,10 +17,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from pisa_jax import _dispatch, _validation, segments
-from pisa_jax.geometry import Pyramid, level_sizes, node_span
-from pisa_jax.kernels import packed_pyramid as packed_pyramid_kernels
-from pisa_jax.kernels import pyramid as pyramid_kernels
+from pisa_jax.geometry import Pyramid
 from pisa_jax.segments import PackedPyramid
+from pisa_jax.spec import SelectionSpec
 
 
 def _mean_pool(x: Float[Array, "B N H D"], group: int, num_valid: int):
@@ -52,8 +58,9 @@ def build_packed_pyramid_reference(k, segment_ids, *, block_size: int,
 def build_pyramid(
     k: Float[Array, "B T HKV D"],
     *,
-    block_size: int = 64,
-    branching: int = 2,
+    block_size: int | None = None,
+    branching: int | None = None,
+    spec: SelectionSpec | None = None,
     segment_ids: Int[Array, "B T"] | None = None,
     implementation: str | None = None,
 ) -> Pyramid | PackedPyramid:
@@ -61,8 +68,10 @@ def build_pyramid(
 
   Args:
     k: keys `[B, T, HKV, D]`, any float dtype; summaries are float32.
-    block_size: C, keys per leaf block.
-    branching: g, children merged into each upper node.
+    block_size: C, keys per leaf block (default 64).
+    branching: g, children merged into each upper node (default 2).
+    spec: a `pisa_jax.SelectionSpec` whose block_size and branching to use (an option also
+      passed as a keyword must agree with it).
     segment_ids: None, or int32 `[B, T]` non-decreasing within a row: packed documents (runs of
       equal ids), each summarised on its own block grid from its first token
       (`pisa_jax.segments`).
@@ -77,29 +86,16 @@ def build_pyramid(
     the document alone returns), its nodes at consecutive slots of `[B, N_l, HKV, D]` per level
     from `first_node`.
   """
-  _validation.check_static("build_pyramid", block_size=block_size, branching=branching,
-                           implementation=implementation)
+  _validation.check_static("build_pyramid", implementation=implementation)
   _validation.check_float("k", k)
   _validation.check_rank4("k", k, "[B, T, HKV, D]")
   if k.shape[1] < 1:
     raise ValueError(f"sequence length T={k.shape[1]} must be >= 1")
-  _validation.check_block_size(block_size)
-  _validation.check_branching(branching)
+  spec = _validation.resolve_spec("build_pyramid", spec, k.shape[-1], block_size=block_size,
+                                  branching=branching)
   _validation.check_segment_ids(segment_ids, batch=k.shape[0], seq_len=k.shape[1])
   if segment_ids is not None:
     build = _dispatch.lookup("build_pyramid_packed", implementation)
-    return build(k, segment_ids, block_size=int(block_size), branching=int(branching))
+    return build(k, segment_ids, block_size=spec.block_size, branching=spec.branching)
   build = _dispatch.lookup("build_pyramid", implementation)
-  return build(k, block_size=int(block_size), branching=int(branching))
-
-
-_dispatch.register(
-    "build_pyramid",
-    xla=build_pyramid_reference,
-    pallas=_dispatch.with_interpret(pyramid_kernels.build_pyramid_pallas),
-)
-_dispatch.register(
-    "build_pyramid_packed",
-    xla=build_packed_pyramid_reference,
-    pallas=_dispatch.with_interpret(packed_pyramid_kernels.build_packed_pyramid_pallas),
-)
+  return build(k, block_size=spec.block_size, branching=spec.branching)

@@ -11,6 +11,7 @@ from jaxtyping import Array, Float, Int
 
 from pisa_jax import _chunking, _dispatch, _validation
 from pisa_jax.selection import block_log_mass, flat_top_k
+from pisa_jax.spec import SelectionSpec
 
 
 class SelectionQuality(NamedTuple):
@@ -54,7 +55,9 @@ def _quality_chunk(positions, q, block_indices, k, *, block_size, scale):
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "scale"))
-def _selection_quality(q, k, block_indices, *, block_size: int, scale: float) -> SelectionQuality:
+def selection_quality_reference(q, k, block_indices, *, block_size: int,
+                                scale: float) -> SelectionQuality:
+  """jnp reference of `selection_quality`; arguments are already validated."""
   b, seq_len, hq, _ = q.shape
   num_blocks = -(-seq_len // block_size)
   chunk = _chunking.query_chunk_size(seq_len, 3 * b * hq * num_blocks * block_size)
@@ -74,8 +77,9 @@ def selection_quality(
     k: Float[Array, "B T HKV D"],
     block_indices: Int[Array, "B T HKV K"],
     *,
-    block_size: int = 64,
+    block_size: int | None = None,
     scale: float | None = None,
+    spec: SelectionSpec | None = None,
     implementation: str | None = None,
 ) -> SelectionQuality:
   """Recall@K, captured mass and attention-mass ratio of a selection against full attention.
@@ -93,8 +97,10 @@ def selection_quality(
       `pisa_jax.traced_checks(True)` and `jax.experimental.checkify.checkify`; an unchecked call
       ignores out-of-range entries like -1 and counts a repeated block once per repetition
       (recall and mass can then exceed 1).
-    block_size: C, keys per leaf block.
+    block_size: C, keys per leaf block (default 64).
     scale: logit scale, default 1/sqrt(D).
+    spec: the `pisa_jax.SelectionSpec` that selected the blocks, instead of (or agreeing with)
+      block_size and scale.
     implementation: "xla" or None: the jnp reference, the only implementation of this
       diagnostic; "pallas" raises.
 
@@ -104,21 +110,17 @@ def selection_quality(
   Returns:
     `SelectionQuality` of scalar fractions, averaged over rows with more than K eligible blocks.
   """
-  _validation.check_static("selection_quality", block_size=block_size, scale=scale,
-                           implementation=implementation)
+  _validation.check_static("selection_quality", implementation=implementation)
   # One implementation, whatever the platform: None means it on a GPU too.
   quality = _dispatch.lookup("selection_quality",
                              "xla" if implementation is None else implementation)
   b, t, _, hkv, d = _validation.check_qk(q, k)
-  _validation.check_block_size(block_size)
+  spec = _validation.resolve_spec("selection_quality", spec, d, block_size=block_size,
+                                  scale=scale)
   _validation.check_block_indices(
-      block_indices, batch=b, seq_len=t, num_kv_heads=hkv, block_size=int(block_size))
+      block_indices, batch=b, seq_len=t, num_kv_heads=hkv, block_size=spec.block_size)
   if block_indices.shape[-1] < _validation.NUM_FORCED:
     raise ValueError(
         f"block_indices.shape[-1]={block_indices.shape[-1]} must be >= 3: the reference set keeps "
         f"the first, previous and current blocks")
-  return quality(q, k, block_indices, block_size=int(block_size),
-                 scale=_validation.resolve_scale(scale, d))
-
-
-_dispatch.register("selection_quality", xla=_selection_quality)
+  return quality(q, k, block_indices, block_size=spec.block_size, scale=spec.scale)

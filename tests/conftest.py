@@ -1,11 +1,11 @@
 """Test configuration: float32 matmuls at full precision, and the slow / gpu markers."""
 
 import os
-import types
 
 import jax
 import pytest
-from jax._src.pallas.triton import pallas_call_registration as registration
+
+import kernel_ir
 
 # The tools' persistent compilation cache stays off in tests: nothing is written under the home
 # folder, and no test reads what another compiled (tests/test_compilation_cache.py turns it on).
@@ -28,18 +28,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
-def captured(monkeypatch):
+def captured():
   """Triton IR of every kernel lowered while the fixture is active, as text: Pallas' Triton
-  lowering given a compute capability (sm_90), so kernels lower on a machine without a GPU."""
+  lowering given a compute capability (sm_90), so kernels lower on a machine without a GPU
+  (`kernel_ir.sm90_lowering`)."""
   modules = []
-  monkeypatch.setattr(registration, "gpu_info_lib", types.SimpleNamespace(
-      get_gpu_info=lambda: types.SimpleNamespace(compute_capability=90)))
-  lower = registration.lowering.lower_jaxpr_to_triton_module
-
-  def recording(*args, **kwargs):
-    result = lower(*args, **kwargs)
-    modules.append(result.module.operation.get_asm(enable_debug_info=False))
-    return result
-
-  monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", recording)
-  return modules
+  with kernel_ir.sm90_lowering(modules):
+    yield modules

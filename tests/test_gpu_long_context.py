@@ -79,8 +79,9 @@ def bsa_reference_at(q_at, k, positions, *, top_k: int, scale: float):
   """The reference's BSA rows at `positions`: its per-chunk function over the float32 leaf means
   (the reference has no positions form for "bsa"; its rows depend only on q_t and the leaves)."""
   leaves = pisa_jax.build_pyramid(k, block_size=C, branching=G, implementation="xla").summaries[0]
-  fn = functools.partial(_bsa_chunk, block_size=C, top_k=top_k, scale=scale)
-  return _chunking.map_query_chunks(fn, 64, (q_at,), (leaves,), positions=positions)
+  fn = functools.partial(_bsa_chunk, spec=pisa_jax.SelectionSpec(
+      block_size=C, top_k=top_k, selector="bsa", scale=scale))
+  return _chunking.map_query_chunks(fn, 64, (q_at, None, None), (leaves,), positions=positions)
 
 
 @functools.partial(jax.jit, static_argnames=("selector", "top_k", "beam"))

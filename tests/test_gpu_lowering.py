@@ -1,7 +1,7 @@
 """The kernels' GPU-only code paths lower to Triton IR on any machine.
 
 CI has no GPU, so interpret mode never sees what only the compiled path does: the MUFU `lg2.approx`
-inline assembly (`scoring.log2`), whole-row loads, the launch shapes of every variant. Lowering for
+inline assembly (`_common.log2`), whole-row loads, the launch shapes of every variant. Lowering for
 "cuda" runs Pallas' Triton lowering in jaxlib on the CPU once it is told a compute capability
 (sm_90, the H200's), the same patch as `benchmarks/triton_resources.py`; a lowering error in a
 GPU-only path fails here instead of on the H200.

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import pisa_jax
+from pisa_jax.kernels import _common
 from pisa_jax.kernels.pyramid import build_pyramid_pallas
 from pisa_jax.kernels.selection import SelectionConfig, layout, scoring, select_blocks_pallas, topk
 from pisa_jax.pyramid import build_pyramid_reference
@@ -333,7 +334,7 @@ def test_pair_lse_formula():
 def test_unshifted_reductions_equal_shifted_in_base_2(selector):
   # `reduce_keys` and `reduce_children` with unshifted=True: Eq. 21 times log2(e) for "pisa"
   # (partial keys masked), the unchanged mean forms otherwise.
-  reduce_children, reduce_keys = scoring.reduce_children, scoring.reduce_keys
+  reduce_children, reduce_keys = _common.reduce_children, _common.reduce_keys
 
   z = jax.random.normal(jax.random.PRNGKey(4), (16, 64)) * 20.0
   m_key = jnp.arange(64) < 37

@@ -25,7 +25,8 @@ kernel, O(N / C) per step, as BSA is, after its own append.
 
   config.py     DecodeConfig and the attention split heuristic
   layout.py     Geometry (static shapes), the row layout, loads and stores, launch
-  scoring.py    dots in float32, the reductions of Eq. 21 / 33 / 34, ranking keys
+  scoring.py    summary dots in float32, the reductions of Eq. 21 / 33 / 34 (shared math:
+                `pisa_jax.kernels._common`)
   append.py     the append kernel (new key and value, leaf and ancestor summaries)
   select.py     the walk (the append in its launch), leaf-score and Select_K kernels (Select_K
                 by rank), decode_select_pallas, decode_append_select_pallas
@@ -35,8 +36,9 @@ kernel, O(N / C) per step, as BSA is, after its own append.
 
 Layout: the cache keeps the model's `[B, capacity, HKV, D]` layout, viewed as rows
 `[B * capacity * HKV, D]`; the pyramid is one float32 array `[B, S, HKV, D]`, its levels stacked
-leaves first along axis 1 (`level_offsets`), viewed as rows too. Every in-kernel value has
-power-of-two shapes: heads padded to Gp >= 16 rows, head dim to Dp, block to Cp, candidates to NC.
+leaves first along axis 1 (`pisa_jax.geometry.level_offsets`), viewed as rows too. Every
+in-kernel value has power-of-two shapes: heads padded to Gp >= 16 rows, head dim to Dp, block to
+Cp, candidates to NC.
 Out-of-range rows are clamped and masked (interpret mode clamps; the GPU would read garbage).
 
 Scores are float32. 16-bit queries and keys of one dtype meet in a tensor-core dot (exact
@@ -49,11 +51,10 @@ float32 and dotted at IEEE precision.
 from pisa_jax.kernels.decode.append import decode_append_pallas
 from pisa_jax.kernels.decode.attention import decode_attention_pallas
 from pisa_jax.kernels.decode.config import DecodeConfig, default_attend_blocks
-from pisa_jax.kernels.decode.layout import level_offsets
 from pisa_jax.kernels.decode.select import (SELECTORS, decode_append_select_pallas,
                                             decode_select_pallas)
 from pisa_jax.kernels.decode.step import decode_step_pallas
 
 __all__ = ["SELECTORS", "DecodeConfig", "decode_append_pallas", "decode_append_select_pallas",
            "decode_attention_pallas", "decode_select_pallas", "decode_step_pallas",
-           "default_attend_blocks", "level_offsets"]
+           "default_attend_blocks"]

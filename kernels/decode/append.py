@@ -10,10 +10,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
-from pisa_jax.kernels._common import next_pow2
-from pisa_jax.kernels.decode.config import MIN_DOT, DecodeConfig
-from pisa_jax.kernels.decode.layout import (launch, level_offsets, load_row, load_rows,
-                                            load_scalar, store_row)
+from pisa_jax.geometry import level_offsets
+from pisa_jax.kernels._common import MIN_DOT, load_rows, next_pow2, pallas_launch
+from pisa_jax.kernels.decode.config import DecodeConfig
+from pisa_jax.kernels.decode.layout import load_row, load_scalar, store_row
 
 
 def append_token(i_bh, pos_ref, kn_ref, vn_ref, k_ref, v_ref, s_ref, ko_ref, vo_ref, so_ref, *,
@@ -99,8 +99,8 @@ def decode_append_pallas(
   b, _, hkv, d = k_cache.shape
   kernel = functools.partial(_append_kernel, **append_geometry(k_cache, block_size, branching))
   shapes = [jax.ShapeDtypeStruct((x.size // d, d), x.dtype) for x in (k_cache, v_cache, summaries)]
-  call = launch(kernel, shapes, (b * hkv,), warps=config.append_warps, stages=1,
-                interpret=interpret, name="pisa_decode_append", aliases={3: 0, 4: 1, 5: 2})
+  call = pallas_launch(kernel, shapes, (b * hkv,), warps=config.append_warps, stages=1,
+                       interpret=interpret, name="pisa_decode_append", aliases={3: 0, 4: 1, 5: 2})
   k_rows, v_rows, s_rows = call(
       positions.astype(jnp.int32), k_new.astype(k_cache.dtype).reshape(-1, d),
       v_new.astype(v_cache.dtype).reshape(-1, d), k_cache.reshape(-1, d), v_cache.reshape(-1, d),

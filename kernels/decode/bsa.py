@@ -11,12 +11,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pisa_jax.kernels._common import next_pow2
+from pisa_jax.kernels._common import BIG, LOG2E, next_pow2, pallas_launch, rank_key
 from pisa_jax.kernels.decode.config import DecodeConfig
-from pisa_jax.kernels.decode.layout import Geometry, launch, load_group_queries, load_scalar
-from pisa_jax.kernels.decode.scoring import LOG2E, rank_key, summary_logits
-
-BIG = 2**30  # larger than any block id: an empty slot
+from pisa_jax.kernels.decode.layout import Geometry, load_group_queries, load_scalar
+from pisa_jax.kernels.decode.scoring import summary_logits
 
 
 def _bsa_kernel(pos_ref, q_ref, s_ref, out_ref, *, geo: Geometry, block_tile: int):
@@ -52,8 +50,8 @@ def _bsa_kernel(pos_ref, q_ref, s_ref, out_ref, *, geo: Geometry, block_tile: in
     return m_new, l
 
   m, l = lax.fori_loop(0, pl.cdiv(complete, block_tile), normaliser,
-                       (jnp.full((geo.gp,), -jnp.inf, jnp.float32),
-                        jnp.zeros((geo.gp,), jnp.float32)))
+                       (jnp.full((geo.group_padded,), -jnp.inf, jnp.float32),
+                        jnp.zeros((geo.group_padded,), jnp.float32)))
   m = jnp.where(m == -jnp.inf, 0.0, m)
   inv_l = jnp.where(m_head & (l > 0), 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
   n_best = geo.top_k - 3
@@ -99,7 +97,7 @@ def _bsa_kernel(pos_ref, q_ref, s_ref, out_ref, *, geo: Geometry, block_tile: in
                                    (best_v, best_i))
   # Output ascending: 0, the best (ids in 1 .. cur - 2) by id, cur - 1, cur; or, when at most
   # top_k blocks are eligible, every block 0 .. cur.
-  kp = geo.kp
+  kp = geo.top_k_padded
   o_out = jnp.arange(kp)
   m_best = best_i < BIG
   pos = jnp.sum((m_best[:, None] & (best_i[:, None] < best_i[None, :])).astype(jnp.int32), axis=0)
@@ -115,8 +113,8 @@ def _bsa_kernel(pos_ref, q_ref, s_ref, out_ref, *, geo: Geometry, block_tile: in
 def select_bsa(positions, q_rows, s_rows, geo: Geometry, config: DecodeConfig, interpret: bool):
   """The BSA kernel over every (batch row, KV head): int32 `[B * HKV, KP]`, ascending, -1 padded.
   q_rows `[B * HQ, D]` and s_rows (the stacked summaries) `[B * S * HKV, D]`."""
-  call = launch(functools.partial(_bsa_kernel, geo=geo, block_tile=config.bsa_block_tile),
-                jax.ShapeDtypeStruct((geo.batch * geo.hkv, geo.kp), jnp.int32),
-                (geo.batch * geo.hkv,), warps=config.bsa_warps, stages=config.num_stages,
-                interpret=interpret, name="pisa_decode_select_bsa")
+  call = pallas_launch(functools.partial(_bsa_kernel, geo=geo, block_tile=config.bsa_block_tile),
+                       jax.ShapeDtypeStruct((geo.batch * geo.hkv, geo.top_k_padded), jnp.int32),
+                       (geo.batch * geo.hkv,), warps=config.bsa_warps, stages=config.num_stages,
+                       interpret=interpret, name="pisa_decode_select_bsa")
   return call(positions, q_rows, s_rows)

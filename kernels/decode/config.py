@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pisa_jax.kernels._common import next_pow2
-
-# Triton's tensor-core dots need every dimension >= 16.
-MIN_DOT = 16
+from pisa_jax.kernels._common import MIN_DOT, next_pow2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,12 +44,10 @@ class DecodeConfig:
 
   @classmethod
   def default(cls, *, head_dim: int, candidate_slots: int = 0) -> "DecodeConfig":
-    """Heuristic, from sweeps inside a jitted decode loop on the H200 (32/2 heads, in-loop ms):
-    4 warps for the selection (2026-12-02, d128 K32, NC = 64, 1M B=1, one program per row and
-    KV head: 1 / 2 / 4 / 8 warps 0.225 / 0.145 / 0.116 / 0.126; d64 K8 32K 0.035 / 0.031 /
-    0.029 / 0.034); the walk's launch on 8 warps from 64 candidate slots (2026-12-03, d128
-    K32, whole step in-loop us, 4 / 8 walk warps: 1M B=1 56.0 / 52.8, B=16 81.7 / 77.4; 32K
-    B=1 31.8 / 31.3, B=16 53.4 / 54.6); two warps per attention program at d >= 128."""
+    """Heuristic, the fastest settings of sweeps inside a jitted decode loop (32/2 heads, d128
+    K32 and d64 K8, 32K-1M cached tokens, B = 1 and 16): 4 warps for the selection's programs,
+    the walk's launch on 8 warps from 64 candidate slots (on 4 below), two warps per attention
+    program at d >= 128 (one below)."""
     return cls(select_warps=4, walk_warps=8 if candidate_slots >= 64 else 4,
                attend_warps=2 if head_dim >= 128 else 1)
 

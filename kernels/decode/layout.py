@@ -13,61 +13,23 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import fuser as _fuser  # noqa: F401
 from jax.experimental.pallas import triton as plt
 
-from pisa_jax.geometry import level_sizes
-from pisa_jax.kernels._common import next_pow2, triton_deprecation_silenced
-from pisa_jax.kernels.decode.config import MIN_DOT
-
-
-def level_offsets(capacity: int, block_size: int, branching: int) -> tuple[int, ...]:
-  """First index along axis 1 of the stacked summaries `[B, S, HKV, D]` of each level (leaves
-  first); S = offsets[-1] + 1 (the root)."""
-  offsets, acc = [], 0
-  for m in level_sizes(capacity, block_size, branching):
-    offsets.append(acc)
-    acc += m
-  return tuple(offsets)
+from pisa_jax.geometry import level_offsets, level_sizes
+from pisa_jax.kernels._common import KernelGeometry, load_rows
+from pisa_jax.spec import SelectionSpec
 
 
 @dataclasses.dataclass(frozen=True)
-class Geometry:
-  batch: int
+class Geometry(KernelGeometry):
+  """Static shapes of one decode call: `KernelGeometry` (B, heads, D, the spec), the cache's
+  capacity and its pyramid's stacked levels, and the dot modes."""
+
   capacity: int
-  hq: int
-  hkv: int
-  d: int
-  block_size: int
-  branching: int
-  top_k: int
-  beam: int
-  selector: str
-  scale: float
-  key_mode: str  # raw keys: "native" (16-bit dot) or "f32"
-  score_mode: str  # float32 summaries: "split" (bfloat16 queries) or "f32"
-
-  @property
-  def group(self) -> int:
-    return self.hq // self.hkv
-
-  @property
-  def gp(self) -> int:
-    return max(MIN_DOT, next_pow2(self.group))
-
-  @property
-  def dp(self) -> int:
-    return max(MIN_DOT, next_pow2(self.d))
-
-  @property
-  def cp(self) -> int:
-    return max(MIN_DOT, next_pow2(self.block_size))
-
-  @property
-  def nc(self) -> int:
-    """Candidate slots per level: up to beam * g children (and every leaf of a short row)."""
-    return max(MIN_DOT, next_pow2(self.beam * self.branching))
-
-  @property
-  def kp(self) -> int:
-    return next_pow2(self.top_k)
+  # q and the cache share one 16-bit dtype: raw keys meet the queries in a 16-bit tensor-core dot
+  # with float32 accumulation; otherwise both are upcast to float32 (`_common.qk_dot`).
+  inputs_16bit: bool
+  # bfloat16 queries meet the float32 summaries as two bfloat16 dots (`scoring.split_logits`);
+  # otherwise as one float32 dot.
+  split_summaries: bool
 
   @property
   def sizes(self) -> tuple[int, ...]:
@@ -82,36 +44,14 @@ class Geometry:
     return self.offsets[-1] + 1
 
 
-def make_geometry(q, k_cache, *, block_size, branching, top_k, beam, selector, scale) -> Geometry:
+def make_geometry(q, k_cache, spec: SelectionSpec) -> Geometry:
+  """The geometry of queries q `[B, HQ, D]` against a cache `[B, N, HKV, D]`."""
   b, hq, d = q.shape
   _, capacity, hkv, _ = k_cache.shape
-  native = q.dtype == k_cache.dtype and q.dtype in (jnp.bfloat16, jnp.float16)
-  return Geometry(
-      batch=b, capacity=capacity, hq=hq, hkv=hkv, d=d, block_size=block_size, branching=branching,
-      top_k=top_k, beam=beam, selector=selector, scale=float(scale),
-      key_mode="native" if native else "f32",
-      score_mode="split" if native and q.dtype == jnp.bfloat16 else "f32")
-
-
-
-
-def launch(kernel, out_shape, grid, *, warps: int, stages: int, interpret: bool, name: str,
-           aliases=None):
-  """One `pallas_call`; `aliases` maps input indices to the outputs they are donated to."""
-  with triton_deprecation_silenced():
-    return pl.pallas_call(
-        kernel, out_shape=out_shape, grid=grid, input_output_aliases=aliases or {},
-        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
-        interpret=interpret, name=name)
-
-
-def load_rows(ref, rows, m_row, d: int, dp: int):
-  """Rows `[N]` of a `[*, D]` ref as `[N, Dp]`; masked rows and padded columns read as zero."""
-  o_col = jnp.arange(dp)
-  if d == dp:
-    return plt.load(ref.at[rows[:, None], o_col[None, :]], mask=m_row[:, None], other=0.0)
-  return plt.load(ref.at[rows[:, None], jnp.minimum(o_col, d - 1)[None, :]],
-                  mask=m_row[:, None] & (o_col < d)[None, :], other=0.0)
+  inputs_16bit = q.dtype == k_cache.dtype and q.dtype in (jnp.bfloat16, jnp.float16)
+  return Geometry(batch=b, hq=hq, hkv=hkv, d=d, spec=spec, capacity=capacity,
+                  inputs_16bit=inputs_16bit,
+                  split_summaries=inputs_16bit and q.dtype == jnp.bfloat16)
 
 
 def load_row(ref, row, m_row, d: int, dp: int):
@@ -131,15 +71,10 @@ def load_scalar(ref, i, n: int = 2):
   return jnp.max(plt.load(ref.at[jnp.full((n,), i, jnp.int32)]))
 
 
-def pick(vec, i):
-  """vec[i] for a value (no dynamic indexing of values in Triton kernels)."""
-  return jnp.sum(jnp.where(jnp.arange(vec.shape[0]) == i, vec, 0))
-
-
 def load_group_queries(q_ref, i_b, i_h, geo: Geometry):
   """The group's query heads `[Gp, Dp]` (padded heads and columns zero), and the head mask."""
-  o_head = jnp.arange(geo.gp)
+  o_head = jnp.arange(geo.group_padded)
   m_head = o_head < geo.group
   rows = i_b * geo.hq + i_h * geo.group + jnp.minimum(o_head, geo.group - 1)
-  qg = load_rows(q_ref, rows, m_head, geo.d, geo.dp)
-  return (qg if geo.key_mode == "native" else qg.astype(jnp.float32)), m_head
+  qg = load_rows(q_ref, rows, m_head, geo.d, geo.head_dim_padded)
+  return (qg if geo.inputs_16bit else qg.astype(jnp.float32)), m_head

@@ -16,25 +16,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
-from pisa_jax.kernels._common import int32_table, next_pow2
+from pisa_jax.kernels._common import (int32_table, load_rows, next_pow2, pallas_launch, pick,
+                                      qk_dot, rank_by_id, rank_by_key, rank_key)
 from pisa_jax.kernels.decode.append import append_geometry, append_token, decode_append_pallas
 from pisa_jax.kernels.decode.bsa import select_bsa
 from pisa_jax.kernels.decode.config import DecodeConfig
-from pisa_jax.kernels.decode.layout import (Geometry, launch, load_group_queries, load_rows,
-                                            load_scalar, make_geometry, pick)
-from pisa_jax.kernels.decode.scoring import (dot_t, rank_key, reduce_children, reduce_keys,
-                                             summary_logits)
+from pisa_jax.kernels.decode.layout import (Geometry, load_group_queries, load_scalar,
+                                            make_geometry)
+from pisa_jax.kernels.decode.scoring import reduce_children, reduce_keys, summary_logits
+from pisa_jax.spec import SelectionSpec, takes_spec
 
 SELECTORS = ("pisa", "pisa1", "pisa2", "bsa")
-
-
-def _rank(cand, valid, key):
-  """Each candidate's rank in (key descending, id ascending) among the valid ones, `[N]`: one
-  all-pairs compare instead of a sort (ids are distinct, so the order is strict)."""
-  k_i, k_j = key[None, :], key[:, None]
-  c_i, c_j = cand[None, :], cand[:, None]
-  before = valid[:, None] & ((k_j > k_i) | ((k_j == k_i) & (c_j < c_i)))
-  return jnp.sum(before.astype(jnp.int32), axis=0)
 
 
 def _select_k(cand, valid, forced, score, keep: int, *, may_keep_all: bool = True):
@@ -45,7 +37,7 @@ def _select_k(cand, valid, forced, score, keep: int, *, may_keep_all: bool = Tru
   key = rank_key(score)
   if may_keep_all:
     key = jnp.where(jnp.sum(valid.astype(jnp.int32)) <= keep, jnp.inf, key)
-  rank = _rank(cand, valid, jnp.where(forced, jnp.inf, key))
+  rank = rank_by_key(cand, valid, jnp.where(forced, jnp.inf, key), by_column=True)
   return valid & (rank < keep), rank
 
 
@@ -53,7 +45,7 @@ def _expand(cand, kept, rank, branching: int, width: int):
   """Eq. 18: the kept node of rank p fills slots p * g .. p * g + g - 1 with its children."""
   if branching == 2:
     # Each rank's node `[width / 2]`, then its two children side by side: half the all-pairs
-    # compare of the general form below (walk launch 1M B=1: 35.5 -> 34.6 us, H200).
+    # compare of the general form below.
     o_rank = jnp.arange(width // 2)
     hit = kept[None, :] & (rank[None, :] == o_rank[:, None])
     first = jnp.max(jnp.where(hit, cand[None, :] * 2, -1), axis=1)
@@ -65,13 +57,8 @@ def _expand(cand, kept, rank, branching: int, width: int):
                  axis=1)
 
 
-def _kept_order(cand, kept):
-  """Each kept candidate's rank by id among the kept ones `[N]` (its slot in the ascending list)."""
-  return jnp.sum((kept[:, None] & (cand[:, None] < cand[None, :])).astype(jnp.int32), axis=0)
-
-
 def kept_ids(cand, kept, order, width: int):
-  """The kept ids ascending, -1 padded, `[width]` (`order` from `_kept_order`)."""
+  """The kept ids ascending, -1 padded, `[width]` (`order` from `_common.rank_by_id`)."""
   slot = jnp.arange(width)
   hit = kept[None, :] & (order[None, :] == slot[:, None])
   return jnp.max(jnp.where(hit, cand[None, :], -1), axis=1)
@@ -91,7 +78,7 @@ def _row(pos_ref, q_ref, i_bh, geo: Geometry):
 
 def _walk(qg, m_head, s_ref, tab_ref, i_b, i_h, cur, geo: Geometry):
   """The walk of Eq. 16-18 down to the leaf candidates `[NC]` (-1 padded)."""
-  g, nc = geo.branching, geo.nc
+  g, nc = geo.branching, geo.num_slots
   num_levels = len(geo.sizes)
   num_nodes = geo.num_nodes
   slot = jnp.arange(nc)
@@ -128,10 +115,10 @@ def _walk(qg, m_head, s_ref, tab_ref, i_b, i_h, cur, geo: Geometry):
     masks = [valid & (first + j <= anc_child) for j in range(g)]
     if g == 2:
       # Both children in one gather and one dot (candidate i's at rows 2i, 2i + 1), split after:
-      # fewer, larger loads (walk launch 1M B=1: 34.6 -> 29.2 us, H200).
+      # fewer, larger loads.
       both = jnp.stack([first, first + 1], axis=-1).reshape(2 * nc)
       m_both = jnp.stack([valid, valid], axis=-1).reshape(2 * nc) & (both <= anc_child)
-      z = summary_logits(qg, s_ref, rows(both), m_both, geo).reshape(geo.gp, nc, 2)
+      z = summary_logits(qg, s_ref, rows(both), m_both, geo).reshape(geo.group_padded, nc, 2)
       zs = [jnp.squeeze(part, -1) for part in jnp.split(z, 2, axis=-1)]
     else:
       zs = [summary_logits(qg, s_ref, rows(first + j), m, geo) for j, m in enumerate(masks)]
@@ -160,14 +147,16 @@ def _leaf_slots(cand, cur, geo: Geometry):
 def _leaf_keys(k_ref, leaf, i_b, i_h, m_load, geo: Geometry):
   """The raw keys `[Cp, Dp]` of leaf `leaf` (a scalar). A scored leaf is complete and before
   the current one: all of its keys exist."""
-  key_pos = jnp.minimum(leaf * geo.block_size + jnp.arange(geo.cp), geo.capacity - 1)
-  return load_rows(k_ref, (i_b * geo.capacity + key_pos) * geo.hkv + i_h, m_load, geo.d, geo.dp)
+  key_pos = jnp.minimum(leaf * geo.block_size + jnp.arange(geo.block_padded), geo.capacity - 1)
+  rows = (i_b * geo.capacity + key_pos) * geo.hkv + i_h
+  return load_rows(k_ref, rows, m_load, geo.d, geo.head_dim_padded)
 
 
 def _leaf_score(qg, m_head, leaf_keys, geo: Geometry):
   """A leaf's score from its raw keys, summed over the group's heads (Eq. 21, 22)."""
-  m_key = jnp.arange(geo.cp) < geo.block_size
-  per_head = reduce_keys(dot_t(qg, leaf_keys, geo.key_mode), m_key, geo.selector, geo.scale)
+  m_key = jnp.arange(geo.block_padded) < geo.block_size
+  z = qk_dot(qg, leaf_keys, geo.inputs_16bit)
+  per_head = reduce_keys(z, m_key, geo.selector, geo.scale)
   return jnp.sum(jnp.where(m_head, per_head, 0.0))
 
 
@@ -176,12 +165,12 @@ def leaf_select(cand, cur, scores, geo: Geometry):
   scores `[NC]` (`_leaf_kernel`'s): (kept mask, each kept leaf's slot in ascending id order)."""
   valid, forced, need = _leaf_slots(cand, cur, geo)
   kept, _ = _select_k(cand, valid, forced, jnp.where(need, scores, 0.0), geo.top_k)
-  return kept, _kept_order(cand, kept)
+  return kept, rank_by_id(cand, kept, by_column=True)
 
 
 # The selection is three launches, so that at small B the leaves' key loads (up to NC - 3 leaves
 # of C keys each) spread over many SMs: one program per (row, KV head) scored them one after the
-# other, 2.3x slower at 1M tokens (B = 1, d128 K32) and never faster (H200, 2026-12-03).
+# other, serialised on one SM (slower in every sweep; WORKSPACE.md, "Tried and dropped").
 
 
 def _walk_kernel(pos_ref, q_ref, s_ref, tab_ref, cand_ref, *, geo: Geometry):
@@ -220,11 +209,11 @@ def _leaf_kernel(pos_ref, q_ref, k_ref, cand_ref, score_ref, *, geo: Geometry):
   where Select_K needs none; its keys are then not loaded)."""
   i_bh, i_slot = pl.program_id(0), pl.program_id(1)
   i_b, i_h, cur, qg, m_head = _row(pos_ref, q_ref, i_bh, geo)
-  cand = cand_ref[pl.ds(i_bh, 1), :].reshape(geo.nc)
+  cand = cand_ref[pl.ds(i_bh, 1), :].reshape(geo.num_slots)
   _, _, need = _leaf_slots(cand, cur, geo)
-  hit = need & (jnp.arange(geo.nc) == i_slot)
+  hit = need & (jnp.arange(geo.num_slots) == i_slot)
   live = jnp.sum(hit.astype(jnp.int32)) > 0
-  m_key = (jnp.arange(geo.cp) < geo.block_size) & live
+  m_key = (jnp.arange(geo.block_padded) < geo.block_size) & live
   leaf_keys = _leaf_keys(k_ref, jnp.sum(jnp.where(hit, cand, 0)), i_b, i_h, m_key, geo)
   score = jnp.where(live, _leaf_score(qg, m_head, leaf_keys, geo), 0.0)
   score_ref[pl.ds(i_bh, 1), pl.ds(i_slot, 1)] = jnp.broadcast_to(score, (1, 1))
@@ -233,10 +222,10 @@ def _leaf_kernel(pos_ref, q_ref, k_ref, cand_ref, score_ref, *, geo: Geometry):
 def _final_kernel(pos_ref, cand_ref, score_ref, out_ref, *, geo: Geometry):
   """Launch 3, per (row, KV head): Select_K over the scored candidates."""
   i_bh = pl.program_id(0)
-  cand = cand_ref[pl.ds(i_bh, 1), :].reshape(geo.nc)
-  scores = score_ref[pl.ds(i_bh, 1), :].reshape(geo.nc)
+  cand = cand_ref[pl.ds(i_bh, 1), :].reshape(geo.num_slots)
+  scores = score_ref[pl.ds(i_bh, 1), :].reshape(geo.num_slots)
   kept, order = leaf_select(cand, _current_leaf(pos_ref, i_bh // geo.hkv, geo), scores, geo)
-  out_ref[pl.ds(i_bh, 1), :] = kept_ids(cand, kept, order, geo.kp)[None, :]
+  out_ref[pl.ds(i_bh, 1), :] = kept_ids(cand, kept, order, geo.top_k_padded)[None, :]
 
 
 def _launch_opts(config: DecodeConfig, interpret: bool, *, walk: bool = False) -> dict:
@@ -248,20 +237,21 @@ def leaf_scores(positions, q_rows, k_rows, cand, geo: Geometry, config: DecodeCo
                 interpret: bool):
   """Launch 2 after the walk's candidates `[B * HKV, NC]`: their scores `[B * HKV, NC]`."""
   rows = geo.batch * geo.hkv
-  return launch(functools.partial(_leaf_kernel, geo=geo),
-                jax.ShapeDtypeStruct((rows, geo.nc), jnp.float32), (rows, geo.nc),
-                name=f"pisa_decode_select_{geo.selector}_leaves",
-                **_launch_opts(config, interpret))(positions, q_rows, k_rows, cand)
+  return pallas_launch(functools.partial(_leaf_kernel, geo=geo),
+                       jax.ShapeDtypeStruct((rows, geo.num_slots), jnp.float32),
+                       (rows, geo.num_slots),
+                       name=f"pisa_decode_select_{geo.selector}_leaves",
+                       **_launch_opts(config, interpret))(positions, q_rows, k_rows, cand)
 
 
 def _scored_leaves(positions, q_rows, k_rows, cand, geo: Geometry, config: DecodeConfig,
                    interpret: bool):
   """Launches 2 and 3 after the walk's candidates `[B * HKV, NC]`: the leaf ids `[B * HKV, KP]`."""
   scores = leaf_scores(positions, q_rows, k_rows, cand, geo, config, interpret)
-  return launch(functools.partial(_final_kernel, geo=geo),
-                jax.ShapeDtypeStruct((geo.batch * geo.hkv, geo.kp), jnp.int32),
-                (geo.batch * geo.hkv,), name=f"pisa_decode_select_{geo.selector}_final",
-                **_launch_opts(config, interpret))(positions, cand, scores)
+  return pallas_launch(functools.partial(_final_kernel, geo=geo),
+                       jax.ShapeDtypeStruct((geo.batch * geo.hkv, geo.top_k_padded), jnp.int32),
+                       (geo.batch * geo.hkv,), name=f"pisa_decode_select_{geo.selector}_final",
+                       **_launch_opts(config, interpret))(positions, cand, scores)
 
 
 def _level_table(geo: Geometry, branching: int):
@@ -272,34 +262,31 @@ def _level_table(geo: Geometry, branching: int):
                      "the decode level table")
 
 
-def prepare(q, k_cache, *, block_size, branching, top_k, beam, selector, scale, config):
+def prepare(q, k_cache, spec: SelectionSpec, config: DecodeConfig | None):
   """The static geometry and the config of a selection (the selector checked)."""
-  if selector not in SELECTORS:
-    raise ValueError(f"{selector=} has no decode kernel: expected one of {SELECTORS}")
-  geo = make_geometry(q, k_cache, block_size=block_size, branching=branching, top_k=top_k,
-                      beam=beam if selector != "bsa" else top_k, selector=selector, scale=scale)
-  return geo, config or DecodeConfig.default(head_dim=q.shape[-1], candidate_slots=geo.nc)
+  if spec.selector not in SELECTORS:
+    raise ValueError(f"selector={spec.selector!r} has no decode kernel: expected one of "
+                     f"{SELECTORS}")
+  geo = make_geometry(q, k_cache, spec)
+  return geo, config or DecodeConfig.default(head_dim=q.shape[-1], candidate_slots=geo.num_slots)
 
 
+@takes_spec
 def decode_select_pallas(
     q: Float[Array, "B HQ D"],
     k_cache: Float[Array, "B N HKV D"],
     summaries: Float[Array, "B S HKV D"],
     positions: Int[Array, "B"],
     *,
-    block_size: int,
-    branching: int,
-    top_k: int,
-    beam: int,
-    selector: str,
-    scale: float,
+    spec: SelectionSpec,
     interpret: bool,
     config: DecodeConfig | None = None,
 ) -> Int[Array, "B HKV K"]:
   """Kernel twin of `decode_select_reference`: the leaf blocks of the token at `positions`
-  (already appended), int32 `[B, HKV, top_k]`, ascending, -1 padded."""
-  geo, config = prepare(q, k_cache, block_size=block_size, branching=branching, top_k=top_k,
-                        beam=beam, selector=selector, scale=scale, config=config)
+  (already appended), int32 `[B, HKV, top_k]`, ascending, -1 padded. spec: the selection
+  (`SelectionSpec`, or its fields as keywords), its block size and branching the cache's."""
+  geo, config = prepare(q, k_cache, spec, config)
+  selector, top_k = spec.selector, spec.top_k
   b, _, d = q.shape
   hkv = k_cache.shape[2]
   rows = (q.reshape(-1, d), k_cache.reshape(-1, d), summaries.reshape(-1, d))
@@ -307,15 +294,16 @@ def decode_select_pallas(
   if selector == "bsa":
     out = select_bsa(positions, rows[0], rows[2], geo, config, interpret)
   else:
-    cand = launch(functools.partial(_walk_kernel, geo=geo),
-                  jax.ShapeDtypeStruct((b * hkv, geo.nc), jnp.int32), (b * hkv,),
-                  name=f"pisa_decode_select_{selector}_walk",
-                  **_launch_opts(config, interpret, walk=True))(
-                      positions, rows[0], rows[2], _level_table(geo, branching))
+    cand = pallas_launch(functools.partial(_walk_kernel, geo=geo),
+                         jax.ShapeDtypeStruct((b * hkv, geo.num_slots), jnp.int32), (b * hkv,),
+                         name=f"pisa_decode_select_{selector}_walk",
+                         **_launch_opts(config, interpret, walk=True))(
+                             positions, rows[0], rows[2], _level_table(geo, spec.branching))
     out = _scored_leaves(positions, rows[0], rows[1], cand, geo, config, interpret)
   return out[:, :top_k].reshape(b, hkv, top_k)
 
 
+@takes_spec
 def decode_append_select_pallas(
     q: Float[Array, "B HQ D"],
     k_new: Float[Array, "B HKV D"],
@@ -325,12 +313,7 @@ def decode_append_select_pallas(
     summaries: Float[Array, "B S HKV D"],
     positions: Int[Array, "B"],
     *,
-    block_size: int,
-    branching: int,
-    top_k: int,
-    beam: int,
-    selector: str,
-    scale: float,
+    spec: SelectionSpec,
     interpret: bool,
     config: DecodeConfig | None = None,
 ):
@@ -341,17 +324,16 @@ def decode_append_select_pallas(
     (k_cache, v_cache, summaries, indices): the caches as `decode_append_pallas` returns them
     (in place when donated), indices as `decode_select_pallas`.
   """
-  if selector == "bsa":
+  if spec.selector == "bsa":
     # BSA's one kernel scans every leaf, the current one included: it needs the append first.
     k_cache, v_cache, summaries = decode_append_pallas(
-        k_new, v_new, k_cache, v_cache, summaries, positions, block_size=block_size,
-        branching=branching, interpret=interpret, config=config)
-    idx = decode_select_pallas(q, k_cache, summaries, positions, block_size=block_size,
-                               branching=branching, top_k=top_k, beam=beam, selector=selector,
-                               scale=scale, interpret=interpret, config=config)
+        k_new, v_new, k_cache, v_cache, summaries, positions, block_size=spec.block_size,
+        branching=spec.branching, interpret=interpret, config=config)
+    idx = decode_select_pallas(q, k_cache, summaries, positions, spec=spec, interpret=interpret,
+                               config=config)
     return k_cache, v_cache, summaries, idx
-  geo, config = prepare(q, k_cache, block_size=block_size, branching=branching, top_k=top_k,
-                        beam=beam, selector=selector, scale=scale, config=config)
+  top_k = spec.top_k
+  geo, config = prepare(q, k_cache, spec, config)
   positions = positions.astype(jnp.int32)
   q_rows = q.reshape(-1, q.shape[-1])
   k_rows, v_rows, s_rows, cand = append_walk(q_rows, k_new, v_new, k_cache, v_cache, summaries,
@@ -370,8 +352,8 @@ def append_walk(q_rows, k_new, v_new, k_cache, v_cache, summaries, positions, ge
   kernel = functools.partial(_append_walk_kernel, geo=geo,
                              append=append_geometry(k_cache, geo.block_size, geo.branching))
   shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in caches]
-  return launch(
-      kernel, shapes + [jax.ShapeDtypeStruct((geo.batch * geo.hkv, geo.nc), jnp.int32)],
+  return pallas_launch(
+      kernel, shapes + [jax.ShapeDtypeStruct((geo.batch * geo.hkv, geo.num_slots), jnp.int32)],
       (geo.batch * geo.hkv, 2), name=f"pisa_decode_select_{geo.selector}_append_walk",
       aliases={4: 0, 5: 1, 6: 2}, **_launch_opts(config, interpret, walk=True))(
           positions, k_new.astype(k_cache.dtype).reshape(-1, d),

@@ -9,7 +9,7 @@
   fused.py      per-query kernel: walk, leaf scores and final Select_K in one program
   two_stage.py  walk kernel, leaf-tile kernel (host bucket sort), final top-k kernel
   bsa.py        the flat BSA kernel (two passes, running top-k, no [T, M] in HBM)
-  select.py     select_blocks_pallas: geometry, config, dispatch
+  select.py     select_blocks_pallas (and _at, a sequence shard's): geometry, config, dispatch
   packed_walk.py  packed documents (segment_ids), per-query document geometry: the fused walk
                 (NC = 16), and the walk + two_stage's leaf tiles and top-k for wider sets
   packed.py     the flat BSA scores of packed documents
@@ -17,7 +17,8 @@
 
 from pisa_jax.kernels.selection.config import SelectionConfig, candidate_slots
 from pisa_jax.kernels.selection.layout import Geometry, make_geometry
-from pisa_jax.kernels.selection.select import SELECTORS, select_blocks_pallas
+from pisa_jax.kernels.selection.select import (SELECTORS, select_blocks_pallas,
+                                               select_blocks_pallas_at)
 
 __all__ = ["SELECTORS", "Geometry", "SelectionConfig", "candidate_slots", "make_geometry",
-           "select_blocks_pallas"]
+           "select_blocks_pallas", "select_blocks_pallas_at"]

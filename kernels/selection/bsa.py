@@ -13,10 +13,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pisa_jax.kernels._common import next_pow2
+from pisa_jax.kernels._common import BIG, LOG2E, MIN_DOT, next_pow2, rank_key
 from pisa_jax.kernels.pyramid import leaf_summaries_pallas
 from pisa_jax.kernels.selection import scoring, topk
-from pisa_jax.kernels.selection.config import MIN_DOT, SelectionConfig
+from pisa_jax.kernels.selection.config import SelectionConfig
 from pisa_jax.kernels.selection.layout import (Geometry, launch, load_rows, offset_input,
                                                query_position, query_tile_program, summary_rows)
 
@@ -57,7 +57,7 @@ def bsa_kernel(q_ref, s_ref, *refs, geo: Geometry, q_tile: int, block_tile: int)
   n_steps = pl.cdiv(t_last // geo.block_size, block_tile)
   n_norm_steps = pl.cdiv((t_last + 1) // geo.block_size, block_tile)
   o_blk = jnp.arange(block_tile)
-  scale2 = geo.scale * scoring.LOG2E
+  scale2 = geo.scale * LOG2E
 
   def logits(i):
     blk = i * block_tile + o_blk
@@ -95,8 +95,8 @@ def bsa_kernel(q_ref, s_ref, *refs, geo: Geometry, q_tile: int, block_tile: int)
     blk2 = jnp.broadcast_to(blk[None, :], ps.shape)
     # Candidates: past blocks that are not forced (0, cur - 1 and cur are kept anyway).
     m_cand = (blk2 < cur_e) & (blk2 != 0) & (blk2 != cur_e - 1)
-    # Ranked by `topk.rank_key`: a NaN probability above every number (a raw NaN compares false).
-    cv = jnp.where(m_cand, topk.rank_key(ps), -jnp.inf)
+    # Ranked by `rank_key`: a NaN probability above every number (a raw NaN compares false).
+    cv = jnp.where(m_cand, rank_key(ps), -jnp.inf)
 
     # Insert while some row has a candidate strictly better than its worst kept entry: the best
     # candidate (lowest block on ties) replaces the worst entry (highest block on ties; earlier
@@ -110,7 +110,7 @@ def bsa_kernel(q_ref, s_ref, *refs, geo: Geometry, q_tile: int, block_tile: int)
     def insert(c):
       best_v, best_i, cv = c
       m2 = jnp.max(cv, axis=1, keepdims=True)
-      i2 = jnp.min(jnp.where(cv == m2, blk2, topk.BIG), axis=1, keepdims=True)
+      i2 = jnp.min(jnp.where(cv == m2, blk2, BIG), axis=1, keepdims=True)
       wv = jnp.min(best_v, axis=1, keepdims=True)
       wi = jnp.max(jnp.where(best_v == wv, best_i, -1), axis=1, keepdims=True)
       # Empty slots share the index BIG: replace exactly one slot.
@@ -127,7 +127,7 @@ def bsa_kernel(q_ref, s_ref, *refs, geo: Geometry, q_tile: int, block_tile: int)
 
   # Slots past top_k - 3 hold +inf so they are never the worst entry, and no block.
   best_v = jnp.where(o_best < n_best, -jnp.inf, jnp.inf) + jnp.zeros((q_tile, bp), jnp.float32)
-  best_i = jnp.full((q_tile, bp), topk.BIG, jnp.int32)
+  best_i = jnp.full((q_tile, bp), BIG, jnp.int32)
   if n_best > 0:
     best_v, best_i = lax.fori_loop(0, n_steps, merge, (best_v, best_i))
   # Kept set: every eligible block when at most top_k are (blocks 0..cur), else the forced
@@ -138,12 +138,12 @@ def bsa_kernel(q_ref, s_ref, *refs, geo: Geometry, q_tile: int, block_tile: int)
   # [Q, KP]: slot s < bp holds best_i[:, s] (a one-hot reduction: no concatenation in kernels).
   best_w = jnp.sum(jnp.where(o_slot[:, :, None] == o_best[:, None, :], best_i[:, None, :], 0),
                    axis=2)
-  best_w = jnp.where((o_slot < n_best) & (best_w < topk.BIG), best_w, topk.BIG)
+  best_w = jnp.where((o_slot < n_best) & (best_w < BIG), best_w, BIG)
   chosen = jnp.where(o_slot == n_best, 0, best_w)
   chosen = jnp.where(o_slot == n_best + 1, cur_e - 1, chosen)
   chosen = jnp.where(o_slot == n_best + 2, cur_e, chosen)
-  chosen = jnp.where(keep_all, jnp.where(o_slot <= cur_e, o_slot, topk.BIG), chosen)
-  out = topk.sorted_kept(chosen, chosen < topk.BIG, kp)
+  chosen = jnp.where(keep_all, jnp.where(o_slot <= cur_e, o_slot, BIG), chosen)
+  out = topk.sorted_kept(chosen, chosen < BIG, kp)
   m_e = t_e < n_q
   trash = geo.batch * n_q * geo.hkv
   out_rows = jnp.where(m_e, (i_b * n_q + t_e) * geo.hkv + i_h, trash)

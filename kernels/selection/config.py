@@ -5,22 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from pisa_jax.kernels._common import next_pow2
+from pisa_jax.kernels._common import MIN_DOT, candidate_slots, next_pow2
 
 VARIANTS = ("fused", "two_stage")
 TOPK_IMPLS = ("rank", "passes")
-# Triton's tensor-core dots need every dimension >= 16.
-MIN_DOT = 16
-
-
-def pow2_at_least(n: int, floor: int) -> int:
-  return max(floor, next_pow2(n))
-
-
-def candidate_slots(beam: int, branching: int) -> int:
-  """NC, the candidate slots per level below the root: up to beam * branching children, padded
-  to a power of two >= 16 (the value `SelectionConfig.default` takes as `candidates`)."""
-  return pow2_at_least(beam * branching, MIN_DOT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,33 +22,32 @@ class SelectionConfig:
   Attributes:
     variant: "fused" (one program per (query, KV head) walks every level, the leaves included) or
       "two_stage" (walk kernel, leaf-tile kernel, final top-k kernel). Fused is faster at NC = 16
-      (128K: 5.57 ms against 6.85 for two-stage Q4); wider candidate sets keep two-stage, where the
-      fused kernel would score NC leaves one after another per query. Ignored by "bsa".
+      (no second pass over the queries); wider candidate sets keep two-stage, where the fused
+      kernel would score NC leaves one after another per query. Ignored by "bsa".
     q_tile: queries per leaf-tile program of the two-stage variant (a power of two; the paper's
       Q1/Q2/Q4): one leaf's keys are loaded once for up to q_tile queries x the group's heads.
-      Q8 is the fastest measured (128K: Q4 16.9, Q8 14.8, Q16 15.7 ms).
+      Q8 is the fastest measured (Q16 runs out of registers).
     topk_rows: (query, KV head) rows per program of the final top-k kernel. With the rank top-k a
       program holds `[topk_rows, NC, NC]` compares: 8 rows at NC = 16 take 96 registers on 2 warps
       (sm_90a); 32 rows, or 8 at NC = 32, spill.
     bsa_q_tile: queries per BSA program.
     bsa_block_tile: leaf summaries per BSA loop step (>= 16: a dot dimension).
     walk_warps: Triton warps of the walk and fused kernels. Their values are tiny (`[16, NC]`), so
-      fewer warps mean cheaper cross-warp reductions (two-stage Q4 at 128K: 1 warp 17.1 ms, 2
-      warps 26.1, 4 warps 43.1).
+      fewer warps mean cheaper cross-warp reductions (one warp is the fastest measured).
     leaf_warps: Triton warps of the leaf-tile and BSA kernels (dots of 64+ rows).
     topk_warps: Triton warps of the final top-k kernel.
     num_stages: Triton software-pipelining stages (1 and 3 were slower for the fused kernel).
     topk_impl: the in-kernel Select_K. "rank": one broadcast compare `[..., N, N]` and one sum give
-      every candidate its rank, O(1) dependent reductions; faster up to NC = 64 (128K walk at NC =
-      16: 2.94 ms against 4.38). "passes": `keep` dependent max / lowest-index argmax passes; for
-      NC >= 128, where the rank's compares do not fit in registers.
+      every candidate its rank, O(1) dependent reductions; faster up to NC = 64. "passes": `keep`
+      dependent max / lowest-index argmax passes; for NC >= 128, where the rank's compares do not
+      fit in registers.
     walk_pair_lse: at g = 2 with the "pisa" selector the walk scores a candidate from its two
-      children's logits as max + log(1 + exp(-|z0 - z1|)) (Eq. 21 for a pair): 5.31 -> 5.07 ms at
-      128K. Other branchings and selectors use the general reduction.
+      children's logits as max + log(1 + exp(-|z0 - z1|)) (Eq. 21 for a pair): one exponential and
+      one logarithm per head. Other branchings and selectors use the general reduction.
     fused_unshifted_lse: the fused kernel ("pisa") computes Eq. 21 as log2 of a plain sum of
       2^(c z), without the max shift, in every program whose logits are bounded
       (`scoring.unshifted_ok`); the others take the shifted branch of one `lax.cond`. Scores come
-      out in base 2, which orders candidates the same. 4.86 -> 4.71 ms at 128K.
+      out in base 2, which orders candidates the same; no running maximum.
   """
 
   variant: str = "fused"

@@ -18,30 +18,22 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float
 
-from pisa_jax.geometry import level_sizes
-from pisa_jax.kernels._common import int32_table, next_pow2, triton_deprecation_silenced
-from pisa_jax.kernels.selection.config import (MIN_DOT, SelectionConfig, candidate_slots,
-                                               pow2_at_least)
+from pisa_jax import geometry
+from pisa_jax.kernels import _common
+from pisa_jax.kernels._common import KernelGeometry, int32_table, next_pow2
+from pisa_jax.kernels.selection.config import SelectionConfig
+from pisa_jax.spec import SelectionSpec, takes_spec
 
 
 @dataclasses.dataclass(frozen=True)
-class Geometry:
-  """Static shapes shared by the selection kernels."""
+class Geometry(KernelGeometry):
+  """Static shapes of one selection call: `KernelGeometry` (B, heads, D, the spec) and the
+  sequence, the pyramid's level sizes and the dot mode."""
 
-  batch: int
   seq_len: int
-  hq: int
-  hkv: int
-  d: int
-  block_size: int
-  top_k: int
-  beam: int
-  branching: int
-  selector: str
-  scale: float
   level_sizes: tuple[int, ...]  # nodes per level, leaves first, the root last
   # q and k share one 16-bit dtype: scores come from 16-bit tensor-core dots with float32
-  # accumulation (`scoring.qk_dot`), the float32 summaries split into two 16-bit rows
+  # accumulation (`_common.qk_dot`), the float32 summaries split into two 16-bit rows
   # (`summary_rows`). Otherwise every dot is an IEEE float32 one.
   inputs_16bit: bool
   approx_log: bool = False  # log2 by the MUFU (compiled for the GPU; not in the interpreter)
@@ -56,56 +48,30 @@ class Geometry:
     return self.seq_len if self.query_len is None else self.query_len
 
   @property
-  def group(self) -> int:
-    return self.hq // self.hkv
-
-  @property
-  def group_padded(self) -> int:
-    return pow2_at_least(self.group, MIN_DOT)
-
-  @property
-  def head_dim_padded(self) -> int:
-    return pow2_at_least(self.d, MIN_DOT)
-
-  @property
-  def block_padded(self) -> int:
-    return pow2_at_least(self.block_size, MIN_DOT)
-
-  @property
-  def num_slots(self) -> int:
-    """NC, candidate slots per level below the root: up to beam * branching children."""
-    return candidate_slots(self.beam, self.branching)
-
-  @property
-  def top_k_padded(self) -> int:
-    return next_pow2(self.top_k)
-
-  @property
   def num_blocks(self) -> int:
     return self.level_sizes[0]
 
 
-def make_geometry(q, k, *, block_size, top_k, branching, selector, scale, beam,
-                  interpret: bool = True, has_offset: bool = False) -> Geometry:
+@takes_spec
+def make_geometry(q, k, *, spec: SelectionSpec, interpret: bool = True,
+                  has_offset: bool = False) -> Geometry:
+  """The geometry of a selection of q `[B, Tq, HQ, D]` against k `[B, T, HKV, D]`."""
   b, tq, hq, d = q.shape
   t, hkv = k.shape[1], k.shape[2]
   # Anything but 16-bit inputs of one dtype is upcast to float32.
   inputs_16bit = q.dtype == k.dtype and q.dtype in (jnp.bfloat16, jnp.float16)
   return Geometry(
-      batch=b, seq_len=t, hq=hq, hkv=hkv, d=d, block_size=block_size, top_k=top_k, beam=beam,
-      branching=branching, selector=selector, scale=float(scale),
-      level_sizes=level_sizes(t, block_size, branching), inputs_16bit=inputs_16bit,
-      approx_log=not interpret, query_len=None if tq == t else tq, has_offset=has_offset)
+      batch=b, hq=hq, hkv=hkv, d=d, spec=spec, seq_len=t,
+      level_sizes=geometry.level_sizes(t, spec.block_size, spec.branching),
+      inputs_16bit=inputs_16bit, approx_log=not interpret, query_len=None if tq == t else tq,
+      has_offset=has_offset)
 
 
 def launch(kernel, out_shape, grid: int, config: SelectionConfig, warps: int, interpret: bool,
            name: str, *args):
   """One `pallas_call` over a 1-D grid."""
-  with triton_deprecation_silenced():
-    return pl.pallas_call(
-        kernel, out_shape=out_shape, grid=(grid,),
-        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=config.num_stages),
-        interpret=interpret, name=name)(*args)
+  return _common.pallas_launch(kernel, out_shape, (grid,), warps=warps, stages=config.num_stages,
+                               interpret=interpret, name=name)(*args)
 
 
 def query_tile_program(geo: Geometry, q_tile: int):
@@ -119,15 +85,7 @@ def query_tile_program(geo: Geometry, q_tile: int):
 
 def load_rows(ref, rows, m_row, geo: Geometry):
   """Rows `[N]` of a `[*, D]` ref as `[N, Dp]`, masked rows and padded columns zero."""
-  o_col = jnp.arange(geo.head_dim_padded)
-  if geo.d == geo.head_dim_padded:
-    # No column clamp or column mask: Triton then sees each row as Dp contiguous, aligned
-    # elements and issues 128-bit loads (with the clamp it issued one scalar load, address and
-    # predicate per element: a third of the walk's instructions).
-    return plt.load(ref.at[rows[:, None], o_col[None, :]], mask=m_row[:, None], other=0.0)
-  # D not a power of two (48, say): clamp the columns into the row and mask the padding.
-  return plt.load(ref.at[rows[:, None], jnp.minimum(o_col, geo.d - 1)[None, :]],
-                  mask=m_row[:, None] & (o_col < geo.d)[None, :], other=0.0)
+  return _common.load_rows(ref, rows, m_row, geo.d, geo.head_dim_padded)
 
 
 def query_position(i_q, off_ref):
@@ -154,7 +112,7 @@ def load_group_queries(q_ref, geo: Geometry, i_b, t, i_h, rows: int):
 
 def leaf_key_rows(leaf, i_b, i_h, geo: Geometry, first_pos=None):
   """Leaf `leaf`'s raw keys in the `[B*T*HKV, D]` view: (rows `[Cp]`, load mask `[Cp]`, the key
-  mask `scoring.reduce_keys` needs or None). first_pos: None, or the leaf's first key position
+  mask `_common.reduce_keys` needs or None). first_pos: None, or the leaf's first key position
   (a packed document's leaf starts at its document's start + leaf * C, on no block edge).
 
   Only complete past leaves are scored (`topk.leaf_needs_score`: eligible, not the current or
@@ -171,15 +129,6 @@ def leaf_key_rows(leaf, i_b, i_h, geo: Geometry, first_pos=None):
   return (i_b * geo.seq_len + jnp.minimum(pos, geo.seq_len - 1)) * geo.hkv + i_h, m_key, m_key
 
 
-def level_offsets(geo: Geometry, sizes=None) -> list[int]:
-  """First row of each level (`sizes`, default the pyramid's) in the stacked summaries."""
-  offsets, acc = [], 0
-  for m in (geo.level_sizes if sizes is None else sizes):
-    offsets.append(acc)
-    acc += geo.batch * m * geo.hkv
-  return offsets
-
-
 def level_table(geo: Geometry):
   """int32 `[3, LP]`: per level l (index l - 1) its node count, its first row in the stacked
   summaries `[sum_l B*M_l*HKV, D]` of levels 1..L-1, and its leaves per node g^(l-1).
@@ -191,7 +140,8 @@ def level_table(geo: Geometry):
   num_levels = len(geo.level_sizes)
   lp = next_pow2(num_levels + 1)
   sizes = list(geo.level_sizes) + [1] * (lp - num_levels)
-  offsets = level_offsets(geo, sizes)
+  # The first row of each level: its first node's, times the B * HKV rows of a node.
+  offsets = [geo.batch * geo.hkv * o for o in geometry.stacked_offsets(sizes)]
   pows = [geo.branching ** i if i < num_levels else 1 for i in range(lp)]
   return int32_table([sizes, offsets, pows], "the selection level table")
 
@@ -203,11 +153,6 @@ def load_table(tab_ref, geo: Geometry):
   return tuple(plt.load(tab_ref.at[jnp.full((lp,), r, jnp.int32), o]) for r in range(3))
 
 
-def pick(vec, idx):
-  """vec[idx] for a value (no dynamic indexing of values in Triton kernels)."""
-  return jnp.sum(jnp.where(jnp.arange(vec.shape[0]) == idx, vec, 0))
-
-
 def summary_rows(rows: Float[Array, "R D"], geo: Geometry, dtype) -> Array:
   """The summaries ref of `scoring.summary_logits`: float32 rows as they are, or, for 16-bit inputs,
   each row r as its 16-bit high part (row 2r) and the 16-bit rounding of the remainder (row 2r + 1),
@@ -217,7 +162,7 @@ def summary_rows(rows: Float[Array, "R D"], geo: Geometry, dtype) -> Array:
     return rows
   # The high part by reduce_precision, not a round trip through the 16-bit dtype: XLA on the GPU
   # (xla_allow_excess_precision, on by default) may fold convert(convert(x, bf16), f32) into x,
-  # which made every low part zero (the H200's bf16 check at 128K caught it: 4,792 rows off).
+  # which made every low part zero (the GPU's bf16 check caught it).
   finfo = jnp.finfo(dtype)
   hi = lax.reduce_precision(rows, exponent_bits=finfo.nexp, mantissa_bits=finfo.nmant)
   lo = (rows - hi).astype(dtype)

@@ -13,7 +13,6 @@ scores differ from it only in summation order. The flat top-k around it is the j
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -22,16 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
-from pisa_jax.kernels._common import call_kernel
-from pisa_jax.kernels.selection.config import MIN_DOT, pow2_at_least
-
-_HIGHEST = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
-
-
-def _dot_t(a, b):
-  """a @ b.T in float32 at IEEE precision: a `[R, Dp]`, b `[N, Dp]` -> `[R, N]`."""
-  return lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), (((1,), (1,)), ((), ())),
-                         precision=_HIGHEST, preferred_element_type=jnp.float32)
+from pisa_jax.kernels._common import LOG2E, MIN_DOT, call_kernel, pow2_at_least, qk_dot
 
 
 def _load_group(q_ref, t, group: int, rows: int):
@@ -61,7 +51,7 @@ def _bsa_scores_kernel(q_ref, x_ref, first_ref, rel_ref, o_ref, *, group: int, r
   num_past = lax.div(rel, block_size)
   o_m = jnp.arange(tile)
   o_d = jnp.arange(x_ref.shape[-1])
-  scale2 = scale * math.log2(math.e)
+  scale2 = scale * LOG2E
 
   def logits(i):
     block = i * tile + o_m
@@ -69,7 +59,7 @@ def _bsa_scores_kernel(q_ref, x_ref, first_ref, rel_ref, o_ref, *, group: int, r
     slot = jnp.clip(first + block, 0, num_rows - 1)
     b_x = plt.load(x_ref.at[slot[:, None], o_d[None, :]], mask=m_block[:, None], other=0.0)
     # [R, tile] base-2 logits, Eq. 4 on the mean keys.
-    return block, jnp.where(m_block[None, :], _dot_t(b_q, b_x) * scale2, -jnp.inf)
+    return block, jnp.where(m_block[None, :], qk_dot(b_q, b_x, False) * scale2, -jnp.inf)
 
   def normaliser(i, carry):
     b_m, b_l = carry

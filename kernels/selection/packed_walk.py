@@ -36,12 +36,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
-from pisa_jax.kernels._common import INT32_MAX, int32_table, next_pow2
-from pisa_jax.kernels.selection import scoring, topk, two_stage
-from pisa_jax.kernels.selection.config import MIN_DOT, SelectionConfig, candidate_slots
+from pisa_jax import geometry
+from pisa_jax.kernels._common import (INT32_MAX, MIN_DOT, int32_table, next_pow2, pick, qk_dot,
+                                      reduce_keys)
+from pisa_jax.kernels.selection import topk, two_stage
+from pisa_jax.kernels.selection.config import SelectionConfig, candidate_slots
+from pisa_jax.kernels.selection.fused import (bounded_select, key_norm_bounds,
+                                              score_needed_leaves)
 from pisa_jax.kernels.selection.layout import (Geometry, launch, load_group_queries, load_rows,
-                                               make_geometry, pick, summary_rows)
-from pisa_jax.kernels.selection.walk import group_child_score, uses_pair_lse
+                                               make_geometry, stacked_summaries)
+from pisa_jax.kernels.selection.walk import uses_pair_lse, walk_level
+from pisa_jax.spec import SelectionSpec, takes_spec
 
 HIERARCHICAL = ("pisa", "pisa1", "pisa2")
 # Columns of the document table: the document's start, its leaves M_1, its first scored level
@@ -67,11 +72,9 @@ def stacked_offsets(capacities, geo: Geometry) -> list[int]:
   """First row of each packed level 1..L-1 in the stacked summaries (`[B, N_l, HKV]` rows per
   level). Raises where a summary row (two per node for 16-bit inputs) or a key row would pass
   int32: the walk's row arithmetic is int32."""
-  offsets, acc = [], 0
-  for cap in capacities[:-1]:
-    offsets.append(acc)
-    acc += geo.batch * cap * geo.hkv
-  rows = max(2 * acc, geo.batch * geo.seq_len * max(geo.hq, geo.hkv))
+  per_node = geo.batch * geo.hkv
+  offsets = [per_node * o for o in geometry.stacked_offsets(capacities[:-1])]
+  rows = max(2 * per_node * sum(capacities[:-1]), geo.batch * geo.seq_len * max(geo.hq, geo.hkv))
   if rows > INT32_MAX:
     raise ValueError(f"q / k / packed summaries of {rows} rows: past int32 (max {INT32_MAX}) in "
                      "the packed walk's row arithmetic")
@@ -148,23 +151,14 @@ def packed_walk_to_leaves(qg, m_head, i_h, rel, doc, tab_pow, s_ref, geo: Geomet
       leaves_per_node, shift = pick(tab_pow, level - 1), None
       per_child = pick(tab_pow, level - 2)
       n_child = (leaves + per_child - 1) // per_child
-    # Appendix B: eligible nodes start at or before the query (at or before the current leaf's
-    # ancestor, which also keeps them below the document's M_l); forced: the ancestors of the
-    # document's first, previous and current leaves.
-    anc_cur, _ = topk.ancestors(cur, leaves_per_node, shift)
-    valid = (cand >= 0) & (cand <= anc_cur)
-    forced = valid & topk.forced_nodes(cand, cur, leaves_per_node, shift)
 
-    def child_logits(j):
-      """[Gp, NC] logits of every head against child j of every candidate, and its mask."""
-      child = jnp.where(valid, cand, 0) * g + j
-      m_child = valid & (child < n_child)
-      rows = first_row + jnp.minimum(child, n_child - 1) * geo.hkv + i_h
-      return scoring.summary_logits(qg, s_ref, rows, m_child, geo), m_child
+    def child_row(child):
+      # The document's nodes of a level are consecutive packed rows from its first one.
+      return first_row + jnp.minimum(child, n_child - 1) * geo.hkv + i_h
 
-    score = group_child_score(child_logits, m_head, geo, pair_lse, unshifted)
-    # Eq. 17 (Select_K, keep = beam) and Eq. 18 (the kept nodes' children).
-    return topk.select_and_expand(cand, valid, forced, score, geo, topk_impl)
+    # Eligibility and the forced nodes read the document's own current leaf and M_l.
+    return walk_level(cand, cur, leaves_per_node, shift, n_child, child_row, qg, m_head, s_ref,
+                      geo, topk_impl, pair_lse, unshifted)
 
   cand = jnp.where(slot < pick(doc, DOC_NODES), slot, -1)
   cand = lax.fori_loop(0, first_level - 1, one_level, cand)
@@ -185,8 +179,8 @@ def document_leaf_score(qg, m_head, leaf, i_b, i_h, start, k_ref, geo: Geometry,
     m_load = m_key = o_key < geo.block_size
     rows = (i_b * geo.seq_len + jnp.minimum(pos, geo.seq_len - 1)) * geo.hkv + i_h
   b_k = load_rows(k_ref, rows, m_load, geo)
-  per_head = scoring.reduce_keys(scoring.qk_dot(qg, b_k, geo.inputs_16bit), m_key, geo.selector,
-                                 geo.scale, geo.approx_log, unshifted)
+  per_head = reduce_keys(qk_dot(qg, b_k, geo.inputs_16bit), m_key, geo.selector, geo.scale,
+                         geo.approx_log, unshifted)
   return jnp.sum(jnp.where(m_head, per_head, 0.0))
 
 
@@ -196,20 +190,28 @@ def packed_select(qg, m_head, i_b, i_h, rel, doc, tab_pow, k_ref, s_ref, geo: Ge
   leaf ids. As `fused.fused_select`, only the leaves that need a score are scored."""
   cand = packed_walk_to_leaves(qg, m_head, i_h, rel, doc, tab_pow, s_ref, geo, topk_impl,
                                pair_lse, unshifted)
-  need, _, _ = topk.leaf_needs_score(cand, rel, geo)
-  slot = jnp.arange(geo.num_slots)
-  order = jnp.sum((need[None, :] & (slot[None, :] < slot[:, None])).astype(jnp.int32), axis=1)
-  n_need = jnp.sum(need.astype(jnp.int32))
-  start = pick(doc, DOC_START)
 
-  def score_leaf(c, scores):
-    hit = need & (order == c)
-    leaf = jnp.sum(jnp.where(hit, cand, 0))
-    s = document_leaf_score(qg, m_head, leaf, i_b, i_h, start, k_ref, geo, unshifted)
-    return jnp.where(hit, s, scores)
+  def leaf_scorer():
+    start = pick(doc, DOC_START)
+    return lambda leaf: document_leaf_score(qg, m_head, leaf, i_b, i_h, start, k_ref, geo,
+                                            unshifted)
 
-  scores = lax.fori_loop(0, n_need, score_leaf, jnp.zeros((geo.num_slots,), jnp.float32))
+  scores = score_needed_leaves(cand, rel, geo, leaf_scorer)
   return topk.final_select(cand[None, :], scores[None, :], rel, geo, topk_impl, by_column=True)
+
+
+def _query_program(q_ref, pow_ref, doc_ref, geo: Geometry):
+  """What a packed walk program (one query, one KV head) loads first: (i_bh, t, i_b, i_h, the
+  head mask `[Gp]`, the group's queries `[Gp, Dp]`, the query's document-table row `[DP]`, the
+  powers table `[LP]`)."""
+  i_p = pl.program_id(0)
+  i_bh, t = i_p // geo.seq_len, i_p % geo.seq_len
+  i_b, i_h = i_bh // geo.hkv, i_bh % geo.hkv
+  m_head = jnp.arange(geo.group_padded) < geo.group
+  qg = load_group_queries(q_ref, geo, i_b, t, i_h, geo.group_padded)
+  doc = _load_vector(doc_ref, i_b * geo.seq_len + t, doc_ref.shape[1])
+  tab_pow = plt.load(pow_ref.at[jnp.arange(pow_ref.shape[0])])
+  return i_bh, t, i_b, i_h, m_head, qg, doc, tab_pow
 
 
 def packed_fused_kernel(q_ref, k_ref, s_ref, pow_ref, doc_ref, *refs, geo: Geometry,
@@ -218,48 +220,41 @@ def packed_fused_kernel(q_ref, k_ref, s_ref, pow_ref, doc_ref, *refs, geo: Geome
   its `[1, KP]` leaf ids. refs: (out_ref,) or, with `unshifted`, (kn2_ref, out_ref) as in
   `fused.fused_kernel` (max_t |k_t|^2 over the row bounds every document's keys too)."""
   kn2_ref, out_ref = refs if unshifted else (None, refs[0])
-  i_p = pl.program_id(0)
-  i_bh, t = i_p // geo.seq_len, i_p % geo.seq_len
-  i_b, i_h = i_bh // geo.hkv, i_bh % geo.hkv
-  m_head = jnp.arange(geo.group_padded) < geo.group
-  qg = load_group_queries(q_ref, geo, i_b, t, i_h, geo.group_padded)
-  doc = _load_vector(doc_ref, i_b * geo.seq_len + t, doc_ref.shape[1])
-  tab_pow = plt.load(pow_ref.at[jnp.arange(pow_ref.shape[0])])
+  i_bh, t, i_b, i_h, m_head, qg, doc, tab_pow = _query_program(q_ref, pow_ref, doc_ref, geo)
   rel = t - pick(doc, DOC_START)
   select = functools.partial(packed_select, qg, m_head, i_b, i_h, rel, doc, tab_pow, k_ref, s_ref,
                              geo, topk_impl, pair_lse)
-  if unshifted:
-    kn2 = jnp.max(plt.load(kn2_ref.at[jnp.full((2,), i_bh, jnp.int32)]))
-    out = lax.cond(scoring.unshifted_ok(qg, m_head, kn2, geo.scale),
-                   functools.partial(select, unshifted=True),
-                   functools.partial(select, unshifted=False))
-  else:
-    out = select()
+  out = bounded_select(select, qg, m_head, kn2_ref, i_bh, geo) if unshifted else select()
   row = (i_b * geo.seq_len + t) * geo.hkv + i_h
   out_ref[pl.ds(row, 1), :] = out
 
 
-def _walk_inputs(q, k, start, length, first_node, summaries, config, **selection):
-  """(geo, config, stacked summaries, powers table, document table) of a packed walk; config None
-  picks `SelectionConfig.default` for the geometry's candidate slots."""
+def _walk_inputs(q, k, start, length, first_node, summaries, config, spec, interpret, *,
+                 fused: bool):
+  """(geo, config, stacked summaries, powers table, document table) of a packed walk, the fused
+  one or the two-stage one (each checks that it covers the spec); config None picks
+  `SelectionConfig.default` for the geometry's candidate slots."""
+  if not (covers if fused else covers_two_stage)(spec.selector, spec.beam, spec.branching):
+    kind, rule = ("fused packed walk", "<=") if fused else ("packed two-stage selection", ">")
+    raise ValueError(f"selector={spec.selector!r}, beam={spec.beam}, branching={spec.branching}: "
+                     f"the {kind} takes a selector in {HIERARCHICAL} with beam * branching "
+                     f"{rule} {MIN_DOT}")
   b, t, hq, d = q.shape
-  geo = make_geometry(q, k, **selection)
+  geo = make_geometry(q, k, spec=spec, interpret=interpret)
   config = config or SelectionConfig.default(seq_len=t, group=hq // geo.hkv,
                                              candidates=geo.num_slots)
-  # Levels 1..L-1 stacked (the root level is never read), rows as `layout.summary_rows`.
-  used = summaries[:-1] or summaries[:1]
-  stacked = summary_rows(jnp.concatenate([s.reshape(-1, d) for s in used], axis=0), geo, q.dtype)
+  stacked = stacked_summaries(summaries, geo, q.dtype)
   capacities = [s.shape[1] for s in summaries]
   doc = document_table(start, length, first_node, capacities, geo)
   return geo, config, stacked, powers_table(geo, len(capacities)), doc
 
 
+@takes_spec
 def select_packed_fused(q: Float[Array, "B T HQ D"], k: Float[Array, "B T HKV D"],
                         start: Int[Array, "B T"], length: Int[Array, "B T"],
                         first_node: Int[Array, "B T L"],
-                        summaries: tuple[Float[Array, "B N HKV D"], ...], *, block_size: int,
-                        top_k: int, branching: int, selector: str, scale: float, beam: int,
-                        interpret: bool,
+                        summaries: tuple[Float[Array, "B N HKV D"], ...], *,
+                        spec: SelectionSpec, interpret: bool,
                         config: SelectionConfig | None = None) -> Int[Array, "B T HKV K"]:
   """The fused packed walk: int32 `[B, T, HKV, top_k]` document leaf ids ascending, -1 padded.
 
@@ -267,18 +262,14 @@ def select_packed_fused(q: Float[Array, "B T HQ D"], k: Float[Array, "B T HKV D"
   (leaves first, `segments.packed_capacities` slots each); the rest as `select_blocks_pallas`.
   config: None picks `SelectionConfig.default` (the fused variant here).
   """
-  if not covers(selector, beam, branching):
-    raise ValueError(f"{selector=}, {beam=}, {branching=}: the fused packed walk takes a selector "
-                     f"in {HIERARCHICAL} with beam * branching <= {MIN_DOT}")
+  selector, top_k = spec.selector, spec.top_k
   b, t, _, d = q.shape
   geo, config, stacked, powers, doc = _walk_inputs(
-      q, k, start, length, first_node, summaries, config, block_size=block_size, top_k=top_k,
-      branching=branching, selector=selector, scale=scale, beam=beam, interpret=interpret)
+      q, k, start, length, first_node, summaries, config, spec, interpret, fused=True)
   rows = b * t * geo.hkv
   pair_lse = uses_pair_lse(config, geo)
   unshifted = config.fused_unshifted_lse and selector == "pisa"
-  kn2 = (jnp.max(jnp.sum(jnp.square(k.astype(jnp.float32)), axis=-1), axis=1).reshape(-1),
-         ) if unshifted else ()
+  kn2 = (key_norm_bounds(k),) if unshifted else ()
   name = (f"pisa_select_packed_fused_{selector}_{config.topk_impl}"
           + ("_pair_lse" if pair_lse else "") + ("_unshifted" if unshifted else ""))
   out = launch(functools.partial(packed_fused_kernel, geo=geo, topk_impl=config.topk_impl,
@@ -293,35 +284,26 @@ def packed_walk_kernel(q_ref, s_ref, pow_ref, doc_ref, cand_ref, *, geo: Geometr
                        topk_impl: str, pair_lse: bool = False):
   """Two-stage stage 1 for one (query, KV head): its document walk down to level 2, writing the
   level-1 candidates `[NC]` (document leaf ids) as `two_stage.walk_kernel` does."""
-  i_p = pl.program_id(0)
-  i_bh, t = i_p // geo.seq_len, i_p % geo.seq_len
-  i_b, i_h = i_bh // geo.hkv, i_bh % geo.hkv
-  m_head = jnp.arange(geo.group_padded) < geo.group
-  qg = load_group_queries(q_ref, geo, i_b, t, i_h, geo.group_padded)
-  doc = _load_vector(doc_ref, i_b * geo.seq_len + t, doc_ref.shape[1])
-  tab_pow = plt.load(pow_ref.at[jnp.arange(pow_ref.shape[0])])
+  _, t, i_b, i_h, m_head, qg, doc, tab_pow = _query_program(q_ref, pow_ref, doc_ref, geo)
   cand = packed_walk_to_leaves(qg, m_head, i_h, t - pick(doc, DOC_START), doc, tab_pow, s_ref,
                                geo, topk_impl, pair_lse, False)
   cand_ref[(i_b * geo.seq_len + t) * geo.hkv + i_h, :] = cand
 
 
+@takes_spec
 def select_packed_two_stage(q: Float[Array, "B T HQ D"], k: Float[Array, "B T HKV D"],
                             start: Int[Array, "B T"], length: Int[Array, "B T"],
                             first_node: Int[Array, "B T L"],
-                            summaries: tuple[Float[Array, "B N HKV D"], ...], *, block_size: int,
-                            top_k: int, branching: int, selector: str, scale: float, beam: int,
-                            interpret: bool, config: SelectionConfig | None = None
-                            ) -> Int[Array, "B T HKV K"]:
+                            summaries: tuple[Float[Array, "B N HKV D"], ...], *,
+                            spec: SelectionSpec, interpret: bool,
+                            config: SelectionConfig | None = None) -> Int[Array, "B T HKV K"]:
   """The packed selection of wide candidate sets (`covers_two_stage`), arguments and result as
   `select_packed_fused`: the document walk to level 2, then `two_stage`'s leaf tiles and final
   Select_K given each row's document start and position in it."""
-  if not covers_two_stage(selector, beam, branching):
-    raise ValueError(f"{selector=}, {beam=}, {branching=}: the packed two-stage selection takes a "
-                     f"selector in {HIERARCHICAL} with beam * branching > {MIN_DOT}")
+  selector, top_k = spec.selector, spec.top_k
   b, t, _, d = q.shape
   geo, config, stacked, powers, doc = _walk_inputs(
-      q, k, start, length, first_node, summaries, config, block_size=block_size, top_k=top_k,
-      branching=branching, selector=selector, scale=scale, beam=beam, interpret=interpret)
+      q, k, start, length, first_node, summaries, config, spec, interpret, fused=False)
   rows = b * t * geo.hkv
   pair_lse = uses_pair_lse(config, geo)
   name = (f"pisa_select_packed_walk_{selector}_{config.topk_impl}"

@@ -13,20 +13,17 @@ from pisa_jax.kernels.selection.config import SelectionConfig
 from pisa_jax.kernels.selection.fused import select_fused
 from pisa_jax.kernels.selection.layout import make_geometry
 from pisa_jax.kernels.selection.two_stage import select_two_stage
+from pisa_jax.spec import SelectionSpec, takes_spec
 
 SELECTORS = ("pisa", "pisa1", "pisa2", "bsa")
 
 
+@takes_spec
 def select_blocks_pallas(
     q: Float[Array, "B T HQ D"],
     k: Float[Array, "B T HKV D"],
     *,
-    block_size: int,
-    top_k: int,
-    branching: int,
-    selector: str,
-    scale: float,
-    beam: int,
+    spec: SelectionSpec,
     interpret: bool,
     config: SelectionConfig | None = None,
     query_offset: Int[Array, ""] | int = 0,
@@ -35,8 +32,8 @@ def select_blocks_pallas(
 
   Args:
     q: queries `[B, T, HQ, D]`; k: keys `[B, T, HKV, D]` (any float dtype; scores in float32).
-    block_size: C. top_k: K (>= 3). branching: g. selector: "pisa", "pisa1", "pisa2" or "bsa".
-    scale: logit scale. beam: nodes kept per level above the leaves (>= top_k; unused by "bsa").
+    spec: the selection (`SelectionSpec`; or its fields as keywords), selector "pisa", "pisa1",
+      "pisa2" or "bsa".
     interpret: run the Pallas interpreter instead of compiling through Triton.
     config: variant and tiles; None picks `SelectionConfig.default`.
     query_offset: q holds the queries at positions query_offset .. query_offset + Tq - 1 of k's
@@ -46,26 +43,32 @@ def select_blocks_pallas(
   Returns:
     int32 `[B, T, HKV, top_k]`: leaf ids ascending, -1 padded.
   """
-  if selector not in SELECTORS:
-    raise ValueError(f"{selector=} has no Pallas kernel: expected one of {SELECTORS}")
-  if selector != "bsa" and beam < top_k:
-    raise ValueError(f"{beam=} must be >= {top_k=}")
+  if spec.selector not in SELECTORS:
+    raise ValueError(f"selector={spec.selector!r} has no Pallas kernel: expected one of "
+                     f"{SELECTORS}")
   b, t, hq, d = q.shape
   hkv = k.shape[2]
   if isinstance(query_offset, int) and not isinstance(query_offset, bool) and query_offset == 0:
     offset = None
   else:
     offset = lax.stop_gradient(jnp.asarray(query_offset, jnp.int32).reshape(1))
-  geo = make_geometry(q, k, block_size=block_size, top_k=top_k, branching=branching,
-                      selector=selector, scale=scale, beam=beam if selector != "bsa" else top_k,
-                      interpret=interpret, has_offset=offset is not None)
+  geo = make_geometry(q, k, spec=spec, interpret=interpret, has_offset=offset is not None)
   config = config or SelectionConfig.default(seq_len=t, group=hq // hkv,
                                              candidates=geo.num_slots)
-  if selector == "bsa":
+  if spec.selector == "bsa":
     out = select_bsa(q, k, geo, interpret=interpret, config=config, offset=offset)
   else:
-    pyramid = build_pyramid_pallas(k, block_size=block_size, branching=branching,
+    pyramid = build_pyramid_pallas(k, block_size=spec.block_size, branching=spec.branching,
                                    interpret=interpret)
     select = select_fused if config.variant == "fused" else select_two_stage
     out = select(q, k, pyramid.summaries, geo, interpret=interpret, config=config, offset=offset)
-  return out[:, :top_k].reshape(b, t, hkv, top_k)
+  return out[:, :spec.top_k].reshape(b, t, hkv, spec.top_k)
+
+
+@takes_spec
+def select_blocks_pallas_at(q: Float[Array, "B Tq HQ D"], k: Float[Array, "B T HKV D"],
+                            query_offset: Int[Array, ""] | int, *, spec: SelectionSpec,
+                            interpret: bool) -> Int[Array, "B Tq HKV K"]:
+  """Kernel twin of `select_blocks_reference_offset` (its signature): `select_blocks_pallas`
+  for the queries at positions query_offset .. query_offset + Tq - 1 of k's T."""
+  return select_blocks_pallas(q, k, spec=spec, interpret=interpret, query_offset=query_offset)

@@ -10,24 +10,10 @@ on `[N]` and `[rows, N]`.
 from __future__ import annotations
 
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
+from pisa_jax.kernels._common import BIG, rank_by_id, rank_by_key, rank_key
 from pisa_jax.kernels.selection.layout import Geometry
-
-BIG = 2**30  # larger than any node id; marks an empty slot
-# Select_K's ranking key, the reference's (`pisa_jax.selection._keep`): a NaN score ranks as the
-# largest float32, every other score is clamped strictly below it. Raw scores would compare NaN
-# false against everything, so passes would pick nothing and ranks collide.
-NAN_RANK = float(np.finfo(np.float32).max)
-SCORE_LIMIT = float(np.nextafter(np.float32(NAN_RANK), np.float32(0)))
-
-
-def rank_key(score, first=None):
-  """Scores as ranking keys: `first` (forced nodes, or every node when all are kept) +inf, then
-  NaN (a NaN query or key keeps its block, where attention shows the NaN), then the numbers."""
-  key = jnp.where(jnp.isnan(score), NAN_RANK, jnp.clip(score, -SCORE_LIMIT, SCORE_LIMIT))
-  return key if first is None else jnp.where(first, jnp.inf, key)
 
 
 def ancestors(cur, leaves_per_node, shift=None):
@@ -110,34 +96,22 @@ def keep_and_expand(cand, valid, forced, score, keep: int, branching: int, width
   return lax.fori_loop(0, min(keep, width // branching), pick_one, init)[1]
 
 
-def pair_axes(by_column: bool):
-  """How an all-pairs compare over the last axis `[..., N]` lays out candidate i (whose count is
-  wanted) and candidate j (counted): (expand as i, expand as j, the axis to sum j over). By row,
-  i is the row of the `[..., N, N]` compare; by column, i is the column."""
-  rows, cols = (lambda x: x[..., :, None]), (lambda x: x[..., None, :])
-  return (cols, rows, -2) if by_column else (rows, cols, -1)
-
-
 def rank_keep(cand, valid, forced, score, keep: int, by_column: bool = False):
   """Select_K of Eq. 17 with the forced-node rule, by rank: `[..., N]` -> (kept, rank).
 
   The same set as `top_mask`: the order is `rank_key` descending (forced nodes, and every node when
   at most `keep` are valid, count as +inf) with ties to the lower node id, a strict total order on
-  the valid candidates (their ids are distinct). rank_i = #{valid j before i in that order}, from one
-  broadcast compare `[..., N, N]` and one sum, so the valid ranks are 0..n_valid-1 and the kept
-  nodes are those ranked below `keep`.
+  the valid candidates (their ids are distinct). rank_i = #{valid j before i in that order}
+  (`_common.rank_by_key`), so the valid ranks are 0..n_valid-1 and the kept nodes are those
+  ranked below `keep`.
 
   by_column: candidate i is the compare's column and the sum runs down the rows (axis -2), so the
   rank comes out in the layout of a row vector `[..., None, :]`, the one `expand_rank` broadcasts
-  it in; summed along the rows instead, Triton converts it between the two layouts. Same ranks;
-  offline SASS of the fused kernel's walk level: 896 -> 669 instructions, 126 -> 91 registers.
+  it in; summed along the rows instead, Triton converts it between the two layouts. Same ranks,
+  fewer instructions and registers in the fused kernel's walk level (offline SASS).
   """
   keep_all = jnp.sum(valid.astype(jnp.int32), axis=-1, keepdims=True) <= keep
-  key = rank_key(score, forced | keep_all)
-  as_i, as_j, over_j = pair_axes(by_column)
-  k_i, k_j, c_i, c_j = as_i(key), as_j(key), as_i(cand), as_j(cand)
-  before = as_j(valid) & ((k_j > k_i) | ((k_j == k_i) & (c_j < c_i)))
-  rank = jnp.sum(before.astype(jnp.int32), axis=over_j)
+  rank = rank_by_key(cand, valid, rank_key(score, forced | keep_all), by_column)
   return valid & (rank < keep), rank
 
 
@@ -145,9 +119,7 @@ def sorted_kept_rank(cand, taken, width: int, by_column: bool = False):
   """`sorted_kept` in one pass: a kept node's output slot is its rank by node id among the kept
   (ids are distinct), read back with a one-hot max. `[..., N]` -> `[..., width]`, -1 padded.
   by_column: as in `rank_keep`, the position comes out in the layout it is read back in."""
-  as_i, as_j, over_j = pair_axes(by_column)
-  before = as_j(taken) & (as_j(cand) < as_i(cand))
-  pos = jnp.sum(before.astype(jnp.int32), axis=over_j)
+  pos = rank_by_id(cand, taken, by_column)
   slot = lax.broadcasted_iota(jnp.int32, cand.shape[:-1] + (width, 1), cand.ndim - 1)
   hit = taken[..., None, :] & (pos[..., None, :] == slot)
   return jnp.max(jnp.where(hit, cand[..., None, :], -1), axis=-1)
@@ -184,9 +156,9 @@ def leaf_needs_score(cand, t, geo: Geometry):
 def final_select(cand, score, t, geo: Geometry, topk_impl: str, by_column: bool = False):
   """Leaf Select_K (Eq. 17 at l = 1) and ascending order: `[..., NC]` -> `[..., KP]`.
 
-  by_column (rank top-k): the layout choice of `rank_keep`; the fused kernel's one-query select
-  is 88 SASS instructions shorter with it, the final top-k kernel's `[rows, NC]` select takes 4-6
-  more registers, so each caller picks.
+  by_column (rank top-k): the layout choice of `rank_keep`; it shortens the fused kernel's
+  one-query select and costs the final top-k kernel's `[rows, NC]` select registers, so each
+  caller picks.
   """
   need, valid, forced = leaf_needs_score(cand, t, geo)
   score = jnp.where(need, score, 0.0)

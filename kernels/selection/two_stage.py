@@ -26,9 +26,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Int
 
-from pisa_jax.kernels._common import next_pow2
-from pisa_jax.kernels.selection import scoring, topk
-from pisa_jax.kernels.selection.config import MIN_DOT, SelectionConfig
+from pisa_jax.kernels._common import MIN_DOT, next_pow2, qk_dot, reduce_keys
+from pisa_jax.kernels.selection import topk
+from pisa_jax.kernels.selection.config import SelectionConfig
 from pisa_jax.kernels.selection.layout import (Geometry, launch, leaf_key_rows, level_table,
                                                load_group_queries, load_rows, offset_input,
                                                query_position, query_tile_program,
@@ -103,8 +103,8 @@ def leaf_tile_kernel(q_ref, k_ref, start_ref, bucket_ref, pair_ref, score_ref, *
     k_rows, m_load, m_key = leaf_key_rows(leaf, i_b, i_h, geo, leaf if packed else None)
     b_k = load_rows(k_ref, k_rows, m_load, geo)
     # [Q*heads, Cp]: every (query, head) of the tile against the leaf's raw keys, one dot.
-    per_row = jnp.where(m_r, scoring.reduce_keys(scoring.qk_dot(b_q, b_k, geo.inputs_16bit), m_key,
-                                                 geo.selector, geo.scale, geo.approx_log), 0.0)
+    per_row = jnp.where(m_r, reduce_keys(qk_dot(b_q, b_k, geo.inputs_16bit), m_key, geo.selector,
+                                         geo.scale, geo.approx_log), 0.0)
     # Eq. 22: sum each entry's heads, [Q].
     score_e = jnp.sum(jnp.where(e_r[None, :] == o_e[:, None], per_row[None, :], 0.0), axis=1)
     plt.store(score_ref.at[jnp.where(m_e, pair_e, trash)], score_e)

@@ -8,9 +8,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from pisa_jax.kernels._common import pick, reduce_children
 from pisa_jax.kernels.selection import scoring, topk
 from pisa_jax.kernels.selection.config import SelectionConfig
-from pisa_jax.kernels.selection.layout import Geometry, load_table, pick
+from pisa_jax.kernels.selection.layout import Geometry, load_table
 
 
 def first_scored_level(geo: Geometry) -> int:
@@ -39,14 +40,43 @@ def group_child_score(child_logits, m_head, geo, pair_lse: bool, unshifted: bool
     per_head = scoring.pair_lse(z0, z1, m1, geo.scale, geo.approx_log, unshifted)
   else:
     zs, masks = zip(*(child_logits(j) for j in range(geo.branching)))
-    per_head = scoring.reduce_children(list(zs), list(masks), geo.selector, geo.scale,
-                                       geo.approx_log, unshifted)
+    per_head = reduce_children(list(zs), list(masks), geo.selector, geo.scale, geo.approx_log,
+                               unshifted)
   return jnp.sum(jnp.where(m_head[:, None], per_head, 0.0), axis=0)
 
 
 def uses_pair_lse(config: SelectionConfig, geo: Geometry) -> bool:
   """`walk_pair_lse` applies to Eq. 21 with two children; other walks reduce as usual."""
   return config.walk_pair_lse and geo.branching == 2 and geo.selector == "pisa"
+
+
+def walk_level(cand, cur, leaves_per_node, shift, n_child, child_row, qg, m_head, s_ref,
+               geo: Geometry, topk_impl: str, pair_lse: bool, unshifted: bool):
+  """One level of the walk (Eq. 16-18) for one query: the candidates `[NC]` of this level ->
+  those of the level below, `[NC]`.
+
+  cur: the query's current leaf; leaves_per_node / shift: the level's g^(l-1) as a value, or
+  its log2 for a shift (`topk.ancestors`); n_child: the nodes of the level below;
+  child_row(child): the stacked-summary row of a child index `[NC]` (clamped into n_child by
+  the caller's layout). A node is eligible (its first key at or before t) iff it is at or
+  before the current leaf's ancestor, which also keeps it below the level's node count (ceil
+  sizes); forced: the ancestors of the first, previous and current leaves (Appendix B). Shared
+  by the one-document walk and the packed documents' (`packed_walk.py`).
+  """
+  g = geo.branching
+  anc_cur, _ = topk.ancestors(cur, leaves_per_node, shift)
+  valid = (cand >= 0) & (cand <= anc_cur)
+  forced = valid & topk.forced_nodes(cand, cur, leaves_per_node, shift)
+
+  def child_logits(j):
+    """[Gp, NC] logits of every head against child j of every candidate, and its mask."""
+    child = jnp.where(valid, cand, 0) * g + j
+    m_child = valid & (child < n_child)
+    return scoring.summary_logits(qg, s_ref, child_row(child), m_child, geo), m_child
+
+  score = group_child_score(child_logits, m_head, geo, pair_lse, unshifted)
+  # Eq. 17 (Select_K, keep = beam) and Eq. 18 (the kept nodes' children).
+  return topk.select_and_expand(cand, valid, forced, score, geo, topk_impl)
 
 
 def walk_to_leaves(qg, m_head, i_b, t, i_h, s_ref, tab_ref, geo: Geometry, topk_impl: str,
@@ -81,22 +111,12 @@ def walk_to_leaves(qg, m_head, i_b, t, i_h, s_ref, tab_ref, geo: Geometry, topk_
     else:
       leaves_per_node, shift = pick(tab_pow, level - 1), None
       n_child = pick(tab_size, level - 2)
-    # A node is eligible (its first key at or before t) iff it is at or before the current leaf's
-    # ancestor, which also keeps it below the level's node count (ceil sizes).
-    cur = t // geo.block_size
-    anc_cur, _ = topk.ancestors(cur, leaves_per_node, shift)
-    valid = (cand >= 0) & (cand <= anc_cur)
-    forced = valid & topk.forced_nodes(cand, cur, leaves_per_node, shift)
 
-    def child_logits(j):
-      """[Gp, NC] logits of every head against child j of every candidate, and its mask."""
-      child = jnp.where(valid, cand, 0) * g + j
-      m_child = valid & (child < n_child)
-      rows = off_child + (i_b * n_child + jnp.minimum(child, n_child - 1)) * geo.hkv + i_h
-      return scoring.summary_logits(qg, s_ref, rows, m_child, geo), m_child
+    def child_row(child):
+      return off_child + (i_b * n_child + jnp.minimum(child, n_child - 1)) * geo.hkv + i_h
 
-    score = group_child_score(child_logits, m_head, geo, pair_lse, unshifted)
-    return topk.select_and_expand(cand, valid, forced, score, geo, topk_impl)
+    return walk_level(cand, t // geo.block_size, leaves_per_node, shift, n_child, child_row, qg,
+                      m_head, s_ref, geo, topk_impl, pair_lse, unshifted)
 
   # Every node of the first scored level is a candidate (the levels above keep all their
   # eligible nodes); the per-level eligibility mask drops the ones after t.
