@@ -222,6 +222,60 @@ def _decode(what, selector="pisa", *, batch=16, d=128, top_k=32, beam=None, hq=3
   raise ValueError(f"{what=} is not a decode entry point")
 
 
+def _as_on_gpu(fn):
+  """`fn` traced as on a GPU: the public API's `implementation="pallas"` compiles the kernels
+  instead of interpreting them (the backend is read at trace time)."""
+  from pisa_jax import _dispatch
+
+  def traced(*args):
+    on_gpu = _dispatch.on_gpu
+    _dispatch.on_gpu = lambda: True
+    try:
+      return fn(*args)
+    finally:
+      _dispatch.on_gpu = on_gpu
+
+  return traced
+
+
+def _api_selection(t, *, d=64, top_k=8, packed=False):
+  """`pisa_jax.select_blocks` at `t` tokens, 32/2 heads, bfloat16 (Table 4's setting at d64 K8),
+  whole documents or packed ones: the validation, pyramid and kernels a user's call runs."""
+  import pisa_jax
+
+  q, k = _s((1, t, 32, d)), _s((1, t, 2, d))
+  if packed:
+    return (_as_on_gpu(lambda q, k, seg: pisa_jax.select_blocks(
+        q, k, block_size=64, top_k=top_k, segment_ids=seg, implementation="pallas")),
+            q, k, _s((1, t), jnp.int32))
+  return (_as_on_gpu(lambda q, k: pisa_jax.select_blocks(
+      q, k, block_size=64, top_k=top_k, implementation="pallas")), q, k)
+
+
+def _api_attention(t, *, d=128, top_k=32):
+  """`pisa_jax.sparse_attention` forward + backward at `t` tokens, 32/2 heads, bfloat16."""
+  import pisa_jax
+
+  def loss(q, k, v, idx):
+    out = pisa_jax.sparse_attention(q, k, v, idx, block_size=64, implementation="pallas")
+    return jnp.sum(out.astype(F32))
+
+  kv = _s((1, t, 2, d))
+  return (_as_on_gpu(jax.grad(loss, argnums=(0, 1, 2))), _s((1, t, 32, d)), kv, kv,
+          _s((1, t, 2, top_k), jnp.int32))
+
+
+def _api_decode(batch, *, d=128, top_k=32):
+  """`pisa_jax.decode_step` at 1M cached tokens, 32/2 heads, bfloat16 (the cache donated)."""
+  import pisa_jax
+
+  q, kv, cache, _ = _decode_shapes(batch=batch, d=d, hq=32)
+  step = lambda q, k, v, cache: pisa_jax.decode_step(q, k, v, cache, top_k=top_k,
+                                                      implementation="pallas")
+  return (_as_on_gpu(step), _s((batch, 1, 32, d)), _s((batch, 1, 2, d)), _s((batch, 1, 2, d)),
+          cache)
+
+
 # name -> a function returning (fn, *shapes). "ci" marks the subset CI checks (one or two of each
 # kernel family, the defaults at both settings).
 CASES: dict[str, Callable[[], tuple]] = {
@@ -296,6 +350,16 @@ CASES: dict[str, Callable[[], tuple]] = {
     "decode/d128k32/append_select": lambda: _decode("append_select"),
     "decode/d128k32/append": lambda: _decode("append"),
     "decode/d128k32/attention": lambda: _decode("attention"),
+    # What a user's call runs, through the public API, at the sizes the speed figures quote.
+    "api/select/128k/d64k8": lambda: _api_selection(1 << 17),
+    "api/select/256k/d64k8": lambda: _api_selection(1 << 18),
+    "api/select/128k/d128k32": lambda: _api_selection(1 << 17, d=128, top_k=32),
+    "api/select_packed/128k/d64k8": lambda: _api_selection(1 << 17, packed=True),
+    "api/select_packed/128k/d128k32": lambda: _api_selection(1 << 17, d=128, top_k=32,
+                                                             packed=True),
+    "api/attention_fwd_bwd/64k/d128k32": lambda: _api_attention(1 << 16),
+    "api/decode_step/1m/b1": lambda: _api_decode(1),
+    "api/decode_step/1m/b16": lambda: _api_decode(16),
 }
 
 CI_CASES = ("selection/d64k8/pisa", "selection/d128k32/pisa", "selection/d64k8/bsa",
