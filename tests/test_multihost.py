@@ -262,6 +262,39 @@ def test_the_watchdog_ends_the_process_when_another_fails_or_goes_silent(entries
 # Processes.
 
 
+@pytest.mark.parametrize("ending, expected", [
+    (b"E1205 00:31:36.317953 26755 coordination_service_agent.cc:288] Polled an error from "
+     b"coordination service.\nF1205 client.h:86] Terminating process because the JAX distributed "
+     b"service detected fatal errors. absl::Status: UNAVAILABLE: Failed to send RPC. More.\n",
+     "x: error: lost process 0, which hosts the coordination service (UNAVAILABLE: Failed to "
+     "send RPC); stopped process 1 too: run the same command on every process again to resume "
+     "from the last complete checkpoint"),
+    (b"terminate called after throwing an instance of 'gloo::EnforceNotMet'\n  what():  [enforce "
+     b"fail at pair.cc:459] size mismatch\n",
+     "x: error: lost process 0, which hosts the coordination service; stopped process 1 too: run "
+     "the same command on every process again to resume from the last complete checkpoint"),
+])
+def test_a_fatal_ending_of_the_runtime_becomes_one_line(tmp_path, ending, expected):
+  # A process with the reader in place writes, then ends as jax's runtime or gloo ends it; the
+  # coordinator's address answers nothing (a closed port), as after process 0 was killed.
+  script = textwrap.dedent(f"""
+      import os, sys
+      from pisa_jax.train import distributed
+      distributed._forward_stderr("x", 1, "127.0.0.1:{_free_port()}")
+      print("step 3 | loss 4.2", file=sys.stderr, flush=True)
+      sys.stderr.write("partial progress\\r")
+      sys.stderr.flush()
+      os.write(2, {ending!r})
+      os.write(2, b"Traceback of a thread cut short\\n*** Check failure stack trace: ***\\n")
+      os.abort()
+  """)
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
+  assert proc.returncode == -signal.SIGABRT
+  time.sleep(0.2)  # the reader writes its line as the process dies
+  lines = [line for line in proc.stderr.decode().replace("\r", "\n").splitlines() if line]
+  assert lines == ["step 3 | loss 4.2", "partial progress", expected], lines
+
+
 def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -419,14 +452,53 @@ def test_two_processes_train_as_one_and_a_killed_one_ends_the_run(reference, two
   assert (result.start_step, result.end_step) == (last_good, last_good + 1)
 
 
-@pytest.mark.slow
-def test_four_processes_resume_two_and_mismatched_processes_are_refused(reference,
-                                                                        two_processes):
+def test_four_processes_resume_two_and_the_coordinators_end_ends_them(reference, two_processes):
+  """2 -> 4: the 2-process run's checkpoint 4, resumed by 4 processes x 1 device launched
+  through JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, trains as one process;
+  then process 0, which hosts jax's coordination service, is killed: the others end with our
+  one line, not jax's abort message."""
   tmp = two_processes.tmp
   ref = _losses(reference.workdir)
-  # 2 -> 4: the 2-process run's checkpoint 4, resumed by 4 processes x 1 device, launched
-  # through JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID.
   workdir = tmp / "four"
+  shutil.copytree(two_processes.workdir, workdir)
+  for step in _sealed(workdir):
+    if step > 4:
+      shutil.rmtree(workdir / "checkpoints" / str(step))
+  with _processes() as started:
+    procs, logs = _launch(started, tmp, 4, 1, workdir, ["--set", "train.per_device_batch=2"],
+                          name="four", environment=True)
+    deadline = time.monotonic() + 400
+    while not (workdir / "checkpoints" / "6" / ckpt_lib.MANIFEST).is_file():
+      assert time.monotonic() < deadline and all(p.poll() is None for p in procs), (
+          logs[0].read_text()[-3000:])
+      time.sleep(0.1)
+    os.kill(procs[0].pid, signal.SIGKILL)
+    killed = time.monotonic()
+    status = _wait(procs, logs, END_BOUND_S + 30)
+    ended_after = time.monotonic() - killed
+  assert "mesh {'data': 4, 'fsdp': 1} on 4 x cpu" in logs[0].read_text()
+  ours = _losses(workdir)
+  np.testing.assert_allclose([ours[5], ours[6]], [ref[5], ref[6]], rtol=2e-6)
+  assert ended_after < END_BOUND_S, ended_after
+  for i in (1, 2, 3):
+    output = logs[i].read_text()
+    assert status[i] != 0, output[-3000:]
+    last = output.rstrip().splitlines()[-1]
+    assert last.startswith("pisa-train: error: lost process 0, which hosts the coordination "
+                           "service"), output[-3000:]
+    assert last.endswith(f"; stopped process {i} too: run the same command on every process "
+                         f"again to resume from the last complete checkpoint"), last
+    # jax's own ending (its fatal log line, the abort's stack trace) is not passed on.
+    assert "Terminating process" not in output and "Check failure stack trace" not in output
+
+
+@pytest.mark.slow
+def test_a_corrupt_checkpoint_is_set_aside_by_all_and_mismatched_processes_are_refused(
+    reference, two_processes):
+  tmp = two_processes.tmp
+  ref = _losses(reference.workdir)
+  # A 4-process checkpoint 6 over the 2-process run's checkpoint 4.
+  workdir = tmp / "fallback"
   shutil.copytree(two_processes.workdir, workdir)
   for step in _sealed(workdir):
     if step > 4:
@@ -434,14 +506,11 @@ def test_four_processes_resume_two_and_mismatched_processes_are_refused(referenc
   with _processes() as started:
     procs, logs = _launch(started, tmp, 4, 1, workdir,
                           ["--set", "train.per_device_batch=2", "--run-steps", "2"],
-                          name="four", environment=True)
+                          name="four-steps", environment=True)
     assert _wait(procs, logs, 400) == [3, 3, 3, 3], logs[0].read_text()[-3000:]
-  output = logs[0].read_text()
-  assert "mesh {'data': 4, 'fsdp': 1} on 4 x cpu" in output
-  assert output.rstrip().splitlines()[-1] == ("stopped at step 6 of 1000 (--run-steps); rerun to "
-                                              "continue")
-  ours = _losses(workdir)
-  np.testing.assert_allclose([ours[5], ours[6]], [ref[5], ref[6]], rtol=2e-6)
+  assert logs[0].read_text().rstrip().splitlines()[-1] == (
+      "stopped at step 6 of 1000 (--run-steps); rerun to continue")
+
   # 4 -> 2 with every process taking part in the fallback: checkpoint 6 (of 4 processes) is
   # corrupt, process 0 finds it, sets it aside, and all resume from 4.
   (workdir / "checkpoints" / "6" / "meta" / "metadata").write_text("{}")

@@ -19,7 +19,11 @@ ends every other process with one line on stderr and exit status 1, within that 
 `GRACE_S`. jax's own heartbeat (`heartbeat_timeout`, twice that plus 10 s) is the backstop: it
 ends a process the watchdog could not (with jax's message, by SIGABRT).
 A process that loses process 0, which hosts the coordination service, is ended by jax's runtime
-at once ("Terminating process because the JAX distributed service detected fatal errors").
+at once (SIGABRT, "Terminating process because the JAX distributed service detected fatal
+errors", then a stack trace), or by its collective library (gloo's std::terminate on a CPU). So
+that it too ends with one line, every process but 0 writes its stderr through a pipe to a small
+forked reader (`_forward_stderr`) that passes everything on until such an end begins, then
+writes our line instead and drops the rest.
 `jax.distributed.initialize` waits `INITIALIZATION_TIMEOUT_S` for every process to start.
 
 Agreement. `agree` refuses processes started with different payloads (the resolved config and
@@ -34,6 +38,8 @@ import dataclasses
 import importlib.util
 import json
 import os
+import signal
+import socket
 import sys
 import threading
 import time
@@ -317,6 +323,100 @@ class Runtime:
     os._exit(status)
 
 
+# The first line jax's runtime writes when the coordination service is gone (absl log lines: the
+# agent's error, then the fatal message it ends the process with).
+_JAX_END = (b"Polled an error from coordination service",
+            b"Terminating process because the JAX distributed service detected fatal errors")
+# A collective library's end of the process when a peer vanished mid-collective (gloo on CPUs
+# can notice before the coordination service does).
+_TERMINATE = b"terminate called after throwing an instance of"
+
+
+def _unreachable(address: str | None) -> bool:
+  """Whether nothing accepts a connection at the coordinator's HOST:PORT (None: unknown)."""
+  if not address:
+    return False
+  host, _, port = address.rpartition(":")
+  try:
+    socket.create_connection((host.strip("[]"), int(port)), timeout=2.0).close()
+  except OSError:
+    return True
+  return False
+
+
+def _lost_coordinator_line(prog: str, process_id: int, text: bytes) -> str:
+  """Our line for jax's end of this process, quoting its status's first sentence."""
+  status = text.split(b"absl::Status: ", 1)[1] if b"absl::Status: " in text else b""
+  cause = status.decode(errors="replace").split(". ", 1)[0].strip()
+  cause = f" ({cause})" if cause else ""
+  return (f"{prog}: error: lost process 0, which hosts the coordination service{cause}; stopped "
+          f"process {process_id} too: run the same command on every process again to resume "
+          f"from the last complete checkpoint")
+
+
+def _ending_line(prog: str, process_id: int, coordinator: str | None, text: bytes) -> str:
+  """Our line for a fatal ending that starts at `text`: jax's for a lost coordinator, or a
+  collective's, which is the coordinator's loss too when its address no longer answers."""
+  if any(marker in text for marker in _JAX_END) or _unreachable(coordinator):
+    return _lost_coordinator_line(prog, process_id, text)
+  what = text.split(b"what():", 1)[1] if b"what():" in text else text
+  first = what.decode(errors="replace").strip().splitlines()[0][:160] if what.strip() else ""
+  return (f"{prog}: error: process {process_id} was ended inside a collective ({first}), most "
+          f"likely because another process ended (its output says why): run the same command "
+          f"on every process again to resume from the last complete checkpoint")
+
+
+def _forward_stderr(prog: str, process_id: int, coordinator: str | None) -> None:
+  """Routes this process's stderr (fd 2) through a forked reader that copies it to the real
+  stderr until jax's runtime starts ending the process for a lost coordinator (`_JAX_END`), or
+  a collective library ends it (`_TERMINATE`), then writes one line of ours in place of theirs
+  and drops what follows (tracebacks of threads cut short, the abort's stack trace). The reader ignores Ctrl-C and SIGTERM (the process
+  itself stops on them) and exits once every writer has closed the pipe."""
+  read_end, write_end = os.pipe()
+  pid = os.fork()
+  if pid == 0:  # the reader: only os-level calls, safe in a child forked from threads
+    try:
+      signal.signal(signal.SIGINT, signal.SIG_IGN)
+      signal.signal(signal.SIGTERM, signal.SIG_IGN)
+      os.close(write_end)
+      pending, ended = b"", False
+      while chunk := os.read(read_end, 1 << 16):
+        if ended:
+          continue
+        pending += chunk
+        lines = pending.split(b"\n")
+        pending = lines.pop()
+        for i, line in enumerate(lines):
+          if any(marker in line for marker in (*_JAX_END, _TERMINATE)):
+            if _TERMINATE in line and b"what():" not in b"".join(lines[i:] + [pending]):
+              # std::terminate's reason follows on the next line: wait for it.
+              time.sleep(0.05)
+              more = os.read(read_end, 1 << 16)
+              pending += more
+            rest = b"\n".join(lines[i:] + [pending])
+            # What a progress bar left before the ending on this line (after its last \r) stays.
+            marker = min(line.find(m) for m in (*_JAX_END, _TERMINATE) if m in line)
+            start = line.rfind(b"\r", 0, marker) + 1
+            os.write(2, line[:start] + (b"\n" if start else b"") +
+                     (_ending_line(prog, process_id, coordinator, rest) + "\n").encode())
+            ended = True
+            break
+          os.write(2, line + b"\n")
+        if not ended and pending and not pending.startswith((b"E", b"F")):
+          # A partial line (a progress bar's carriage returns) goes on at once; a possible log
+          # line waits for its end to be recognised.
+          os.write(2, pending)
+          pending = b""
+      if pending and not ended:
+        os.write(2, pending)
+    finally:
+      os._exit(0)
+  os.close(read_end)
+  sys.stderr.flush()
+  os.dup2(write_end, 2)
+  os.close(write_end)
+
+
 def heartbeat_timeout(failure_timeout: int) -> int:
   """jax's heartbeat timeout for a watchdog of `failure_timeout` seconds: late enough that the
   watchdog, with its grace, speaks first."""
@@ -333,6 +433,8 @@ def start(launch: Launch, *, prog: str = "pisa-jax") -> Runtime | None:
   """
   if not launch.multi_process:
     return None
+  if not launch.primary:
+    _forward_stderr(prog, launch.process_id, launch.coordinator)
   import jax
 
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
