@@ -172,12 +172,17 @@ def test_replot_refuses_another_benchmarks_result(tmp_path):
 
 def test_selection_runs_on_the_reference(tmp_path):
   from benchmarks import selection
-  record = selection.main(["--sizes", "256", "--beams", "8,16", "--implementation", "xla",
-                           "--no-fla", "--out", str(tmp_path)])
-  rows = {(r["selector"], r["beam"]): r for r in record["rows"]}
-  assert set(rows) == {("pisa", 8), ("pisa", 16), ("bsa", None)}
+  record = selection.main(["--sizes", "256", "--beams", "8,16", "--budget-sizes", "1024",
+                           "--budget-cases", "64:16", "--implementation", "xla", "--no-fla",
+                           "--out", str(tmp_path)])
+  rows = {(r["n"], r["top_k"], r["selector"], r["beam"]): r for r in record["rows"]}
+  assert set(rows) == {(n, 8, "pisa", 8) for n in (256, 1024)} | {(256, 8, "pisa", 16)} | {
+      (n, 8, "bsa", None) for n in (256, 1024)} | {(1024, 16, "pisa", 16), (1024, 16, "bsa", None)}
   assert all(r["ms"] > 0 and "error" not in r for r in rows.values())
-  assert rows["pisa", 8]["x_pisa"] == 1.0
+  assert rows[256, 8, "pisa", 8]["x_pisa"] == 1.0
+  # The wide budget's cost over K = 8 at the same N and d.
+  wide, narrow = rows[1024, 16, "pisa", 16], rows[1024, 8, "pisa", 8]
+  assert wide["x_k8"] == round(wide["ms"] / narrow["ms"], 3)
   assert record["notes"] == ["fla left out (--no-fla)"]
   assert (tmp_path / "selection.png").exists()
   assert json.loads((tmp_path / "selection.json").read_text())["rows"] == record["rows"]
