@@ -82,12 +82,23 @@ def selection(r: dict) -> tuple[str, str]:
   s = r["settings"]
   setting = (f"{s['hq']}/{s['hkv']} heads, d{s['d']}, C{s['block_size']}, K{s['top_k']}, "
              f"{s['dtype']} (Table 4)")
+  def case(x):  # rows written before the wide-budget cases are all at the settings' d and K
+    return x.get("d", s["d"]), x.get("top_k", s["top_k"])
+
+  table4 = (s["d"], s["top_k"])
   parts = []
   for row in rows(r, "selection", side="pisa-jax", selector="pisa"):
-    fla = [x for x in r["rows"] if x["n"] == row["n"] and x["side"] == "fla"]
+    if case(row) != table4 or row["beam"] != s["top_k"]:
+      continue
+    fla = [x for x in r["rows"] if x["n"] == row["n"] and x["side"] == "fla" and case(x) == table4]
     peer = f" / {num(fla[0]['ms'])} ({num(fla[0]['x_pisa'])}x)" if fla else ""
     parts.append(f"{length(row['n'])} {num(row['ms'])}{peer}")
-  return setting, "PISA ms / fla NSA top-k ms (x): " + " · ".join(parts)
+  text = "PISA ms / fla NSA top-k ms (x): " + " · ".join(parts)
+  wide = [x for x in r["rows"] if "x_k8" in x and x["selector"] == "pisa"]
+  if wide:
+    text += f"; wider K over K{s['top_k']}, time: " + " · ".join(
+        f"{length(x['n'])} d{x['d']} K{x['top_k']} {num(x['x_k8'])}x" for x in wide)
+  return setting, text
 
 
 def attention(name: str) -> Callable[[dict], tuple[str, str]]:
