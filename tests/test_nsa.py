@@ -332,9 +332,10 @@ def test_config_rejects_bad_nsa_fields_by_name(override, match):
   assert "\n" not in str(info.value)
 
 
-def test_pallas_runs_the_selected_branch_on_the_kernel_and_equals_xla():
-  """implementation="pallas": the selected branch on the Pallas sparse-attention kernel (the
-  interpreter off a GPU), the rest the reference: outputs and gradients equal "xla"'s."""
+def test_pallas_layer_equals_xla():
+  """implementation="pallas": the compressed and window branches on the range kernel, the
+  selected branch on the sparse-attention kernel (the interpreter off a GPU): outputs and
+  gradients equal "xla"'s."""
   args = make_inputs()
   cotangent = jax.random.normal(jax.random.key(6), args[0].shape)
   results = []
