@@ -486,7 +486,7 @@ def test_cudnn_window_is_the_references_window():
   """`local_window_size=(w - 1, 0)` with is_causal, the window cuDNN's path is given, masks as
   the reference (t - w < j <= t): checked on jax's XLA implementation of the same call."""
   q, k, v, *_ = _kernel_inputs("T61-HQ4-HKV2-D16-l8-d4", seed=14)
-  for window in (1, 7, 16):
+  for window in (1, 16):
     got = jax.nn.dot_product_attention(q, k, v, scale=0.25, is_causal=True,
                                        local_window_size=(window - 1, 0), implementation="xla")
     want = nsa.sliding_window_attention_reference(q, k, v, None, window=window, scale=0.25)
