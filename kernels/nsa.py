@@ -25,8 +25,9 @@ output and the natural-log log-sum-exp (-inf, and a zero output, for a row with 
 NSA's selection needs (Eq. 8 scores blocks by exp(logit - lse)). Backward (`jax.custom_vjp`):
 delta = rowsum(o * do) - dlse in XLA (a cotangent of the lse is exact: d lse / d logit = p); a
 dq kernel over the same key tiles as the forward; a dk / dv kernel per key tile that walks the
-query tiles in its keys' query range. Every program owns its outputs: no atomics, bit-identical
-run to run.
+query tiles in its keys' query range, cut into parts where key tiles are few (the compressed
+attention's: the first is seen by every query), their float32 partials summed in a fixed order.
+Every program owns its outputs: no atomics, bit-identical run to run.
 
 NaN: a NaN key or value reaches every row of the programs whose tiles hold it, not only the rows
 that see it (p = 0 does not cancel it in the dot), as the jnp reference's dense einsum does.
@@ -62,6 +63,9 @@ class RangeAttentionConfig:
       two >= 16).
     fwd_num_warps, fwd_num_stages, dq_num_warps, dq_num_stages, dkv_num_warps, dkv_num_stages:
       the launches.
+    dkv_min_programs, dkv_max_splits: the dk / dv launch cuts each key tile's query range into
+      up to dkv_max_splits parts (float32 partials, summed in a fixed order) until it has at
+      least dkv_min_programs programs (`dkv_splits`); 1 part writes dk, dv directly.
   """
 
   rows: int = 64
@@ -72,6 +76,8 @@ class RangeAttentionConfig:
   dq_num_stages: int = 2
   dkv_num_warps: int = 4
   dkv_num_stages: int = 2
+  dkv_min_programs: int = 1024
+  dkv_max_splits: int = 32
 
   def __post_init__(self):
     for name in ("rows", "block_keys"):
@@ -240,11 +246,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, first_ref, end_r
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, first_ref, end_ref,
                 key_first_ref, key_end_ref, dk_ref, dv_ref, *, scale: float, block_queries: int,
-                block_keys: int):
-  """One program: key tile n, KV head h. Walks the query tiles of its keys' query ranges
-  [key_first, key_end), each query tile's G heads as the rows; dk_ref / dv_ref `[Np, Dp]`."""
+                block_keys: int, splits: int):
+  """One program: part s of key tile n (program n * splits + s), KV head h. Walks its share of
+  the query tiles of its keys' query ranges [key_first, key_end) (the s-th of `splits` equal
+  runs), each query tile's G heads as the rows; dk_ref / dv_ref `[Np, Dp]`, split s's."""
   gp, dp = q_ref.shape[1], q_ref.shape[2]
-  start = pl.multiple_of(pl.program_id(0) * block_keys, block_keys)
+  tile, part = lax.div(pl.program_id(0), splits), lax.rem(pl.program_id(0), splits)
+  start = pl.multiple_of(tile * block_keys, block_keys)
   b_k = k_ref[pl.ds(start, block_keys), :]
   b_v = v_ref[pl.ds(start, block_keys), :]
   o_s = start + jnp.arange(block_keys)
@@ -252,6 +260,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, first_ref, end_
   qk_scale = scale * LOG2E
   lo_tile, num_tiles = _tile_span(key_first_ref[pl.ds(start, block_keys)],
                                   key_end_ref[pl.ds(start, block_keys)], block_queries)
+  share = lax.div(num_tiles + splits - 1, splits)
+  lo_tile = lo_tile + part * share
+  num_tiles = jnp.clip(num_tiles - part * share, 0, share)
 
   def body(j, carry):
     b_dk, b_dv = carry
@@ -304,19 +315,39 @@ def _backward(q5, k, v, first, end, key_first, key_end, o5, lse, do5, dlse, *, s
       interpret=interpret,
       name="nsa_range_attention_dq",
   ), q5, k, v, do5, lse, delta, first, end)
+  key_tiles = np_ // config.block_keys
+  splits = dkv_splits(key_tiles * hkv * b, config)
+  if splits == 1:
+    part_spec, part_shapes = kv_spec, [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (k, v)]
+  else:
+    # Split s of every key tile writes float32 partials [s]; summed below in split order.
+    part_spec = pl.BlockSpec((None, None, np_, None, dp),
+                             lambda i, h, bb: (lax.rem(i, splits), bb, 0, h, 0))
+    part_shapes = [jax.ShapeDtypeStruct((splits,) + k.shape, jnp.float32)] * 2
   dk, dv = call_kernel(pl.pallas_call(
-      functools.partial(_dkv_kernel, **kw),
-      grid=(np_ // config.block_keys, hkv, b),
+      functools.partial(_dkv_kernel, splits=splits, **kw),
+      grid=(key_tiles * splits, hkv, b),
       in_specs=[q_spec, kv_spec, kv_spec, q_spec, lse_spec, lse_spec, per_query, per_query,
                 per_key, per_key],
-      out_specs=[kv_spec, kv_spec],
-      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      out_specs=[part_spec, part_spec],
+      out_shape=part_shapes,
       compiler_params=plt.CompilerParams(num_warps=config.dkv_num_warps,
                                          num_stages=config.dkv_num_stages),
       interpret=interpret,
-      name="nsa_range_attention_dkv",
+      name="nsa_range_attention_dkv" + ("_split" if splits > 1 else ""),
   ), q5, k, v, do5, lse, delta, first, end, key_first, key_end)
+  if splits > 1:
+    # An elementwise chain in a fixed order: the same sums run to run.
+    dk, dv = (functools.reduce(jnp.add, [x[s] for s in range(splits)]).astype(y.dtype)
+              for x, y in ((dk, k), (dv, v)))
   return dq5, dk, dv
+
+
+def dkv_splits(programs: int, config: RangeAttentionConfig) -> int:
+  """Parts each dk / dv key tile's query range is cut into, so that `programs` key tiles (times
+  heads and batch) make at least `config.dkv_min_programs` programs: the compressed attention
+  has few key tiles (N ~ T / d), and the first of them is seen by every later query."""
+  return max(1, min(config.dkv_max_splits, -(-config.dkv_min_programs // programs)))
 
 
 # ----------------------------------------------------------------------------- custom_vjp op

@@ -13,7 +13,7 @@ import pytest
 
 import pisa_jax
 from pisa_jax import nsa
-from pisa_jax.kernels.nsa import RangeAttentionConfig
+from pisa_jax.kernels.nsa import RangeAttentionConfig, dkv_splits
 import oracles
 from tolerances import GRAD_ATOL, GRAD_RTOL, OUTPUT_ATOL, OUTPUT_RTOL
 
@@ -352,8 +352,10 @@ def test_pallas_layer_equals_xla():
 
 # The range kernels (`pisa_jax.kernels.nsa`) of the compressed and window branches, in the
 # Pallas interpreter, against the jnp reference on fresh inputs. Small tiles (16 rows, 16 keys)
-# so that a row's range crosses tiles and a program holds several queries.
-SMALL_TILES = RangeAttentionConfig(rows=16, block_keys=16)
+# so that a row's range crosses tiles and a program holds several queries; the compressed cases
+# cut each dk / dv key tile's queries into parts (float32 partials), the window cases do not.
+SMALL_TILES = RangeAttentionConfig(rows=16, block_keys=16, dkv_min_programs=64, dkv_max_splits=4)
+UNSPLIT_TILES = RangeAttentionConfig(rows=16, block_keys=16, dkv_min_programs=1)
 KERNEL_CASES = {  # id: (T, HQ, HKV, D, l, d, documents' first positions or None)
     "T45-HQ2-HKV2-D8-l8-d4": (45, 2, 2, 8, 8, 4, None),
     "T61-HQ4-HKV2-D16-l8-d4": (61, 4, 2, 16, 8, 4, None),
@@ -416,6 +418,7 @@ def test_compressed_attention_kernel_matches_reference(case):
                                    segment_ids=segment_ids, **sizes)
                   for i, x in enumerate((k, v)))
   scale = 1 / np.sqrt(q.shape[-1])
+  assert dkv_splits(q.shape[0] * k.shape[2], SMALL_TILES) == 4  # one key tile a KV head
   results = [_value_and_grads(functools.partial(fn, segment_ids=segment_ids, **sizes, scale=scale),
                               (q, k_cmp, v_cmp), cotangents)
              for fn in (functools.partial(nsa.compressed_attention_pallas, interpret=True,
@@ -438,7 +441,7 @@ def test_window_kernel_matches_reference(case, window):
   (got, got_grads), (want, want_grads) = [
       _value_and_grads(functools.partial(fn, **kw), (q, k, v), cotangents)
       for fn in (functools.partial(nsa.sliding_window_attention_pallas, interpret=True,
-                                   backend="pallas", config=SMALL_TILES),
+                                   backend="pallas", config=UNSPLIT_TILES),
                  nsa.sliding_window_attention_reference)]
   _assert_close(got, want)
   _assert_close(got_grads, want_grads, grads=True)
