@@ -13,7 +13,8 @@ commit that produced it. The tables sit between marker comments in each document
     python -m benchmarks.report --check    # exit 1 where a committed table differs
 
 WORKSPACE.md gets a row per result; README.md the headline rows (`README_ROWS`). A result file
-that a row needs and the folder lacks fails loudly; so does a row whose figures are missing.
+that a row needs and the folder lacks fails loudly (but for a benchmark that has not run yet,
+`AWAITING_FIRST_RUN`, whose row is left out); so does a row whose figures are missing.
 Reads JSON only: no jax, no GPU (`tests/test_report.py` runs the check in CI).
 """
 
@@ -132,6 +133,25 @@ def layer(r: dict) -> tuple[str, str]:
                  f"({num(ours['speedup_vs_dense'])}x)")
   return (f"selection + attention, {s['dtype']}, g{s['branching']}",
           "fwd+bwd ms, PISA layer vs cuDNN dense: " + "; ".join(cases))
+
+
+def nsa(r: dict) -> tuple[str, str]:
+  s = r["settings"]
+  cases = []
+  for case in dict.fromkeys(x["case"] for x in r["rows"]):
+    ours = one(r, "nsa", case=case, side="nsa", phase="fwd+bwd")
+    peers = []
+    for side in ("fla nsa", "pisa layer", "cudnn dense"):
+      found = [x for x in r["rows"] if x["case"] == case and x["side"] == side
+               and x["phase"] == "fwd+bwd"]
+      if found and found[0].get("refused"):
+        peers.append(f"{side} refused")
+      elif found and "ms" in found[0]:
+        peers.append(f"{side} {num(found[0]['x_ours'])}x")
+    cases.append(f"{case} {num(ours['ms'])}" + (f" ({', '.join(peers)})" if peers else ""))
+  return (f"mean compression, l = d = l' = {s['block_length']}, n {s['top_n']}, "
+          f"w {s['window']}, {s['dtype']}",
+          "fwd+bwd ms of our NSA layer (a peer's time over ours): " + "; ".join(cases))
 
 
 def packed(r: dict) -> tuple[str, str]:
@@ -258,6 +278,7 @@ ROWS: list[tuple[str, str, Callable[[dict], tuple[str, str]]]] = [
     ("attention, a trained model's indices", "attention_real.json",
      attention("attention_real")),
     ("layer", "layer.json", layer),
+    ("NSA layer", "nsa.json", nsa),
     ("packed documents", "packed.json", packed),
     ("decode", "decode.json", decode),
     ("ceilings", "ceilings.json", ceilings),
@@ -267,8 +288,11 @@ ROWS: list[tuple[str, str, Callable[[dict], tuple[str, str]]]] = [
     ("evaluation, dense", "evals/dense-4096/eval.json", evaluation("dense-4096")),
     ("evaluation, PISA", "evals/pisa-4096/eval.json", evaluation("pisa-4096")),
 ]
-README_ROWS = ("selection", "attention", "layer", "packed documents", "decode", "training",
-               "long context training")
+README_ROWS = ("selection", "attention", "layer", "NSA layer", "packed documents", "decode",
+               "training", "long context training")
+# Results whose benchmark has not run yet: their rows are left out while the file is absent
+# (any other missing result fails). A name leaves this list with its first committed result.
+AWAITING_FIRST_RUN = ("nsa.json",)
 
 
 def table(names, results: Path = RESULTS) -> str:
@@ -278,6 +302,8 @@ def table(names, results: Path = RESULTS) -> str:
     if name not in names:
       continue
     path = results / filename
+    if not path.exists() and filename in AWAITING_FIRST_RUN:
+      continue
     if not path.exists():
       raise FileNotFoundError(f"{path}: the {name!r} row reads it (rerun its benchmark)")
     record = json.loads(path.read_text())

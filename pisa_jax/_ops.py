@@ -56,12 +56,17 @@ register("decode_attention", xla=decode.decode_attention_reference,
 # Selection quality against full attention (reference only).
 register("selection_quality", xla=quality.selection_quality_reference)
 
-# NSA: its pieces in the reference; its selected branch runs on `sparse_attention`'s kernels.
+# NSA: the compressed attention and the window on the range kernel (the window on cuDNN where
+# it takes the arguments), the selected branch on `sparse_attention`'s; compression, selection
+# and the decode step in the reference only.
 register("nsa_compress", xla=nsa.nsa_compress_reference)
-register("nsa_compressed_attention", xla=nsa.compressed_attention_reference)
+register("nsa_compressed_attention", xla=nsa.compressed_attention_reference,
+         pallas=with_interpret(nsa.compressed_attention_pallas))
 register("nsa_select_blocks", xla=nsa.nsa_select_blocks_reference)
-register("sliding_window_attention", xla=nsa.sliding_window_attention_reference)
-register("nsa_attention", xla=nsa.nsa_attention_reference, pallas=nsa.nsa_attention_pallas)
+register("sliding_window_attention", xla=nsa.sliding_window_attention_reference,
+         pallas=with_interpret(nsa.sliding_window_attention_pallas))
+register("nsa_attention", xla=nsa.nsa_attention_reference,
+         pallas=with_interpret(nsa.nsa_attention_pallas))
 register("nsa_decode_step", xla=nsa_decode.nsa_decode_step_reference)
 
 # HiLS: landmarks, chunk scores and selection, the two-level softmax, its decode step (reference).

@@ -32,14 +32,16 @@ them; packed, a row's documents' blocks lie one after another, N = T // d slots 
 tokens has (L - l) // d + 1 <= L / d blocks since d <= l). At least one slot in both; slots with
 no complete block hold zeros and are never attended.
 
-The jnp reference computes in float32 whatever the input dtype and rounds once at the end; only
-the selected branch has a kernel (`pisa_jax.kernels.attention`). `implementation=` of
-`nsa_attention`: "xla" runs every branch in the reference, "pallas" runs the selected branch's
-sparse attention on the Pallas kernel and the rest (compression, compressed attention, selection,
-window) in the same jnp reference under XLA; None is "pallas" on a GPU, "xla" elsewhere. The
-pieces without a kernel (`nsa_compress`, `compressed_attention`, `nsa_select_blocks`,
-`sliding_window_attention`) register only "xla": None means "xla" on every platform, and
-"pallas" raises.
+The jnp reference computes in float32 whatever the input dtype and rounds once at the end.
+Kernels: the compressed attention and the window are one Pallas kernel family
+(`pisa_jax.kernels.nsa`: each query attends to one contiguous range of keys, forward with the
+lse, backward under custom_vjp), the window on cuDNN's sliding window instead where it takes the
+arguments (`cudnn_takes_window`); the selected branch is `sparse_attention`'s kernel.
+`implementation=` of `nsa_attention`: "xla" runs every branch in the reference, "pallas" the
+three attentions on their kernels and the compression and the selection's scores in jnp under
+XLA; None is "pallas" on a GPU, "xla" elsewhere. `compressed_attention` and
+`sliding_window_attention` take "pallas" too; `nsa_compress` and `nsa_select_blocks` register
+only "xla" (None means "xla" on every platform, and "pallas" raises).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from jaxtyping import Array, Float, Int
 
 from pisa_jax import _checks, _chunking, _dispatch, _validation, segments
 from pisa_jax.attention import _attend
+from pisa_jax.kernels import nsa as nsa_kernels
 from pisa_jax.selection import flat_top_k
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -315,6 +318,38 @@ def compressed_attention_reference(q, k_cmp, v_cmp, segment_ids, *, block_length
   return out.astype(q.dtype), lse.reshape(q.shape[:3])
 
 
+def _compressed_ranges(layout: _Layout, segment_ids, batch: int, seq_len: int, *,
+                       block_length: int):
+  """The compressed attention as ranges (`pisa_jax.kernels.nsa`): query t sees slots
+  [first, end) `[B, T]`; slot i is seen from the query where its block completes to its
+  document's end, `[B, N]` (a slot without a block by none)."""
+  first, end = (jnp.broadcast_to(x, (batch, seq_len)) for x in (layout.first, layout.end))
+  slot_start = jnp.broadcast_to(layout.slot_start, (batch, layout.slot_start.shape[1]))
+  valid = jnp.broadcast_to(layout.slot_valid, slot_start.shape)
+  if segment_ids is None:
+    doc_end = jnp.full(slot_start.shape, seq_len, jnp.int32)
+  else:
+    start, length = segments.document_bounds(segment_ids)
+    doc_end = jnp.take_along_axis(start + length, slot_start, axis=1)
+  key_first = jnp.where(valid, slot_start + block_length - 1, seq_len)
+  return first, end, key_first, jnp.where(valid, doc_end, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("block_length", "stride", "scale", "interpret",
+                                             "config"))
+def compressed_attention_pallas(q, k_cmp, v_cmp, segment_ids, *, block_length: int, stride: int,
+                                scale: float, interpret: bool, config=None):
+  """Pallas twin of `compressed_attention_reference` (`pisa_jax.kernels.nsa`: one range of
+  compressed slots per query); arguments are already validated. Returns (out in q's dtype,
+  lse float32 `[B, T, HQ]`), both differentiable."""
+  b, t = q.shape[:2]
+  layout = _layout(segment_ids, t, block_length=block_length, stride=stride)
+  ranges = _compressed_ranges(layout, segment_ids, b, t, block_length=block_length)
+  out, lse = nsa_kernels.range_attention_pallas(q, k_cmp, v_cmp, *ranges, scale=scale,
+                                                interpret=interpret, config=config)
+  return out.astype(q.dtype), lse
+
+
 def compressed_attention(
     q: Float[Array, "B T HQ D"],
     k_cmp: Float[Array, "B N HKV D"],
@@ -336,18 +371,21 @@ def compressed_attention(
     k_cmp, v_cmp: compressed keys and values `[B, N, HKV, D]` (`nsa_compress`' layout).
     block_length, stride: l and d that made them. scale: default 1/sqrt(D).
     segment_ids: None, or int32 `[B, T]` packed documents (as given to `nsa_compress`).
-    implementation: "xla" or None (the jnp reference, the only implementation); "pallas" raises.
+    implementation: "xla" (the jnp reference), "pallas" (the kernel of
+      `pisa_jax.kernels.nsa`: O(T N D) work, forward and backward, through Triton on a GPU and
+      the Pallas interpreter elsewhere) or None ("pallas" on a GPU, else "xla").
 
   Returns:
-    out `[B, T, HQ, D]` in q's dtype, differentiable in q, k_cmp and v_cmp; and lse float32
-    `[B, T, HQ]`, the log of each row's softmax denominator (-inf where no block is visible):
-    `nsa_select_blocks` scores blocks with exp(logit - lse).
+    out `[B, T, HQ, D]` in q's dtype; and lse float32 `[B, T, HQ]`, the log of each row's
+    softmax denominator (-inf where no block is visible): `nsa_select_blocks` scores blocks with
+    exp(logit - lse). Both differentiable in q, k_cmp and v_cmp.
   """
   _validation.check_static("compressed_attention", block_length=block_length, stride=stride,
                            scale=scale, implementation=implementation)
   b, t, _, hkv, d = _check_queries(q, k_cmp, v_cmp, block_length=block_length, stride=stride,
                                    segment_ids=segment_ids)
-  attend = _xla_only("nsa_compressed_attention", implementation)
+  _validation.check_implementation(implementation)
+  attend = _dispatch.lookup("nsa_compressed_attention", implementation)
   return attend(q, k_cmp, v_cmp, segment_ids, block_length=int(block_length), stride=int(stride),
                 scale=_validation.resolve_scale(scale, d))
 
@@ -548,6 +586,70 @@ def sliding_window_attention_reference(q, k, v, segment_ids, *, window: int, sca
   return out.astype(q.dtype)
 
 
+WINDOW_BACKENDS = ("cudnn", "pallas")
+
+
+def cudnn_takes_window(q, k, v, segment_ids, interpret: bool) -> bool:
+  """Whether cuDNN's fused attention can run the window branch: on a GPU (not the
+  interpreter), one document per row (`jax.nn.dot_product_attention` takes no segment ids),
+  16-bit inputs of one dtype (cuDNN has no float32 kernel), a head dim that is a multiple of 8
+  up to 128."""
+  dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
+  d = q.shape[-1]
+  return (not interpret and segment_ids is None and len(dtypes) == 1
+          and dtypes <= {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)}
+          and d % 8 == 0 and d <= 128)
+
+
+def _window_ranges(segment_ids, batch: int, seq_len: int, *, window: int):
+  """The window as ranges (`pisa_jax.kernels.nsa`): query t sees keys
+  [max(document start, t - w + 1), t + 1); key j is seen by queries [j, min(j + w, its
+  document's end))."""
+  t = jnp.arange(seq_len, dtype=jnp.int32)[None, :]
+  if segment_ids is None:
+    start, doc_end = jnp.zeros_like(t), jnp.full_like(t, seq_len)
+  else:
+    start, length = segments.document_bounds(segment_ids)
+    doc_end = start + length
+  first = jnp.maximum(start, t - window + 1)
+  key_end = jnp.minimum(t + window, doc_end)
+  return tuple(jnp.broadcast_to(x, (batch, seq_len)).astype(jnp.int32)
+               for x in (first, t + 1, t, key_end))
+
+
+@functools.partial(jax.jit, static_argnames=("window", "scale", "interpret", "backend",
+                                             "config"))
+def sliding_window_attention_pallas(q, k, v, segment_ids, *, window: int, scale: float,
+                                    interpret: bool, backend: str | None = None, config=None):
+  """The fast twin of `sliding_window_attention_reference`; arguments are already validated.
+
+  backend: "cudnn", cuDNN's fused attention with its causal sliding window
+  (`jax.nn.dot_product_attention(..., local_window_size=(w - 1, 0))`: key j is visible to t
+  when t - w < j <= t, the reference's window exactly); "pallas", the range kernel of
+  `pisa_jax.kernels.nsa` (any dtype, head dim and segment_ids); None, "cudnn" where
+  `cudnn_takes_window` holds, else "pallas". Asking for "cudnn" where it does not hold raises.
+  """
+  takes = cudnn_takes_window(q, k, v, segment_ids, interpret)
+  if backend is None:
+    backend = "cudnn" if takes else "pallas"
+  if backend not in WINDOW_BACKENDS:
+    raise ValueError(f"{backend=} must be one of {WINDOW_BACKENDS} or None")
+  if backend == "cudnn":
+    if not takes:
+      raise ValueError(f"{backend=} needs a GPU, segment_ids=None, bfloat16 or float16 q, k, v "
+                       f"of one dtype and a head dim that is a multiple of 8 up to 128: got "
+                       f"{q.dtype}/{k.dtype}/{v.dtype}, D={q.shape[-1]}, "
+                       f"segment_ids={'given' if segment_ids is not None else None}")
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
+                                        local_window_size=(window - 1, 0),
+                                        implementation="cudnn")
+  b, t = q.shape[:2]
+  ranges = _window_ranges(segment_ids, b, t, window=window)
+  out, _ = nsa_kernels.range_attention_pallas(q, k, v, *ranges, scale=scale,
+                                              interpret=interpret, config=config)
+  return out.astype(q.dtype)
+
+
 def sliding_window_attention(
     q: Float[Array, "B T HQ D"],
     k: Float[Array, "B T HKV D"],
@@ -561,8 +663,11 @@ def sliding_window_attention(
   """Causal attention over the last `window` tokens: query t sees keys t - w < j <= t of its
   document (fla's `window_size=(w - 1, 0)`).
 
-  Args as in `sparse_attention`; window: w >= 1. implementation: "xla" or None (the jnp
-  reference: query chunks over a slice of chunk + w - 1 keys, O(T w)); "pallas" raises.
+  Args as in `sparse_attention`; window: w >= 1. implementation: "xla" (the jnp reference:
+  query chunks over a slice of chunk + w - 1 keys, O(T w)), "pallas" (cuDNN's sliding window on
+  a GPU where it takes the arguments, `cudnn_takes_window`; else the Pallas range kernel of
+  `pisa_jax.kernels.nsa`, which takes any; both O(T w), forward and backward) or None ("pallas"
+  on a GPU, else "xla").
 
   Returns:
     `[B, T, HQ, D]` in q's dtype, differentiable in q, k and v.
@@ -573,7 +678,8 @@ def sliding_window_attention(
   _validation.check_v(v, k)
   check_options(window=window)
   _validation.check_segment_ids(segment_ids, batch=b, seq_len=t)
-  attend = _xla_only("sliding_window_attention", implementation)
+  _validation.check_implementation(implementation)
+  attend = _dispatch.lookup("sliding_window_attention", implementation)
   return attend(q, k, v, segment_ids, window=int(window),
                 scale=_validation.resolve_scale(scale, d))
 
@@ -581,25 +687,24 @@ def sliding_window_attention(
 # ----------------------------------------------------------------------------- the layer
 
 
-def _nsa(q, k, v, gates, key_mlp, value_mlp, segment_ids, *, compression, block_length, stride,
-         select_block_size, top_n, window, scale, selected_implementation):
-  """Eq. 5 on validated arguments; the selected branch's sparse attention runs on
-  `selected_implementation` ("xla" or "pallas"), everything else in the jnp reference."""
-  layout = _layout(segment_ids, q.shape[1], block_length=block_length, stride=stride)
-  q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
-  k_cmp = _compress(k32, layout, key_mlp, block_length=block_length, compression=compression)
-  v_cmp = _compress(v32, layout, value_mlp, block_length=block_length, compression=compression)
-  out_cmp, lse = _compressed_attention(q32, k_cmp, v_cmp, layout, scale=scale)
-  # Appendix B of PISA, Section 3.3 of NSA: the selection is held fixed in the backward pass.
-  indices = lax.stop_gradient(_select(
-      *(lax.stop_gradient(x) for x in (q32, lse, k_cmp)), layout, block_length=block_length,
-      stride=stride, select_block_size=select_block_size, top_n=top_n, scale=scale))
-  out_slc = _attend(q, k, v, indices, segment_ids, block_size=select_block_size, scale=scale,
-                    implementation=selected_implementation).astype(jnp.float32)
-  out_win = _window_attention(q32, k32, v32, layout.start, window=window, scale=scale)
+def _gate(gates, out_cmp, out_slc, out_win, dtype):
+  """Eq. 5: the branches' float32 outputs `[B, T, HQ, D]` weighted by their gates."""
   g = gates.astype(jnp.float32)[..., None]  # [B, T, HQ, 3, 1]
-  out = g[:, :, :, 0] * out_cmp + g[:, :, :, 1] * out_slc + g[:, :, :, 2] * out_win
-  return out.astype(q.dtype)
+  out = (g[:, :, :, 0] * out_cmp.astype(jnp.float32) + g[:, :, :, 1] * out_slc.astype(jnp.float32)
+         + g[:, :, :, 2] * out_win.astype(jnp.float32))
+  return out.astype(dtype)
+
+
+def _selected(q, k, v, q_sel, lse, k_cmp_sel, layout, segment_ids, *, block_length, stride,
+              select_block_size, top_n, scale, implementation):
+  """The selected branch: blocks chosen from float32 q_sel, lse `[B, T, HKV, G]` and k_cmp_sel
+  (all held fixed; Appendix B of PISA, Section 3.3 of NSA), attended by `sparse_attention`."""
+  indices = lax.stop_gradient(_select(
+      *(lax.stop_gradient(x) for x in (q_sel, lse, k_cmp_sel)), layout,
+      block_length=block_length, stride=stride, select_block_size=select_block_size,
+      top_n=top_n, scale=scale))
+  return _attend(q, k, v, indices, segment_ids, block_size=select_block_size, scale=scale,
+                 implementation=implementation)
 
 
 _NSA_STATIC = ("compression", "block_length", "stride", "select_block_size", "top_n", "window",
@@ -607,18 +712,47 @@ _NSA_STATIC = ("compression", "block_length", "stride", "select_block_size", "to
 
 
 @functools.partial(jax.jit, static_argnames=_NSA_STATIC)
-def nsa_attention_reference(q, k, v, gates, key_mlp, value_mlp, segment_ids, **options):
-  """`nsa_attention` with every branch in the jnp reference ("xla")."""
-  return _nsa(q, k, v, gates, key_mlp, value_mlp, segment_ids, selected_implementation="xla",
-              **options)
+def nsa_attention_reference(q, k, v, gates, key_mlp, value_mlp, segment_ids, *, compression,
+                            block_length, stride, select_block_size, top_n, window, scale):
+  """`nsa_attention` with every branch in the jnp reference ("xla"), in float32."""
+  layout = _layout(segment_ids, q.shape[1], block_length=block_length, stride=stride)
+  q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
+  k_cmp = _compress(k32, layout, key_mlp, block_length=block_length, compression=compression)
+  v_cmp = _compress(v32, layout, value_mlp, block_length=block_length, compression=compression)
+  out_cmp, lse = _compressed_attention(q32, k_cmp, v_cmp, layout, scale=scale)
+  out_slc = _selected(q, k, v, q32, lse, k_cmp, layout, segment_ids, block_length=block_length,
+                      stride=stride, select_block_size=select_block_size, top_n=top_n,
+                      scale=scale, implementation="xla")
+  out_win = _window_attention(q32, k32, v32, layout.start, window=window, scale=scale)
+  return _gate(gates, out_cmp, out_slc, out_win, q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=_NSA_STATIC)
-def nsa_attention_pallas(q, k, v, gates, key_mlp, value_mlp, segment_ids, **options):
-  """`nsa_attention` with the selected branch on the Pallas sparse-attention kernel and the other
-  branches (compression, compressed attention, selection, window) in the jnp reference."""
-  return _nsa(q, k, v, gates, key_mlp, value_mlp, segment_ids, selected_implementation="pallas",
-              **options)
+@functools.partial(jax.jit, static_argnames=_NSA_STATIC + ("interpret",))
+def nsa_attention_pallas(q, k, v, gates, key_mlp, value_mlp, segment_ids, *, compression,
+                         block_length, stride, select_block_size, top_n, window, scale,
+                         interpret: bool):
+  """`nsa_attention` on the kernels: the compressed attention on the range kernel
+  (`compressed_attention_pallas`, its lse feeding the selection), the selected branch on the
+  sparse-attention kernel, the window on `sliding_window_attention_pallas` (cuDNN where it
+  takes the arguments); the compression and the selection's scores in the jnp reference."""
+  b, t = q.shape[:2]
+  layout = _layout(segment_ids, t, block_length=block_length, stride=stride)
+  k_cmp, v_cmp = (_compress(x.astype(jnp.float32), layout, mlp, block_length=block_length,
+                            compression=compression).astype(q.dtype)
+                  for x, mlp in ((k, key_mlp), (v, value_mlp)))
+  ranges = _compressed_ranges(layout, segment_ids, b, t, block_length=block_length)
+  out_cmp, lse = nsa_kernels.range_attention_pallas(q, k_cmp, v_cmp, *ranges, scale=scale,
+                                                    interpret=interpret)
+  hkv = k.shape[2]
+  # The selection scores the blocks with the very compressed keys the kernel's lse summed over.
+  out_slc = _selected(q, k, v, q.astype(jnp.float32),
+                      lse.reshape(b, t, hkv, q.shape[2] // hkv), k_cmp.astype(jnp.float32),
+                      layout, segment_ids, block_length=block_length, stride=stride,
+                      select_block_size=select_block_size, top_n=top_n, scale=scale,
+                      implementation="pallas")
+  out_win = sliding_window_attention_pallas(q, k, v, segment_ids, window=window, scale=scale,
+                                            interpret=interpret)
+  return _gate(gates, out_cmp, out_slc, out_win, q.dtype)
 
 
 def nsa_attention(
@@ -653,9 +787,11 @@ def nsa_attention(
     scale: logit scale of every branch, default 1/sqrt(D).
     segment_ids: None, or int32 `[B, T]` packed documents: every branch its document's own, each
       row of the output that of its document run alone.
-    implementation: "xla" (every branch in the jnp reference), "pallas" (the selected branch's
-      attention on the Pallas kernel, the other branches in the jnp reference under XLA) or
-      None ("pallas" on a GPU, else "xla").
+    implementation: "xla" (every branch in the jnp reference, float32), "pallas" (the
+      compressed attention on the range kernel, the selected branch on the sparse-attention
+      kernel, the window on cuDNN's sliding window where it takes the arguments, else the range
+      kernel; compression and selection scores in jnp under XLA) or None ("pallas" on a GPU,
+      else "xla").
 
   Options fix shapes or compiled code: static under `jax.jit`, as in `sparse_attention`.
 

@@ -185,6 +185,29 @@ def _attention(*, d=64, top_k=8, hq=32, hkv=2, dtype=BF16, packed=False, offset=
   return jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv, idx, *extra
 
 
+def _nsa_range(branch, *, d=64, hq=32, hkv=2, packed=False, dtype=BF16):
+  """NSA's compressed attention (l = 32, d = 16) or window (w = 512) on the range kernels:
+  forward, dq and dk / dv under the custom_vjp."""
+  from pisa_jax import nsa
+
+  if branch == "compressed":
+    n = nsa.num_compressed_slots(SEQ, 32, 16, packed)
+    kv = _s((1, n, hkv, d), dtype)
+    attend = functools.partial(nsa.compressed_attention_pallas, block_length=32, stride=16,
+                               scale=d ** -0.5, interpret=False)
+  else:
+    kv = _s((1, SEQ, hkv, d), dtype)
+    attend = functools.partial(nsa.sliding_window_attention_pallas, window=512, scale=d ** -0.5,
+                               interpret=False, backend="pallas")
+
+  def loss(q, k, v, *segment_ids):
+    out = attend(q, k, v, segment_ids[0] if segment_ids else None)
+    return jnp.sum((out[0] if branch == "compressed" else out).astype(F32))
+
+  extra = (_s((1, SEQ), jnp.int32),) if packed else ()
+  return jax.grad(loss, argnums=(0, 1, 2)), _s((1, SEQ, hq, d), dtype), kv, kv, *extra
+
+
 def _decode_shapes(*, batch, d, hq, hkv=2, dtype=BF16, branching=2):
   from pisa_jax.decode_cache import DecodeCache
 
@@ -335,6 +358,11 @@ CASES: dict[str, Callable[[], tuple]] = {
     "attention/d128k32/packed": lambda: _attention(d=128, top_k=32, packed=True),
     "attention/d64k8/offset": lambda: _attention(offset=True),
     "attention/d128k32/offset": lambda: _attention(d=128, top_k=32, offset=True),
+    # NSA's range kernels: the compressed attention and the window, forward and backward.
+    "nsa/compressed/d64g16": lambda: _nsa_range("compressed"),
+    "nsa/compressed/d128g4/packed": lambda: _nsa_range("compressed", d=128, hkv=8, packed=True),
+    "nsa/compressed/d64g3/f32": lambda: _nsa_range("compressed", hq=6, dtype=F32),
+    "nsa/window/d64g8/packed": lambda: _nsa_range("window", hkv=4, packed=True),
     # Decode at 1M cached tokens: the whole step and each entry point.
     "decode/d128k32/b16/step": lambda: _decode("step"),
     "decode/d128k32/b1/step": lambda: _decode("step", batch=1),
@@ -365,7 +393,7 @@ CASES: dict[str, Callable[[], tuple]] = {
 CI_CASES = ("selection/d64k8/pisa", "selection/d128k32/pisa", "selection/d64k8/bsa",
             "packed_selection/d64k8/pisa", "packed_selection/d128k32/pisa",
             "attention/d128k32", "attention/d64k8/packed", "attention/d64k8/offset",
-            "decode/d128k32/b16/step", "decode/d128k32/bsa/step")
+            "decode/d128k32/b16/step", "decode/d128k32/bsa/step", "nsa/compressed/d64g16")
 
 
 def lower_case(name: str) -> tuple[list[Kernel], str]:

@@ -20,7 +20,7 @@ from pisa_jax.testing import random_block_indices
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ("selection", "attention", "layer", "training", "multi_gpu", "decode",
-           "context_parallel", "packed", "ceilings", "paper_settings")
+           "context_parallel", "packed", "ceilings", "paper_settings", "nsa")
 
 # One small fake result per script, rows as the script writes them.
 FAKE_ROWS = {
@@ -40,6 +40,15 @@ FAKE_ROWS = {
              phase="fwd+bwd", ms=2.1, speedup_vs_dense=4.3),
         dict(case="16K d64 K8 g16", n=16384, hq=32, hkv=2, d=64, top_k=8, side="cudnn dense",
              phase="fwd+bwd", ms=9.0)],
+    "nsa": [
+        dict(case="16K d64 g16", n=16384, hq=32, hkv=2, d=64, group=16, side=side, phase=phase,
+             ms=ms, **({"x_ours": round(ms / ours, 3)} if side != "nsa" else {}))
+        for phase, ours in (("fwd", 1.0), ("fwd+bwd", 3.0))
+        for side, ms in (("nsa", ours), ("fla nsa", 1.5 * ours), ("pisa layer", 0.6 * ours),
+                         ("cudnn dense", 5 * ours), ("window cudnn", 0.2 * ours))]
+        + [dict(case="16K d64 g4", n=16384, hq=32, hkv=8, d=64, group=4, side="fla nsa",
+                phase=phase, refused=True, error="AssertionError: Group size must be a multiple "
+                "of 16 in NSA") for phase in ("fwd", "fwd+bwd")],
     "training": [
         dict(attention=a, seq_len=4096, global_batch=8, tokens_per_step=32768, steps=20,
              tokens_per_s=t, mfu=0.2, compiled_step_gib={"temp": 20.0}, final_loss=5.0,
@@ -114,6 +123,7 @@ SETTINGS = {
                    documents=[16384] * 8),
     "ceilings": dict(parts=["walk", "tile"], nodes=32768, d=128, candidates=64, levels=[1, 17]),
     "paper_settings": dict(attention=["pisa", "dense"], steps=3, warmup=1),
+    "nsa": dict(compression="mean", block_length=64, top_n=16, window=512, dtype="bfloat16"),
 }
 
 
@@ -211,6 +221,16 @@ def test_attention_runs_on_the_reference(tmp_path):
                            "--out", str(tmp_path)])
   assert {(r["side"], r["phase"]) for r in record["rows"]} == {("pisa-jax", "fwd"),
                                                                ("pisa-jax", "fwd+bwd")}
+  assert all(r["ms"] > 0 and "error" not in r for r in record["rows"])
+
+
+@pytest.mark.slow
+def test_nsa_runs_on_the_reference(tmp_path):
+  from benchmarks import nsa
+  record = nsa.main(["--case", "256:4:1:16", "--window", "32", "--implementation", "xla",
+                     "--no-fla", "--out", str(tmp_path)])
+  assert {(r["side"], r["phase"]) for r in record["rows"]} == {
+      (side, phase) for side in ("nsa", "pisa layer") for phase in ("fwd", "fwd+bwd")}
   assert all(r["ms"] > 0 and "error" not in r for r in record["rows"])
 
 

@@ -13,7 +13,9 @@ import pytest
 
 import pisa_jax
 from pisa_jax import nsa
+from pisa_jax.kernels.nsa import RangeAttentionConfig, dkv_splits
 import oracles
+from tolerances import GRAD_ATOL, GRAD_RTOL, OUTPUT_ATOL, OUTPUT_RTOL
 
 # The layer's tiny geometry: l = 8, d = 4 (overlapping), l' = 8, n = 4 (one free slot beside the
 # three forced ones), w = 6; T = 53 is no multiple of any of them, and queries past position 39
@@ -332,9 +334,10 @@ def test_config_rejects_bad_nsa_fields_by_name(override, match):
   assert "\n" not in str(info.value)
 
 
-def test_pallas_runs_the_selected_branch_on_the_kernel_and_equals_xla():
-  """implementation="pallas": the selected branch on the Pallas sparse-attention kernel (the
-  interpreter off a GPU), the rest the reference: outputs and gradients equal "xla"'s."""
+def test_pallas_layer_equals_xla():
+  """implementation="pallas": the compressed and window branches on the range kernel, the
+  selected branch on the sparse-attention kernel (the interpreter off a GPU): outputs and
+  gradients equal "xla"'s."""
   args = make_inputs()
   cotangent = jax.random.normal(jax.random.key(6), args[0].shape)
   results = []
@@ -345,3 +348,157 @@ def test_pallas_runs_the_selected_branch_on_the_kernel_and_equals_xla():
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
     np.testing.assert_allclose(g, w, rtol=5e-5, atol=5e-5)
+
+
+# The range kernels (`pisa_jax.kernels.nsa`) of the compressed and window branches, in the
+# Pallas interpreter, against the jnp reference on fresh inputs. Small tiles (16 rows, 16 keys)
+# so that a row's range crosses tiles and a program holds several queries; the compressed cases
+# cut each dk / dv key tile's queries into parts (float32 partials), the window cases do not.
+SMALL_TILES = RangeAttentionConfig(rows=16, block_keys=16, dkv_min_programs=64, dkv_max_splits=4)
+UNSPLIT_TILES = RangeAttentionConfig(rows=16, block_keys=16, dkv_min_programs=1)
+KERNEL_CASES = {  # id: (T, HQ, HKV, D, l, d, documents' first positions or None)
+    "T45-HQ2-HKV2-D8-l8-d4": (45, 2, 2, 8, 8, 4, None),
+    "T61-HQ4-HKV2-D16-l8-d4": (61, 4, 2, 16, 8, 4, None),
+    "T50-HQ3-HKV1-D8-l4-d4": (50, 3, 1, 8, 4, 4, None),
+    "T37-HQ8-HKV2-D8-l8-d8": (37, 8, 2, 8, 8, 8, None),
+    "T39-HQ8-HKV1-D8-l4-d2-packed": (39, 8, 1, 8, 4, 2, (0, 11, 14, 30)),
+}
+
+
+def _kernel_inputs(case, seed):
+  seq_len, hq, hkv, d, length, stride, firsts = KERNEL_CASES[case]
+  keys = jax.random.split(jax.random.key(seed), 6)
+  q = jax.random.normal(keys[0], (2, seq_len, hq, d))
+  k, v = (jax.random.normal(key, (2, seq_len, hkv, d)) for key in keys[1:3])
+  segment_ids = None
+  if firsts is not None:
+    # Row 0 with the documents, row 1 one document (a packed row may hold one).
+    ids = np.searchsorted(np.asarray(firsts), np.arange(seq_len), side="right")
+    segment_ids = jnp.asarray(np.stack([ids, np.ones(seq_len, int)]).astype(np.int32))
+  cotangents = [jax.random.normal(key, shape) for key, shape in
+                ((keys[3], q.shape), (keys[4], q.shape[:3]))]
+  return q, k, v, segment_ids, length, stride, cotangents
+
+
+def _value_and_grads(fn, args, cotangents):
+  """fn's outputs (out, or (out, lse)) and the gradients of sum(out * ct) + sum(lse * ct) over
+  the finite lse, in one jitted vjp."""
+  @jax.jit
+  def run(args, cotangents):
+    outs, vjp = jax.vjp(fn, *args)
+    if isinstance(outs, tuple):
+      out, lse = outs
+      cts = (cotangents[0].astype(out.dtype), jnp.where(jnp.isfinite(lse), cotangents[1], 0.0))
+    else:
+      cts = cotangents[0].astype(outs.dtype)
+    return outs, vjp(cts)
+  return run(tuple(args), tuple(cotangents))
+
+
+def _assert_close(got, want, *, grads=False):
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    assert np.all(np.isfinite(g) | np.isneginf(w)), "an output the kernel never wrote (NaN)"
+    np.testing.assert_allclose(g, w, rtol=GRAD_RTOL[jnp.float32] if grads else
+                               OUTPUT_RTOL[jnp.float32],
+                               atol=GRAD_ATOL[jnp.float32] if grads else OUTPUT_ATOL[jnp.float32])
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=pytest.mark.slow) if c.startswith(("T61", "T37")) else c
+    for c in KERNEL_CASES])
+def test_compressed_attention_kernel_matches_reference(case):
+  """Output, lse and the gradients of q, k_cmp and v_cmp (through both outputs), any group
+  (1, 2, 3, 4, 8), T no multiple of the stride or the tiles, packed documents."""
+  q, k, v, segment_ids, length, stride, cotangents = _kernel_inputs(case, seed=11)
+  sizes = dict(block_length=length, stride=stride)
+  k_cmp, v_cmp = (nsa.nsa_compress(x, compression="mean" if length == stride else "mlp",
+                                   mlp=None if length == stride else
+                                   nsa.init_compression_mlp(jax.random.key(i), head_dim=x.shape[3],
+                                                            hidden=8, block_length=length),
+                                   segment_ids=segment_ids, **sizes)
+                  for i, x in enumerate((k, v)))
+  scale = 1 / np.sqrt(q.shape[-1])
+  assert dkv_splits(q.shape[0] * k.shape[2], SMALL_TILES) == 4  # one key tile a KV head
+  results = [_value_and_grads(functools.partial(fn, segment_ids=segment_ids, **sizes, scale=scale),
+                              (q, k_cmp, v_cmp), cotangents)
+             for fn in (functools.partial(nsa.compressed_attention_pallas, interpret=True,
+                                          config=SMALL_TILES),
+                        nsa.compressed_attention_reference)]
+  (got, got_grads), (want, want_grads) = results
+  assert np.any(np.isneginf(want[1])) and np.any(np.isfinite(want[1]))
+  _assert_close(got, want)
+  _assert_close(got_grads, want_grads, grads=True)
+
+
+@pytest.mark.parametrize("case,window", [("T45-HQ2-HKV2-D8-l8-d4", 5),
+                                         pytest.param("T61-HQ4-HKV2-D16-l8-d4", 40,
+                                                      marks=pytest.mark.slow),
+                                         ("T50-HQ3-HKV1-D8-l4-d4", 17),
+                                         ("T39-HQ8-HKV1-D8-l4-d2-packed", 9)])
+def test_window_kernel_matches_reference(case, window):
+  q, k, v, segment_ids, _, _, cotangents = _kernel_inputs(case, seed=12)
+  kw = dict(window=window, scale=1 / np.sqrt(q.shape[-1]), segment_ids=segment_ids)
+  (got, got_grads), (want, want_grads) = [
+      _value_and_grads(functools.partial(fn, **kw), (q, k, v), cotangents)
+      for fn in (functools.partial(nsa.sliding_window_attention_pallas, interpret=True,
+                                   backend="pallas", config=UNSPLIT_TILES),
+                 nsa.sliding_window_attention_reference)]
+  _assert_close(got, want)
+  _assert_close(got_grads, want_grads, grads=True)
+
+
+def test_range_kernels_on_packed_documents_equal_each_document_alone():
+  """Both branches' kernels over a packed row: each document's outputs and gradients are those
+  of the document alone at the start of a row of its own (compressed on its own grid; causal,
+  so the zeros after it change none of it)."""
+  q, k, v, segment_ids, length, stride, cotangents = _kernel_inputs(
+      "T39-HQ8-HKV1-D8-l4-d2-packed", seed=13)
+  seq_len = q.shape[1]
+  sizes = dict(block_length=length, stride=stride)
+  mlps = [nsa.init_compression_mlp(jax.random.key(i), head_dim=8, hidden=8, block_length=length)
+          for i in range(2)]
+  kernel = dict(interpret=True, config=SMALL_TILES)
+
+  def both(q, k, v, segment_ids):
+    k_cmp, v_cmp = (nsa.nsa_compress(x, mlp, segment_ids=segment_ids, **sizes)
+                    for x, mlp in ((k, mlps[0]), (v, mlps[1])))
+    out_cmp, lse = nsa.compressed_attention_pallas(q, k_cmp, v_cmp, segment_ids, scale=0.4,
+                                                   **sizes, **kernel)
+    out_win = nsa.sliding_window_attention_pallas(q, k, v, segment_ids, window=6, scale=0.4,
+                                                  backend="pallas", **kernel)
+    return out_cmp + 2.0 * out_win, lse
+
+  packed, packed_grads = _value_and_grads(lambda *a: both(*a, segment_ids[:1]),
+                                          (q[:1], k[:1], v[:1]), [c[:1] for c in cotangents])
+  bounds = np.flatnonzero(np.diff(np.asarray(segment_ids[0]))) + 1
+  docs = list(zip([0, *bounds], [*bounds, seq_len]))
+  assert len(docs) == 4
+
+  def alone(x):  # [4, T, ...]: document i at the start of row i, zeros after it
+    return jnp.stack([jnp.pad(x[0, lo:hi], [(0, seq_len - hi + lo)] + [(0, 0)] * (x.ndim - 2))
+                      for lo, hi in docs])
+
+  single, single_grads = _value_and_grads(lambda *a: both(*a, None),
+                                          tuple(map(alone, (q, k, v))), list(map(alone, cotangents)))
+  for r, (lo, hi) in enumerate(docs):
+    _assert_close(jax.tree.map(lambda x: x[0, lo:hi], (packed, packed_grads)),
+                  jax.tree.map(lambda x: x[r, :hi - lo], (single, single_grads)), grads=True)
+
+
+def test_cudnn_window_is_the_references_window():
+  """`local_window_size=(w - 1, 0)` with is_causal, the window cuDNN's path is given, masks as
+  the reference (t - w < j <= t): checked on jax's XLA implementation of the same call."""
+  q, k, v, *_ = _kernel_inputs("T61-HQ4-HKV2-D16-l8-d4", seed=14)
+  for window in (1, 16):
+    got = jax.nn.dot_product_attention(q, k, v, scale=0.25, is_causal=True,
+                                       local_window_size=(window - 1, 0), implementation="xla")
+    want = nsa.sliding_window_attention_reference(q, k, v, None, window=window, scale=0.25)
+    _assert_close(got, want)
+
+
+def test_cudnn_window_where_it_cannot_run_is_refused_in_one_line():
+  q, k, v, *_ = make_inputs()
+  with pytest.raises(ValueError, match=r"backend='cudnn' needs a GPU, segment_ids=None") as info:
+    nsa.sliding_window_attention_pallas(q, k, v, None, window=6, scale=0.3, interpret=True,
+                                        backend="cudnn")
+  assert "\n" not in str(info.value)

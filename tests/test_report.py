@@ -36,3 +36,21 @@ def test_the_table_names_each_figures_date_device_and_commit():
   assert line.endswith(f"| {record['date'][:10]}, {record['device']}, {record['commit'][:7]} |")
   with pytest.raises(ValueError, match="must hold one <!-- figures:begin -->"):
     report.replace_table("no markers", "| table |", "README.md")
+
+
+def test_a_benchmark_awaiting_its_first_run_gets_its_row_once_it_has_a_result(tmp_path):
+  results = tmp_path / "results"
+  shutil.copytree(report.RESULTS, results)
+  (results / "nsa.json").unlink(missing_ok=True)
+  assert "| NSA layer |" not in report.table(["NSA layer"], results)
+  record = json.loads((results / "layer.json").read_text())
+  record.update(benchmark="nsa", settings=dict(block_length=64, top_n=16, window=512,
+                                               dtype="bfloat16"))
+  record["rows"] = [dict(case="16K d64 g16", side="nsa", phase="fwd+bwd", ms=3.0),
+                    dict(case="16K d64 g16", side="fla nsa", phase="fwd+bwd", ms=6.0, x_ours=2.0),
+                    dict(case="16K d64 g4", side="nsa", phase="fwd+bwd", ms=4.0),
+                    dict(case="16K d64 g4", side="fla nsa", phase="fwd+bwd", refused=True,
+                         error="AssertionError")]
+  (results / "nsa.json").write_text(json.dumps(record))
+  line = report.table(["NSA layer"], results).splitlines()[-1]
+  assert "16K d64 g16 3 (fla nsa 2x); 16K d64 g4 4 (fla nsa refused)" in line

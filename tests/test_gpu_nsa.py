@@ -1,0 +1,104 @@
+"""NSA's range kernels (`pisa_jax.kernels.nsa`) compiled for the GPU, cuDNN's sliding window, and
+the whole layer, against the jnp reference on float32-upcast inputs.
+
+CI runs the range kernels in the Pallas interpreter (tests/test_nsa.py); here they compile through
+Triton, and the window also runs on cuDNN. Outputs land in memory poisoned with NaN first, so an
+element a kernel never writes fails the finiteness check. Skipped without a CUDA GPU:
+
+  python -m pytest -q -m gpu tests/test_gpu_nsa.py
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pisa_jax import nsa
+
+import tolerances as tol
+from test_gpu_attention import poison
+
+pytestmark = pytest.mark.gpu
+
+
+def _inputs(seq_len, hq, hkv, d, dtype, seed=0):
+  keys = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(keys[0], (2, seq_len, hq, d), jnp.float32).astype(dtype)
+  k, v = (jax.random.normal(key, (2, seq_len, hkv, d), jnp.float32).astype(dtype)
+          for key in keys[1:3])
+  return q, k, v, jax.random.normal(keys[3], q.shape, jnp.float32).astype(dtype)
+
+
+def _value_and_grads(fn, q, k, v, do):
+  @jax.jit
+  def run(q, k, v, do):
+    out, vjp = jax.vjp(fn, q, k, v)
+    return (out,) + tuple(vjp(do.astype(out.dtype)))
+  poison(4 << 30)
+  return run(q, k, v, do)
+
+
+def _check(got, want, dtype):
+  for g, w in zip(got, want, strict=True):
+    g = np.asarray(g, np.float32)
+    assert np.all(np.isfinite(g)), "an output the kernel never wrote (NaN)"
+    np.testing.assert_allclose(g, w, atol=tol.GRAD_ATOL[dtype], rtol=tol.GRAD_RTOL[dtype])
+
+
+def _upcast(fn):
+  return lambda *a: fn(*(x.astype(jnp.float32) for x in a))
+
+
+@pytest.mark.parametrize("backend", ["cudnn", "pallas"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_window_matches_reference(backend, dtype):
+  q, k, v, do = _inputs(1000, 32, 4, 64, dtype)
+  kw = dict(window=300, scale=0.125)
+  got = _value_and_grads(functools.partial(nsa.sliding_window_attention_pallas, segment_ids=None,
+                                           interpret=False, backend=backend, **kw), q, k, v, do)
+  want = _value_and_grads(_upcast(functools.partial(nsa.sliding_window_attention_reference,
+                                                    segment_ids=None, **kw)), q, k, v, do)
+  _check(got, want, dtype)
+
+
+@pytest.mark.parametrize("hq,hkv,d,dtype", [(32, 2, 64, jnp.bfloat16), (32, 8, 128, jnp.bfloat16),
+                                            (6, 2, 48, jnp.float32)])
+@pytest.mark.parametrize("packed", [False, True])
+def test_compressed_attention_matches_reference(hq, hkv, d, dtype, packed):
+  seq_len = 1500
+  q, k, v, do = _inputs(seq_len, hq, hkv, d, dtype, seed=1)
+  segment_ids = None
+  if packed:
+    segment_ids = jnp.asarray(np.searchsorted([0, 333, 900], np.arange(seq_len), side="right")
+                              [None].repeat(2, 0).astype(np.int32))
+  sizes = dict(block_length=32, stride=16)
+  k_cmp, v_cmp = (nsa.nsa_compress(x, compression="mlp", segment_ids=segment_ids, mlp=mlp, **sizes)
+                  for x, mlp in zip((k, v), (nsa.init_compression_mlp(
+                      jax.random.key(i), block_length=32, head_dim=d, dtype=dtype)
+                      for i in range(2))))
+  kw = dict(segment_ids=segment_ids, scale=d ** -0.5, **sizes)
+  got = _value_and_grads(lambda *a: nsa.compressed_attention_pallas(*a, interpret=False, **kw)[0],
+                         q, k_cmp, v_cmp, do)
+  want = _value_and_grads(_upcast(lambda *a: nsa.compressed_attention_reference(*a, **kw)[0]),
+                          q, k_cmp, v_cmp, do)
+  _check(got, want, dtype)
+
+
+def test_layer_on_the_kernels_matches_the_reference():
+  """The whole layer in fla's configuration, bf16: outputs and gradients of "pallas" against
+  "xla" on the same inputs (its selection may flip near-ties between the two: compared where
+  the outputs agree to the tolerance, which must be nearly everywhere)."""
+  q, k, v, do = _inputs(4096, 32, 2, 64, jnp.bfloat16, seed=2)
+  gates = jax.nn.sigmoid(jax.random.normal(jax.random.key(3), q.shape[:3] + (3,)))
+  kw = dict(compression="mean", block_length=64, stride=64, select_block_size=64, top_n=16,
+            window=512)
+  outs = [jax.jit(lambda q, k, v: nsa.nsa_attention(q, k, v, gates, implementation=impl, **kw))(
+      q, k, v) for impl in ("pallas", "xla")]
+  got, want = (np.asarray(o, np.float32) for o in outs)
+  close = np.isclose(got, want, atol=tol.OUTPUT_ATOL[jnp.bfloat16],
+                     rtol=tol.OUTPUT_RTOL[jnp.bfloat16])
+  assert np.all(np.isfinite(got)) and close.mean() > 0.999, close.mean()
