@@ -17,7 +17,10 @@ one rule from each of our parameters to the checkpoint tensor it comes from and 
 GGUF stores the q and k projections of "llama" models permuted for llama.cpp's interleaved RoPE
 (pairs (2j, 2j + 1) of a head); Hugging Face and this decoder rotate pairs (j, j + D/2). The
 permutation is undone here (`_unpermute`); "qwen2" and "qwen3" GGUFs use the rotate-half layout
-and are read as they are. The tokenizer is the model's own through the `tokenizers` package: a
+and are read as they are. Llama 3.1 / 3.2 GGUFs carry their "llama3" RoPE scaling as per-frequency
+divisors (`rope_freqs.weight`) and no scaling metadata: the scaling whose frequencies equal them is
+recovered (`rope_fields_from_freq_factors`), so that the model exports as the Hugging Face config
+it came from. The tokenizer is the model's own through the `tokenizers` package: a
 folder's tokenizer.json, or a GGUF's byte-level BPE vocabulary and merges with the pre-tokenizer its
 `tokenizer.ggml.pre` names.
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -287,11 +291,11 @@ class _GGUFFile(_Tensors):
           self._tensors[re.sub(pattern, name, tensor.name)] = tensor
           break
       else:
+        if tensor.name == ROPE_FREQS:  # read into the config (`rope_fields_from_freq_factors`)
+          continue
         raise UnsupportedModelError(
             f"{where}: tensor {tensor.name!r} is not supported: a {arch} model has no such "
-            f"tensor in this decoder" + (" (rope_freqs: per-frequency RoPE factors; load the "
-                                         "Hugging Face folder instead)"
-                                         if tensor.name.startswith("rope_freqs") else ""))
+            f"tensor in this decoder")
     self._arch, self._heads, self._kv_heads = arch, heads, kv_heads
 
   def names(self) -> set[str]:
@@ -312,6 +316,88 @@ class _GGUFFile(_Tensors):
 def _gguf_value(reader, key: str, default=None):
   field = reader.fields.get(key)
   return default if field is None else field.contents()
+
+
+# llama.cpp's per-frequency RoPE divisors: the frequency of pair j is inv_freq[j] / factors[j].
+ROPE_FREQS = "rope_freqs.weight"
+# How closely the decoder's frequencies must give a file's (its converter computes them in
+# float32: a few float32 roundings apart).
+_ROPE_FREQS_RTOL = 1e-5
+
+
+def _scaled_inv_freq(base: float, head_dim: int, fields: dict[str, Any]) -> np.ndarray:
+  """float64 `[D/2]`: the decoder's frequencies of a full RoPE with the scaling `fields`."""
+  from pisa_jax.models.decoder import RopeSpec
+
+  cfg = dataclasses.replace(ModelConfig(), head_dim=head_dim, rope_base=base, rope_fraction=1.0,
+                            **fields)
+  return RopeSpec.of(cfg).inv_freq()
+
+
+def _llama3_candidates(factors: np.ndarray, wavelength: np.ndarray, factor: float):
+  """(low_freq_factor, high_freq_factor, original context) that may give `factors` by the llama3
+  rule (`RopeSpec.inv_freq`); each is checked by the caller.
+
+  The rule keeps wavelengths below old / high (factor 1), divides those above old / low by
+  `factor`, and between them 1 / f = (1 - s) / factor + s, s = (old / wavelength - low) /
+  (high - low). Only the ratios of (low, high, old) matter. Llama 3.x uses low 1, high 4: the
+  band's points then give old directly; otherwise two band points give old / (high - low) and
+  low / (high - low), taken with low = 1.
+  """
+  tol = 1e-4
+  band = (factors > 1 + tol) & (factors < factor * (1 - tol))
+  s = (1 / factors[band] - 1 / factor) / (1 - 1 / factor)
+  x = 1 / wavelength[band]
+  if band.any():
+    yield 1.0, 4.0, int(round(float(np.median((3 * s + 1) * wavelength[band]))))
+  else:
+    # No band point: any old between the kept and the divided wavelengths gives the same factors.
+    kept, divided = wavelength[factors <= 1 + tol], wavelength[factors >= factor * (1 - tol)]
+    lower = 4 * kept.max() if kept.size else 1.0
+    upper = divided.min() if divided.size else 4 * lower
+    yield 1.0, 4.0, int(round(math.sqrt(lower * upper)))
+  if band.sum() >= 2:
+    # s = a / wavelength - b with a = old / (high - low), b = low / (high - low).
+    a, minus_b = np.linalg.lstsq(np.stack([x, np.ones_like(x)], 1), s, rcond=None)[0]
+    if a > 0 and -minus_b > 0:
+      span = 1 / -minus_b
+      yield 1.0, float(f"{1 + span:.4g}"), int(round(a * span))
+
+
+def rope_fields_from_freq_factors(factors: np.ndarray, *, base: float, head_dim: int,
+                                  where: str) -> dict[str, Any]:
+  """ModelConfig's RoPE-scaling fields from a GGUF's `rope_freqs.weight` `[D/2]`.
+
+  llama.cpp's converter writes a Llama 3.1 / 3.2 model's "llama3" scaling as these per-frequency
+  divisors and no scaling metadata. They are read back as the scaling whose frequencies the
+  decoder computes equal to inv_freq / factors within float32 rounding: none (all ones), linear
+  (all equal), or llama3 (`_llama3_candidates`). Anything else is refused naming the tensor.
+  """
+  if factors.shape != (head_dim // 2,):
+    raise UnsupportedModelError(f"{where}: tensor {ROPE_FREQS} has shape {factors.shape}, "
+                                f"expected ({head_dim // 2},): one factor per rotated pair")
+  if not np.all(np.isfinite(factors)) or factors.min() <= 0:
+    raise UnsupportedModelError(f"{where}: tensor {ROPE_FREQS} holds factors <= 0 or not finite")
+  want = _scaled_inv_freq(base, head_dim, {}) / factors
+  factor = float(factors.max())
+  candidates = [{}] if factor <= 1 + _ROPE_FREQS_RTOL else [
+      {"rope_scaling": "linear", "rope_scaling_factor": factor}]
+  if factor > 1 + _ROPE_FREQS_RTOL:
+    wavelength = 2 * np.pi / _scaled_inv_freq(base, head_dim, {})
+    candidates += [{"rope_scaling": "llama3", "rope_scaling_factor": factor,
+                    "rope_low_freq_factor": low, "rope_high_freq_factor": high,
+                    "rope_original_context": old}
+                   for low, high, old in _llama3_candidates(factors, wavelength, factor)
+                   if old >= 1]
+  worst = np.inf
+  for fields in candidates:
+    error = float(np.max(np.abs(_scaled_inv_freq(base, head_dim, fields) / want - 1)))
+    if error <= _ROPE_FREQS_RTOL:
+      return fields
+    worst = min(worst, error)
+  raise UnsupportedModelError(
+      f"{where}: tensor {ROPE_FREQS} is not supported: its per-frequency factors are no "
+      f"linear or llama3 scaling of rope.freq_base={base:g} (the closest is {worst:.2g} off)")
 
 
 def config_from_gguf(reader, path: Path) -> tuple[ModelConfig, int | None]:
@@ -339,12 +425,22 @@ def config_from_gguf(reader, path: Path) -> tuple[ModelConfig, int | None]:
   if value_dim != head_dim:
     raise _field(where, f"{arch}.attention.value_length", value_dim, f"{head_dim} (key_length)")
   scaling = _gguf_value(reader, f"{arch}.rope.scaling.type", "none")
+  base = float(meta("rope.freq_base", 10_000.0))
   rope: dict[str, Any] = {}
   if scaling == "linear":
     rope = {"rope_scaling": "linear",
             "rope_scaling_factor": float(meta("rope.scaling.factor"))}
   elif scaling != "none":
     raise _field(where, f"{arch}.rope.scaling.type", scaling, "'none' or 'linear'")
+  freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+  if freqs is not None:
+    if rope:
+      raise _field(where, f"{arch}.rope.scaling.type", scaling,
+                   f"'none' beside tensor {ROPE_FREQS} (its factors are the scaling)")
+    from gguf.quants import dequantize
+
+    factors = np.asarray(dequantize(freqs.data, freqs.tensor_type), np.float64).reshape(-1)
+    rope = rope_fields_from_freq_factors(factors, base=base, head_dim=head_dim, where=where)
   embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
   if embed is None:
     raise UnsupportedModelError(f"{where}: tensor token_embd.weight is missing")
@@ -355,7 +451,7 @@ def config_from_gguf(reader, path: Path) -> tuple[ModelConfig, int | None]:
       num_layers=int(meta("block_count")), d_model=d_model,
       mlp_dim=int(meta("feed_forward_length")), num_heads=heads,
       num_kv_heads=int(meta("attention.head_count_kv", heads)), head_dim=head_dim,
-      rope_base=float(meta("rope.freq_base", 10_000.0)),
+      rope_base=base,
       norm_eps=float(meta("attention.layer_norm_rms_epsilon")), rope_fraction=1.0,
       tie_embeddings="output.weight" not in names, qkv_bias="blk.0.attn_q.bias" in names,
       out_bias="blk.0.attn_output.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names,

@@ -26,6 +26,7 @@ from safetensors.numpy import save_file  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from pisa_jax.models import load_pretrained  # noqa: E402
+from pisa_jax.models.decoder import RopeSpec  # noqa: E402
 from pisa_jax.models.pretrained import UnsupportedModelError  # noqa: E402
 
 VOCAB = 320
@@ -448,9 +449,81 @@ def test_unsupported_gguf_metadata_is_refused_naming_the_key(tmp_path):
   hf, w = random_checkpoint("llama")
   with pytest.raises(UnsupportedModelError, match="tokenizer.ggml.pre='falcon' is not supported"):
     load_pretrained(write_gguf(tmp_path / "a.gguf", hf, w, pre="falcon"))
-  w["rope_freqs.weight"] = np.ones(4, np.float32)
-  with pytest.raises(UnsupportedModelError, match="tensor 'rope_freqs.weight' is not supported"):
+  # Factors that no linear or llama3 scaling gives.
+  w["rope_freqs.weight"] = np.asarray([1.0, 3.0, 1.5, 2.0], np.float32)
+  with pytest.raises(UnsupportedModelError, match=r"tensor rope_freqs\.weight is not supported: "
+                                                  r"its per-frequency factors are no linear"):
     load_pretrained(write_gguf(tmp_path / "b.gguf", hf, w))
+  w["rope_freqs.weight"] = np.ones(3, np.float32)
+  with pytest.raises(UnsupportedModelError, match=r"rope_freqs\.weight has shape \(3,\), "
+                                                  r"expected \(4,\)"):
+    load_pretrained(write_gguf(tmp_path / "c.gguf", hf, w))
+
+
+def llama_cpp_rope_factors(hf: dict) -> np.ndarray:
+  """convert_hf_to_gguf.py's `rope_freqs` of a "llama3" scaling, in float32 as torch has it."""
+  scaling, d = hf["rope_scaling"], hf["hidden_size"] // hf["num_attention_heads"]
+  freqs = np.float32(1) / np.float32(hf["rope_theta"]) ** (np.arange(0, d, 2, dtype=np.float32)
+                                                            / np.float32(d))
+  factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+  old = scaling["original_max_position_embeddings"]
+  out = []
+  for freq in freqs:
+    wavelen = np.float32(2 * math.pi) / freq
+    if wavelen < old / high:
+      out.append(1.0)
+    elif wavelen > old / low:
+      out.append(factor)
+    else:
+      smooth = np.float32((old / wavelen - low) / (high - low))
+      out.append(1 / ((1 - smooth) / factor + smooth))
+  return np.asarray(out, np.float32)
+
+
+# (factor, low_freq_factor, high_freq_factor, original context): Llama 3.1's band rule, and one
+# with another ratio of the two band factors. Heads of 32 dims at base 10,000: two frequencies
+# fall in the interpolated band of each.
+@pytest.mark.parametrize("factor,low,high,old", [(8.0, 1.0, 4.0, 256), (4.0, 1.0, 3.0, 300)])
+def test_gguf_rope_freqs_load_as_the_llama3_scaling_of_the_same_model(tmp_path, factor, low,
+                                                                      high, old):
+  hf, w = random_checkpoint("llama", seed=9)
+  hf.update(num_attention_heads=2, num_key_value_heads=1, hidden_size=64, rope_theta=10_000.0,
+            rope_scaling={"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                          "high_freq_factor": high, "original_max_position_embeddings": old})
+  hf, w = _resized(hf, seed=9)
+  from_hf, hf_cfg, _ = load_pretrained(write_hf_folder(tmp_path / "hf", hf, w),
+                                       compute_dtype="float32")
+  factors = llama_cpp_rope_factors(hf)
+  assert ((factors > 1) & (factors < factor)).sum() == 2
+  # llama.cpp's converter writes the scaling as the factors alone, no scaling metadata.
+  plain = {k: v for k, v in hf.items() if k != "rope_scaling"}
+  from_gguf, gguf_cfg, _ = load_pretrained(
+      write_gguf(tmp_path / "m.gguf", plain, {**w, "rope_freqs.weight": factors}),
+      compute_dtype="float32")
+  assert gguf_cfg.rope_scaling == "llama3"
+  assert (gguf_cfg.rope_scaling_factor, gguf_cfg.rope_low_freq_factor) == (factor, 1.0)
+  np.testing.assert_allclose(RopeSpec.of(gguf_cfg).inv_freq(), RopeSpec.of(hf_cfg).inv_freq(),
+                             rtol=1e-6)
+  got, want = _logits(from_gguf), _logits(from_hf)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+  np.testing.assert_allclose(want, numpy_forward(hf, w, PROMPT), rtol=2e-5,
+                             atol=2e-5 * np.abs(want).max())
+  # Without the factors the same file is a model without scaling, whose logits differ.
+  plain_model, _, _ = load_pretrained(write_gguf(tmp_path / "p.gguf", plain, w),
+                                      compute_dtype="float32")
+  assert np.abs(_logits(plain_model) - want).max() > 1e-3 * np.abs(want).max()
+
+
+def _resized(hf: dict, seed: int) -> tuple[dict, dict[str, np.ndarray]]:
+  """Random tensors of `hf`'s (changed) shapes."""
+  kind = "_custom"
+  ARCHITECTURES[kind] = {k: hf[k] for k in ("model_type", "num_attention_heads",
+                                            "num_key_value_heads", "hidden_size", "rope_theta",
+                                            "tie_word_embeddings", "rope_scaling")}
+  try:
+    return random_checkpoint(kind, seed)
+  finally:
+    del ARCHITECTURES[kind]
 
 
 def test_architecture_fields_are_checked_by_the_config(tmp_path):
