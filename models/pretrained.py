@@ -22,7 +22,8 @@ divisors (`rope_freqs.weight`) and no scaling metadata: the scaling whose freque
 recovered (`rope_fields_from_freq_factors`), so that the model exports as the Hugging Face config
 it came from. The tokenizer is the model's own through the `tokenizers` package: a
 folder's tokenizer.json, or a GGUF's byte-level BPE vocabulary and merges with the pre-tokenizer its
-`tokenizer.ggml.pre` names.
+`tokenizer.ggml.pre` names, or its SentencePiece pieces, scores and types (byte fallback, BOS, the
+leading space) encoding as llama.cpp does.
 """
 
 from __future__ import annotations
@@ -488,13 +489,101 @@ def _pre_tokenizer(pre: str):
       pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
-def tokenizer_from_gguf(reader, where: str):
-  """A `tokenizers.Tokenizer` from a GGUF file's byte-level BPE metadata."""
-  from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+# `tokenizer.ggml.model`s that load: byte-level BPE and SentencePiece (Llama 1 / 2, Mistral, ...).
+GGUF_TOKENIZER_MODELS = ("gpt2", "llama")
+# `tokenizer.ggml.token_type` (llama.cpp's llama_token_type, SentencePiece's piece types).
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+_SPACE = "\u2581"  # SentencePiece's "▁": a space inside a piece
 
+
+def tokenizer_from_gguf(reader, where: str):
+  """A `tokenizers.Tokenizer` from a GGUF file's tokenizer metadata: byte-level BPE ("gpt2") or
+  SentencePiece ("llama"); any other `tokenizer.ggml.model` is refused naming the field."""
   kind = _gguf_value(reader, "tokenizer.ggml.model")
-  if kind != "gpt2":
-    raise _field(where, "tokenizer.ggml.model", kind, "'gpt2' (byte-level BPE)")
+  if kind not in GGUF_TOKENIZER_MODELS:
+    raise _field(where, "tokenizer.ggml.model", kind,
+                 "'gpt2' (byte-level BPE) or 'llama' (SentencePiece)")
+  if kind == "llama":
+    return _sentencepiece_tokenizer(reader, where)
+  return _byte_level_tokenizer(reader, where)
+
+
+def _bos_processor(reader, tokens: list[str], *, add_bos_default: bool):
+  """The post-processor that puts BOS first where the file asks for it (llama.cpp's default:
+  SentencePiece yes, BPE no), else None."""
+  from tokenizers import processors
+
+  bos = _gguf_value(reader, "tokenizer.ggml.bos_token_id")
+  if not _gguf_value(reader, "tokenizer.ggml.add_bos_token", add_bos_default) or bos is None:
+    return None
+  return processors.TemplateProcessing(
+      single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B",
+      special_tokens=[(tokens[bos], int(bos))])
+
+
+def _sentencepiece_tokenizer(reader, where: str):
+  """llama.cpp's SentencePiece tokenizer (`llm_tokenizer_spm`) as a `tokenizers` BPE.
+
+  SentencePiece's BPE merges, at each step, the adjacent pair whose joined piece has the highest
+  score; a BPE whose merges are every split of a piece into two pieces, ranked by the joined
+  piece's score, does the same (transformers' SentencePiece converter builds Llama's
+  tokenizer.json so). Text: spaces become "▁", one "▁" leads each stretch of text when
+  `tokenizer.ggml.add_space_prefix` (default true; llama.cpp adds it after every special token
+  too); a character no piece holds becomes its UTF-8 byte tokens `<0xNN>` (byte fallback),
+  else the unknown token. Decoding reverses each step and drops the leading space.
+  """
+  from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
+  tokens = _gguf_value(reader, "tokenizer.ggml.tokens")
+  scores = _gguf_value(reader, "tokenizer.ggml.scores")
+  if not tokens or scores is None:
+    raise UnsupportedModelError(f"{where}: tokenizer.ggml.tokens / tokenizer.ggml.scores are "
+                                f"missing: the file carries no SentencePiece tokenizer")
+  if len(scores) != len(tokens):
+    raise UnsupportedModelError(f"{where}: tokenizer.ggml.scores has {len(scores)} entries for "
+                                f"{len(tokens)} tokens")
+  types = _gguf_value(reader, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+  vocab = {}
+  for i, token in enumerate(tokens):
+    # A repeated piece (some converted vocabularies pad with copies) keeps its first id.
+    vocab.setdefault(token, i)
+  mergeable = {t: i for t, i in vocab.items() if types[i] in (_NORMAL, _USER_DEFINED)}
+  ranked = []
+  for piece, i in mergeable.items():
+    for cut in range(1, len(piece)):
+      left, right = piece[:cut], piece[cut:]
+      if left in mergeable and right in mergeable:
+        # Highest score first; among one piece's splits, transformers' order (by the ids).
+        ranked.append((-scores[i], i, mergeable[left], mergeable[right], left, right))
+  ranked.sort()
+  unknown = _gguf_value(reader, "tokenizer.ggml.unknown_token_id")
+  if unknown is None:
+    unknown = next((i for i, t in enumerate(types) if t == _UNKNOWN), None)
+  byte_fallback = any(t == _BYTE for t in types)
+  tokenizer = Tokenizer(models.BPE(
+      vocab=vocab, merges=[(r[4], r[5]) for r in ranked],
+      unk_token=None if unknown is None else tokens[unknown], fuse_unk=True,
+      byte_fallback=byte_fallback))
+  prefix = bool(_gguf_value(reader, "tokenizer.ggml.add_space_prefix", True))
+  replace = normalizers.Replace(" ", _SPACE)
+  tokenizer.normalizer = (normalizers.Sequence([normalizers.Prepend(_SPACE), replace]) if prefix
+                          else replace)
+  steps = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+  tokenizer.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+  tokenizer.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                for i, t in enumerate(types) if t in (_CONTROL, _UNKNOWN)])
+  tokenizer.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                        for i, t in enumerate(types) if t == _USER_DEFINED])
+  processor = _bos_processor(reader, tokens, add_bos_default=True)
+  if processor is not None:
+    tokenizer.post_processor = processor
+  return tokenizer
+
+
+def _byte_level_tokenizer(reader, where: str):
+  """A byte-level BPE ("gpt2") with the pre-tokenizer its `tokenizer.ggml.pre` names."""
+  from tokenizers import AddedToken, Tokenizer, decoders, models
+
   pre = _gguf_value(reader, "tokenizer.ggml.pre", "gpt2")
   if pre not in GGUF_PRE_TOKENIZERS:
     raise _field(where, "tokenizer.ggml.pre", pre, f"one of {GGUF_PRE_TOKENIZERS}")
@@ -517,11 +606,9 @@ def tokenizer_from_gguf(reader, where: str):
                                 for i, t in enumerate(types) if t == 3])
   tokenizer.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
                         for i, t in enumerate(types) if t == 4])
-  bos = _gguf_value(reader, "tokenizer.ggml.bos_token_id")
-  if _gguf_value(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B",
-        special_tokens=[(tokens[bos], int(bos))])
+  processor = _bos_processor(reader, tokens, add_bos_default=False)
+  if processor is not None:
+    tokenizer.post_processor = processor
   return tokenizer
 
 

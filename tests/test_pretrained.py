@@ -211,7 +211,8 @@ def _llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
           .swapaxes(1, 2).reshape(w.shape))
 
 
-def write_gguf(path: Path, hf: dict, w: dict, *, pre: str = "smollm") -> Path:
+def write_gguf(path: Path, hf: dict, w: dict, *, pre: str = "smollm",
+               sentencepiece: dict | None = None) -> Path:
   """A GGUF file of the checkpoint as llama.cpp's converter writes one, F32 tensors."""
   arch = hf["model_type"]
   writer = gguf.GGUFWriter(str(path), arch)
@@ -227,6 +228,25 @@ def write_gguf(path: Path, hf: dict, w: dict, *, pre: str = "smollm") -> Path:
   if "head_dim" in hf:
     writer.add_key_length(hf["head_dim"])
     writer.add_value_length(hf["head_dim"])
+  if sentencepiece is not None:
+    write_sentencepiece_metadata(writer, **sentencepiece)
+  else:
+    write_bpe_metadata(writer, pre)
+  for name, value in w.items():
+    if arch == "llama" and ("q_proj" in name or "k_proj" in name):
+      value = _llama_cpp_permute(value, heads if "q_proj" in name else kv)
+    for a, b in _TO_GGUF:
+      name = name.replace(a, b)
+    writer.add_tensor(name, np.ascontiguousarray(value, np.float32))
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  return path
+
+
+def write_bpe_metadata(writer, pre: str) -> None:
+  """tiny_tokenizer() as llama.cpp's converter writes a byte-level BPE, padded to VOCAB."""
   tokenizer = tiny_tokenizer()
   vocab = tokenizer.get_vocab()
   tokens = [None] * VOCAB
@@ -245,17 +265,38 @@ def write_gguf(path: Path, hf: dict, w: dict, *, pre: str = "smollm") -> Path:
   writer.add_bos_token_id(1)
   writer.add_eos_token_id(2)
   writer.add_add_bos_token(False)
-  for name, value in w.items():
-    if arch == "llama" and ("q_proj" in name or "k_proj" in name):
-      value = _llama_cpp_permute(value, heads if "q_proj" in name else kv)
-    for a, b in _TO_GGUF:
-      name = name.replace(a, b)
-    writer.add_tensor(name, np.ascontiguousarray(value, np.float32))
-  writer.write_header_to_file()
-  writer.write_kv_data_to_file()
-  writer.write_tensors_to_file()
-  writer.close()
-  return path
+
+
+# A SentencePiece vocabulary small enough to check by hand: <unk>, <s>, </s>, the 256 byte
+# tokens, then pieces with their scores (SentencePiece's BPE joins the adjacent pair whose joined
+# piece scores highest). "▁th" scores below "he": "the" is ▁t + h + e -> ▁t + he -> ▁the.
+SPM_PIECES = [("▁t", -1.0), ("he", -2.0), ("▁the", -3.0), ("at", -4.0), ("▁c", -5.0),
+              ("▁cat", -6.0), ("▁th", -7.0), ("<|im_start|>", 0.0), ("▁", -10.0), ("t", -11.0),
+              ("h", -12.0), ("e", -13.0), ("a", -14.0), ("c", -15.0), ("s", -16.0), ("ß", -17.0), ("ha", -8.0)]
+
+
+def write_sentencepiece_metadata(writer, *, byte_fallback: bool = True,
+                                 add_space_prefix: bool | None = None,
+                                 add_bos: bool | None = None) -> list[str]:
+  """SPM_PIECES as llama.cpp's converter writes a SentencePiece vocabulary ("llama"), padded to
+  VOCAB with unused pieces; None leaves a flag out (llama.cpp's default: true). The pieces."""
+  pieces = [("<unk>", 0.0, 2), ("<s>", 0.0, 3), ("</s>", 0.0, 3)]
+  if byte_fallback:
+    pieces += [(f"<0x{b:02X}>", 0.0, 6) for b in range(256)]
+  pieces += [(p, score, 4 if p == "<|im_start|>" else 1) for p, score in SPM_PIECES]
+  pieces += [(f"[UNUSED{i}]", 0.0, 5) for i in range(len(pieces), VOCAB)]
+  writer.add_tokenizer_model("llama")
+  writer.add_token_list([p for p, _, _ in pieces])
+  writer.add_token_scores([s for _, s, _ in pieces])
+  writer.add_token_types([t for _, _, t in pieces])
+  writer.add_bos_token_id(1)
+  writer.add_eos_token_id(2)
+  writer.add_unk_token_id(0)
+  if add_bos is not None:
+    writer.add_add_bos_token(add_bos)
+  if add_space_prefix is not None:
+    writer.add_add_space_prefix(add_space_prefix)
+  return [p for p, _, _ in pieces]
 
 
 PROMPT = [5, 17, 250, 3, 99, 310, 42, 7, 128, 64, 1, 300, 77]
@@ -301,6 +342,70 @@ def test_gguf_tokenizer_equals_the_tokenizer_json_it_was_made_from(tmp_path):
   # Special tokens are one token each, digits one token a digit.
   ids = from_gguf.encode("<|im_start|>2024").ids
   assert ids[0] == 1 and len(ids) == 5
+
+
+def _pieces(tokenizer, text: str) -> list[str]:
+  return [tokenizer.id_to_token(i) for i in tokenizer.encode(text).ids]
+
+
+def test_sentencepiece_gguf_tokenizer_encodes_as_sentencepiece(tmp_path):
+  hf, w = random_checkpoint("llama")
+  _, _, spm = load_pretrained(write_gguf(tmp_path / "m.gguf", hf, w, sentencepiece={}))
+  # Each expectation worked by hand from SPM_PIECES' scores (and equal to the sentencepiece
+  # library's own encoding of a model of these pieces).
+  assert _pieces(spm, "the cat") == ["<s>", "▁the", "▁cat"]
+  # "at" (-4) outscores "▁c" (-5) and "ha" (-8): ▁ c a t -> ▁ c at -> ▁c at -> ▁cat, and
+  # ▁ h a t -> ▁ h at (no "▁h" or "hat"); two spaces keep a lone "▁".
+  assert _pieces(spm, "hat  cast") == ["<s>", "▁", "h", "at", "▁", "▁c", "a", "s", "t"]
+  # "f" and "é" are no pieces: their UTF-8 bytes.
+  assert _pieces(spm, "café") == ["<s>", "▁c", "a", "<0x66>", "<0xC3>", "<0xA9>"]
+  # A user-defined piece is one token; text after it is led by "▁", as llama.cpp does (the
+  # sentencepiece library, which knows no special tokens inside a text, gives "t", "he").
+  assert _pieces(spm, "cat<|im_start|>the") == ["<s>", "▁cat", "<|im_start|>", "▁the"]
+  for text in ("the cat", "hat  cast", "café", " the", "the\n\ncat\n", "a 漢字 🙂"):
+    assert spm.decode(spm.encode(text).ids) == text, text
+  assert spm.encode("the").ids[0] == 1 and spm.token_to_id("▁the") == 261
+  from pisa_jax.train.tokenizer import RunTokenizer
+
+  run = RunTokenizer(spm)
+  # "ß" is a piece whose character GPT-2's byte alphabet also has: here it is UTF-8 text.
+  assert b"".join(run.decode_single_token_bytes(t) for t in run.encode("café the ß")) == (
+      " café the ß".encode())
+
+
+def test_sentencepiece_gguf_flags_and_unknown_characters(tmp_path):
+  from pisa_jax.models.pretrained import tokenizer_from_gguf
+
+  def tokenizer(name, **flags):
+    writer = gguf.GGUFWriter(str(tmp_path / name), "llama")
+    write_sentencepiece_metadata(writer, **flags)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return tokenizer_from_gguf(gguf.GGUFReader(str(tmp_path / name)), name)
+
+  plain = tokenizer("a.gguf", add_space_prefix=False, add_bos=False)
+  assert _pieces(plain, "the cat") == ["t", "he", "▁cat"]
+  assert plain.decode(plain.encode("the cat").ids) == "the cat"
+  # Without byte tokens a character no piece holds is <unk>, a run of them one <unk>.
+  no_bytes = tokenizer("b.gguf", byte_fallback=False)
+  assert _pieces(no_bytes, "the fx cat") == ["<s>", "▁the", "▁", "<unk>", "▁cat"]
+
+
+def test_unknown_gguf_tokenizer_models_are_refused_naming_the_field(tmp_path):
+  from pisa_jax.models.pretrained import tokenizer_from_gguf
+
+  writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+  writer.add_tokenizer_model("bert")
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  with pytest.raises(UnsupportedModelError, match=r"^t\.gguf: tokenizer\.ggml\.model='bert' is "
+                                                  r"not supported: expected 'gpt2' \(byte-level "
+                                                  r"BPE\) or 'llama' \(SentencePiece\)$"):
+    tokenizer_from_gguf(gguf.GGUFReader(str(tmp_path / "t.gguf")), "t.gguf")
 
 
 def test_llama_gguf_logits_are_wrong_without_the_unpermutation(tmp_path):
