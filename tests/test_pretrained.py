@@ -272,7 +272,8 @@ def write_bpe_metadata(writer, pre: str) -> None:
 # piece scores highest). "▁th" scores below "he": "the" is ▁t + h + e -> ▁t + he -> ▁the.
 SPM_PIECES = [("▁t", -1.0), ("he", -2.0), ("▁the", -3.0), ("at", -4.0), ("▁c", -5.0),
               ("▁cat", -6.0), ("▁th", -7.0), ("<|im_start|>", 0.0), ("▁", -10.0), ("t", -11.0),
-              ("h", -12.0), ("e", -13.0), ("a", -14.0), ("c", -15.0), ("s", -16.0), ("ß", -17.0), ("ha", -8.0)]
+              ("h", -12.0), ("e", -13.0), ("a", -14.0), ("c", -15.0), ("s", -16.0), ("ß", -17.0),
+              ("ha", -8.0)]
 
 
 def write_sentencepiece_metadata(writer, *, byte_fallback: bool = True,
@@ -794,6 +795,42 @@ def test_pisa_generate_uses_the_imported_tokenizer(tmp_path, capsys):
   for i in range(n, n + 4):
     padded[i] = int(np.argmax(_logits(model, padded)[i - 1]))
   assert capsys.readouterr().out == tokenizer.decode(padded[n:]) + "\n"
+
+
+def test_lm_eval_reads_an_imported_run_with_its_own_tokenizer(tmp_path):
+  """A SentencePiece GGUF (BOS added, end of sequence </s>) imported as a run: lm-eval's requests
+  are tokenized by the model's tokenizer, with its BOS as the prefix of an empty context and of
+  a rolling document."""
+  pytest.importorskip("lm_eval", reason="the `eval` extra: pip install -e .[eval]")
+  from lm_eval.api.instance import Instance
+
+  from pisa_jax.train.evaluation.lm_eval_adapter import PisaLM
+  from pisa_jax.train.import_cli import import_checkpoint
+
+  hf, w = random_checkpoint("llama", seed=10)
+  path = write_gguf(tmp_path / "m.gguf", hf, w, sentencepiece={})
+  import_checkpoint(path, tmp_path / "run", ["model.compute_dtype=float32", "train.seq_len=16"])
+  lm = PisaLM(workdir=str(tmp_path / "run"), batch_size=2)
+  assert (lm.prefix_token_id, lm.eot_token_id, lm.tokenizer_name) == (
+      1, 2, f"{tmp_path / 'run' / 'tokenizer.json'}")
+  model, _, tokenizer = load_pretrained(path, compute_dtype="float32")
+  ids = {text: tokenizer.encode(text, add_special_tokens=False).ids
+         for text in ("the cat", "the cat hat", "hat")}
+  assert ids["the cat hat"] == [261, 264, 267, 269, 262]  # ▁the ▁cat ▁ h at
+
+  def logp(tokens: list[int], scored: int) -> float:
+    rows = np.asarray(jax.nn.log_softmax(model(jnp.asarray([tokens[:-1]], jnp.int32))[0]))
+    return float(sum(rows[i, tokens[i + 1]] for i in range(len(tokens) - 1 - scored,
+                                                            len(tokens) - 1)))
+
+  requests = [Instance("loglikelihood", {}, args, i)
+              for i, args in enumerate([("the cat", " hat"), ("", "hat")])]
+  (with_context, _), (empty, _) = lm.loglikelihood(requests, disable_tqdm=True)
+  np.testing.assert_allclose(with_context, logp([1] + ids["the cat hat"], 3), rtol=1e-5)
+  np.testing.assert_allclose(empty, logp([1] + ids["hat"], 3), rtol=1e-5)
+  (rolling,) = lm.loglikelihood_rolling(
+      [Instance("loglikelihood_rolling", {}, ("the cat hat",), 0)], disable_tqdm=True)
+  np.testing.assert_allclose(rolling, logp([1] + ids["the cat hat"], 5), rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------- a real model
