@@ -1001,7 +1001,14 @@ _FAKE_BENCHMARK_ROWS = (
        for v, a, k in (("dense", "dense", None), ("pisa K8", "pisa", 8))
        for n in (1024, "average")]
     + [dict(part="selection", length=8192, top_k=8, selector=s, beam=8, recall=0.9,
-            captured_mass=0.8) for s in ("bsa", "pisa", "exact")])
+            captured_mass=0.8) for s in ("bsa", "pisa", "exact")]
+    + [dict(part="cpt", variant="pisa K16", attention="pisa", top_k=16, stage=stage, step=step,
+            metric=metric, length=n, value=value)
+       for stage, step, value in (("before", 0, 0.25), ("after", 600, 0.75))
+       for metric, n in (("ppl", 8192), ("niah", 8192), ("niah", "average"))]
+    + [dict(part="cpt-train", variant="pisa K16", attention="pisa", top_k=16, steps=600,
+            tokens=600 * 32768, seconds=200.0, first_loss=2.5, last_loss=2.25,
+            stop_reason=None)])
 
 
 def test_pretrained_benchmark_records_and_replots(tmp_path, capsys):
@@ -1015,7 +1022,11 @@ def test_pretrained_benchmark_records_and_replots(tmp_path, capsys):
   pretrained.main(["--replot", str(tmp_path / "run" / "pretrained.json"), "--out",
                    str(tmp_path / "plot")])
   assert (tmp_path / "plot" / "pretrained.png").stat().st_size > 0
-  assert "| pisa K8 | 20 | 20 | 0.5 | 0.5 |" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert "| pisa K8 | 20 | 20 | 0.5 | 0.5 |" in out
+  assert "| pisa K16 | before | 0 | 0.25 | 0.25 | 0.25 |" in out
+  assert "| pisa K16 | after | 600 | 0.75 | 0.75 | 0.75 |" in out
+  assert "| pisa K16 | 600 | 19660800 | 200 | 2.5 | 2.25 | train.steps |" in out
 
 
 @pytest.mark.slow
@@ -1028,7 +1039,24 @@ def test_pretrained_benchmark_end_to_end(tmp_path):
       str(_corpus(tmp_path / "corpus", n=20_000)), "--ppl-lengths", "64,128", "--ruler-lengths",
       "1024", "--top-ks", "4", "--block-size", "8", "--ppl-samples", "2", "--ruler-samples", "1",
       "--selection-length", "64", "--selection-samples", "1", "--batch-size", "2", "--out",
-      str(tmp_path / "out"), "--only", "dense,pisa K4"])
+      str(tmp_path / "out"), "--only", "dense,pisa K4", "--compute-dtype", "float32"])
   rows = record["rows"]
   assert {r["variant"] for r in rows if r["part"] == "ppl"} == {"dense", "pisa K4"}
   assert {r["selector"] for r in rows if r["part"] == "selection"} >= {"bsa", "pisa", "exact"}
+  # The CPT part in a second call, appended: the model imported as a pisa run, trained 3 steps.
+  record = pretrained.main([
+      "--model", str(tmp_path / "m.gguf"), "--data", str(tmp_path / "corpus"), "--ppl-lengths",
+      "64,128", "--ruler-lengths", "1024", "--block-size", "8", "--ppl-samples", "2",
+      "--ruler-samples", "1", "--batch-size", "2", "--out", str(tmp_path / "out"), "--parts",
+      "cpt", "--cpt-kinds", "pisa", "--cpt-top-k", "4", "--cpt-seq-len", "128", "--cpt-batch",
+      "2", "--cpt-steps", "3", "--cpt-dir", str(tmp_path / "runs"), "--compute-dtype", "float32",
+      "--append"])
+  rows = record["rows"]
+  assert {r["variant"] for r in rows if r["part"] == "ppl"} == {"dense", "pisa K4"}
+  (trained,) = [r for r in rows if r["part"] == "cpt-train"]
+  assert trained["steps"] == 3 and trained["stop_reason"] is None
+  before = {r["length"]: r["value"] for r in rows if r["part"] == "cpt" and r["metric"] == "ppl"
+            and r["stage"] == "before"}
+  free = {r["length"]: r["ppl"] for r in rows if r["part"] == "ppl" and r["variant"] == "pisa K4"}
+  # Before training the run is the training-free model of the same attention.
+  assert before == pytest.approx(free, rel=1e-5)
