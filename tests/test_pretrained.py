@@ -1060,3 +1060,25 @@ def test_pretrained_benchmark_end_to_end(tmp_path):
   free = {r["length"]: r["ppl"] for r in rows if r["part"] == "ppl" and r["variant"] == "pisa K4"}
   # Before training the run is the training-free model of the same attention.
   assert before == pytest.approx(free, rel=1e-5)
+
+
+def test_fetch_smollm2_splits_and_joins_checked_parts(tmp_path, monkeypatch):
+  import hashlib
+
+  from benchmarks import fetch_smollm2
+
+  data = np.random.default_rng(0).bytes(10_001)
+  monkeypatch.setattr(fetch_smollm2, "SHA256", hashlib.sha256(data).hexdigest())
+  (tmp_path / "model.gguf").write_bytes(data)
+  parts = fetch_smollm2.split(tmp_path / "model.gguf", [tmp_path / "a", tmp_path / "b"], 6_000)
+  assert [p.stat().st_size for p in parts] == [5_001, 5_000]
+  joined = fetch_smollm2.join([tmp_path / "a", tmp_path / "b"], tmp_path / "out" / "m.gguf")
+  assert joined.read_bytes() == data
+  with pytest.raises(FileNotFoundError, match=r"b/.*\.part0 is missing \(part 0 of 2\)"):
+    fetch_smollm2.join([tmp_path / "b", tmp_path / "a"], tmp_path / "bad.gguf")
+  parts[1].write_bytes(data[5_001:][::-1])
+  with pytest.raises(ValueError, match="give sha256"):
+    fetch_smollm2.join([tmp_path / "a", tmp_path / "b"], tmp_path / "bad.gguf")
+  assert not list(tmp_path.glob("bad.gguf*"))
+  with pytest.raises(ValueError, match=r"--split: 2 parts of .* MiB cannot hold"):
+    fetch_smollm2.split(tmp_path / "model.gguf", [tmp_path / "c", tmp_path / "d"], 10)
