@@ -15,7 +15,20 @@ imported into a run folder (`pisa-import`: model.attention=KIND, K = --cpt-top-k
 steps or --cpt-seconds, whichever ends first (the paper's CPT schedule, cosine from 3e-5),
 with perplexity and NIAH of the run's checkpoint before and after. --append keeps the rows of an
 earlier result in --out that this call does not measure again, so that the parts can be measured
-in separate processes (each a bounded time on a GPU) into one result.
+in separate processes (each a bounded time on a GPU) into one result, e.g.
+
+  python -m benchmarks.pretrained --data data/smol --parts free,selection \
+      --only "dense,pisa K8,pisa K16,pisa K32"
+  python -m benchmarks.pretrained --data data/smol --parts free --append \
+      --only "bsa K8,bsa K16,bsa K32,pisa2 K8,pisa2 K16,pisa2 K32"
+  python -m benchmarks.pretrained --data data/smol --parts free --append \
+      --only "pisa K8 beam 16,pisa K16 beam 32,pisa K32 beam 64"
+  python -m benchmarks.pretrained --data data/smol --parts cpt --cpt-kinds pisa --append
+  python -m benchmarks.pretrained --data data/smol --parts cpt --cpt-kinds bsa --append
+
+Each variant, the selection part and each CPT stage print their seconds. Nothing is fetched: the
+model is --model (default `benchmarks.fetch_smollm2`'s path, which `--join` fills from parts on a
+machine without a package index), RULER's haystack `$PISA_DATA_DIR/ruler/essays.txt`.
 
 For every variant: perplexity on held-out windows of real text (the val split of --data, a
 pisa-prepare-data corpus in the model's own tokens) at --ppl-lengths (2K and 8K), and RULER's

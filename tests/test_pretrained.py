@@ -1029,6 +1029,28 @@ def test_pretrained_benchmark_records_and_replots(tmp_path, capsys):
   assert "| pisa K16 | 600 | 19660800 | 200 | 2.5 | 2.25 | train.steps |" in out
 
 
+def test_report_row_of_the_pretrained_benchmark(tmp_path):
+  import shutil
+
+  from benchmarks import _record, report
+
+  rec = _record.Recorder("pretrained", {"model": "/x/SmolLM2.gguf", "block_size": 64,
+                                        "cpt_seq_len": 8192}, tmp_path)
+  for row in _FAKE_BENCHMARK_ROWS:
+    rec.add(**row)
+  setting, figures = report.pretrained(rec.record)
+  assert setting == "SmolLM2.gguf, C64"
+  assert figures == ("ppl 8K / NIAH avg: dense 20.0 / 0.5, pisa K8 20.0 / 0.5; Recall@8 % at 8K: "
+                     "bsa 90.0, pisa 90.0, exact 90.0; CPT pisa K16 (600 steps at 8K): ppl 8K "
+                     "0.25 -> 0.75, NIAH avg 0.25 -> 0.75")
+  # Until a result is committed the row says how to make it; then it shows the figures.
+  results = tmp_path / "results"
+  results.mkdir()
+  assert "not yet measured" in report.table(["pretrained model"], results)
+  shutil.copy(tmp_path / "pretrained.json", results / "pretrained.json")
+  assert figures in report.table(["pretrained model"], results)
+
+
 @pytest.mark.slow
 def test_pretrained_benchmark_end_to_end(tmp_path):
   from benchmarks import pretrained
