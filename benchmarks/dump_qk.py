@@ -14,6 +14,7 @@ float16, and the layer, step, workdir and split they came from.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import jax
@@ -22,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from pisa_jax.models.decoder import RopeSpec, compute_dtype
+from pisa_jax.train.data import token_dtype
 
 
 def layer_qk(model, tokens, layer: int):
@@ -38,11 +40,16 @@ def layer_qk(model, tokens, layer: int):
 
 
 def read_tokens(folder: str | Path, split: str, seq_len: int) -> np.ndarray:
-  """The first seq_len tokens of `<folder>/<split>.bin` (uint16, pisa-prepare-data) as `[1, T]`."""
+  """The first seq_len tokens of `<folder>/<split>.bin` (pisa-prepare-data) as `[1, T]`."""
   path = Path(folder) / f"{split}.bin"
   if not path.is_file():
     raise SystemExit(f"--data {folder}: no {path.name} (write it with pisa-prepare-data)")
-  tokens = np.memmap(path, dtype=np.uint16, mode="r")
+  meta_path = Path(folder) / "meta.json"
+  try:
+    dtype = token_dtype(json.loads(meta_path.read_text()), meta_path)
+  except (OSError, ValueError) as e:
+    raise SystemExit(f"--data {folder}: {e}") from None
+  tokens = np.memmap(path, dtype=dtype, mode="r")
   if tokens.size < seq_len:
     raise SystemExit(f"--seq-len {seq_len}: {path} holds only {tokens.size} tokens")
   return np.asarray(tokens[:seq_len], np.int32)[None]

@@ -14,7 +14,7 @@ commit that produced it. The tables sit between marker comments in each document
 
 WORKSPACE.md gets a row per result; README.md the headline rows (`README_ROWS`). A result file
 that a row needs and the folder lacks fails loudly (but for a benchmark that has not run yet,
-`AWAITING_FIRST_RUN`, whose row is left out); so does a row whose figures are missing.
+`PENDING`, whose row says so); so does a row whose figures are missing.
 Reads JSON only: no jax, no GPU (`tests/test_report.py` runs the check in CI).
 """
 
@@ -251,6 +251,41 @@ def context_parallel(r: dict) -> tuple[str, str]:
   return f"`{s['preset']}`", text
 
 
+def pretrained(r: dict) -> tuple[str, str]:
+  """Training-free variants (perplexity at the longest length, NIAH average), Recall@K at the
+  smallest K, and continued pretraining before -> after."""
+  s, rows = r["settings"], r["rows"]
+  parts = []
+  ppl = [x for x in rows if x["part"] == "ppl"]
+  if ppl:
+    longest = max(x["length"] for x in ppl)
+    niah = {x["variant"]: x["score"] for x in rows
+            if x["part"] == "ruler" and x["length"] == "average"}
+    parts.append(f"ppl {length(longest)} / NIAH avg: " + ", ".join(
+        f"{x['variant']} {num(x['ppl'])} / {num(niah[x['variant']])}" for x in ppl
+        if x["length"] == longest))
+  chosen = [x for x in rows if x["part"] == "selection"]
+  if chosen:
+    top_k, at = min(x["top_k"] for x in chosen), max(x["length"] for x in chosen)
+    parts.append(f"Recall@{top_k} % at {length(at)}: " + ", ".join(
+        f"{x['selector']}" + (f" beam {x['beam']}" if x["beam"] != x["top_k"] else "")
+        + f" {100 * x['recall']:.1f}" for x in chosen
+        if x["top_k"] == top_k and x["length"] == at))
+  for trained in (x for x in rows if x["part"] == "cpt-train"):
+    cpt = [x for x in rows if x["part"] == "cpt" and x["variant"] == trained["variant"]]
+    at = max(x["length"] for x in cpt if x["metric"] == "ppl")
+
+    def value(stage, metric, n):
+      return one({"rows": cpt}, "pretrained", stage=stage, metric=metric, length=n)["value"]
+
+    parts.append(f"CPT {trained['variant']} ({trained['steps']} steps at "
+                 f"{length(s['cpt_seq_len'])}): ppl {length(at)} {num(value('before', 'ppl', at))}"
+                 f" -> {num(value('after', 'ppl', at))}, NIAH avg "
+                 f"{num(value('before', 'niah', 'average'))} -> "
+                 f"{num(value('after', 'niah', 'average'))}")
+  return f"{Path(s['model']).name}, C{s['block_size']}", "; ".join(parts)
+
+
 def evaluation(name: str) -> Callable[[dict], tuple[str, str]]:
   """A pisa-eval run: perplexity by length and Recall@K of each selector."""
 
@@ -287,12 +322,15 @@ ROWS: list[tuple[str, str, Callable[[dict], tuple[str, str]]]] = [
     ("context parallel", "context_parallel.json", context_parallel),
     ("evaluation, dense", "evals/dense-4096/eval.json", evaluation("dense-4096")),
     ("evaluation, PISA", "evals/pisa-4096/eval.json", evaluation("pisa-4096")),
+    ("pretrained model", "pretrained.json", pretrained),
 ]
+# Rows whose benchmark has not run yet: the table says so, with the command, until its result is
+# committed (every other row's missing result is an error). A row leaves this with its result.
+PENDING = {"NSA layer": "not yet measured: `python -m benchmarks.nsa` on a GPU",
+           "pretrained model": "not yet measured: `python -m benchmarks.pretrained` on a GPU "
+                               "(its docstring gives the calls)"}
 README_ROWS = ("selection", "attention", "layer", "NSA layer", "packed documents", "decode",
                "training", "long context training")
-# Results whose benchmark has not run yet: their rows are left out while the file is absent
-# (any other missing result fails). A name leaves this list with its first committed result.
-AWAITING_FIRST_RUN = ("nsa.json",)
 
 
 def table(names, results: Path = RESULTS) -> str:
@@ -302,7 +340,8 @@ def table(names, results: Path = RESULTS) -> str:
     if name not in names:
       continue
     path = results / filename
-    if not path.exists() and filename in AWAITING_FIRST_RUN:
+    if not path.exists() and name in PENDING:
+      lines.append(f"| {name} | | {PENDING[name]} | |")
       continue
     if not path.exists():
       raise FileNotFoundError(f"{path}: the {name!r} row reads it (rerun its benchmark)")

@@ -32,7 +32,7 @@ LR_SCHEDULES = ("wsd_sqrt", "cosine", "constant")
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  """Where batches come from: MQAR generated on the fly, or packed uint16 token files."""
+  """Where batches come from: MQAR generated on the fly, or packed token files (uint16 / uint32)."""
 
   source: str = "tokens"
   # Folder holding train.bin / val.bin / meta.json written by `pisa-prepare-data`.

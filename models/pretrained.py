@@ -17,15 +17,20 @@ one rule from each of our parameters to the checkpoint tensor it comes from and 
 GGUF stores the q and k projections of "llama" models permuted for llama.cpp's interleaved RoPE
 (pairs (2j, 2j + 1) of a head); Hugging Face and this decoder rotate pairs (j, j + D/2). The
 permutation is undone here (`_unpermute`); "qwen2" and "qwen3" GGUFs use the rotate-half layout
-and are read as they are. The tokenizer is the model's own through the `tokenizers` package: a
+and are read as they are. Llama 3.1 / 3.2 GGUFs carry their "llama3" RoPE scaling as per-frequency
+divisors (`rope_freqs.weight`) and no scaling metadata: the scaling whose frequencies equal them is
+recovered (`rope_fields_from_freq_factors`), so that the model exports as the Hugging Face config
+it came from. The tokenizer is the model's own through the `tokenizers` package: a
 folder's tokenizer.json, or a GGUF's byte-level BPE vocabulary and merges with the pre-tokenizer its
-`tokenizer.ggml.pre` names.
+`tokenizer.ggml.pre` names, or its SentencePiece pieces, scores and types (byte fallback, BOS, the
+leading space) encoding as llama.cpp does.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -287,11 +292,11 @@ class _GGUFFile(_Tensors):
           self._tensors[re.sub(pattern, name, tensor.name)] = tensor
           break
       else:
+        if tensor.name == ROPE_FREQS:  # read into the config (`rope_fields_from_freq_factors`)
+          continue
         raise UnsupportedModelError(
             f"{where}: tensor {tensor.name!r} is not supported: a {arch} model has no such "
-            f"tensor in this decoder" + (" (rope_freqs: per-frequency RoPE factors; load the "
-                                         "Hugging Face folder instead)"
-                                         if tensor.name.startswith("rope_freqs") else ""))
+            f"tensor in this decoder")
     self._arch, self._heads, self._kv_heads = arch, heads, kv_heads
 
   def names(self) -> set[str]:
@@ -312,6 +317,88 @@ class _GGUFFile(_Tensors):
 def _gguf_value(reader, key: str, default=None):
   field = reader.fields.get(key)
   return default if field is None else field.contents()
+
+
+# llama.cpp's per-frequency RoPE divisors: the frequency of pair j is inv_freq[j] / factors[j].
+ROPE_FREQS = "rope_freqs.weight"
+# How closely the decoder's frequencies must give a file's (its converter computes them in
+# float32: a few float32 roundings apart).
+_ROPE_FREQS_RTOL = 1e-5
+
+
+def _scaled_inv_freq(base: float, head_dim: int, fields: dict[str, Any]) -> np.ndarray:
+  """float64 `[D/2]`: the decoder's frequencies of a full RoPE with the scaling `fields`."""
+  from pisa_jax.models.decoder import RopeSpec
+
+  cfg = dataclasses.replace(ModelConfig(), head_dim=head_dim, rope_base=base, rope_fraction=1.0,
+                            **fields)
+  return RopeSpec.of(cfg).inv_freq()
+
+
+def _llama3_candidates(factors: np.ndarray, wavelength: np.ndarray, factor: float):
+  """(low_freq_factor, high_freq_factor, original context) that may give `factors` by the llama3
+  rule (`RopeSpec.inv_freq`); each is checked by the caller.
+
+  The rule keeps wavelengths below old / high (factor 1), divides those above old / low by
+  `factor`, and between them 1 / f = (1 - s) / factor + s, s = (old / wavelength - low) /
+  (high - low). Only the ratios of (low, high, old) matter. Llama 3.x uses low 1, high 4: the
+  band's points then give old directly; otherwise two band points give old / (high - low) and
+  low / (high - low), taken with low = 1.
+  """
+  tol = 1e-4
+  band = (factors > 1 + tol) & (factors < factor * (1 - tol))
+  s = (1 / factors[band] - 1 / factor) / (1 - 1 / factor)
+  x = 1 / wavelength[band]
+  if band.any():
+    yield 1.0, 4.0, int(round(float(np.median((3 * s + 1) * wavelength[band]))))
+  else:
+    # No band point: any old between the kept and the divided wavelengths gives the same factors.
+    kept, divided = wavelength[factors <= 1 + tol], wavelength[factors >= factor * (1 - tol)]
+    lower = 4 * kept.max() if kept.size else 1.0
+    upper = divided.min() if divided.size else 4 * lower
+    yield 1.0, 4.0, int(round(math.sqrt(lower * upper)))
+  if band.sum() >= 2:
+    # s = a / wavelength - b with a = old / (high - low), b = low / (high - low).
+    a, minus_b = np.linalg.lstsq(np.stack([x, np.ones_like(x)], 1), s, rcond=None)[0]
+    if a > 0 and -minus_b > 0:
+      span = 1 / -minus_b
+      yield 1.0, float(f"{1 + span:.4g}"), int(round(a * span))
+
+
+def rope_fields_from_freq_factors(factors: np.ndarray, *, base: float, head_dim: int,
+                                  where: str) -> dict[str, Any]:
+  """ModelConfig's RoPE-scaling fields from a GGUF's `rope_freqs.weight` `[D/2]`.
+
+  llama.cpp's converter writes a Llama 3.1 / 3.2 model's "llama3" scaling as these per-frequency
+  divisors and no scaling metadata. They are read back as the scaling whose frequencies the
+  decoder computes equal to inv_freq / factors within float32 rounding: none (all ones), linear
+  (all equal), or llama3 (`_llama3_candidates`). Anything else is refused naming the tensor.
+  """
+  if factors.shape != (head_dim // 2,):
+    raise UnsupportedModelError(f"{where}: tensor {ROPE_FREQS} has shape {factors.shape}, "
+                                f"expected ({head_dim // 2},): one factor per rotated pair")
+  if not np.all(np.isfinite(factors)) or factors.min() <= 0:
+    raise UnsupportedModelError(f"{where}: tensor {ROPE_FREQS} holds factors <= 0 or not finite")
+  want = _scaled_inv_freq(base, head_dim, {}) / factors
+  factor = float(factors.max())
+  candidates = [{}] if factor <= 1 + _ROPE_FREQS_RTOL else [
+      {"rope_scaling": "linear", "rope_scaling_factor": factor}]
+  if factor > 1 + _ROPE_FREQS_RTOL:
+    wavelength = 2 * np.pi / _scaled_inv_freq(base, head_dim, {})
+    candidates += [{"rope_scaling": "llama3", "rope_scaling_factor": factor,
+                    "rope_low_freq_factor": low, "rope_high_freq_factor": high,
+                    "rope_original_context": old}
+                   for low, high, old in _llama3_candidates(factors, wavelength, factor)
+                   if old >= 1]
+  worst = np.inf
+  for fields in candidates:
+    error = float(np.max(np.abs(_scaled_inv_freq(base, head_dim, fields) / want - 1)))
+    if error <= _ROPE_FREQS_RTOL:
+      return fields
+    worst = min(worst, error)
+  raise UnsupportedModelError(
+      f"{where}: tensor {ROPE_FREQS} is not supported: its per-frequency factors are no "
+      f"linear or llama3 scaling of rope.freq_base={base:g} (the closest is {worst:.2g} off)")
 
 
 def config_from_gguf(reader, path: Path) -> tuple[ModelConfig, int | None]:
@@ -339,12 +426,22 @@ def config_from_gguf(reader, path: Path) -> tuple[ModelConfig, int | None]:
   if value_dim != head_dim:
     raise _field(where, f"{arch}.attention.value_length", value_dim, f"{head_dim} (key_length)")
   scaling = _gguf_value(reader, f"{arch}.rope.scaling.type", "none")
+  base = float(meta("rope.freq_base", 10_000.0))
   rope: dict[str, Any] = {}
   if scaling == "linear":
     rope = {"rope_scaling": "linear",
             "rope_scaling_factor": float(meta("rope.scaling.factor"))}
   elif scaling != "none":
     raise _field(where, f"{arch}.rope.scaling.type", scaling, "'none' or 'linear'")
+  freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+  if freqs is not None:
+    if rope:
+      raise _field(where, f"{arch}.rope.scaling.type", scaling,
+                   f"'none' beside tensor {ROPE_FREQS} (its factors are the scaling)")
+    from gguf.quants import dequantize
+
+    factors = np.asarray(dequantize(freqs.data, freqs.tensor_type), np.float64).reshape(-1)
+    rope = rope_fields_from_freq_factors(factors, base=base, head_dim=head_dim, where=where)
   embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
   if embed is None:
     raise UnsupportedModelError(f"{where}: tensor token_embd.weight is missing")
@@ -355,7 +452,7 @@ def config_from_gguf(reader, path: Path) -> tuple[ModelConfig, int | None]:
       num_layers=int(meta("block_count")), d_model=d_model,
       mlp_dim=int(meta("feed_forward_length")), num_heads=heads,
       num_kv_heads=int(meta("attention.head_count_kv", heads)), head_dim=head_dim,
-      rope_base=float(meta("rope.freq_base", 10_000.0)),
+      rope_base=base,
       norm_eps=float(meta("attention.layer_norm_rms_epsilon")), rope_fraction=1.0,
       tie_embeddings="output.weight" not in names, qkv_bias="blk.0.attn_q.bias" in names,
       out_bias="blk.0.attn_output.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names,
@@ -392,13 +489,101 @@ def _pre_tokenizer(pre: str):
       pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
-def tokenizer_from_gguf(reader, where: str):
-  """A `tokenizers.Tokenizer` from a GGUF file's byte-level BPE metadata."""
-  from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+# `tokenizer.ggml.model`s that load: byte-level BPE and SentencePiece (Llama 1 / 2, Mistral, ...).
+GGUF_TOKENIZER_MODELS = ("gpt2", "llama")
+# `tokenizer.ggml.token_type` (llama.cpp's llama_token_type, SentencePiece's piece types).
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+_SPACE = "\u2581"  # SentencePiece's "▁": a space inside a piece
 
+
+def tokenizer_from_gguf(reader, where: str):
+  """A `tokenizers.Tokenizer` from a GGUF file's tokenizer metadata: byte-level BPE ("gpt2") or
+  SentencePiece ("llama"); any other `tokenizer.ggml.model` is refused naming the field."""
   kind = _gguf_value(reader, "tokenizer.ggml.model")
-  if kind != "gpt2":
-    raise _field(where, "tokenizer.ggml.model", kind, "'gpt2' (byte-level BPE)")
+  if kind not in GGUF_TOKENIZER_MODELS:
+    raise _field(where, "tokenizer.ggml.model", kind,
+                 "'gpt2' (byte-level BPE) or 'llama' (SentencePiece)")
+  if kind == "llama":
+    return _sentencepiece_tokenizer(reader, where)
+  return _byte_level_tokenizer(reader, where)
+
+
+def _bos_processor(reader, tokens: list[str], *, add_bos_default: bool):
+  """The post-processor that puts BOS first where the file asks for it (llama.cpp's default:
+  SentencePiece yes, BPE no), else None."""
+  from tokenizers import processors
+
+  bos = _gguf_value(reader, "tokenizer.ggml.bos_token_id")
+  if not _gguf_value(reader, "tokenizer.ggml.add_bos_token", add_bos_default) or bos is None:
+    return None
+  return processors.TemplateProcessing(
+      single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B",
+      special_tokens=[(tokens[bos], int(bos))])
+
+
+def _sentencepiece_tokenizer(reader, where: str):
+  """llama.cpp's SentencePiece tokenizer (`llm_tokenizer_spm`) as a `tokenizers` BPE.
+
+  SentencePiece's BPE merges, at each step, the adjacent pair whose joined piece has the highest
+  score; a BPE whose merges are every split of a piece into two pieces, ranked by the joined
+  piece's score, does the same (transformers' SentencePiece converter builds Llama's
+  tokenizer.json so). Text: spaces become "▁", one "▁" leads each stretch of text when
+  `tokenizer.ggml.add_space_prefix` (default true; llama.cpp adds it after every special token
+  too); a character no piece holds becomes its UTF-8 byte tokens `<0xNN>` (byte fallback),
+  else the unknown token. Decoding reverses each step and drops the leading space.
+  """
+  from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
+  tokens = _gguf_value(reader, "tokenizer.ggml.tokens")
+  scores = _gguf_value(reader, "tokenizer.ggml.scores")
+  if not tokens or scores is None:
+    raise UnsupportedModelError(f"{where}: tokenizer.ggml.tokens / tokenizer.ggml.scores are "
+                                f"missing: the file carries no SentencePiece tokenizer")
+  if len(scores) != len(tokens):
+    raise UnsupportedModelError(f"{where}: tokenizer.ggml.scores has {len(scores)} entries for "
+                                f"{len(tokens)} tokens")
+  types = _gguf_value(reader, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+  vocab = {}
+  for i, token in enumerate(tokens):
+    # A repeated piece (some converted vocabularies pad with copies) keeps its first id.
+    vocab.setdefault(token, i)
+  mergeable = {t: i for t, i in vocab.items() if types[i] in (_NORMAL, _USER_DEFINED)}
+  ranked = []
+  for piece, i in mergeable.items():
+    for cut in range(1, len(piece)):
+      left, right = piece[:cut], piece[cut:]
+      if left in mergeable and right in mergeable:
+        # Highest score first; among one piece's splits, transformers' order (by the ids).
+        ranked.append((-scores[i], i, mergeable[left], mergeable[right], left, right))
+  ranked.sort()
+  unknown = _gguf_value(reader, "tokenizer.ggml.unknown_token_id")
+  if unknown is None:
+    unknown = next((i for i, t in enumerate(types) if t == _UNKNOWN), None)
+  byte_fallback = any(t == _BYTE for t in types)
+  tokenizer = Tokenizer(models.BPE(
+      vocab=vocab, merges=[(r[4], r[5]) for r in ranked],
+      unk_token=None if unknown is None else tokens[unknown], fuse_unk=True,
+      byte_fallback=byte_fallback))
+  prefix = bool(_gguf_value(reader, "tokenizer.ggml.add_space_prefix", True))
+  replace = normalizers.Replace(" ", _SPACE)
+  tokenizer.normalizer = (normalizers.Sequence([normalizers.Prepend(_SPACE), replace]) if prefix
+                          else replace)
+  steps = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+  tokenizer.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+  tokenizer.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                for i, t in enumerate(types) if t in (_CONTROL, _UNKNOWN)])
+  tokenizer.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                        for i, t in enumerate(types) if t == _USER_DEFINED])
+  processor = _bos_processor(reader, tokens, add_bos_default=True)
+  if processor is not None:
+    tokenizer.post_processor = processor
+  return tokenizer
+
+
+def _byte_level_tokenizer(reader, where: str):
+  """A byte-level BPE ("gpt2") with the pre-tokenizer its `tokenizer.ggml.pre` names."""
+  from tokenizers import AddedToken, Tokenizer, decoders, models
+
   pre = _gguf_value(reader, "tokenizer.ggml.pre", "gpt2")
   if pre not in GGUF_PRE_TOKENIZERS:
     raise _field(where, "tokenizer.ggml.pre", pre, f"one of {GGUF_PRE_TOKENIZERS}")
@@ -421,11 +606,9 @@ def tokenizer_from_gguf(reader, where: str):
                                 for i, t in enumerate(types) if t == 3])
   tokenizer.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
                         for i, t in enumerate(types) if t == 4])
-  bos = _gguf_value(reader, "tokenizer.ggml.bos_token_id")
-  if _gguf_value(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B",
-        special_tokens=[(tokens[bos], int(bos))])
+  processor = _bos_processor(reader, tokens, add_bos_default=False)
+  if processor is not None:
+    tokenizer.post_processor = processor
   return tokenizer
 
 

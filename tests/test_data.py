@@ -238,3 +238,74 @@ def test_mqar_without_random_filler_leaves_zeros_outside_pairs_and_queries():
   used = w.astype(bool)
   used[:, :8] = True
   assert (x[~used] == 0).all() and (x[:, :8] > 0).all()
+
+
+def test_prepare_data_writes_uint32_ids_for_a_vocabulary_over_65536(tmp_path):
+  tokenizers = pytest.importorskip("tokenizers", reason="the `import` extra")
+  from pisa_jax.train.prepare_data import main
+
+  # A run's own word-level tokenizer of 70,000 tokens (Llama 3's 128K needs the same).
+  vocab = {"<|endoftext|>": 0, "<unk>": 1, **{f"w{i}": i for i in range(2, 70_000)}}
+  tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+  tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  tokenizer.add_special_tokens(["<|endoftext|>"])
+  run = tmp_path / "run"
+  run.mkdir()
+  tokenizer.save(str(run / "tokenizer.json"))
+  docs = tmp_path / "docs"
+  docs.mkdir()
+  documents = [[65_535, 65_536, 69_999, 7], [2, 66_000], [123, 45_678, 68_000, 3, 9]] * 4
+  for i, ids in enumerate(documents):
+    (docs / f"{i:02d}.txt").write_text(" ".join(f"w{t}" for t in ids))
+  out = tmp_path / "corpus"
+  main(["--files", str(docs), "--out", str(out), "--tokenizer", str(run), "--val-fraction",
+        "0.3", "--seed", "1"])
+  meta = json.loads((out / "meta.json").read_text())
+  assert (meta["dtype"], meta["vocab_size"], meta["eot"]) == ("uint32", 70_000, 0)
+  ids = {s: np.fromfile(out / f"{s}.bin", np.uint32) for s in ("train", "val")}
+  for split in ("train", "val"):
+    assert (out / f"{split}.bin").stat().st_size == 4 * meta[f"{split}_tokens"]
+  written = sorted(tuple(d[:-1]) for s in ids.values()
+                   for d in np.split(s, np.flatnonzero(s == 0) + 1) if d.size)
+  assert written == sorted(tuple(d) for d in documents)
+  # The loader reads the ids whole: a window of the train split is a slice of the file.
+  windows = TokenWindows(out, "train", seq_len=4, global_batch=2, accum=1, seed=0,
+                         vocab_size=70_000).batch(0)
+  train = ids["train"].astype(np.int64)
+  for row in windows["inputs"][0]:
+    starts = [s for s in range(train.size - 4) if np.array_equal(train[s:s + 4], row)]
+    assert starts, row
+  assert ids["train"].max() > 65_535
+
+
+def test_token_files_say_their_dtype(tmp_path):
+  folder = _packed(tmp_path)
+  meta = json.loads((folder / "meta.json").read_text())
+  # Without "dtype" (folders written before it) and with "uint16": the same uint16 tokens.
+  before = _windows(folder).batch(0)
+  (folder / "meta.json").write_text(json.dumps({**meta, "dtype": "uint16"}))
+  np.testing.assert_array_equal(_windows(folder).batch(0)["inputs"], before["inputs"])
+  (folder / "meta.json").write_text(json.dumps({**meta, "dtype": "uint32"}))
+  with pytest.raises(ValueError, match=r"train\.bin is corrupt: 10000 bytes, meta\.json promises "
+                                       r"5000 uint32 tokens"):
+    _windows(folder)
+  (folder / "meta.json").write_text(json.dumps({**meta, "dtype": "int8"}))
+  with pytest.raises(ValueError, match=r"meta\.json: dtype='int8' must be one of \('uint16', "
+                                       r"'uint32'\)"):
+    _windows(folder)
+
+
+def test_evaluation_counts_held_out_tokens_of_their_dtype(tmp_path):
+  from pisa_jax.configs import get_config
+  from pisa_jax.train.evaluation.arguments import EvalArgumentError
+  from pisa_jax.train.evaluation.common import check_data
+
+  np.zeros(100, np.uint32).tofile(tmp_path / "val.bin")
+  (tmp_path / "meta.json").write_text(json.dumps({
+      "format": FORMAT, "dtype": "uint32", "vocab_size": 64, "train_tokens": 0,
+      "val_tokens": 100}))
+  config = get_config("tiny")
+  check_data(config, lengths=[99], data=str(tmp_path), what="ppl")
+  with pytest.raises(EvalArgumentError, match=r"--lengths: 150 needs 151 tokens of held-out "
+                                              r"text; .*val\.bin holds 100"):
+    check_data(config, lengths=[150], data=str(tmp_path), what="ppl")

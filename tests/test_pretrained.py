@@ -26,6 +26,7 @@ from safetensors.numpy import save_file  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from pisa_jax.models import load_pretrained  # noqa: E402
+from pisa_jax.models.decoder import RopeSpec  # noqa: E402
 from pisa_jax.models.pretrained import UnsupportedModelError  # noqa: E402
 
 VOCAB = 320
@@ -210,7 +211,8 @@ def _llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
           .swapaxes(1, 2).reshape(w.shape))
 
 
-def write_gguf(path: Path, hf: dict, w: dict, *, pre: str = "smollm") -> Path:
+def write_gguf(path: Path, hf: dict, w: dict, *, pre: str = "smollm",
+               sentencepiece: dict | None = None) -> Path:
   """A GGUF file of the checkpoint as llama.cpp's converter writes one, F32 tensors."""
   arch = hf["model_type"]
   writer = gguf.GGUFWriter(str(path), arch)
@@ -226,6 +228,25 @@ def write_gguf(path: Path, hf: dict, w: dict, *, pre: str = "smollm") -> Path:
   if "head_dim" in hf:
     writer.add_key_length(hf["head_dim"])
     writer.add_value_length(hf["head_dim"])
+  if sentencepiece is not None:
+    write_sentencepiece_metadata(writer, **sentencepiece)
+  else:
+    write_bpe_metadata(writer, pre)
+  for name, value in w.items():
+    if arch == "llama" and ("q_proj" in name or "k_proj" in name):
+      value = _llama_cpp_permute(value, heads if "q_proj" in name else kv)
+    for a, b in _TO_GGUF:
+      name = name.replace(a, b)
+    writer.add_tensor(name, np.ascontiguousarray(value, np.float32))
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  return path
+
+
+def write_bpe_metadata(writer, pre: str) -> None:
+  """tiny_tokenizer() as llama.cpp's converter writes a byte-level BPE, padded to VOCAB."""
   tokenizer = tiny_tokenizer()
   vocab = tokenizer.get_vocab()
   tokens = [None] * VOCAB
@@ -244,17 +265,39 @@ def write_gguf(path: Path, hf: dict, w: dict, *, pre: str = "smollm") -> Path:
   writer.add_bos_token_id(1)
   writer.add_eos_token_id(2)
   writer.add_add_bos_token(False)
-  for name, value in w.items():
-    if arch == "llama" and ("q_proj" in name or "k_proj" in name):
-      value = _llama_cpp_permute(value, heads if "q_proj" in name else kv)
-    for a, b in _TO_GGUF:
-      name = name.replace(a, b)
-    writer.add_tensor(name, np.ascontiguousarray(value, np.float32))
-  writer.write_header_to_file()
-  writer.write_kv_data_to_file()
-  writer.write_tensors_to_file()
-  writer.close()
-  return path
+
+
+# A SentencePiece vocabulary small enough to check by hand: <unk>, <s>, </s>, the 256 byte
+# tokens, then pieces with their scores (SentencePiece's BPE joins the adjacent pair whose joined
+# piece scores highest). "▁th" scores below "he": "the" is ▁t + h + e -> ▁t + he -> ▁the.
+SPM_PIECES = [("▁t", -1.0), ("he", -2.0), ("▁the", -3.0), ("at", -4.0), ("▁c", -5.0),
+              ("▁cat", -6.0), ("▁th", -7.0), ("<|im_start|>", 0.0), ("▁", -10.0), ("t", -11.0),
+              ("h", -12.0), ("e", -13.0), ("a", -14.0), ("c", -15.0), ("s", -16.0), ("ß", -17.0),
+              ("ha", -8.0)]
+
+
+def write_sentencepiece_metadata(writer, *, byte_fallback: bool = True,
+                                 add_space_prefix: bool | None = None,
+                                 add_bos: bool | None = None) -> list[str]:
+  """SPM_PIECES as llama.cpp's converter writes a SentencePiece vocabulary ("llama"), padded to
+  VOCAB with unused pieces; None leaves a flag out (llama.cpp's default: true). The pieces."""
+  pieces = [("<unk>", 0.0, 2), ("<s>", 0.0, 3), ("</s>", 0.0, 3)]
+  if byte_fallback:
+    pieces += [(f"<0x{b:02X}>", 0.0, 6) for b in range(256)]
+  pieces += [(p, score, 4 if p == "<|im_start|>" else 1) for p, score in SPM_PIECES]
+  pieces += [(f"[UNUSED{i}]", 0.0, 5) for i in range(len(pieces), VOCAB)]
+  writer.add_tokenizer_model("llama")
+  writer.add_token_list([p for p, _, _ in pieces])
+  writer.add_token_scores([s for _, s, _ in pieces])
+  writer.add_token_types([t for _, _, t in pieces])
+  writer.add_bos_token_id(1)
+  writer.add_eos_token_id(2)
+  writer.add_unk_token_id(0)
+  if add_bos is not None:
+    writer.add_add_bos_token(add_bos)
+  if add_space_prefix is not None:
+    writer.add_add_space_prefix(add_space_prefix)
+  return [p for p, _, _ in pieces]
 
 
 PROMPT = [5, 17, 250, 3, 99, 310, 42, 7, 128, 64, 1, 300, 77]
@@ -300,6 +343,70 @@ def test_gguf_tokenizer_equals_the_tokenizer_json_it_was_made_from(tmp_path):
   # Special tokens are one token each, digits one token a digit.
   ids = from_gguf.encode("<|im_start|>2024").ids
   assert ids[0] == 1 and len(ids) == 5
+
+
+def _pieces(tokenizer, text: str) -> list[str]:
+  return [tokenizer.id_to_token(i) for i in tokenizer.encode(text).ids]
+
+
+def test_sentencepiece_gguf_tokenizer_encodes_as_sentencepiece(tmp_path):
+  hf, w = random_checkpoint("llama")
+  _, _, spm = load_pretrained(write_gguf(tmp_path / "m.gguf", hf, w, sentencepiece={}))
+  # Each expectation worked by hand from SPM_PIECES' scores (and equal to the sentencepiece
+  # library's own encoding of a model of these pieces).
+  assert _pieces(spm, "the cat") == ["<s>", "▁the", "▁cat"]
+  # "at" (-4) outscores "▁c" (-5) and "ha" (-8): ▁ c a t -> ▁ c at -> ▁c at -> ▁cat, and
+  # ▁ h a t -> ▁ h at (no "▁h" or "hat"); two spaces keep a lone "▁".
+  assert _pieces(spm, "hat  cast") == ["<s>", "▁", "h", "at", "▁", "▁c", "a", "s", "t"]
+  # "f" and "é" are no pieces: their UTF-8 bytes.
+  assert _pieces(spm, "café") == ["<s>", "▁c", "a", "<0x66>", "<0xC3>", "<0xA9>"]
+  # A user-defined piece is one token; text after it is led by "▁", as llama.cpp does (the
+  # sentencepiece library, which knows no special tokens inside a text, gives "t", "he").
+  assert _pieces(spm, "cat<|im_start|>the") == ["<s>", "▁cat", "<|im_start|>", "▁the"]
+  for text in ("the cat", "hat  cast", "café", " the", "the\n\ncat\n", "a 漢字 🙂"):
+    assert spm.decode(spm.encode(text).ids) == text, text
+  assert spm.encode("the").ids[0] == 1 and spm.token_to_id("▁the") == 261
+  from pisa_jax.train.tokenizer import RunTokenizer
+
+  run = RunTokenizer(spm)
+  # "ß" is a piece whose character GPT-2's byte alphabet also has: here it is UTF-8 text.
+  assert b"".join(run.decode_single_token_bytes(t) for t in run.encode("café the ß")) == (
+      " café the ß".encode())
+
+
+def test_sentencepiece_gguf_flags_and_unknown_characters(tmp_path):
+  from pisa_jax.models.pretrained import tokenizer_from_gguf
+
+  def tokenizer(name, **flags):
+    writer = gguf.GGUFWriter(str(tmp_path / name), "llama")
+    write_sentencepiece_metadata(writer, **flags)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return tokenizer_from_gguf(gguf.GGUFReader(str(tmp_path / name)), name)
+
+  plain = tokenizer("a.gguf", add_space_prefix=False, add_bos=False)
+  assert _pieces(plain, "the cat") == ["t", "he", "▁cat"]
+  assert plain.decode(plain.encode("the cat").ids) == "the cat"
+  # Without byte tokens a character no piece holds is <unk>, a run of them one <unk>.
+  no_bytes = tokenizer("b.gguf", byte_fallback=False)
+  assert _pieces(no_bytes, "the fx cat") == ["<s>", "▁the", "▁", "<unk>", "▁cat"]
+
+
+def test_unknown_gguf_tokenizer_models_are_refused_naming_the_field(tmp_path):
+  from pisa_jax.models.pretrained import tokenizer_from_gguf
+
+  writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+  writer.add_tokenizer_model("bert")
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  with pytest.raises(UnsupportedModelError, match=r"^t\.gguf: tokenizer\.ggml\.model='bert' is "
+                                                  r"not supported: expected 'gpt2' \(byte-level "
+                                                  r"BPE\) or 'llama' \(SentencePiece\)$"):
+    tokenizer_from_gguf(gguf.GGUFReader(str(tmp_path / "t.gguf")), "t.gguf")
 
 
 def test_llama_gguf_logits_are_wrong_without_the_unpermutation(tmp_path):
@@ -448,9 +555,81 @@ def test_unsupported_gguf_metadata_is_refused_naming_the_key(tmp_path):
   hf, w = random_checkpoint("llama")
   with pytest.raises(UnsupportedModelError, match="tokenizer.ggml.pre='falcon' is not supported"):
     load_pretrained(write_gguf(tmp_path / "a.gguf", hf, w, pre="falcon"))
-  w["rope_freqs.weight"] = np.ones(4, np.float32)
-  with pytest.raises(UnsupportedModelError, match="tensor 'rope_freqs.weight' is not supported"):
+  # Factors that no linear or llama3 scaling gives.
+  w["rope_freqs.weight"] = np.asarray([1.0, 3.0, 1.5, 2.0], np.float32)
+  with pytest.raises(UnsupportedModelError, match=r"tensor rope_freqs\.weight is not supported: "
+                                                  r"its per-frequency factors are no linear"):
     load_pretrained(write_gguf(tmp_path / "b.gguf", hf, w))
+  w["rope_freqs.weight"] = np.ones(3, np.float32)
+  with pytest.raises(UnsupportedModelError, match=r"rope_freqs\.weight has shape \(3,\), "
+                                                  r"expected \(4,\)"):
+    load_pretrained(write_gguf(tmp_path / "c.gguf", hf, w))
+
+
+def llama_cpp_rope_factors(hf: dict) -> np.ndarray:
+  """convert_hf_to_gguf.py's `rope_freqs` of a "llama3" scaling, in float32 as torch has it."""
+  scaling, d = hf["rope_scaling"], hf["hidden_size"] // hf["num_attention_heads"]
+  freqs = np.float32(1) / np.float32(hf["rope_theta"]) ** (np.arange(0, d, 2, dtype=np.float32)
+                                                            / np.float32(d))
+  factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+  old = scaling["original_max_position_embeddings"]
+  out = []
+  for freq in freqs:
+    wavelen = np.float32(2 * math.pi) / freq
+    if wavelen < old / high:
+      out.append(1.0)
+    elif wavelen > old / low:
+      out.append(factor)
+    else:
+      smooth = np.float32((old / wavelen - low) / (high - low))
+      out.append(1 / ((1 - smooth) / factor + smooth))
+  return np.asarray(out, np.float32)
+
+
+# (factor, low_freq_factor, high_freq_factor, original context): Llama 3.1's band rule, and one
+# with another ratio of the two band factors. Heads of 32 dims at base 10,000: two frequencies
+# fall in the interpolated band of each.
+@pytest.mark.parametrize("factor,low,high,old", [(8.0, 1.0, 4.0, 256), (4.0, 1.0, 3.0, 300)])
+def test_gguf_rope_freqs_load_as_the_llama3_scaling_of_the_same_model(tmp_path, factor, low,
+                                                                      high, old):
+  hf, w = random_checkpoint("llama", seed=9)
+  hf.update(num_attention_heads=2, num_key_value_heads=1, hidden_size=64, rope_theta=10_000.0,
+            rope_scaling={"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                          "high_freq_factor": high, "original_max_position_embeddings": old})
+  hf, w = _resized(hf, seed=9)
+  from_hf, hf_cfg, _ = load_pretrained(write_hf_folder(tmp_path / "hf", hf, w),
+                                       compute_dtype="float32")
+  factors = llama_cpp_rope_factors(hf)
+  assert ((factors > 1) & (factors < factor)).sum() == 2
+  # llama.cpp's converter writes the scaling as the factors alone, no scaling metadata.
+  plain = {k: v for k, v in hf.items() if k != "rope_scaling"}
+  from_gguf, gguf_cfg, _ = load_pretrained(
+      write_gguf(tmp_path / "m.gguf", plain, {**w, "rope_freqs.weight": factors}),
+      compute_dtype="float32")
+  assert gguf_cfg.rope_scaling == "llama3"
+  assert (gguf_cfg.rope_scaling_factor, gguf_cfg.rope_low_freq_factor) == (factor, 1.0)
+  np.testing.assert_allclose(RopeSpec.of(gguf_cfg).inv_freq(), RopeSpec.of(hf_cfg).inv_freq(),
+                             rtol=1e-6)
+  got, want = _logits(from_gguf), _logits(from_hf)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+  np.testing.assert_allclose(want, numpy_forward(hf, w, PROMPT), rtol=2e-5,
+                             atol=2e-5 * np.abs(want).max())
+  # Without the factors the same file is a model without scaling, whose logits differ.
+  plain_model, _, _ = load_pretrained(write_gguf(tmp_path / "p.gguf", plain, w),
+                                      compute_dtype="float32")
+  assert np.abs(_logits(plain_model) - want).max() > 1e-3 * np.abs(want).max()
+
+
+def _resized(hf: dict, seed: int) -> tuple[dict, dict[str, np.ndarray]]:
+  """Random tensors of `hf`'s (changed) shapes."""
+  kind = "_custom"
+  ARCHITECTURES[kind] = {k: hf[k] for k in ("model_type", "num_attention_heads",
+                                            "num_key_value_heads", "hidden_size", "rope_theta",
+                                            "tie_word_embeddings", "rope_scaling")}
+  try:
+    return random_checkpoint(kind, seed)
+  finally:
+    del ARCHITECTURES[kind]
 
 
 def test_architecture_fields_are_checked_by_the_config(tmp_path):
@@ -616,6 +795,42 @@ def test_pisa_generate_uses_the_imported_tokenizer(tmp_path, capsys):
   for i in range(n, n + 4):
     padded[i] = int(np.argmax(_logits(model, padded)[i - 1]))
   assert capsys.readouterr().out == tokenizer.decode(padded[n:]) + "\n"
+
+
+def test_lm_eval_reads_an_imported_run_with_its_own_tokenizer(tmp_path):
+  """A SentencePiece GGUF (BOS added, end of sequence </s>) imported as a run: lm-eval's requests
+  are tokenized by the model's tokenizer, with its BOS as the prefix of an empty context and of
+  a rolling document."""
+  pytest.importorskip("lm_eval", reason="the `eval` extra: pip install -e .[eval]")
+  from lm_eval.api.instance import Instance
+
+  from pisa_jax.train.evaluation.lm_eval_adapter import PisaLM
+  from pisa_jax.train.import_cli import import_checkpoint
+
+  hf, w = random_checkpoint("llama", seed=10)
+  path = write_gguf(tmp_path / "m.gguf", hf, w, sentencepiece={})
+  import_checkpoint(path, tmp_path / "run", ["model.compute_dtype=float32", "train.seq_len=16"])
+  lm = PisaLM(workdir=str(tmp_path / "run"), batch_size=2)
+  assert (lm.prefix_token_id, lm.eot_token_id, lm.tokenizer_name) == (
+      1, 2, f"{tmp_path / 'run' / 'tokenizer.json'}")
+  model, _, tokenizer = load_pretrained(path, compute_dtype="float32")
+  ids = {text: tokenizer.encode(text, add_special_tokens=False).ids
+         for text in ("the cat", "the cat hat", "hat")}
+  assert ids["the cat hat"] == [261, 264, 267, 269, 262]  # ▁the ▁cat ▁ h at
+
+  def logp(tokens: list[int], scored: int) -> float:
+    rows = np.asarray(jax.nn.log_softmax(model(jnp.asarray([tokens[:-1]], jnp.int32))[0]))
+    return float(sum(rows[i, tokens[i + 1]] for i in range(len(tokens) - 1 - scored,
+                                                            len(tokens) - 1)))
+
+  requests = [Instance("loglikelihood", {}, args, i)
+              for i, args in enumerate([("the cat", " hat"), ("", "hat")])]
+  (with_context, _), (empty, _) = lm.loglikelihood(requests, disable_tqdm=True)
+  np.testing.assert_allclose(with_context, logp([1] + ids["the cat hat"], 3), rtol=1e-5)
+  np.testing.assert_allclose(empty, logp([1] + ids["hat"], 3), rtol=1e-5)
+  (rolling,) = lm.loglikelihood_rolling(
+      [Instance("loglikelihood_rolling", {}, ("the cat hat",), 0)], disable_tqdm=True)
+  np.testing.assert_allclose(rolling, logp([1] + ids["the cat hat"], 5), rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------- a real model
@@ -786,7 +1001,14 @@ _FAKE_BENCHMARK_ROWS = (
        for v, a, k in (("dense", "dense", None), ("pisa K8", "pisa", 8))
        for n in (1024, "average")]
     + [dict(part="selection", length=8192, top_k=8, selector=s, beam=8, recall=0.9,
-            captured_mass=0.8) for s in ("bsa", "pisa", "exact")])
+            captured_mass=0.8) for s in ("bsa", "pisa", "exact")]
+    + [dict(part="cpt", variant="pisa K16", attention="pisa", top_k=16, stage=stage, step=step,
+            metric=metric, length=n, value=value)
+       for stage, step, value in (("before", 0, 0.25), ("after", 600, 0.75))
+       for metric, n in (("ppl", 8192), ("niah", 8192), ("niah", "average"))]
+    + [dict(part="cpt-train", variant="pisa K16", attention="pisa", top_k=16, steps=600,
+            tokens=600 * 32768, seconds=200.0, first_loss=2.5, last_loss=2.25,
+            stop_reason=None)])
 
 
 def test_pretrained_benchmark_records_and_replots(tmp_path, capsys):
@@ -800,7 +1022,33 @@ def test_pretrained_benchmark_records_and_replots(tmp_path, capsys):
   pretrained.main(["--replot", str(tmp_path / "run" / "pretrained.json"), "--out",
                    str(tmp_path / "plot")])
   assert (tmp_path / "plot" / "pretrained.png").stat().st_size > 0
-  assert "| pisa K8 | 20 | 20 | 0.5 | 0.5 |" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert "| pisa K8 | 20 | 20 | 0.5 | 0.5 |" in out
+  assert "| pisa K16 | before | 0 | 0.25 | 0.25 | 0.25 |" in out
+  assert "| pisa K16 | after | 600 | 0.75 | 0.75 | 0.75 |" in out
+  assert "| pisa K16 | 600 | 19660800 | 200 | 2.5 | 2.25 | train.steps |" in out
+
+
+def test_report_row_of_the_pretrained_benchmark(tmp_path):
+  import shutil
+
+  from benchmarks import _record, report
+
+  rec = _record.Recorder("pretrained", {"model": "/x/SmolLM2.gguf", "block_size": 64,
+                                        "cpt_seq_len": 8192}, tmp_path)
+  for row in _FAKE_BENCHMARK_ROWS:
+    rec.add(**row)
+  setting, figures = report.pretrained(rec.record)
+  assert setting == "SmolLM2.gguf, C64"
+  assert figures == ("ppl 8K / NIAH avg: dense 20.0 / 0.5, pisa K8 20.0 / 0.5; Recall@8 % at 8K: "
+                     "bsa 90.0, pisa 90.0, exact 90.0; CPT pisa K16 (600 steps at 8K): ppl 8K "
+                     "0.25 -> 0.75, NIAH avg 0.25 -> 0.75")
+  # Until a result is committed the row says how to make it; then it shows the figures.
+  results = tmp_path / "results"
+  results.mkdir()
+  assert "not yet measured" in report.table(["pretrained model"], results)
+  shutil.copy(tmp_path / "pretrained.json", results / "pretrained.json")
+  assert figures in report.table(["pretrained model"], results)
 
 
 @pytest.mark.slow
@@ -813,7 +1061,46 @@ def test_pretrained_benchmark_end_to_end(tmp_path):
       str(_corpus(tmp_path / "corpus", n=20_000)), "--ppl-lengths", "64,128", "--ruler-lengths",
       "1024", "--top-ks", "4", "--block-size", "8", "--ppl-samples", "2", "--ruler-samples", "1",
       "--selection-length", "64", "--selection-samples", "1", "--batch-size", "2", "--out",
-      str(tmp_path / "out"), "--only", "dense,pisa K4"])
+      str(tmp_path / "out"), "--only", "dense,pisa K4", "--compute-dtype", "float32"])
   rows = record["rows"]
   assert {r["variant"] for r in rows if r["part"] == "ppl"} == {"dense", "pisa K4"}
   assert {r["selector"] for r in rows if r["part"] == "selection"} >= {"bsa", "pisa", "exact"}
+  # The CPT part in a second call, appended: the model imported as a pisa run, trained 3 steps.
+  record = pretrained.main([
+      "--model", str(tmp_path / "m.gguf"), "--data", str(tmp_path / "corpus"), "--ppl-lengths",
+      "64,128", "--ruler-lengths", "1024", "--block-size", "8", "--ppl-samples", "2",
+      "--ruler-samples", "1", "--batch-size", "2", "--out", str(tmp_path / "out"), "--parts",
+      "cpt", "--cpt-kinds", "pisa", "--cpt-top-k", "4", "--cpt-seq-len", "128", "--cpt-batch",
+      "2", "--cpt-steps", "3", "--cpt-dir", str(tmp_path / "runs"), "--compute-dtype", "float32",
+      "--append"])
+  rows = record["rows"]
+  assert {r["variant"] for r in rows if r["part"] == "ppl"} == {"dense", "pisa K4"}
+  (trained,) = [r for r in rows if r["part"] == "cpt-train"]
+  assert trained["steps"] == 3 and trained["stop_reason"] is None
+  before = {r["length"]: r["value"] for r in rows if r["part"] == "cpt" and r["metric"] == "ppl"
+            and r["stage"] == "before"}
+  free = {r["length"]: r["ppl"] for r in rows if r["part"] == "ppl" and r["variant"] == "pisa K4"}
+  # Before training the run is the training-free model of the same attention.
+  assert before == pytest.approx(free, rel=1e-5)
+
+
+def test_fetch_smollm2_splits_and_joins_checked_parts(tmp_path, monkeypatch):
+  import hashlib
+
+  from benchmarks import fetch_smollm2
+
+  data = np.random.default_rng(0).bytes(10_001)
+  monkeypatch.setattr(fetch_smollm2, "SHA256", hashlib.sha256(data).hexdigest())
+  (tmp_path / "model.gguf").write_bytes(data)
+  parts = fetch_smollm2.split(tmp_path / "model.gguf", [tmp_path / "a", tmp_path / "b"], 6_000)
+  assert [p.stat().st_size for p in parts] == [5_001, 5_000]
+  joined = fetch_smollm2.join([tmp_path / "a", tmp_path / "b"], tmp_path / "out" / "m.gguf")
+  assert joined.read_bytes() == data
+  with pytest.raises(FileNotFoundError, match=r"b/.*\.part0 is missing \(part 0 of 2\)"):
+    fetch_smollm2.join([tmp_path / "b", tmp_path / "a"], tmp_path / "bad.gguf")
+  parts[1].write_bytes(data[5_001:][::-1])
+  with pytest.raises(ValueError, match="give sha256"):
+    fetch_smollm2.join([tmp_path / "a", tmp_path / "b"], tmp_path / "bad.gguf")
+  assert not list(tmp_path.glob("bad.gguf*"))
+  with pytest.raises(ValueError, match=r"--split: 2 parts of .* MiB cannot hold"):
+    fetch_smollm2.split(tmp_path / "model.gguf", [tmp_path / "c", tmp_path / "d"], 10)

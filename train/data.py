@@ -1,4 +1,4 @@
-"""Batches: packed uint16 token files and the MQAR synthetic task, deterministic from (seed, step).
+"""Batches: packed token files and the MQAR synthetic task, deterministic from (seed, step).
 
 Every batch is a dict of numpy arrays for THIS host:
   inputs  int32   `[A, B_local, T]`   (A = gradient-accumulation micro-batches)
@@ -28,6 +28,28 @@ import numpy as np
 
 FORMAT = "pisa-jax-tokens-v1"
 TRAIN, VAL = 0, 1
+# The token files' element types (meta.json's "dtype"): uint16 while every id fits (GPT-2's
+# 50,257, SmolLM2's 49,152), uint32 for larger vocabularies (Llama 3's 128,256). A folder
+# written before the field existed holds uint16.
+TOKEN_DTYPES = ("uint16", "uint32")
+
+
+def token_dtype_for(vocab_size: int) -> str:
+  """The narrowest of TOKEN_DTYPES that holds every id below `vocab_size`."""
+  if vocab_size <= 1 << 16:
+    return "uint16"
+  if vocab_size <= 1 << 32:
+    return "uint32"
+  raise ValueError(f"vocab_size={vocab_size:,} does not fit uint32 token ids (at most 2^32)")
+
+
+def token_dtype(meta: dict, meta_path) -> np.dtype:
+  """The element type of a corpus' token files from its meta.json (`meta`, read from
+  `meta_path`); ValueError naming the field for an unknown one."""
+  name = meta.get("dtype", "uint16")
+  if name not in TOKEN_DTYPES:
+    raise ValueError(f"{meta_path}: dtype={name!r} must be one of {TOKEN_DTYPES}")
+  return np.dtype(name)
 
 
 def _host_rows(global_batch: int, process_index: int, process_count: int) -> slice:
@@ -54,7 +76,7 @@ def document_layout(inputs: np.ndarray, eot: int) -> dict[str, np.ndarray]:
 
 
 class TokenWindows:
-  """Random windows of seq_len + 1 tokens from a packed uint16 file written by pisa-prepare-data;
+  """Random windows of seq_len + 1 tokens from a packed token file written by pisa-prepare-data;
   with `packing`, their documents' segment ids and positions (the module docstring)."""
 
   def __init__(self, folder: str | Path, split: str, *, seq_len: int, global_batch: int,
@@ -76,13 +98,15 @@ class TokenWindows:
       raise ValueError(
           f"{folder} holds tokens up to {meta['vocab_size'] - 1} but model.vocab_size={vocab_size}"
       )
+    dtype = token_dtype(meta, meta_path)
     path = folder / f"{split}.bin"
     expected = meta[f"{split}_tokens"]
     if not path.is_file():
       raise FileNotFoundError(f"{path} is missing (meta.json promises {expected} tokens)")
     size = path.stat().st_size
-    if size != 2 * expected:
-      raise ValueError(f"{path} is corrupt: {size} bytes, meta.json promises {expected} uint16 tokens")
+    if size != dtype.itemsize * expected:
+      raise ValueError(f"{path} is corrupt: {size} bytes, meta.json promises {expected} "
+                       f"{dtype.name} tokens")
     if expected < seq_len + 1:
       hint = ""
       if split == "val":
@@ -97,7 +121,7 @@ class TokenWindows:
       raise ValueError(f"data.packing=true needs the end-of-text token: {meta_path} has no integer "
                        f"\"eot\" (got {meta.get('eot')!r}); write the folder with pisa-prepare-data")
     self.packing = packing
-    self.tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    self.tokens = np.memmap(path, dtype=dtype, mode="r")
     self.meta = meta
     self.split_id = TRAIN if split == "train" else VAL
     self.seq_len, self.global_batch, self.accum, self.seed = seq_len, global_batch, accum, seed

@@ -1,4 +1,4 @@
-"""`pisa-prepare-data`: text -> packed GPT-2 uint16 token files with a train / validation split.
+"""`pisa-prepare-data`: text -> packed token files with a train / validation split.
 
   pisa-prepare-data --corpus wiki-offline --corpus sotu --out data/corpus
   pisa-prepare-data --files notes/*.txt --jsonl dump.jsonl --out data/mine
@@ -13,8 +13,9 @@ Documents are tokenised with the exact GPT-2 BPE (`pisa_jax.train.tokenizer`), e
 <|endoftext|> (50256), and whole documents go to val.bin with probability --val-fraction (seeded),
 the rest to train.bin. With --tokenizer RUN (a `pisa-import` run folder) they are tokenised with
 that model's own tokenizer instead, each followed by its <|endoftext|> (or, without one, its first
-end-of-sequence token): the corpus a run of that model trains and evaluates on (a vocabulary of
-at most 65,536 tokens: the files hold uint16).
+end-of-sequence token): the corpus a run of that model trains and evaluates on. The files hold
+uint16 ids while the vocabulary has at most 65,536 tokens, uint32 ids beyond (Llama 3's 128K);
+meta.json's "dtype" says which.
 
 The corpus is written into a fresh folder beside --out and swapped in only when complete, so a
 failed or interrupted run (Ctrl-C included) leaves an existing corpus exactly as it was. --out must
@@ -52,7 +53,7 @@ import numpy as np
 
 from pisa_jax._command_line import ArgumentParser
 from pisa_jax.train.corpora import read_brown
-from pisa_jax.train.data import FORMAT
+from pisa_jax.train.data import FORMAT, token_dtype_for
 from pisa_jax.train.tokenizer import EOT_TOKEN, VOCAB_SIZE, gpt2_encoding
 
 PROG = "pisa-prepare-data"
@@ -311,6 +312,8 @@ def write_tokens(documents: Iterator[str], folder: Path, *, val_fraction: float,
   """
   enc = gpt2_encoding() if tokenizer is None else tokenizer
   eot = EOT_TOKEN if tokenizer is None else tokenizer.eot
+  vocab_size = VOCAB_SIZE if tokenizer is None else tokenizer.n_vocab
+  dtype = token_dtype_for(vocab_size)
   rng = np.random.default_rng(seed)
   counts = {"train": 0, "val": 0}
   docs = {"train": 0, "val": 0}
@@ -321,7 +324,7 @@ def write_tokens(documents: Iterator[str], folder: Path, *, val_fraction: float,
     def flush():
       for ids in enc.encode_ordinary_batch(batch):
         split = "val" if rng.random() < val_fraction else "train"
-        arr = np.asarray(ids + [eot], dtype=np.uint16)
+        arr = np.asarray(ids + [eot], dtype=dtype)
         arr.tofile(files[split])
         counts[split] += arr.size
         docs[split] += 1
@@ -338,9 +341,9 @@ def write_tokens(documents: Iterator[str], folder: Path, *, val_fraction: float,
     for f in files.values():
       f.flush()
       os.fsync(f.fileno())
-  meta = {"format": FORMAT, "dtype": "uint16",
+  meta = {"format": FORMAT, "dtype": dtype,
           "tokenizer": "gpt2" if tokenizer is None else tokenizer.name,
-          "vocab_size": VOCAB_SIZE if tokenizer is None else tokenizer.n_vocab,
+          "vocab_size": vocab_size,
           "eot": eot, "train_tokens": counts["train"], "val_tokens": counts["val"],
           "train_documents": docs["train"], "val_documents": docs["val"], "sources": sources,
           "val_fraction": val_fraction, "seed": seed}
@@ -553,9 +556,10 @@ class RunVocabulary:
       raise PrepareError(f"--tokenizer {run} holds no tokenizer.json: give a pisa-import run "
                          f"folder", 2)
     self.encoding, self.n_vocab = encoding, encoding.n_vocab
-    if self.n_vocab > 1 << 16:
-      raise PrepareError(f"--tokenizer {run}: its {self.n_vocab:,} tokens do not fit the corpus "
-                         f"files' uint16 ids (at most 65,536)", 2)
+    try:
+      token_dtype_for(self.n_vocab)
+    except ValueError as e:
+      raise PrepareError(f"--tokenizer {run}: {e}", 2) from None
     endoftext = encoding.tokenizer.token_to_id("<|endoftext|>")
     if endoftext is None and not stop:
       raise PrepareError(f"--tokenizer {run}: the tokenizer has no <|endoftext|> and the run no "

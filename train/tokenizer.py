@@ -97,6 +97,10 @@ class RunTokenizer:
   def __init__(self, tokenizer):
     self.tokenizer = tokenizer
     self._special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+    # Byte-level BPE writes each byte as one character of GPT-2's alphabet; SentencePiece pieces
+    # are text with "▁" for a space (and `<0xNN>` byte-fallback tokens).
+    decoder = tokenizer.decoder
+    self._byte_level = decoder is not None and b'"ByteLevel"' in decoder.__getstate__()
 
   @property
   def n_vocab(self) -> int:
@@ -118,7 +122,7 @@ class RunTokenizer:
     if piece is None or int(token) in self._special:
       return b""
     table = _byte_of_char()
-    if all(c in table for c in piece):
+    if self._byte_level and all(c in table for c in piece):
       return bytes(table[c] for c in piece)
     if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
       return bytes([int(piece[3:5], 16)])

@@ -105,7 +105,7 @@ def held_out(config, *, length: int, samples: int, seed: int, data: str | None) 
 
 def check_data(config, *, lengths: list[int], data: str | None, what: str) -> None:
   """Raises EvalArgumentError naming --data or --lengths when `held_out` could not run."""
-  from pisa_jax.train.data import FORMAT
+  from pisa_jax.train.data import FORMAT, token_dtype
 
   d = config.data
   if d.source == "mqar" and data is None:
@@ -133,8 +133,12 @@ def check_data(config, *, lengths: list[int], data: str | None, what: str) -> No
     raise EvalArgumentError(
         f"{name}: {folder} holds tokens up to {meta['vocab_size'] - 1}, beyond the model's "
         f"vocabulary of {config.model.vocab_size} (model.vocab_size)")
+  try:
+    itemsize = token_dtype(meta, meta_path).itemsize
+  except ValueError as e:
+    raise EvalArgumentError(f"{name}: {e}") from None
   split = Path(folder) / "val.bin"
-  available = split.stat().st_size // 2 if split.is_file() else 0
+  available = split.stat().st_size // itemsize if split.is_file() else 0
   if available < lengths[-1] + 1:
     raise EvalArgumentError(
         f"--lengths: {lengths[-1]} needs {lengths[-1] + 1:,} tokens of held-out text; "

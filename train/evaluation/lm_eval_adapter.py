@@ -20,7 +20,8 @@ arguments with lm-eval's own command line, imports this module, which registers 
 
 model_args (`--model_args key=value,...`):
   workdir         the pisa-train run folder (required); its newest checkpoint that passes its
-                  checksums is restored. Its model.vocab_size must cover GPT-2's 50,257 tokens.
+                  checksums is restored. Its model.vocab_size must cover its tokenizer's tokens:
+                  the run's own tokenizer.json (a `pisa-import` run), else GPT-2's 50,257.
   max_length      tokens the model reads at once (default: the run's train.seq_len, as
                   pisa-generate's --context); longer inputs lose tokens on the left
   implementation  "xla" or "pallas": the sparse attention kernels (default: the run's
@@ -31,15 +32,21 @@ Rows per forward pass come from lm-eval's `--batch_size N` (an int, default 1): 
 The model runs on JAX's default device (pick one with JAX_PLATFORMS or CUDA_VISIBLE_DEVICES);
 lm-eval's `--device` may name that backend ("cpu", "cuda") or stay at its default.
 
-The requests, with the GPT-2 tokenizer (`pisa_jax.train.tokenizer`):
+The tokenizer is the run's own: a run imported by `pisa-import` carries its model's
+tokenizer.json, tokenized as `pisa-prepare-data --tokenizer RUN` tokenized its corpus (with the
+BOS token where the model's tokenizer adds one); its end of text is <|endoftext|> where the
+tokenizer has it, else the model's first end-of-sequence token, and its generations stop at any
+of the model's end-of-sequence tokens. Any other run reads GPT-2's BPE (`pisa_jax.train.tokenizer`,
+<|endoftext|> inside a text is text). "The prefix" below is the model's BOS where its tokenizer
+adds one, else the end of text (<|endoftext|> for GPT-2).
 - loglikelihood: the sum of log p(continuation tokens | context) and whether each was the argmax.
   Context and continuation are tokenized together and split as lm-eval's HF model does; an empty
-  context reads <|endoftext|>. Inputs longer than max_length lose tokens on the left (a warning
+  context reads the prefix. Inputs longer than max_length lose tokens on the left (a warning
   says how many requests); a continuation longer than max_length is an error.
-- loglikelihood_rolling: a document's total log-likelihood from <|endoftext|> on, in windows of
+- loglikelihood_rolling: a document's total log-likelihood from the prefix on, in windows of
   max_length tokens that each predict new tokens only (lm_eval.utils.get_rolling_token_windows).
 - generate_until: greedy, or sampled with do_sample: true / temperature / top_p, through
-  `pisa_jax.generate`; a row stops at <|endoftext|>, at max_gen_toks, or as soon as its text
+  `pisa_jax.generate`; a row stops at the end of text, at max_gen_toks, or as soon as its text
   holds one of `until`, and is cut before it. The prompt keeps its last max_length - max_gen_toks
   tokens. Other gen_kwargs (num_beams, top_k, ...) are errors, not ignored.
 Requests are sorted by length and batched, and the results come back in request order. Every
@@ -107,7 +114,8 @@ from pisa_jax import _checks
 from pisa_jax.generation import PAD, generate_stream
 from pisa_jax.models.decoder import output_logits
 from pisa_jax.train.restore import restore_model
-from pisa_jax.train.tokenizer import EOT_TOKEN, VOCAB_SIZE, gpt2_encoding
+from pisa_jax.train.tokenizer import (EOT_TOKEN, RUN_TOKENIZER, VOCAB_SIZE, gpt2_encoding,
+                                      run_encoding)
 
 log = logging.getLogger(__name__)
 
@@ -178,11 +186,29 @@ class PisaLM(TemplateLM):
     _checks.check_implementation(implementation, name="implementation")
     if max_length is not None:
       max_length = _positive_int(max_length, "max_length", "(tokens per forward pass)")
-    _check_vocab_early(self.workdir)
-    self.encoding = gpt2_encoding()  # a missing BPE file fails before the weights are read
+    # A missing BPE file, a bad tokenizer.json or a vocabulary too small for it fails before
+    # the weights are read.
+    own, stop = run_encoding(self.workdir)
+    if own is None:
+      self.encoding, self.run_tokenizer = gpt2_encoding(), None
+      self._eot = self._prefix = EOT_TOKEN
+      self._stop, self._text_vocab = (EOT_TOKEN,), VOCAB_SIZE
+    else:
+      self.encoding = self.run_tokenizer = own.tokenizer
+      endoftext = own.tokenizer.token_to_id("<|endoftext|>")
+      if endoftext is None and not stop:
+        raise ValueError(f"workdir: {self.workdir}/{RUN_TOKENIZER} has no <|endoftext|> and the "
+                         f"run names no end-of-sequence token (pretrained.json): lm-eval's end "
+                         f"of text is unknown")
+      self._eot = int(stop[0] if endoftext is None else endoftext)
+      self._stop = tuple(dict.fromkeys((self._eot, *stop)))
+      bos = _added_bos(own.tokenizer)
+      self._prefix = self._eot if bos is None else bos
+      self._text_vocab = own.n_vocab
+    _check_vocab_early(self.workdir, self._text_vocab, self.tokenizer_name)
 
     config, model, self.step = restore_model(self.workdir)
-    _check_vocab(self.workdir, config.model.vocab_size)
+    _check_vocab(self.workdir, config.model.vocab_size, self._text_vocab, self.tokenizer_name)
     if implementation is not None:
       model = _with_implementation(self.workdir, config, model, implementation)
     self.config, self.model = config, model
@@ -192,16 +218,23 @@ class PisaLM(TemplateLM):
 
   @property
   def eot_token_id(self) -> int:
-    return EOT_TOKEN
+    return self._eot
+
+  @property
+  def prefix_token_id(self) -> int:
+    return self._prefix
 
   @property
   def tokenizer_name(self) -> str:
-    return "gpt2"
+    return "gpt2" if self.run_tokenizer is None else f"{self.workdir / RUN_TOKENIZER}"
 
   def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-    # Text as the run's data was tokenized (pisa-prepare-data): "<|endoftext|>" inside a
-    # document is ordinary text, never the special token.
-    return self.encoding.encode_ordinary(string)
+    # Text as the run's data was tokenized (pisa-prepare-data): GPT-2's "<|endoftext|>" inside a
+    # document is ordinary text, never the special token; a run's own tokenizer adds its BOS
+    # unless lm-eval asks for none (a continuation of an empty context).
+    if self.run_tokenizer is None:
+      return self.encoding.encode_ordinary(string)
+    return self.run_tokenizer.encode(string, add_special_tokens=add_special_tokens is not False).ids
 
   def get_model_info(self) -> dict:
     m = self.model.cfg
@@ -270,7 +303,8 @@ class PisaLM(TemplateLM):
     windows, owner = [], []
     for i, (text,) in enumerate(request.args for request in requests):
       for context, continuation in map(make_disjoint_window, get_rolling_token_windows(
-          token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
+          token_list=self.tok_encode(text, add_special_tokens=False),
+          prefix_token=self.prefix_token_id,
           max_seq_len=self.max_length, context_len=1)):
         windows.append((None, context, continuation))
         owner.append(i)
@@ -297,8 +331,8 @@ class PisaLM(TemplateLM):
       room = self.max_length - options["max_new_tokens"]
       prompts = {}
       for i in indices:
-        # An empty context reads <|endoftext|>, as loglikelihood's does.
-        tokens = self.tok_encode(requests[i].args[0]) or [EOT_TOKEN]
+        # An empty context reads the prefix, as loglikelihood's does.
+        tokens = self.tok_encode(requests[i].args[0]) or [self.prefix_token_id]
         prompts[i] = tokens[-room:]
       indices = sorted(indices, key=lambda i: -len(prompts[i]))
       for start in range(0, len(indices), self.batch_size):
@@ -337,16 +371,16 @@ class PisaLM(TemplateLM):
                 temperature: float, top_p: float, seed: int) -> list[str]:
     """The text each prompt continues with, cut before the first stop string."""
     n = len(prompts)
-    # Padding rows (one <|endoftext|> each) keep the batch at a compiled size; nobody reads them.
-    padded = prompts + [[EOT_TOKEN]] * (self.batch_size - n)
+    # Padding rows (one end of text each) keep the batch at a compiled size; nobody reads them.
+    padded = prompts + [[self._eot]] * (self.batch_size - n)
     tokens: list[list[int]] = [[] for _ in range(n)]
     done = np.zeros(n, bool)
     for step in generate_stream(self.model, padded, max_new_tokens=max_new_tokens,
-                                temperature=temperature, top_p=top_p, stop_tokens=(EOT_TOKEN,),
+                                temperature=temperature, top_p=top_p, stop_tokens=self._stop,
                                 seed=seed):
       for r in np.flatnonzero(~done):
         token = int(step[r])
-        if token in (PAD, EOT_TOKEN):
+        if token == PAD or token in self._stop:
           done[r] = True
           continue
         tokens[r].append(token)
@@ -361,10 +395,11 @@ class PisaLM(TemplateLM):
     return texts
 
   def _decode(self, tokens: list[int]) -> str:
-    if tokens and max(tokens) >= VOCAB_SIZE:
+    if tokens and max(tokens) >= self._text_vocab:
       raise ValueError(f"token id {max(tokens)} was generated: {self.workdir} has "
-                       f"model.vocab_size={self.model.cfg.vocab_size}, more ids than the GPT-2 "
-                       f"tokenizer's {VOCAB_SIZE:,}, and that one has no text")
+                       f"model.vocab_size={self.model.cfg.vocab_size}, more ids than its "
+                       f"tokenizer's ({self.tokenizer_name}) {self._text_vocab:,}, and that one "
+                       f"has no text")
     return self.encoding.decode(tokens)
 
 
@@ -395,14 +430,22 @@ def _check_device(device: str | None) -> None:
                      "CUDA_VISIBLE_DEVICES")
 
 
-def _check_vocab(workdir: Path, vocab_size: int) -> None:
-  if vocab_size < VOCAB_SIZE:
+def _added_bos(tokenizer) -> int | None:
+  """The token a `tokenizers.Tokenizer` puts before every text (its post-processor's BOS), or
+  None."""
+  plain = tokenizer.encode("a", add_special_tokens=False).ids
+  full = tokenizer.encode("a").ids
+  return full[0] if len(full) == len(plain) + 1 and full[1:] == plain else None
+
+
+def _check_vocab(workdir: Path, vocab_size: int, needed: int, tokenizer: str) -> None:
+  if vocab_size < needed:
     raise ValueError(f"workdir: {workdir} holds a model with model.vocab_size={vocab_size}, "
-                     f"fewer ids than the GPT-2 tokenizer's {VOCAB_SIZE:,}: lm-eval's text "
+                     f"fewer ids than its tokenizer's ({tokenizer}) {needed:,}: lm-eval's text "
                      "cannot be fed to it")
 
 
-def _check_vocab_early(workdir: Path) -> None:
+def _check_vocab_early(workdir: Path, needed: int, tokenizer: str) -> None:
   """The vocabulary check on config.json, before any weight is read (the checkpoint's own config
   has the same shapes). A folder without a readable config.json is left to restore_model."""
   try:
@@ -411,7 +454,7 @@ def _check_vocab_early(workdir: Path) -> None:
   except (OSError, ValueError, KeyError, TypeError):
     return
   if isinstance(vocab_size, int):
-    _check_vocab(workdir, vocab_size)
+    _check_vocab(workdir, vocab_size, needed, tokenizer)
 
 
 def _with_implementation(workdir: Path, config, model, implementation: str):
