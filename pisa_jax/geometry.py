@@ -25,8 +25,8 @@ class Pyramid:
 
   Attributes:
     summaries: level 1 (the leaf blocks) first and the single root last; level l is float32 (or
-      the spec's summary_dtype, bfloat16) `[B, M_l, HKV, D]` with `M_1 = ceil(T / block_size)` and `M_{l+1} = ceil(M_l / branching)`
-      (Eq. 10, 13).
+      the spec's summary_dtype, bfloat16) `[B, M_l, HKV, D]` with `M_1 = ceil(T / block_size)`
+      and `M_{l+1} = ceil(M_l / branching)` (Eq. 10, 13).
     counts: int32 `[M_l]` per level: the number of valid keys of each leaf at level 1, and the number
       of valid children of each node above it: the denominators of Eq. 15.
     block_size: C, keys per leaf block.

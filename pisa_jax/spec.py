@@ -1,8 +1,8 @@
 """`SelectionSpec`: the options of a block selection in one frozen, hashable value.
 
-Block size, top-k, branching, selector, scale, beam and the pyramid's summary dtype travel together from the public functions
-(`select_blocks`, `pisa_attention`, `sparse_attention`, `build_pyramid`, `selection_quality`,
-`decode_step`) to the jnp reference and the kernels. Each public function takes them as keyword
+Block size, top-k, branching, selector, scale, beam and the pyramid's summary dtype travel
+together from the public functions (`select_blocks`, `pisa_attention`, `sparse_attention`,
+`build_pyramid`, `selection_quality`, `decode_step`) to the jnp reference and the kernels. Each public function takes them as keyword
 arguments or whole as `spec=` (a keyword that disagrees with the spec is an error naming both),
 checks them once here, and passes the spec on, resolved (`resolved`: the scale and the beam
 filled in). The defaults live here and nowhere else. Like every option, a spec is static under
