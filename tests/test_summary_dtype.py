@@ -175,3 +175,30 @@ def test_the_model_config_field_reaches_the_cache_and_is_checked():
   with pytest.raises(ValueError, match=re.escape(
       "model.summary_dtype='float16' must be one of ('float32', 'bfloat16')")):
     validate(bad)
+
+
+@pytest.mark.slow  # ~12 s, mostly compilation; the field's path to the cache is tested above
+def test_a_model_with_a_bfloat16_pyramid_generates_its_full_forward_argmax():
+  # The decoder passes model.summary_dtype to its prefill selection and to its decode caches:
+  # the generated logits are those of the full forward pass with the same pyramid.
+  from flax import nnx
+
+  from pisa_jax.models import Decoder, ModelConfig
+  from tolerances import OUTPUT_ATOL, OUTPUT_RTOL
+
+  cfg = ModelConfig(vocab_size=64, vocab_pad_multiple=64, num_layers=1, d_model=64, mlp_dim=128,
+                    num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, top_k=4,
+                    init_std=0.1, param_dtype="float32", compute_dtype="float32",
+                    attention_implementation="xla", summary_dtype=BF16)
+  model = Decoder(cfg, rngs=nnx.Rngs(0))
+  prompts = [[(7 * i + 3) % 64 for i in range(21)], [(11 * i) % 64 for i in range(9)]]
+  out = pisa_jax.generate(model, prompts, max_new_tokens=4, return_logits=True)
+  forward = jax.jit(lambda m, tokens: m(tokens))
+  for s in range(4):
+    tokens = np.zeros((2, 32), np.int32)
+    for b, prompt in enumerate(prompts):
+      tokens[b, :len(prompt) + s] = prompt + out.tokens[b, :s].tolist()
+    logits = np.asarray(forward(model, jnp.asarray(tokens)))
+    last = logits[np.arange(2), [len(p) + s - 1 for p in prompts]]
+    np.testing.assert_allclose(out.logits[:, s], last, atol=OUTPUT_ATOL[jnp.float32],
+                               rtol=OUTPUT_RTOL[jnp.float32])
