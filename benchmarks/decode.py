@@ -8,6 +8,11 @@ filled by prefill with random keys and values), B rows, bf16. Sides:
                then `jax.nn.dot_product_attention` of the one query over the N + 1 keys
                (`key_value_seq_lengths`), cuDNN where it takes the shape, XLA otherwise (the row
                says which)
+With --summary-dtype float32,bfloat16 (the default) PISA runs once per pyramid dtype: side
+"pisa-jax" its float32 pyramid, "pisa-jax bf16" the bfloat16 one (`DecodeCache.create(...,
+summary_dtype=jnp.bfloat16)`: half the pyramid's bytes, one bf16 dot per walk level); the dense
+row's x_ours / loop_x_ours compare with the first dtype, x_ours_<dtype> / loop_x_ours_<dtype>
+with each other.
 Both threads the cache through the jitted step with donation, as a generation loop does, so
 neither side pays a copy of the cache per step. Rows: median ms per step (a batch of back-to-back
 steps ended by one synchronisation, as benchmarks/timing.py; the length grows by one per step,
@@ -26,7 +31,7 @@ kernels_per_step, device_ms and kernel_us (microseconds a step of each kernel na
 profile of 16 threaded steps: the GPU kernels a step launches and their device time (the in-loop time is about their sum; each dependent launch
 costs a few microseconds however little it does).
 
-Goals: at N = 1M, dense / ours >= 10 at B = 1 and >= 50 at B = 16; our step at 1M within 1.5x
+Goals: at N = 1M, dense / ours >= 10 at B = 1 and >= 60 at B = 16 (in the jitted loop); our step at 1M within 1.5x
 of our step at 32K (O(log N) work plus the K C keys attended).
 
 The second part times generation end to end (`pisa_jax.generate`, greedy) with the `small`
@@ -40,6 +45,8 @@ share of a step (the rest is the host's: dispatch and kernel launches).
 
   python -m benchmarks.decode                              # the default cases, benchmarks/results/
   python -m benchmarks.decode --lengths 32768,131072 --batches 1 --no-generation --out /tmp/d
+  python -m benchmarks.decode --lengths 1048576 --batches 1,16 --heads 32:2:128:32 \
+      --summary-dtype float32,bfloat16 --no-generation --out /tmp/d     # bf16 pyramid at 1M
   python -m benchmarks.decode --lengths 512 --batches 2 --heads 4:2:16:4 --gen-preset tiny \\
       --gen-prompt 256 --gen-tokens 8 --implementation xla --out /tmp/d     # any CPU
 """
@@ -70,6 +77,21 @@ BATCHES = (1, 16)
 # (HQ, HKV, D, K): the anchors' two settings.
 HEADS = ((32, 2, 128, 32), (32, 2, 64, 8))
 GEN_PROMPTS = (32768, 131072)
+SUMMARY_DTYPES = ("float32", "bfloat16")
+
+
+def side_name(summary_dtype: str) -> str:
+  """The side of PISA rows with this pyramid dtype ("pisa-jax": float32, as before the option)."""
+  return "pisa-jax" if summary_dtype == "float32" else "pisa-jax bf16"
+
+
+def parse_dtypes(text: str) -> tuple[str, ...]:
+  values = tuple(x.strip() for x in text.split(","))
+  bad = [x for x in values if x not in SUMMARY_DTYPES]
+  if bad or not values:
+    raise SystemExit(f"--summary-dtype {text!r} must be a comma-separated list of "
+                     f"{SUMMARY_DTYPES}")
+  return values
 
 
 def parse_ints(text: str) -> tuple[int, ...]:
@@ -138,10 +160,13 @@ def filled(n, b, hkv, d, seed=0):
   return k, v
 
 
-def time_pisa(n, b, hq, hkv, d, top_k, implementation, steps_room: int):
-  """(ms, loop_ms) of `pisa_jax.decode_step` over a cache of N random tokens per row."""
+def time_pisa(n, b, hq, hkv, d, top_k, implementation, steps_room: int,
+              summary_dtype: str = "float32"):
+  """(ms, loop_ms) of `pisa_jax.decode_step` over a cache of N random tokens per row, its
+  pyramid in summary_dtype."""
   def fresh_cache():
-    cache = pisa_jax.DecodeCache.create(b, n + steps_room, hkv, d, block_size=C)
+    cache = pisa_jax.DecodeCache.create(b, n + steps_room, hkv, d, block_size=C,
+                                        summary_dtype=summary_dtype)
     return cache.prefill(*filled(n, b, hkv, d))
 
   q, k1, v1 = step_inputs(b, hq, hkv, d)
@@ -188,7 +213,8 @@ def temp_mib(compiled) -> float | None:
   return None if analysis is None else mib(analysis.temp_size_in_bytes)
 
 
-def time_stages(n, b, hq, hkv, d, top_k, implementation, select_warps=()) -> dict:
+def time_stages(n, b, hq, hkv, d, top_k, implementation, select_warps=(),
+                summary_dtype: str = "float32") -> dict:
   """ms per step of each stage of the pisa step alone, LOOP times in one jitted loop: append
   and append_select (the cache threaded), select and attention (at positions N and N + 1
   alternately, so that the loop body depends on the iteration and cannot be hoisted);
@@ -198,8 +224,8 @@ def time_stages(n, b, hq, hkv, d, top_k, implementation, select_warps=()) -> dic
   from pisa_jax.kernels.decode import DecodeConfig
 
   def fresh_cache():
-    return pisa_jax.DecodeCache.create(b, n + 2, hkv, d, block_size=C).prefill(
-        *filled(n, b, hkv, d))
+    return pisa_jax.DecodeCache.create(b, n + 2, hkv, d, block_size=C,
+                                       summary_dtype=summary_dtype).prefill(*filled(n, b, hkv, d))
 
   cache = fresh_cache()
   q, k1, v1 = step_inputs(b, hq, hkv, d)
@@ -209,9 +235,10 @@ def time_stages(n, b, hq, hkv, d, top_k, implementation, select_warps=()) -> dic
   select = _dispatch.lookup("decode_select", implementation)
   attend = _dispatch.lookup("decode_attention", implementation)
   geometry = dict(block_size=C)
+  pyramid = dict(summary_dtype=summary_dtype)
   positions = cache.lengths
   idx = select(q[:, 0], cache.k, cache.summaries, positions - 1, branching=cache.branching,
-               top_k=top_k, beam=top_k, selector="pisa", scale=scale, **geometry)
+               top_k=top_k, beam=top_k, selector="pisa", scale=scale, **geometry, **pyramid)
 
   def one_append(s, i, arrays):
     del i, arrays
@@ -222,13 +249,13 @@ def time_stages(n, b, hq, hkv, d, top_k, implementation, select_warps=()) -> dic
     del i, arrays  # the indices are threaded too, so that the selection is not dropped
     return append_select(q[:, 0], k1[:, 0], v1[:, 0], s[0], s[1], s[2], positions,
                          branching=cache.branching, top_k=top_k, beam=top_k, selector="pisa",
-                         scale=scale, **geometry)
+                         scale=scale, **geometry, **pyramid)
 
   def one_select(s, i, arrays, **config):
     del s
     return select(q[:, 0], arrays[0], arrays[1], positions - 1 - (i & 1),
                   branching=cache.branching, top_k=top_k, beam=top_k, selector="pisa",
-                  scale=scale, **geometry, **config)
+                  scale=scale, **geometry, **pyramid, **config)
 
   def one_attention(s, i, arrays):
     del s
@@ -367,23 +394,26 @@ def measure(args, rec: _record.Recorder) -> None:
   room = 16384
   for hq, hkv, d, top_k in args.heads if args.steps else ():
     for b in args.batches:
-      ours_by_n = {}
+      ours_by_n = {dtype: {} for dtype in args.summary_dtype}
       for n in args.lengths:
         name = case_name(n, b, hq, hkv, d, top_k)
         base = dict(part="step", case=name, n=n, batch=b, hq=hq, hkv=hkv, d=d, top_k=top_k)
-        try:
-          ms, loop_ms, memory = time_pisa(n, b, hq, hkv, d, top_k, args.implementation, room)
-          ours_by_n[n] = ms, loop_ms
-          first = ours_by_n[min(ours_by_n)]
-          stages = time_stages(n, b, hq, hkv, d, top_k, args.implementation,
-                               args.select_warps)
-          rec.add(**base, side="pisa-jax", ms=ms, loop_ms=loop_ms, **memory,
-                  **{f"loop_ms_{k}": v for k, v in stages.items()},
-                  tokens_per_s=round(b / ms * 1e3, 1), x_ours=1.0,
-                  x_own_shortest=round(ms / first[0], 3),
-                  loop_x_own_shortest=round(loop_ms / first[1], 3))
-        except Exception as e:
-          rec.add(**base, side="pisa-jax", error=f"{type(e).__name__}: {str(e)[:300]}")
+        for dtype in args.summary_dtype:
+          side = dict(side=side_name(dtype), summary_dtype=dtype)
+          try:
+            ms, loop_ms, memory = time_pisa(n, b, hq, hkv, d, top_k, args.implementation, room,
+                                            dtype)
+            ours_by_n[dtype][n] = ms, loop_ms
+            first = ours_by_n[dtype][min(ours_by_n[dtype])]
+            stages = time_stages(n, b, hq, hkv, d, top_k, args.implementation,
+                                 args.select_warps, dtype)
+            rec.add(**base, **side, ms=ms, loop_ms=loop_ms, **memory,
+                    **{f"loop_ms_{k}": v for k, v in stages.items()},
+                    tokens_per_s=round(b / ms * 1e3, 1), x_ours=1.0,
+                    x_own_shortest=round(ms / first[0], 3),
+                    loop_x_own_shortest=round(loop_ms / first[1], 3))
+          except Exception as e:
+            rec.add(**base, **side, error=f"{type(e).__name__}: {str(e)[:300]}")
         ms, impl, errors = time_dense(n, b, hq, hkv, d, room)
         row = dict(base, side="dense", implementation=impl)
         if errors:
@@ -391,10 +421,15 @@ def measure(args, rec: _record.Recorder) -> None:
         if ms is None:
           rec.add(**row, error="; ".join(errors))
         else:
-          (ms, loop_ms, memory), ours = ms, ours_by_n.get(n)
+          (ms, loop_ms, memory) = ms
+          ratios = {}
+          for i, dtype in enumerate(args.summary_dtype):
+            ours = ours_by_n[dtype].get(n)
+            suffix = "" if i == 0 else f"_{dtype}"
+            ratios[f"x_ours{suffix}"] = round(ms / ours[0], 3) if ours else None
+            ratios[f"loop_x_ours{suffix}"] = round(loop_ms / ours[1], 3) if ours else None
           rec.add(**row, ms=ms, loop_ms=loop_ms, **memory, tokens_per_s=round(b / ms * 1e3, 1),
-                  x_ours=round(ms / ours[0], 3) if ours else None,
-                  loop_x_ours=round(loop_ms / ours[1], 3) if ours else None)
+                  **ratios)
         print(table(rec.record), flush=True)
   if args.generation:
     generation_rows(args, rec)
@@ -405,6 +440,20 @@ def table(record: dict) -> str:
   by = {(r["case"], r["side"]): r for r in steps}
   lines = []
   cases = list(dict.fromkeys(r["case"] for r in steps))
+  bf16 = [r for r in steps if r.get("side") == side_name("bfloat16")]
+  if bf16:
+    body = []
+    for case in dict.fromkeys(r["case"] for r in bf16):
+      ours, f32, dense = (by.get((case, side), {}) for side in
+                          (side_name("bfloat16"), side_name("float32"), "dense"))
+      body.append([case, f32.get("loop_ms"), ours.get("loop_ms"), dense.get("loop_ms"),
+                   dense.get("loop_x_ours"), dense.get("loop_x_ours_bfloat16"),
+                   f32.get("loop_ms_select"), ours.get("loop_ms_select"), f32.get("cache_mb"),
+                   ours.get("cache_mb")])
+    lines.append(_record.markdown(
+        ["case", "in-loop ms, f32 pyramid", "in-loop ms, bf16 pyramid", "in-loop dense ms",
+         "dense / f32", "dense / bf16", "in-loop select ms, f32", "in-loop select ms, bf16",
+         "cache MiB, f32", "cache MiB, bf16"], body))
   if cases:
     body = []
     for case in cases:
@@ -448,7 +497,8 @@ def plot(record: dict, path) -> None:
                            squeeze=False)
   for ax, (b, d, k) in zip(axes[0], groups):
     for side, key, style in (("pisa-jax", "ms", "o-"), ("dense", "ms", "s--"),
-                             ("pisa-jax", "loop_ms", "o:"), ("dense", "loop_ms", "s:")):
+                             ("pisa-jax", "loop_ms", "o:"), ("dense", "loop_ms", "s:"),
+                             ("pisa-jax bf16", "loop_ms", "^:")):
       pts = sorted((r["n"], r[key]) for r in steps if r.get(key)
                    and (r["batch"], r["d"], r["top_k"], r["side"]) == (b, d, k, side))
       if pts:
@@ -474,7 +524,7 @@ def settings(args) -> dict:
               gen_preset=args.gen_preset, gen_batch=args.gen_batch,
               gen_prompt=list(args.gen_prompt),
               gen_tokens=args.gen_tokens, gen_steps_per_call=args.gen_steps_per_call,
-              select_warps=list(args.select_warps),
+              select_warps=list(args.select_warps), summary_dtype=list(args.summary_dtype),
               timing="median of 7 batches of back-to-back steps, the cache threaded and donated",
               loop_steps=LOOP)
 
@@ -488,6 +538,8 @@ def main(argv=None) -> dict:
   p.add_argument("--implementation", default="pallas", choices=("pallas", "xla"))
   p.add_argument("--select-warps", type=parse_ints, default=(),
                  help="also time the selection kernel on each of these warp counts (pallas)")
+  p.add_argument("--summary-dtype", type=parse_dtypes, default=SUMMARY_DTYPES,
+                 help="the PISA pyramid's dtypes, comma-separated (default float32,bfloat16)")
   p.add_argument("--no-generation", dest="generation", action="store_false",
                  help="leave out the end-to-end generation part")
   p.add_argument("--gen-preset", default="small")

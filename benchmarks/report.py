@@ -184,6 +184,15 @@ def decode(r: dict) -> tuple[str, str]:
       steps.append(f"d{d} K{top_k} B={batch}: {by_n} (dense at {length(ours[-1]['n'])} "
                    f"{num(dense['loop_ms'])}, {num(dense['loop_ms'] / ours[-1]['loop_ms'])}x)")
   text = "step ms in a jitted loop: " + "; ".join(steps)
+  bf16 = []
+  for x in r["rows"]:
+    if x["part"] == "step" and x.get("side") == "pisa-jax bf16" and x.get("loop_ms"):
+      dense = one(r, "decode", part="step", side="dense", d=x["d"], top_k=x["top_k"],
+                  batch=x["batch"], n=x["n"])
+      bf16.append(f"d{x['d']} K{x['top_k']} B={x['batch']} {length(x['n'])} "
+                  f"{num(x['loop_ms'])} ({num(dense['loop_ms'] / x['loop_ms'])}x dense)")
+  if bf16:
+    text += ". bfloat16 pyramid, in a jitted loop: " + "; ".join(bf16)
   generation = [x for x in r["rows"] if x["part"] == "generation"]
   if generation:
     gen = [f"{x['attention']} {length(x['prompt'])} {num(x['tokens_per_s'])} tokens/s "
@@ -193,6 +202,22 @@ def decode(r: dict) -> tuple[str, str]:
     text += (f". Generation (`{generation[0]['preset']}`, B={generation[0]['batch']}, {calls} "
              f"steps a call): " + ", ".join(gen))
   return f"{s['dtype']}, selector {s['selector']}, 32/2 heads", text
+
+
+def summary_dtype(r: dict) -> tuple[str, str]:
+  cases = []
+  for x in r["rows"]:
+    if x["summary_dtype"] != "bfloat16":
+      continue
+    f32 = one(r, "summary_dtype", qk=x["qk"], source=x["source"], seq_len=x["seq_len"],
+              top_k=x["top_k"], summary_dtype="float32")
+    cases.append(f"{x['qk']} {length(x['seq_len'])} K{x['top_k']}: identical rows "
+                 f"{100 * x['identical_rows']:.1f}%, Recall@K {100 * f32['recall']:.1f} / "
+                 f"{100 * x['recall']:.1f} ({x['recall_delta_points']:+.2f} points), captured "
+                 f"mass {100 * f32['captured_mass']:.1f} / {100 * x['captured_mass']:.1f}")
+  sources = ", ".join(dict.fromkeys(x["source"] for x in r["rows"]))
+  return (f"pisa, C{r['settings']['block_size']}, q/k: {sources}",
+          "float32 / bfloat16 pyramid: " + "; ".join(cases))
 
 
 def ceilings(r: dict) -> tuple[str, str]:
@@ -316,6 +341,7 @@ ROWS: list[tuple[str, str, Callable[[dict], tuple[str, str]]]] = [
     ("NSA layer", "nsa.json", nsa),
     ("packed documents", "packed.json", packed),
     ("decode", "decode.json", decode),
+    ("bfloat16 pyramid", "summary_dtype.json", summary_dtype),
     ("ceilings", "ceilings.json", ceilings),
     ("training", "training.json", training),
     ("long context training", "long_context_training.json", long_context),
@@ -328,7 +354,9 @@ ROWS: list[tuple[str, str, Callable[[dict], tuple[str, str]]]] = [
 # committed (every other row's missing result is an error). A row leaves this with its result.
 PENDING = {"NSA layer": "not yet measured: `python -m benchmarks.nsa` on a GPU",
            "pretrained model": "not yet measured: `python -m benchmarks.pretrained` on a GPU "
-                               "(its docstring gives the calls)"}
+                               "(its docstring gives the calls)",
+           "bfloat16 pyramid": "not yet measured: `python -m benchmarks.summary_dtype` on a "
+                               "trained run's q/k (its docstring gives the calls)"}
 README_ROWS = ("selection", "attention", "layer", "NSA layer", "packed documents", "decode",
                "training", "long context training")
 

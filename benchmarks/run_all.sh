@@ -12,9 +12,11 @@
 #                  needs flash-attn for its window)
 #   --gpu-tests    first run the GPU correctness tests (pytest -m gpu), stop if they fail
 #   --multi-gpu    also run benchmarks.multi_gpu over every local GPU
-#   --only A,B     run only these steps, of: selection attention packed layer nsa training evals decode
-#                  long_context ceilings (evals: pisa-eval's suite on the dense and PISA `small` runs that
-#                  the training step keeps in <out>/runs, written to <out>/evals/<run>)
+#   --only A,B     run only these steps, of: selection attention packed layer nsa training evals
+#                  decode summary_dtype long_context ceilings (evals: pisa-eval's suite on the dense
+#                  and PISA `small` runs that the training step keeps in <out>/runs, written to
+#                  <out>/evals/<run>; summary_dtype: the bfloat16 pyramid's selections on the PISA
+#                  run's q/k at 32K and 128K, random q/k where its data is too short)
 #
 # The project must be importable from the repository root: `pip install -e .` (done here when it
 # is not, without dependencies or a build environment). Training reads data/corpus when it exists
@@ -26,7 +28,7 @@ OUT=benchmarks/results
 WHEELS=""
 GPU_TESTS=0
 MULTI=0
-ONLY="selection,attention,packed,layer,nsa,training,evals,decode,long_context,ceilings"
+ONLY="selection,attention,packed,layer,nsa,training,evals,decode,summary_dtype,long_context,ceilings"
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT=$2; shift 2 ;;
@@ -40,7 +42,7 @@ while [ $# -gt 0 ]; do
 done
 for step in $(echo "$ONLY" | tr ',' ' '); do
   case $step in
-    selection|attention|packed|layer|nsa|training|evals|decode|long_context|ceilings) ;;
+    selection|attention|packed|layer|nsa|training|evals|decode|summary_dtype|long_context|ceilings) ;;
     *) echo "run_all.sh: --only: unknown step $step" >&2; exit 2 ;;
   esac
 done
@@ -76,6 +78,17 @@ if want evals; then
   "$PY" -m pisa_jax.train.evaluation.cli --compare "$OUT"/evals/* --out "$OUT/evals"
 fi
 if want decode; then "$PY" -m benchmarks.decode --out "$OUT"; fi
+if want summary_dtype; then
+  QK="$OUT/qk"
+  if "$PY" -m benchmarks.dump_qk --workdir "$OUT/runs/pisa-4096" --seq-len 32768 --out "$QK/32k.npz" \
+     && "$PY" -m benchmarks.dump_qk --workdir "$OUT/runs/pisa-4096" --seq-len 131072 --out "$QK/128k.npz"; then
+    "$PY" -m benchmarks.summary_dtype --qk-npz "$QK/32k.npz" --qk-npz "$QK/128k.npz" --out "$OUT"
+  else
+    echo "run_all.sh: summary_dtype: no q/k of a trained run at 32K and 128K; random q/k instead" >&2
+    "$PY" -m benchmarks.summary_dtype --random 32768,131072 --out "$OUT"
+  fi
+  rm -rf "$QK"
+fi
 if want long_context; then "$PY" -m benchmarks.long_context --out "$OUT"; fi
 if want ceilings; then "$PY" -m benchmarks.ceilings --out "$OUT"; fi
 if [ "$MULTI" = 1 ]; then

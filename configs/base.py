@@ -219,6 +219,9 @@ def validate(config: Config) -> Config:
                            top_k_name="model.top_k", selector_name="model.attention")
     _checks.check_implementation(m.attention_implementation,
                                      name="model.attention_implementation")
+    if m.summary_dtype not in _checks.SUMMARY_DTYPES:
+      raise ValueError(f"model.summary_dtype={m.summary_dtype!r} must be one of "
+                       f"{_checks.SUMMARY_DTYPES}")
     if m.block_size > t.seq_len:
       raise ValueError(
           f"model.block_size={m.block_size} must be <= train.seq_len={t.seq_len}"
@@ -252,6 +255,9 @@ def validate(config: Config) -> Config:
     )
   if d.source not in DATA_SOURCES:
     raise ValueError(f"data.source={d.source!r} must be one of {DATA_SOURCES}")
+  if d.packing and m.summary_dtype != "float32":
+    raise ValueError(f"model.summary_dtype={m.summary_dtype!r} is not supported with "
+                     "data.packing=true: packed documents' pyramids are float32")
   if d.packing and d.source != "tokens":
     raise ValueError(f"data.packing=true needs data.source='tokens' (documents closed by "
                      f"<|endoftext|>), got data.source={d.source!r}")

@@ -184,6 +184,17 @@ def load_rows(ref, rows, m_row, d: int, dp: int):
                   mask=m_row[:, None] & (o_col < d)[None, :], other=0.0)
 
 
+def stored_summary(mean, summary_dtype: str):
+  """A float32 mean as a pyramid stores it and as its parent reads it back: (stored, float32).
+  A bfloat16 pyramid rounds it once, by a conversion (Triton keeps the round trip; the jnp
+  reference rounds with `pisa_jax.geometry.round_summaries`, to the same nearest even value);
+  a float32 one returns it twice, untouched."""
+  if summary_dtype == "float32":
+    return mean, mean
+  rounded = mean.astype(jnp.bfloat16)
+  return rounded, rounded.astype(jnp.float32)
+
+
 def pick(vec, i):
   """vec[i] for a value (no dynamic indexing of values in Triton kernels)."""
   return jnp.sum(jnp.where(jnp.arange(vec.shape[0]) == i, vec, 0))

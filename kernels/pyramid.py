@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float
 
-from pisa_jax.kernels._common import next_pow2, pallas_launch
+from pisa_jax.kernels._common import next_pow2, pallas_launch, stored_summary
 
 from pisa_jax.geometry import Pyramid, level_sizes
 
@@ -80,10 +80,12 @@ def sum_children(add_child, group: int, node_tile: int, dp: int, bound=None):
 
 
 def _pool_kernel(x_ref, o_ref, *, batch: int, num_children: int, group: int,
-                 num_parents: int, hkv: int, d: int, node_tile: int):
+                 num_parents: int, hkv: int, d: int, node_tile: int,
+                 summary_dtype: str = "float32"):
   """Mean of `group` consecutive child rows for `node_tile` parents of one (batch, KV head).
 
-  x_ref: rows `[B * num_children * HKV, D]`; o_ref: rows `[B * num_parents * HKV, D]` (float32).
+  x_ref: rows `[B * num_children * HKV, D]`; o_ref: rows `[B * num_parents * HKV, D]` (float32,
+  or bfloat16: each mean computed in float32 and rounded once).
   """
   i_b, i_h, o_parent = parent_tile(num_parents, node_tile, hkv)
   dp = next_pow2(d)
@@ -105,55 +107,71 @@ def _pool_kernel(x_ref, o_ref, *, batch: int, num_children: int, group: int,
   # row (the last one) instead of aliasing a real parent; the caller drops it.
   trash = batch * num_parents * hkv
   out_rows = jnp.where(m_parent, (i_b * num_parents + o_parent) * hkv + i_h, trash)
-  plt.store(o_ref.at[out_rows[:, None], o_col[None, :]], acc / count[:, None])
+  plt.store(o_ref.at[out_rows[:, None], o_col[None, :]],
+            stored_summary(acc / count[:, None], summary_dtype)[0])
 
 
 def launch_pool(kernel, *, batch: int, parents, hkv: int, d: int, tiles: int,
-                config: PyramidConfig, interpret: bool, name: str):
-  """One pooling launch over (batch, KV head, tile of parents): float32 outputs of
+                config: PyramidConfig, interpret: bool, name: str, dtype=jnp.float32):
+  """One pooling launch over (batch, KV head, tile of parents): outputs (float32, or `dtype`) of
   `B * P * HKV + 1` rows `[Dp]` for each parent count P of `parents` (the last row of each a
   trash row for masked stores), one output or a list."""
-  shapes = [jax.ShapeDtypeStruct((batch * p * hkv + 1, next_pow2(d)), jnp.float32)
+  shapes = [jax.ShapeDtypeStruct((batch * p * hkv + 1, next_pow2(d)), dtype)
             for p in ([parents] if isinstance(parents, int) else parents)]
   return pallas_launch(kernel, shapes[0] if isinstance(parents, int) else shapes,
                        (batch * hkv * tiles,), warps=config.num_warps, stages=config.num_stages,
                        interpret=interpret, name=name)
 
 
+def _dtype_options(summary_dtype: str) -> tuple[dict, dict, str]:
+  """A kernel's summary_dtype keyword, the launch's output dtype and a name suffix: nothing new
+  for float32 (its kernels and names are unchanged), bfloat16 outputs and "_bf16" otherwise."""
+  if summary_dtype == "float32":
+    return {}, {}, ""
+  return dict(summary_dtype=summary_dtype), dict(dtype=jnp.dtype(summary_dtype)), "_bf16"
+
+
 def pool_rows(x2: Array, *, batch: int, num_children: int, group: int, hkv: int, d: int,
-              interpret: bool, config: PyramidConfig | None = None) -> Array:
-  """Means of `group` consecutive rows per (batch, KV head): `[B*N*HKV, D]` -> float32
-  `[B*ceil(N/group)*HKV, D]` (row layout `(b, n, h)`)."""
+              interpret: bool, config: PyramidConfig | None = None,
+              summary_dtype: str = "float32") -> Array:
+  """Means of `group` consecutive rows per (batch, KV head): `[B*N*HKV, D]` -> float32 (or
+  summary_dtype) `[B*ceil(N/group)*HKV, D]` (row layout `(b, n, h)`)."""
   num_parents = -(-num_children // group)
   config = config or PyramidConfig.default(num_parents)
   tiles = -(-num_parents // config.node_tile)
+  kernel_dtype, out_dtype, suffix = _dtype_options(summary_dtype)
   kernel = functools.partial(
       _pool_kernel, batch=batch, num_children=num_children, group=group,
-      num_parents=num_parents, hkv=hkv, d=d, node_tile=config.node_tile)
+      num_parents=num_parents, hkv=hkv, d=d, node_tile=config.node_tile, **kernel_dtype)
   out = launch_pool(kernel, batch=batch, parents=num_parents, hkv=hkv, d=d, tiles=tiles,
-                    config=config, interpret=interpret, name=f"pisa_pool_g{group}")(x2)
+                    config=config, interpret=interpret, name=f"pisa_pool_g{group}{suffix}",
+                    **out_dtype)(x2)
   return out[:-1, :d]
 
 
 def leaf_summaries_pallas(k: Float[Array, "B T HKV D"], *, block_size: int, interpret: bool,
-                          config: PyramidConfig | None = None) -> Float[Array, "B M HKV D"]:
-  """Level 1 only (Eq. 2): float32 `[B, M, HKV, D]` leaf means, for the flat BSA selector."""
+                          config: PyramidConfig | None = None,
+                          summary_dtype: str = "float32") -> Float[Array, "B M HKV D"]:
+  """Level 1 only (Eq. 2): float32 (or summary_dtype) `[B, M, HKV, D]` leaf means, for the flat
+  BSA selector."""
   b, t, hkv, d = k.shape
   m = -(-t // block_size)
   leaves = pool_rows(k.reshape(b * t * hkv, d), batch=b, num_children=t, group=block_size,
-                     hkv=hkv, d=d, interpret=interpret, config=config)
+                     hkv=hkv, d=d, interpret=interpret, config=config,
+                     summary_dtype=summary_dtype)
   return leaves.reshape(b, m, hkv, d)
 
 
 def _subtree_kernel(x_ref, *o_refs, batch: int, num_children: int, branching: int,
-                    sizes: tuple[int, ...], hkv: int, d: int):
+                    sizes: tuple[int, ...], hkv: int, d: int, summary_dtype: str = "float32"):
   """Several upper levels in one pass: a program owns one subtree of g^s children of one
   (batch, KV head) and builds its s parent levels in registers.
 
   Each level is Eq. 15 as a float32 dot at IEEE precision with a 0/1 pooling matrix
   `P[i, j] = (j // g == i) & child j exists` (exact: at most g non-zero terms), divided by the
   number of children that exist. x_ref: child rows `[B * num_children * HKV, D]`; o_refs[r]: level
-  r's rows `[B * sizes[r] * HKV + 1, Dp]`, the last row a trash row for masked stores.
+  r's rows `[B * sizes[r] * HKV + 1, Dp]`, the last row a trash row for masked stores. A bfloat16
+  pyramid rounds each level once, and the level above pools the rounded values.
   """
   g = branching
   span = g ** len(sizes)  # children per subtree
@@ -182,32 +200,37 @@ def _subtree_kernel(x_ref, *o_refs, batch: int, num_children: int, branching: in
                                 precision=(jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST),
                                 preferred_element_type=jnp.float32)
     count = jnp.maximum(jnp.sum(pool, axis=1), 1.0)
-    b_x = total / count[:, None]
+    b_store, b_x = stored_summary(total / count[:, None], summary_dtype)
     trash = batch * num_parents * hkv
     out_rows = jnp.where(m_par, (i_b * num_parents + parent) * hkv + i_h, trash)
-    plt.store(o_ref.at[out_rows[:, None], o_col[None, :]], b_x)
+    plt.store(o_ref.at[out_rows[:, None], o_col[None, :]], b_store)
     o_child, m_child = o_par, m_par
 
 
 def pool_levels(x2: Array, *, batch: int, num_children: int, branching: int,
                 sizes: tuple[int, ...], hkv: int, d: int, interpret: bool,
-                config: PyramidConfig | None = None) -> list[Array]:
+                config: PyramidConfig | None = None,
+                summary_dtype: str = "float32") -> list[Array]:
   """Upper levels `sizes` (consecutive, each ceil(previous / g)) in one launch:
-  `[B*N*HKV, D]` children -> float32 `[B*M_l*HKV, D]` per level."""
+  `[B*N*HKV, D]` children -> float32 (or summary_dtype) `[B*M_l*HKV, D]` per level."""
   config = config or PyramidConfig()
   span = branching ** len(sizes)
   tiles = -(-num_children // span)
+  kernel_dtype, out_dtype, suffix = _dtype_options(summary_dtype)
   kernel = functools.partial(_subtree_kernel, batch=batch, num_children=num_children,
-                             branching=branching, sizes=tuple(sizes), hkv=hkv, d=d)
+                             branching=branching, sizes=tuple(sizes), hkv=hkv, d=d,
+                             **kernel_dtype)
   outs = launch_pool(kernel, batch=batch, parents=list(sizes), hkv=hkv, d=d, tiles=tiles,
                      config=config, interpret=interpret,
-                     name=f"pisa_pool_levels_g{branching}")(x2)
+                     name=f"pisa_pool_levels_g{branching}{suffix}", **out_dtype)(x2)
   return [o[:-1, :d] for o in outs]
 
 
 def build_pyramid_pallas(k: Float[Array, "B T HKV D"], *, block_size: int, branching: int,
-                         interpret: bool, config: PyramidConfig | None = None) -> Pyramid:
-  """Kernel twin of `build_pyramid_reference`: float32 levels `[B, M_l, HKV, D]`, leaves first.
+                         interpret: bool, config: PyramidConfig | None = None,
+                         summary_dtype: str = "float32") -> Pyramid:
+  """Kernel twin of `build_pyramid_reference`: float32 (or summary_dtype) levels
+  `[B, M_l, HKV, D]`, leaves first.
 
   Args:
     k: keys `[B, T, HKV, D]`, any float dtype (pooled in float32).
@@ -215,12 +238,14 @@ def build_pyramid_pallas(k: Float[Array, "B T HKV D"], *, block_size: int, branc
     branching: g, children per upper node.
     interpret: run the Pallas interpreter (CPU) instead of compiling through Triton.
     config: tile sizes; None picks `PyramidConfig.default` per level.
+    summary_dtype: "float32" or "bfloat16": each mean computed in float32 from the stored
+      children (or the raw keys) and rounded once.
   """
   b, t, hkv, d = k.shape
   sizes = level_sizes(t, block_size, branching)
   # Pass 1: the leaves from the raw keys (the only pass that reads O(T) data).
   rows = pool_rows(k.reshape(b * t * hkv, d), batch=b, num_children=t, group=block_size, hkv=hkv,
-                   d=d, interpret=interpret, config=config)
+                   d=d, interpret=interpret, config=config, summary_dtype=summary_dtype)
   levels = [rows]
   # Then subtrees of g^s children per program, s levels per pass (a subtree of at most 32 nodes:
   # 64 made the float32 pooling dot spill registers on sm_90).
@@ -229,7 +254,8 @@ def build_pyramid_pallas(k: Float[Array, "B T HKV D"], *, block_size: int, branc
   while done < len(sizes):
     chunk = sizes[done:done + per_pass]
     levels += pool_levels(levels[-1], batch=b, num_children=sizes[done - 1], branching=branching,
-                          sizes=chunk, hkv=hkv, d=d, interpret=interpret, config=config)
+                          sizes=chunk, hkv=hkv, d=d, interpret=interpret, config=config,
+                          summary_dtype=summary_dtype)
     done += len(chunk)
   summaries = tuple(x.reshape(b, m, hkv, d) for x, m in zip(levels, sizes))
   counts, num_children, group = [], t, block_size

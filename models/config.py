@@ -71,6 +71,10 @@ class ModelConfig:
   top_k: int = 8
   branching: int = 2
   beam: int | None = None
+  # The dtype the PISA pyramid's summaries are stored in, prefill selection and decode cache
+  # alike: "float32" or "bfloat16" (half the pyramid's memory and the decode walk's loads; each
+  # mean computed in float32 and rounded once). Not with packed documents (data.packing).
+  summary_dtype: str = "float32"
   attention_implementation: str | None = None
   param_dtype: str = "float32"
   # "auto": bfloat16 on a GPU, float32 elsewhere (CPU matmuls in bf16 are slow and emulated).

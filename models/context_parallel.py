@@ -51,7 +51,8 @@ def sequence_sharded_attention(cfg: ModelConfig, q, k, v, segment_ids=None):
   else:
     attend_at = functools.partial(
         pisa_attention_at, block_size=cfg.block_size, top_k=cfg.top_k, branching=cfg.branching,
-        selector=cfg.attention, beam=cfg.beam, implementation=cfg.attention_implementation)
+        selector=cfg.attention, beam=cfg.beam, summary_dtype=cfg.summary_dtype,
+        implementation=cfg.attention_implementation)
   spec = P(batch, seq)
   # check_vma=False as in `per_batch_shard`: the attention's outputs carry no varying-manual-axes
   # annotation.

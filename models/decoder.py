@@ -317,7 +317,7 @@ class Attention(nnx.Module):
       attend = functools.partial(
           pisa_jax.pisa_attention, block_size=cfg.block_size, top_k=cfg.top_k,
           branching=cfg.branching, selector=cfg.attention, beam=cfg.beam,
-          implementation=cfg.attention_implementation,
+          summary_dtype=cfg.summary_dtype, implementation=cfg.attention_implementation,
       )
       if segment_ids is None:
         out = per_batch_shard(attend)(q, k, v)
@@ -427,7 +427,8 @@ class Attention(nnx.Module):
                              compression=cfg.nsa_compression, block_length=cfg.nsa_block_length,
                              stride=cfg.nsa_stride, dtype=dtype)
     return DecodeCache.create(batch, capacity, cfg.num_kv_heads, cfg.head_dim,
-                              block_size=cfg.block_size, branching=cfg.branching, dtype=dtype)
+                              block_size=cfg.block_size, branching=cfg.branching,
+                              summary_dtype=cfg.summary_dtype, dtype=dtype)
 
   def _project_kv(self, x: Float[Array, "B T E"]) -> tuple[Array, Array]:
     cdt = x.dtype

@@ -73,6 +73,29 @@ def check_scale(scale, *, name: str = "scale") -> None:
     raise ValueError(f"{name}={scale!r} must be a finite float > 0 (default 1/sqrt(D))")
 
 
+# The dtypes the pyramid's summaries may be stored in: float32 (the default, exact up to float32
+# rounding) or bfloat16 (half the memory and the walk's loads; each node's mean is computed in
+# float32 from its stored children or raw keys and rounded once).
+SUMMARY_DTYPES = ("float32", "bfloat16")
+
+
+def summary_dtype_name(summary_dtype, *, name: str = "summary_dtype") -> str:
+  """The name ("float32" or "bfloat16") of a summary dtype given as a string, a scalar type
+  (`jnp.bfloat16`, `np.float32`) or a numpy dtype; anything else raises ValueError."""
+  if isinstance(summary_dtype, str):
+    value = summary_dtype
+  elif isinstance(summary_dtype, type):
+    value = summary_dtype.__name__
+  elif isinstance(getattr(summary_dtype, "name", None), str) and hasattr(summary_dtype, "kind"):
+    value = summary_dtype.name  # a numpy dtype
+  else:
+    value = None
+  if value not in SUMMARY_DTYPES:
+    raise ValueError(f"{name}={summary_dtype!r} must be one of {SUMMARY_DTYPES} (or the matching "
+                     "jnp dtype)")
+  return value
+
+
 def check_implementation(implementation, *, name: str = "implementation") -> None:
   if implementation is not None and implementation not in IMPLEMENTATIONS:
     raise ValueError(

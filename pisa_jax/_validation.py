@@ -186,6 +186,13 @@ def drop_repeated_blocks(block_indices):
   return jnp.where(repeated, -1, idx)
 
 
+def check_packed_summary_dtype(spec: SelectionSpec) -> None:
+  """Packed documents' pyramids (`segment_ids`) are float32 only."""
+  if spec.summary_dtype != "float32":
+    raise ValueError(f"summary_dtype={spec.summary_dtype!r} is not supported with segment_ids: "
+                     "packed documents' pyramids are float32 (summary_dtype='float32')")
+
+
 def check_segment_ids(segment_ids, *, batch: int, seq_len: int) -> None:
   """segment_ids: None, or int32 [B, T], non-decreasing within each row (a document is a run of
   equal ids). The order is checked eagerly on concrete ids; traced ones (under `jit`) report

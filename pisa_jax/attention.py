@@ -520,6 +520,7 @@ def pisa_attention(
     selector: str | None = None,
     scale: float | None = None,
     beam: int | None = None,
+    summary_dtype=None,
     spec: SelectionSpec | None = None,
     segment_ids: Int[Array, "B T"] | None = None,
     implementation: str | None = None,
@@ -546,7 +547,7 @@ def pisa_attention(
   _validation.check_v(v, k)
   spec = _validation.resolve_spec("pisa_attention", spec, q.shape[-1], block_size=block_size,
                                   top_k=top_k, branching=branching, selector=selector,
-                                  scale=scale, beam=beam)
+                                  scale=scale, beam=beam, summary_dtype=summary_dtype)
   # Concrete segment ids are checked here, where they are still concrete (not inside the jit).
   _validation.check_segment_ids(segment_ids, batch=q.shape[0], seq_len=q.shape[1])
   block_indices = _select_blocks_jit(

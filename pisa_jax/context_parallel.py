@@ -75,6 +75,7 @@ def pisa_attention_at(
     selector: str | None = None,
     scale: float | None = None,
     beam: int | None = None,
+    summary_dtype=None,
     spec: SelectionSpec | None = None,
     implementation: str | None = None,
 ) -> Float[Array, "B Tq HQ D"]:
@@ -97,7 +98,7 @@ def pisa_attention_at(
   _check_at(q, k, v, query_offset)
   spec = _validation.resolve_spec("pisa_attention_at", spec, q.shape[-1], block_size=block_size,
                                   top_k=top_k, branching=branching, selector=selector,
-                                  scale=scale, beam=beam)
+                                  scale=scale, beam=beam, summary_dtype=summary_dtype)
   if spec.selector == "exact" and _dispatch.resolve_implementation(implementation) != "xla":
     raise ValueError(f"selector={spec.selector!r} exists only in the reference: pass "
                      f"implementation='xla' for it (got implementation={implementation!r})")

@@ -46,7 +46,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from pisa_jax import _dispatch, _validation
 from pisa_jax.decode_cache import DecodeCache, bucket_capacity
-from pisa_jax.geometry import level_offsets, level_sizes
+from pisa_jax.geometry import level_offsets, level_sizes, round_summaries
 from pisa_jax.selection import _bsa_chunk, _walk_chunk
 from pisa_jax.spec import SelectionSpec, takes_spec
 
@@ -81,7 +81,8 @@ def decode_append_reference(
 
   The leaf is recomputed as the mean of its raw keys and each ancestor as the mean of its existing
   children (Eq. 15), with `build_pyramid_reference`'s arithmetic, so the summaries stay those of
-  `build_pyramid` rather than drifting with incremental updates.
+  `build_pyramid` rather than drifting with incremental updates. A bfloat16 pyramid (summaries'
+  dtype) rounds each float32 mean once, and its parent pools the rounded value.
 
   Returns:
     (k_cache, v_cache, summaries).
@@ -89,6 +90,7 @@ def decode_append_reference(
   b, capacity, hkv, d = k_cache.shape
   sizes = level_sizes(capacity, block_size, branching)
   offsets = level_offsets(capacity, block_size, branching)
+  summary_dtype = summaries.dtype.name
   rows = jnp.arange(b)
   live = positions < capacity
   pos = jnp.minimum(positions, capacity - 1)
@@ -100,7 +102,9 @@ def decode_append_reference(
   key_pos = leaf[:, None] * block_size + jnp.arange(block_size)
   keys = k_cache[rows[:, None], jnp.minimum(key_pos, capacity - 1)].astype(jnp.float32)
   keys = jnp.where((key_pos <= pos[:, None])[..., None, None], keys, 0.0)
-  new = keys.sum(axis=1) / (pos - leaf * block_size + 1).astype(jnp.float32)[:, None, None]
+  new = round_summaries(
+      keys.sum(axis=1) / (pos - leaf * block_size + 1).astype(jnp.float32)[:, None, None],
+      summary_dtype)
   values, nodes = [new], [offsets[0] + leaf]
   node = leaf
   for level in range(1, len(sizes)):
@@ -110,15 +114,16 @@ def decode_append_reference(
     acc = jnp.zeros_like(new)
     for j in range(branching):
       child = jnp.minimum(parent * branching + j, node)
-      x = summaries[rows, offsets[level - 1] + child]
+      x = summaries[rows, offsets[level - 1] + child].astype(jnp.float32)
       acc = acc + jnp.where((j == slot)[:, None, None], new,
                             jnp.where((j < slot)[:, None, None], x, 0.0))
-    new = acc / (slot + 1).astype(jnp.float32)[:, None, None]
+    new = round_summaries(acc / (slot + 1).astype(jnp.float32)[:, None, None], summary_dtype)
     node = parent
     values.append(new)
     nodes.append(offsets[level] + node)
   nodes = jnp.where(live[:, None], jnp.stack(nodes, axis=1), summaries.shape[1])
-  summaries = summaries.at[rows[:, None], nodes].set(jnp.stack(values, axis=1), mode="drop")
+  summaries = summaries.at[rows[:, None], nodes].set(
+      jnp.stack(values, axis=1).astype(summaries.dtype), mode="drop")
   return k_cache, v_cache, summaries
 
 
@@ -312,7 +317,8 @@ def decode_step(
     top_k, selector, beam, scale: as in `select_blocks`; selector one of "pisa", "pisa1",
       "pisa2", "bsa" ("exact" scores every past block's raw keys and does not decode).
     spec: those options as one `pisa_jax.SelectionSpec` (a keyword must agree with it); its
-      block_size and branching must be the cache's. Without one, the cache's are used.
+      block_size, branching and summary_dtype must be the cache's. Without one, the cache's are
+      used.
     implementation: "xla" (jnp reference), "pallas" (kernels) or None (pallas on GPU, else xla).
     return_indices: also return the selected blocks.
     grow: outside `jit`, reallocate the cache (`DecodeCache.grow`) when a row's token would pass
@@ -345,13 +351,17 @@ def decode_step(
   selection = dict(top_k=top_k, selector=selector, beam=beam, scale=scale)
   if spec is None:
     spec = _validation.resolve_spec("decode_step", None, q.shape[-1], block_size=cache.block_size,
-                                    branching=cache.branching, **selection)
+                                    branching=cache.branching, summary_dtype=cache.summary_dtype,
+                                    **selection)
   else:
     spec = _validation.resolve_spec("decode_step", spec, q.shape[-1], **selection)
     if (spec.block_size, spec.branching) != (cache.block_size, cache.branching):
       raise ValueError(f"spec.block_size={spec.block_size}, spec.branching={spec.branching} must "
                        f"be the cache's block_size={cache.block_size}, branching="
                        f"{cache.branching} (DecodeCache.create)")
+    if spec.summary_dtype != cache.summary_dtype:
+      raise ValueError(f"spec.summary_dtype={spec.summary_dtype!r} must be the cache's "
+                       f"summary_dtype={cache.summary_dtype!r} (DecodeCache.create)")
   if spec.selector not in DECODE_SELECTORS:
     raise ValueError(f"selector={spec.selector!r} does not decode: expected one of "
                      f"{DECODE_SELECTORS} ('exact' scores the raw keys of every past block, O(N) "

@@ -18,7 +18,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from pisa_jax import _validation
-from pisa_jax.geometry import level_offsets, level_sizes
+from pisa_jax.geometry import level_offsets, level_sizes, round_summaries
 from pisa_jax.spec import SelectionSpec
 
 def bucket_capacity(num_tokens: int, block_size: int) -> int:
@@ -43,11 +43,13 @@ class DecodeCache:
 
   Attributes:
     k, v: `[B, capacity, HKV, D]` in the cache dtype (the model's layout).
-    summaries: float32 `[B, S, HKV, D]`: the pyramid's levels stacked along axis 1, leaves first
-      (`level_offsets`; `levels()` splits them). Level l holds the `level_sizes[l - 1]` nodes of a
-      pyramid over `capacity` keys; node i of level l is the mean of the existing children of
-      Eq. 15 (the leaf: the mean of its valid keys), as `build_pyramid` computes it for the row's
-      first lengths[b] keys (to float32 rounding). Nodes a row has not reached are zero or stale.
+    summaries: float32 (or bfloat16, `summary_dtype`) `[B, S, HKV, D]`: the pyramid's levels
+      stacked along axis 1, leaves first (`level_offsets`; `levels()` splits them). Level l holds
+      the `level_sizes[l - 1]` nodes of a pyramid over `capacity` keys; node i of level l is the
+      mean of the existing children of Eq. 15 (the leaf: the mean of its valid keys), as
+      `build_pyramid` computes it for the row's first lengths[b] keys (to float32 rounding; a
+      bfloat16 pyramid rounds each float32 mean of its stored children once, as `build_pyramid`
+      with that summary_dtype). Nodes a row has not reached are zero or stale.
     lengths: int32 `[B]`, tokens held per row.
     block_size: C, keys per leaf block.
     branching: g, children per upper node.
@@ -66,20 +68,23 @@ class DecodeCache:
   @classmethod
   def create(cls, batch: int, capacity: int, num_kv_heads: int, head_dim: int, *,
              block_size: int | None = None, branching: int | None = None,
-             spec: SelectionSpec | None = None, dtype=jnp.bfloat16,
+             summary_dtype=None, spec: SelectionSpec | None = None, dtype=jnp.bfloat16,
              growable: bool = True) -> "DecodeCache":
     """An empty cache (every length 0) for `capacity` tokens per row, rounded up to whole blocks.
-    block_size, branching: the pyramid's C and g (default 64, 2), or `spec`'s (a
+    block_size, branching: the pyramid's C and g (default 64, 2); summary_dtype: its stored
+    dtype, "float32" (default) or "bfloat16" (or `jnp.bfloat16`: half the pyramid's memory and
+    the walk's loads, each mean computed in float32 and rounded once); or `spec`'s (a
     `pisa_jax.SelectionSpec`; a keyword must agree with it).
 
     Memory: 2 * B * capacity * HKV * D cache-dtype elements for keys and values, plus about
-    2 * B * (capacity / C) * HKV * D float32 for the pyramid (with g = 2).
+    2 * B * (capacity / C) * HKV * D summary_dtype elements for the pyramid (with g = 2).
     """
     for name, value in (("batch", batch), ("capacity", capacity), ("num_kv_heads", num_kv_heads),
                         ("head_dim", head_dim)):
       if not _validation._is_int(value) or value < 1:
         raise ValueError(f"{name}={value!r} must be an int >= 1")
-    spec = SelectionSpec.merge(spec, block_size=block_size, branching=branching)
+    spec = SelectionSpec.merge(spec, block_size=block_size, branching=branching,
+                               summary_dtype=summary_dtype)
     block_size, branching = spec.block_size, spec.branching
     if not jnp.issubdtype(dtype, jnp.floating):
       raise TypeError(f"{dtype=} must be a floating-point dtype (bfloat16, float16 or float32)")
@@ -87,7 +92,8 @@ class DecodeCache:
     shape = (batch, capacity, num_kv_heads, head_dim)
     num_nodes = level_offsets(capacity, block_size, branching)[-1] + 1
     return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-               summaries=jnp.zeros((batch, num_nodes, num_kv_heads, head_dim), jnp.float32),
+               summaries=jnp.zeros((batch, num_nodes, num_kv_heads, head_dim),
+                                   jnp.dtype(spec.summary_dtype)),
                lengths=jnp.zeros((batch,), jnp.int32), block_size=block_size,
                branching=branching, growable=bool(growable))
 
@@ -110,6 +116,11 @@ class DecodeCache:
   @property
   def dtype(self):
     return self.k.dtype
+
+  @property
+  def summary_dtype(self) -> str:
+    """The pyramid's stored dtype, "float32" or "bfloat16" (as `SelectionSpec.summary_dtype`)."""
+    return self.summaries.dtype.name
 
   @property
   def level_sizes(self) -> tuple[int, ...]:
@@ -170,7 +181,8 @@ class DecodeCache:
                          "was created with growable=False: create it with a larger capacity")
       capacity = bucket_capacity(t, self.block_size)
     k_cache, v_cache, summaries = _prefill(k, v, lengths, capacity=capacity,
-                                           block_size=self.block_size, branching=self.branching)
+                                           block_size=self.block_size, branching=self.branching,
+                                           summary_dtype=self.summary_dtype)
     return dataclasses.replace(self, k=k_cache, v=v_cache, summaries=summaries, lengths=lengths)
 
   def grow(self, min_capacity: int) -> "DecodeCache":
@@ -259,10 +271,11 @@ def last_document(k: Float[Array, "B T H D"], v: Float[Array, "B T H D"], length
   return shift(k), shift(v), lengths - start
 
 
-def _ragged_pyramid(k, lengths, block_size: int, branching: int):
-  """The pyramid of each row's first lengths[b] keys, levels `[B, M_l(T), HKV, D]` leaves first:
-  `build_pyramid_reference`'s arithmetic (zero padding, sums, division by the existing count)
-  with per-row counts. k `[B, T, HKV, D]` is zero at and past each row's length."""
+def _ragged_pyramid(k, lengths, block_size: int, branching: int, summary_dtype: str):
+  """The pyramid of each row's first lengths[b] keys, levels `[B, M_l(T), HKV, D]` leaves first
+  in summary_dtype: `build_pyramid_reference`'s arithmetic (zero padding, sums, division by the
+  existing count, each mean rounded once) with per-row counts. k `[B, T, HKV, D]` is zero at and
+  past each row's length."""
   b, t, hkv, d = k.shape
   m = -(-t // block_size)
   x = jnp.pad(k.astype(jnp.float32), ((0, 0), (0, m * block_size - t), (0, 0), (0, 0)))
@@ -271,7 +284,7 @@ def _ragged_pyramid(k, lengths, block_size: int, branching: int):
   counts = jnp.clip(lengths[:, None] - jnp.arange(m) * block_size, 0, block_size)
   level = jnp.where(counts[..., None, None] > 0,
                     total / jnp.maximum(counts, 1)[..., None, None].astype(jnp.float32), 0.0)
-  levels = [level]
+  levels = [round_summaries(level, summary_dtype)]
   existing = -(-lengths // block_size)  # nodes of the row at this level
   while levels[-1].shape[1] > 1:
     n = levels[-1].shape[1]
@@ -280,11 +293,12 @@ def _ragged_pyramid(k, lengths, block_size: int, branching: int):
     total = x.reshape(b, parents, branching, hkv, d).sum(axis=2)
     # Eq. 15: the mean of the children that exist.
     counts = jnp.clip(existing[:, None] - jnp.arange(parents) * branching, 0, branching)
-    levels.append(jnp.where(counts[..., None, None] > 0,
-                            total / jnp.maximum(counts, 1)[..., None, None].astype(jnp.float32),
-                            0.0))
+    levels.append(round_summaries(
+        jnp.where(counts[..., None, None] > 0,
+                  total / jnp.maximum(counts, 1)[..., None, None].astype(jnp.float32), 0.0),
+        summary_dtype))
     existing = -(-existing // branching)
-  return levels
+  return [level.astype(jnp.dtype(summary_dtype)) for level in levels]
 
 
 def _stack_levels(levels, capacity: int, block_size: int, branching: int):
@@ -299,8 +313,10 @@ def _stack_levels(levels, capacity: int, block_size: int, branching: int):
   return jnp.concatenate(out, axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("capacity", "block_size", "branching"))
-def _prefill(k, v, lengths, *, capacity: int, block_size: int, branching: int):
+@functools.partial(jax.jit, static_argnames=("capacity", "block_size", "branching",
+                                             "summary_dtype"))
+def _prefill(k, v, lengths, *, capacity: int, block_size: int, branching: int,
+             summary_dtype: str):
   b, t, hkv, d = k.shape
   keep = (jnp.arange(t)[None, :] < lengths[:, None])[:, :, None, None]
   k = jnp.where(keep, k, jnp.zeros((), k.dtype))
@@ -308,10 +324,10 @@ def _prefill(k, v, lengths, *, capacity: int, block_size: int, branching: int):
   pad = ((0, 0), (0, capacity - t), (0, 0), (0, 0))
   num_nodes = level_offsets(capacity, block_size, branching)[-1] + 1
   if t == 0:
-    summaries = jnp.zeros((b, num_nodes, hkv, d), jnp.float32)
+    summaries = jnp.zeros((b, num_nodes, hkv, d), jnp.dtype(summary_dtype))
   else:
-    summaries = _stack_levels(_ragged_pyramid(k, lengths, block_size, branching), capacity,
-                              block_size, branching)
+    summaries = _stack_levels(_ragged_pyramid(k, lengths, block_size, branching, summary_dtype),
+                              capacity, block_size, branching)
   return jnp.pad(k, pad), jnp.pad(v, pad), summaries
 
 

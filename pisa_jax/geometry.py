@@ -10,6 +10,7 @@ import dataclasses
 import functools
 
 import jax
+from jax import lax
 from jaxtyping import Array, Float, Int
 
 
@@ -23,9 +24,9 @@ class Pyramid:
   """Mean summaries of every level, leaves first.
 
   Attributes:
-    summaries: level 1 (the leaf blocks) first and the single root last; level l is float32
-      `[B, M_l, HKV, D]` with `M_1 = ceil(T / block_size)` and `M_{l+1} = ceil(M_l / branching)`
-      (Eq. 10, 13).
+    summaries: level 1 (the leaf blocks) first and the single root last; level l is float32 (or
+      the spec's summary_dtype, bfloat16) `[B, M_l, HKV, D]` with `M_1 = ceil(T / block_size)`
+      and `M_{l+1} = ceil(M_l / branching)` (Eq. 10, 13).
     counts: int32 `[M_l]` per level: the number of valid keys of each leaf at level 1, and the number
       of valid children of each node above it: the denominators of Eq. 15.
     block_size: C, keys per leaf block.
@@ -77,3 +78,13 @@ def level_offsets(seq_len: int, block_size: int, branching: int) -> tuple[int, .
   are stacked along one axis (the decode cache's summaries `[B, S, HKV, D]`); S = offsets[-1] + 1
   (the root)."""
   return stacked_offsets(level_sizes(seq_len, block_size, branching))
+
+
+def round_summaries(x: Float[Array, "..."], summary_dtype: str) -> Float[Array, "..."]:
+  """float32 means rounded to `summary_dtype` ("float32": unchanged; "bfloat16": to nearest
+  even), still float32: a node's one rounding, before it is stored and read as a child.
+  `lax.reduce_precision`, not a round trip through bfloat16, which XLA on the GPU may fold away
+  (xla_allow_excess_precision); the kernels round with a conversion, which Triton keeps."""
+  if summary_dtype == "float32":
+    return x
+  return lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)

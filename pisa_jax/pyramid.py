@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from pisa_jax import _dispatch, _validation, segments
-from pisa_jax.geometry import Pyramid
+from pisa_jax.geometry import Pyramid, round_summaries
 from pisa_jax.segments import PackedPyramid
 from pisa_jax.spec import SelectionSpec
 
@@ -32,19 +32,23 @@ def _mean_pool(x: Float[Array, "B N H D"], group: int, num_valid: int):
   return total / counts[None, :, None, None].astype(jnp.float32), counts
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "branching"))
-def build_pyramid_reference(k, *, block_size: int, branching: int) -> Pyramid:
-  """jnp reference of `build_pyramid`; k is already validated."""
+@functools.partial(jax.jit, static_argnames=("block_size", "branching", "summary_dtype"))
+def build_pyramid_reference(k, *, block_size: int, branching: int,
+                            summary_dtype: str = "float32") -> Pyramid:
+  """jnp reference of `build_pyramid`; k is already validated. Each mean is computed in float32
+  and rounded once to summary_dtype; the level above pools the rounded values."""
   seq_len = k.shape[1]
   # Eq. 2 / Eq. 15 with l = 0: a leaf is the mean of its valid keys; the last may be partial.
   leaves, leaf_counts = _mean_pool(k.astype(jnp.float32), block_size, seq_len)
-  summaries, counts = [leaves], [leaf_counts]
+  summaries, counts = [round_summaries(leaves, summary_dtype)], [leaf_counts]
   while summaries[-1].shape[1] > 1:
     # Eq. 15: the mean of up to `branching` valid children, divided by how many exist.
     parent, parent_counts = _mean_pool(summaries[-1], branching, summaries[-1].shape[1])
-    summaries.append(parent)
+    summaries.append(round_summaries(parent, summary_dtype))
     counts.append(parent_counts)
-  return Pyramid(tuple(summaries), tuple(counts), block_size, branching, seq_len)
+  dtype = jnp.dtype(summary_dtype)
+  return Pyramid(tuple(s.astype(dtype) for s in summaries), tuple(counts), block_size, branching,
+                 seq_len)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "branching"))
@@ -62,12 +66,13 @@ def build_pyramid(
     branching: int | None = None,
     spec: SelectionSpec | None = None,
     segment_ids: Int[Array, "B T"] | None = None,
+    summary_dtype=None,
     implementation: str | None = None,
 ) -> Pyramid | PackedPyramid:
   """Builds the mean-summary pyramid of the keys.
 
   Args:
-    k: keys `[B, T, HKV, D]`, any float dtype; summaries are float32.
+    k: keys `[B, T, HKV, D]`, any float dtype; summaries are float32 (or summary_dtype).
     block_size: C, keys per leaf block (default 64).
     branching: g, children merged into each upper node (default 2).
     spec: a `pisa_jax.SelectionSpec` whose block_size and branching to use (an option also
@@ -92,10 +97,12 @@ def build_pyramid(
   if k.shape[1] < 1:
     raise ValueError(f"sequence length T={k.shape[1]} must be >= 1")
   spec = _validation.resolve_spec("build_pyramid", spec, k.shape[-1], block_size=block_size,
-                                  branching=branching)
+                                  branching=branching, summary_dtype=summary_dtype)
   _validation.check_segment_ids(segment_ids, batch=k.shape[0], seq_len=k.shape[1])
   if segment_ids is not None:
+    _validation.check_packed_summary_dtype(spec)
     build = _dispatch.lookup("build_pyramid_packed", implementation)
     return build(k, segment_ids, block_size=spec.block_size, branching=spec.branching)
   build = _dispatch.lookup("build_pyramid", implementation)
-  return build(k, block_size=spec.block_size, branching=spec.branching)
+  return build(k, block_size=spec.block_size, branching=spec.branching,
+               summary_dtype=spec.summary_dtype)

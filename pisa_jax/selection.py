@@ -357,7 +357,8 @@ def _select(q, k, positions, segment_ids, spec: SelectionSpec, interpret=None):
                                       (q, start, length), (k,), positions=positions)
   kernels = interpret is not None
   if docs is None:
-    pyramid = build_pyramid_reference(k, block_size=block_size, branching=branching)
+    pyramid = build_pyramid_reference(k, block_size=block_size, branching=branching,
+                                      summary_dtype=spec.summary_dtype)
   elif kernels:
     pyramid = packed_pyramid_kernels.build_packed_pyramid_pallas(
         k, segment_ids, block_size=block_size, branching=branching, interpret=interpret)
@@ -426,7 +427,8 @@ def select_blocks_reference_at(q, k, positions, *, spec: SelectionSpec, chunk: i
   if q.shape[1] != positions.shape[0]:
     raise ValueError(f"q.shape[1]={q.shape[1]} must equal positions.shape[0]="
                      f"{positions.shape[0]}: q holds the queries at those positions")
-  pyramid = build_pyramid_reference(k, block_size=spec.block_size, branching=spec.branching)
+  pyramid = build_pyramid_reference(k, block_size=spec.block_size, branching=spec.branching,
+                                    summary_dtype=spec.summary_dtype)
   fn = functools.partial(_walk_chunk, spec=spec)
   return _chunking.map_query_chunks(fn, chunk or _walk_chunk_size(q, k, spec),
                                     (q, None, None, None), (k, pyramid.summaries),
@@ -443,6 +445,7 @@ def select_blocks(
     selector: str | None = None,
     scale: float | None = None,
     beam: int | None = None,
+    summary_dtype=None,
     spec: SelectionSpec | None = None,
     segment_ids: Int[Array, "B T"] | None = None,
     implementation: str | None = None,
@@ -463,7 +466,10 @@ def select_blocks(
     scale: logit scale, default 1/sqrt(D).
     beam: nodes kept at each level above the leaves (None: top_k, the paper's rule); the leaf
       level always keeps top_k. Hierarchical selectors only.
-    spec: the six options above as one `pisa_jax.SelectionSpec` (its defaults are the ones
+    summary_dtype: the pyramid's stored dtype, "float32" (default) or "bfloat16" (or
+      `jnp.bfloat16`): each mean computed in float32 and rounded once; scores accumulate in
+      float32, a bfloat16 query meets a bfloat16 summary in one dot. Not with segment_ids.
+    spec: the seven options above as one `pisa_jax.SelectionSpec` (its defaults are the ones
       listed); an option also passed as a keyword must agree with it.
     segment_ids: None, or int32 `[B, T]` non-decreasing within a row: packed documents (runs of
       equal ids). Each query then selects as its document would alone from position 0: the
@@ -488,12 +494,14 @@ def select_blocks(
   _validation.check_static("select_blocks", implementation=implementation)
   _, _, _, _, d = _validation.check_qk(q, k)
   spec = _validation.resolve_spec("select_blocks", spec, d, block_size=block_size, top_k=top_k,
-                                  branching=branching, selector=selector, scale=scale, beam=beam)
+                                  branching=branching, selector=selector, scale=scale, beam=beam,
+                                  summary_dtype=summary_dtype)
   _validation.check_segment_ids(segment_ids, batch=q.shape[0], seq_len=q.shape[1])
   if spec.selector == "exact" and _dispatch.resolve_implementation(implementation) != "xla":
     raise ValueError(
         f"selector={spec.selector!r} exists only in the reference: pass implementation='xla' "
         "for it")
   if segment_ids is not None:
+    _validation.check_packed_summary_dtype(spec)
     return _dispatch.lookup("select_blocks_packed", implementation)(q, k, segment_ids, spec=spec)
   return _dispatch.lookup("select_blocks", implementation)(q, k, spec=spec)

@@ -1,8 +1,8 @@
 """`SelectionSpec`: the options of a block selection in one frozen, hashable value.
 
-Block size, top-k, branching, selector, scale and beam travel together from the public functions
-(`select_blocks`, `pisa_attention`, `sparse_attention`, `build_pyramid`, `selection_quality`,
-`decode_step`) to the jnp reference and the kernels. Each public function takes them as keyword
+Block size, top-k, branching, selector, scale, beam and the pyramid's summary dtype travel
+together from the public functions (`select_blocks`, `pisa_attention`, `sparse_attention`,
+`build_pyramid`, `selection_quality`, `decode_step`) to the jnp reference and the kernels. Each public function takes them as keyword
 arguments or whole as `spec=` (a keyword that disagrees with the spec is an error naming both),
 checks them once here, and passes the spec on, resolved (`resolved`: the scale and the beam
 filled in). The defaults live here and nowhere else. Like every option, a spec is static under
@@ -20,7 +20,7 @@ import math
 
 from pisa_jax import _checks
 
-FIELDS = ("block_size", "top_k", "branching", "selector", "scale", "beam")
+FIELDS = ("block_size", "top_k", "branching", "selector", "scale", "beam", "summary_dtype")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +38,11 @@ class SelectionSpec:
     scale: the logit scale, a finite float > 0; None: 1 / sqrt(D) (`resolved`).
     beam: nodes kept per level above the leaves, >= top_k, hierarchical selectors only; None:
       top_k, the paper's rule (`resolved`).
+    summary_dtype: "float32" (the default) or "bfloat16" (`jnp.bfloat16` is accepted and stored
+      by name): the dtype the pyramid's summaries are stored in. Each node's mean is computed in
+      float32 from its stored children (a leaf from its raw keys) and rounded once to this dtype;
+      scores accumulate in float32. bfloat16 halves the pyramid's memory and the walk's loads,
+      and a bfloat16 query meets a bfloat16 summary in one tensor-core dot.
   """
 
   block_size: int = 64
@@ -46,6 +51,7 @@ class SelectionSpec:
   selector: str = "pisa"
   scale: float | None = None
   beam: int | None = None
+  summary_dtype: str = "float32"
 
   def __post_init__(self):
     _checks.check_block_size(self.block_size)
@@ -54,6 +60,7 @@ class SelectionSpec:
     _checks.check_selector(self.selector)
     _checks.check_beam(self.beam, self.top_k, self.selector)
     _checks.check_scale(self.scale)
+    object.__setattr__(self, "summary_dtype", _checks.summary_dtype_name(self.summary_dtype))
     # Python numbers, so that equal specs hash alike whatever integer or float type came in.
     for name in ("block_size", "top_k", "branching", "beam"):
       if getattr(self, name) is not None:
@@ -92,6 +99,9 @@ class SelectionSpec:
     if unknown:
       raise TypeError(f"{sorted(unknown)} are not SelectionSpec fields: expected {FIELDS}")
     given = {name: value for name, value in options.items() if value is not None}
+    if "summary_dtype" in given:
+      # Compared by name: jnp.bfloat16 and "bfloat16" are one option.
+      given["summary_dtype"] = _checks.summary_dtype_name(given["summary_dtype"])
     if spec is None:
       return cls(**given)
     if not isinstance(spec, SelectionSpec):

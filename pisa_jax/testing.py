@@ -14,18 +14,30 @@ two selectors' choices are.
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 
-def _levels64(k_td: np.ndarray, block_size: int, branching: int) -> list[np.ndarray]:
-  """float64 pyramid of one (batch, KV head): keys `[T, D]` -> levels `[M_l, D]`, leaves first."""
+def _round64(x: np.ndarray, summary_dtype: str) -> np.ndarray:
+  """float64 means as a summary_dtype pyramid stores them (bfloat16: to nearest even)."""
+  if summary_dtype == "float32":
+    return x
+  return x.astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def _levels64(k_td: np.ndarray, block_size: int, branching: int,
+              summary_dtype: str = "float32") -> list[np.ndarray]:
+  """float64 pyramid of one (batch, KV head): keys `[T, D]` -> levels `[M_l, D]`, leaves first.
+  summary_dtype "bfloat16": each mean rounded once, and its parent pools the rounded values."""
   t = k_td.shape[0]
   m = -(-t // block_size)
   leaves = np.stack([k_td[i * block_size:(i + 1) * block_size].mean(0) for i in range(m)])
-  levels = [leaves]
+  levels = [_round64(leaves, summary_dtype)]
   while levels[-1].shape[0] > 1:
     x = levels[-1]
-    levels.append(np.stack([x[i:i + branching].mean(0) for i in range(0, x.shape[0], branching)]))
+    levels.append(_round64(
+        np.stack([x[i:i + branching].mean(0) for i in range(0, x.shape[0], branching)]),
+        summary_dtype))
   return levels
 
 
@@ -75,19 +87,20 @@ def _keys(k, b: int, h: int, cache: dict | None) -> np.ndarray:
   return out
 
 
-def _levels(k, b: int, h: int, block_size: int, branching: int, cache: dict | None):
-  """One (batch, KV head)'s float64 pyramid, cached per (b, h, block_size, branching)."""
-  key = ("levels", b, h, block_size, branching)
+def _levels(k, b: int, h: int, block_size: int, branching: int, cache: dict | None,
+            summary_dtype: str = "float32"):
+  """One (batch, KV head)'s float64 pyramid, cached per (b, h, block_size, branching, dtype)."""
+  key = ("levels", b, h, block_size, branching, summary_dtype)
   if cache is not None and key in cache:
     return cache[key]
-  out = _levels64(_keys(k, b, h, cache), block_size, branching)
+  out = _levels64(_keys(k, b, h, cache), block_size, branching, summary_dtype)
   if cache is not None:
     cache[key] = out
   return out
 
 
 def bsa_scores64(q, k, b: int, t: int, h: int, *, block_size: int, scale: float,
-                 cache: dict | None = None) -> np.ndarray:
+                 cache: dict | None = None, summary_dtype: str = "float32") -> np.ndarray:
   """Row (b, t, h)'s float64 BSA score of each block before the current one, `[t // block_size]`.
 
   Each head's softmax over the mean-key summaries of every block complete at t, summed over the
@@ -99,19 +112,22 @@ def bsa_scores64(q, k, b: int, t: int, h: int, *, block_size: int, scale: float,
   cur, done = t // block_size, (t + 1) // block_size
   if cur == 0:
     return np.zeros(0)
-  leaves = _levels(k, b, h, block_size, 2, cache)[0]  # the leaves do not depend on branching
+  # The leaves do not depend on branching.
+  leaves = _levels(k, b, h, block_size, 2, cache, summary_dtype)[0]
   z = scale * _query_rows(q, b, t, h, hq // hkv) @ leaves[:done].T  # [G, done]
   p = np.exp(z - z.max(-1, keepdims=True))
   return (p / p.sum(-1, keepdims=True))[:, :cur].sum(0)
 
 
 def decision_margin(q, k, b: int, t: int, h: int, *, block_size: int, top_k: int, branching: int,
-                    selector: str, scale: float, beam: int, cache: dict | None = None) -> float:
+                    selector: str, scale: float, beam: int, cache: dict | None = None,
+                    summary_dtype: str = "float32") -> float:
   """Smallest relative score gap at a scored decision of row (b, t, h), walked in float64.
 
   q `[B, T, HQ, D]` and k `[B, T, HKV, D]` may be numpy or jax arrays of any float dtype: only
   the row's query heads and its KV head's keys are copied and upcast. `cache` (a dict the caller
-  keeps across rows) holds each (b, h)'s float64 keys and pyramid.
+  keeps across rows) holds each (b, h)'s float64 keys and pyramid. summary_dtype "bfloat16":
+  the walk scores a bfloat16 pyramid's summaries (`_levels64`).
   """
   hq, hkv = q.shape[2], k.shape[2]
   seq_len = k.shape[1]
@@ -122,11 +138,12 @@ def decision_margin(q, k, b: int, t: int, h: int, *, block_size: int, top_k: int
     cand = list(range(m))
     valid = [c <= cur for c in cand]
     forced = [c in forced_leaves for c in cand]
-    p = bsa_scores64(q, k, b, t, h, block_size=block_size, scale=scale, cache=cache)
+    p = bsa_scores64(q, k, b, t, h, block_size=block_size, scale=scale, cache=cache,
+                     summary_dtype=summary_dtype)
     score = [p[c] if c < cur else 0.0 for c in cand]
     return _select64(cand, valid, forced, score, top_k)[1]
   qg = _query_rows(q, b, t, h, hq // hkv)  # [G, D]
-  levels = _levels(k, b, h, block_size, branching, cache)
+  levels = _levels(k, b, h, block_size, branching, cache, summary_dtype)
   margin = np.inf
   cand = [0]
   for level in range(len(levels), 0, -1):
@@ -158,7 +175,7 @@ def mismatch_margins(out, ref, q, k, *, positions=None, max_rows: int | None = N
   out, ref: int32 `[B, P, HKV, K]`, the rows of positions `positions` (default: all of 0..T-1).
   The margin is `decision_margin` of the row in float64; with `max_rows`, rows past the first
   `max_rows` mismatches get margin NaN (not proven). `selection`: block_size, top_k, branching,
-  selector, scale, beam as passed to the selection.
+  selector, scale, beam (and summary_dtype, default "float32") as passed to the selection.
   """
   out, ref = np.asarray(out), np.asarray(ref)
   if out.shape != ref.shape:

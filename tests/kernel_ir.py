@@ -120,11 +120,12 @@ def _s(shape, dtype=BF16):
 
 
 def _selection(selector="pisa", *, d=64, top_k=8, beam=None, hq=32, hkv=2, dtype=BF16,
-               config=None, offset=False, t=SEQ, branching=2, block_size=64):
+               config=None, offset=False, t=SEQ, branching=2, block_size=64,
+               summary_dtype="float32"):
   from pisa_jax.kernels import selection as sel
 
   kw = dict(block_size=block_size, top_k=top_k, branching=branching, selector=selector, scale=d ** -0.5,
-            beam=beam or top_k, interpret=False, config=config)
+            beam=beam or top_k, interpret=False, config=config, summary_dtype=summary_dtype)
   q, k = _s((1, t, hq, d), dtype), _s((1, t, hkv, d), dtype)
   if offset:
     return (lambda q, k, off: sel.select_blocks_pallas(q, k, query_offset=off, **kw),
@@ -150,7 +151,7 @@ def _packed_selection(selector="pisa", *, d=64, top_k=8, beam=None, hq=32, hkv=2
   return fn, _s((1, SEQ, hq, d), dtype), _s((1, SEQ, hkv, d), dtype), _s((1, SEQ), jnp.int32)
 
 
-def _pyramid(*, d=64, branching=2, packed=False):
+def _pyramid(*, d=64, branching=2, packed=False, summary_dtype="float32"):
   from pisa_jax.kernels import packed_pyramid, pyramid
 
   k = _s((1, SEQ, 2, d))
@@ -159,7 +160,7 @@ def _pyramid(*, d=64, branching=2, packed=False):
                               branching=branching, interpret=False),
             k, _s((1, SEQ), jnp.int32))
   return functools.partial(pyramid.build_pyramid_pallas, block_size=64, branching=branching,
-                           interpret=False), k
+                           interpret=False, summary_dtype=summary_dtype), k
 
 
 def _attention(*, d=64, top_k=8, hq=32, hkv=2, dtype=BF16, packed=False, offset=False):
@@ -208,23 +209,24 @@ def _nsa_range(branch, *, d=64, hq=32, hkv=2, packed=False, dtype=BF16):
   return jax.grad(loss, argnums=(0, 1, 2)), _s((1, SEQ, hq, d), dtype), kv, kv, *extra
 
 
-def _decode_shapes(*, batch, d, hq, hkv=2, dtype=BF16, branching=2):
+def _decode_shapes(*, batch, d, hq, hkv=2, dtype=BF16, branching=2, summary_dtype="float32"):
   from pisa_jax.decode_cache import DecodeCache
 
   cache = jax.eval_shape(lambda: DecodeCache.create(batch, DECODE_CAPACITY, hkv, d, dtype=dtype,
-                                                    branching=branching))
+                                                    branching=branching,
+                                                    summary_dtype=summary_dtype))
   return (_s((batch, hq, d), dtype), _s((batch, hkv, d), dtype), cache,
           _s((batch,), jnp.int32))
 
 
 def _decode(what, selector="pisa", *, batch=16, d=128, top_k=32, beam=None, hq=32, dtype=BF16,
-            branching=2):
+            branching=2, summary_dtype="float32"):
   from pisa_jax.kernels import decode
 
   q, kv_new, cache, positions = _decode_shapes(batch=batch, d=d, hq=hq, dtype=dtype,
-                                               branching=branching)
+                                               branching=branching, summary_dtype=summary_dtype)
   walk = dict(block_size=64, branching=branching, top_k=top_k, beam=beam or top_k,
-              selector=selector, scale=d ** -0.5, interpret=False)
+              selector=selector, scale=d ** -0.5, interpret=False, summary_dtype=summary_dtype)
   caches = (cache.k, cache.v, cache.summaries)
   if what == "step":
     return (functools.partial(decode.decode_step_pallas, **walk), q, kv_new, kv_new, *caches,
@@ -288,11 +290,11 @@ def _api_attention(t, *, d=128, top_k=32):
           _s((1, t, 2, top_k), jnp.int32))
 
 
-def _api_decode(batch, *, d=128, top_k=32):
+def _api_decode(batch, *, d=128, top_k=32, summary_dtype="float32"):
   """`pisa_jax.decode_step` at 1M cached tokens, 32/2 heads, bfloat16 (the cache donated)."""
   import pisa_jax
 
-  q, kv, cache, _ = _decode_shapes(batch=batch, d=d, hq=32)
+  q, kv, cache, _ = _decode_shapes(batch=batch, d=d, hq=32, summary_dtype=summary_dtype)
   step = lambda q, k, v, cache: pisa_jax.decode_step(q, k, v, cache, top_k=top_k,
                                                       implementation="pallas")
   return (_as_on_gpu(step), _s((batch, 1, 32, d)), _s((batch, 1, 2, d)), _s((batch, 1, 2, d)),
@@ -335,6 +337,15 @@ CASES: dict[str, Callable[[], tuple]] = {
     "selection/d64k8/offset": lambda: _selection(offset=True),
     "selection/d128k32/offset": lambda: _selection(d=128, top_k=32, offset=True),
     "selection/d64k8/bsa_offset": lambda: _selection("bsa", offset=True),
+    # A bfloat16 pyramid: one bfloat16 dot per summary (fused, two-stage, BSA; float32 and
+    # float16 queries against it in float32 dots).
+    "selection/d64k8/bf16_summaries": lambda: _selection(summary_dtype="bfloat16"),
+    "selection/d128k32/bf16_summaries": lambda: _selection(d=128, top_k=32,
+                                                           summary_dtype="bfloat16"),
+    "selection/d64k8/bsa/bf16_summaries": lambda: _selection("bsa", summary_dtype="bfloat16"),
+    "selection/d64k8/f32/bf16_summaries": lambda: _selection(dtype=F32, summary_dtype="bfloat16"),
+    "selection/d128k32/f16/bf16_summaries": lambda: _selection(d=128, top_k=32, dtype=F16,
+                                                               summary_dtype="bfloat16"),
     # Packed documents.
     "packed_selection/d64k8/pisa": lambda: _packed_selection(),
     "packed_selection/d64k8/pisa2": lambda: _packed_selection("pisa2"),
@@ -349,6 +360,9 @@ CASES: dict[str, Callable[[], tuple]] = {
     "pyramid/d128/g4": lambda: _pyramid(d=128, branching=4),
     "pyramid/d64/g2/packed": lambda: _pyramid(packed=True),
     "pyramid/d128/g4/packed": lambda: _pyramid(d=128, branching=4, packed=True),
+    "pyramid/d64/g2/bf16_summaries": lambda: _pyramid(summary_dtype="bfloat16"),
+    "pyramid/d128/g4/bf16_summaries": lambda: _pyramid(d=128, branching=4,
+                                                       summary_dtype="bfloat16"),
     # Attention: forward, dq, dk / dv.
     "attention/d64k8": lambda: _attention(),
     "attention/d128k32": lambda: _attention(d=128, top_k=32),
@@ -378,6 +392,22 @@ CASES: dict[str, Callable[[], tuple]] = {
     "decode/d128k32/append_select": lambda: _decode("append_select"),
     "decode/d128k32/append": lambda: _decode("append"),
     "decode/d128k32/attention": lambda: _decode("attention"),
+    # A bfloat16 pyramid: the append rounds each mean once, the walk gathers bfloat16 summaries
+    # and scores them in one bfloat16 dot (float16 / float32 queries: float32 dots).
+    "decode/d128k32/b16/step/bf16_summaries": lambda: _decode("step", summary_dtype="bfloat16"),
+    "decode/d128k32/b1/step/bf16_summaries": lambda: _decode("step", batch=1,
+                                                             summary_dtype="bfloat16"),
+    "decode/d64k8/b16/step/bf16_summaries": lambda: _decode("step", d=64, top_k=8,
+                                                            summary_dtype="bfloat16"),
+    "decode/d128k32/bsa/step/bf16_summaries": lambda: _decode("step", "bsa",
+                                                              summary_dtype="bfloat16"),
+    "decode/d48k8/beam64/f16/step/bf16_summaries": lambda: _decode(
+        "step", "pisa2", d=48, top_k=8, beam=64, hq=6, dtype=F16, summary_dtype="bfloat16"),
+    "decode/d64k8/f32/pisa1/step/bf16_summaries": lambda: _decode(
+        "step", "pisa1", d=64, top_k=8, hq=4, dtype=F32, summary_dtype="bfloat16"),
+    "decode/d64k8/branching3/step/bf16_summaries": lambda: _decode(
+        "step", d=64, top_k=8, branching=3, summary_dtype="bfloat16"),
+    "decode/d128k32/select/bf16_summaries": lambda: _decode("select", summary_dtype="bfloat16"),
     # What a user's call runs, through the public API, at the sizes the speed figures quote.
     "api/select/128k/d64k8": lambda: _api_selection(1 << 17),
     "api/select/256k/d64k8": lambda: _api_selection(1 << 18),
@@ -388,12 +418,15 @@ CASES: dict[str, Callable[[], tuple]] = {
     "api/attention_fwd_bwd/64k/d128k32": lambda: _api_attention(1 << 16),
     "api/decode_step/1m/b1": lambda: _api_decode(1),
     "api/decode_step/1m/b16": lambda: _api_decode(16),
+    "api/decode_step/1m/b1/bf16_summaries": lambda: _api_decode(1, summary_dtype="bfloat16"),
+    "api/decode_step/1m/b16/bf16_summaries": lambda: _api_decode(16, summary_dtype="bfloat16"),
 }
 
 CI_CASES = ("selection/d64k8/pisa", "selection/d128k32/pisa", "selection/d64k8/bsa",
             "packed_selection/d64k8/pisa", "packed_selection/d128k32/pisa",
             "attention/d128k32", "attention/d64k8/packed", "attention/d64k8/offset",
-            "decode/d128k32/b16/step", "decode/d128k32/bsa/step", "nsa/compressed/d64g16")
+            "decode/d128k32/b16/step", "decode/d128k32/bsa/step", "nsa/compressed/d64g16",
+            "decode/d128k32/b16/step/bf16_summaries", "selection/d128k32/bf16_summaries")
 
 
 def lower_case(name: str) -> tuple[list[Kernel], str]:

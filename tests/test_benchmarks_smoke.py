@@ -20,7 +20,7 @@ from pisa_jax.testing import random_block_indices
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ("selection", "attention", "layer", "training", "multi_gpu", "decode",
-           "context_parallel", "packed", "ceilings", "paper_settings", "nsa")
+           "context_parallel", "packed", "ceilings", "paper_settings", "nsa", "summary_dtype")
 
 # One small fake result per script, rows as the script writes them.
 FAKE_ROWS = {
@@ -63,9 +63,10 @@ FAKE_ROWS = {
         + [dict(restore="2x1->1x1", ok=True, start_step=3, losses={"3": 10.1})],
     "decode": [
         dict(part="step", case=f"{n // 1024}K B1 d128 K32", n=n, batch=1, hq=32, hkv=2, d=128,
-             top_k=32, side=side, ms=ms, tokens_per_s=1e3 / ms, x_ours=x)
+             top_k=32, side=side, ms=ms, loop_ms=ms / 2, tokens_per_s=1e3 / ms, x_ours=x)
         for n, scale in ((32768, 1), (1048576, 32))
-        for side, ms, x in (("pisa-jax", 0.1, 1.0), ("dense", 0.05 * scale, 0.5 * scale))]
+        for side, ms, x in (("pisa-jax", 0.1, 1.0), ("pisa-jax bf16", 0.08, 1.0),
+                            ("dense", 0.05 * scale, 0.5 * scale))]
         + [dict(part="generation", preset="small", attention=a, batch=1, prompt=32768,
                 new_tokens=256, first_token_s=2.0, tokens_per_s=t, ms_per_step=1e3 / t)
            for a, t in (("pisa", 300.0), ("dense", 120.0))],
@@ -97,6 +98,13 @@ FAKE_ROWS = {
                 phase="fwd", ms=1.0, tflops=t)
            for kind, blocks in (("long", 256), ("tile", 32), ("tile", 64))
            for side, t in (("cudnn", 560.0), ("mosaic", 450.0))],
+    "summary_dtype": [
+        dict(qk="real", source="small layer 6 step 400", seq_len=n, hq=32, hkv=2, d=64, top_k=8,
+             block_size=64, summary_dtype=dtype, recall=0.83, captured_mass=0.6, mass_ratio=0.9,
+             rows_scored=1000, **extra)
+        for n in (32768, 131072)
+        for dtype, extra in (("float32", {}),
+                             ("bfloat16", dict(identical_rows=0.97, recall_delta_points=-0.1)))],
     "paper_settings": [
         dict(setting=f"{preset}@{n}", preset=preset, attention=a, seq_len=n, top_k=k, batch=b,
              remat=remat, loss_chunk=chunk, compile_s=40.0, compiled_temp_gib=20.0,
@@ -124,6 +132,7 @@ SETTINGS = {
     "ceilings": dict(parts=["walk", "tile"], nodes=32768, d=128, candidates=64, levels=[1, 17]),
     "paper_settings": dict(attention=["pisa", "dense"], steps=3, warmup=1),
     "nsa": dict(compression="mean", block_length=64, top_n=16, window=512, dtype="bfloat16"),
+    "summary_dtype": dict(selector="pisa", block_size=64, top_k=[8]),
 }
 
 
@@ -237,14 +246,41 @@ def test_nsa_runs_on_the_reference(tmp_path):
 def test_decode_steps_run_on_the_reference(tmp_path):
   # Both sides thread a donated cache through their step.
   from benchmarks import decode
+  # The bfloat16 pyramid only (the float32 side is the same code under its own name): one
+  # PISA side per --summary-dtype, each compared with dense.
   record = decode.main(["--lengths", "128", "--batches", "1", "--heads", "4:2:16:4",
-                        "--implementation", "xla", "--no-generation", "--out", str(tmp_path)])
+                        "--summary-dtype", "bfloat16", "--implementation", "xla",
+                        "--no-generation", "--out", str(tmp_path)])
   steps = {r["side"]: r for r in record["rows"] if r["part"] == "step"}
-  assert steps["pisa-jax"]["ms"] > 0 and steps["dense"]["ms"] > 0, steps
-  assert steps["pisa-jax"]["loop_ms"] > 0 and steps["dense"]["loop_x_ours"] > 0, steps
-  assert all(steps["pisa-jax"][f"loop_ms_{s}"] > 0 for s in decode.STAGES), steps
+  assert set(steps) == {"pisa-jax bf16", "dense"}, steps
+  ours = steps["pisa-jax bf16"]
+  assert ours["ms"] > 0 and steps["dense"]["ms"] > 0 and ours["summary_dtype"] == "bfloat16"
+  assert ours["loop_ms"] > 0 and steps["dense"]["loop_x_ours"] > 0, steps
+  assert all(ours[f"loop_ms_{s}"] > 0 for s in decode.STAGES), steps
   assert steps["dense"]["implementation"] in ("cudnn", "xla")
+  assert "bf16 pyramid" in decode.table(record)
   assert (tmp_path / "decode.png").exists()
+
+
+def test_summary_dtype_runs_on_the_reference(tmp_path):
+  # A dump_qk file and random q/k: both pyramids select, the bf16 row compares the indices.
+  from benchmarks import summary_dtype
+  rng = np.random.default_rng(0)
+  npz = tmp_path / "qk.npz"
+  np.savez(npz, q=rng.standard_normal((1, 256, 4, 16)).astype(np.float16),
+           k=rng.standard_normal((1, 256, 2, 16)).astype(np.float16), layer=1, step=7,
+           workdir="runs/tiny", split="val", device="cpu")
+  record = summary_dtype.main(["--qk-npz", str(npz), "--random", "192", "--random-heads", "4:2:16",
+                               "--top-k", "4", "--block-size", "16", "--implementation", "xla",
+                               "--out", str(tmp_path)])
+  rows = record["rows"]
+  assert [(r["qk"], r["summary_dtype"]) for r in rows] == [
+      ("real", "float32"), ("real", "bfloat16"), ("random", "float32"), ("random", "bfloat16")]
+  assert rows[0]["source"] == "tiny layer 1 step 7"
+  for r in rows:
+    assert 0 < r["recall"] <= 1 and 0 < r["captured_mass"] <= 1 and r["rows_scored"] > 0, r
+  assert 0.5 < rows[1]["identical_rows"] <= 1 and "recall_delta_points" in rows[1]
+  assert (tmp_path / "summary_dtype.png").exists()
 
 
 def test_decode_step_kernels_count_a_profile_per_step(monkeypatch):

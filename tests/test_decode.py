@@ -467,10 +467,9 @@ def test_decode_kernels_lower_for_sm90(captured, monkeypatch, selector, hq, d, t
   cache = jax.eval_shape(lambda: DecodeCache.create(b, capacity, hkv, d, dtype=dtype))
 
   def step(q, k, v, cache):
-    spec = pisa_jax.SelectionSpec(block_size=cache.block_size, top_k=top_k,
-                                  branching=cache.branching, selector=selector, scale=d ** -0.5,
-                                  beam=None if selector == "bsa" else beam)
-    return dec._step(q, k, v, cache, None, spec=spec, implementation="pallas")
+    spec = pisa_jax.SelectionSpec(block_size=64, top_k=top_k, selector=selector,
+                                  beam=beam if selector != "bsa" else None, scale=d ** -0.5)
+    return dec._step(q, k, v, cache, None, spec=spec.resolved(d), implementation="pallas")
 
   # The registry's kernels compile (interpret=False), as they would on the GPU.
   monkeypatch.setattr(pisa_jax._dispatch, "interpret_mode", lambda: False)

@@ -54,3 +54,29 @@ def test_a_benchmark_awaiting_its_first_run_gets_its_row_once_it_has_a_result(tm
   (results / "nsa.json").write_text(json.dumps(record))
   line = report.table(["NSA layer"], results).splitlines()[-1]
   assert "16K d64 g16 3 (fla nsa 2x); 16K d64 g4 4 (fla nsa refused)" in line
+
+
+def test_the_bfloat16_pyramid_rows_appear_once_measured(tmp_path):
+  results = tmp_path / "results"
+  shutil.copytree(report.RESULTS, results)
+  (results / "summary_dtype.json").unlink(missing_ok=True)
+  # Not yet measured (it needs a trained run's q/k): the row says so, not an error.
+  assert "| bfloat16 pyramid | | not yet measured: " in report.table(["bfloat16 pyramid"], results)
+  base = dict(qk="real", source="small layer 6 step 400", seq_len=32768, top_k=8)
+  rows = [dict(base, summary_dtype="float32", recall=0.83, captured_mass=0.61),
+          dict(base, summary_dtype="bfloat16", recall=0.829, captured_mass=0.6,
+               identical_rows=0.975, recall_delta_points=-0.1)]
+  record = json.loads((results / "decode.json").read_text())
+  (results / "summary_dtype.json").write_text(json.dumps(dict(
+      record, benchmark="summary_dtype", settings=dict(block_size=64), rows=rows)))
+  line = report.table(["bfloat16 pyramid"], results).splitlines()[-1]
+  assert ("| bfloat16 pyramid | pisa, C64, q/k: small layer 6 step 400 | float32 / bfloat16 "
+          "pyramid: real 32K K8: identical rows 97.5%, Recall@K 83.0 / 82.9 (-0.10 points), "
+          "captured mass 61.0 / 60.0 |") in line
+  # The decode row adds the bfloat16 side where the result has one.
+  dense = next(r for r in record["rows"] if r.get("side") == "dense" and r.get("n") == 1048576
+               and r["batch"] == 1 and r["d"] == 128)
+  record["rows"].append(dict(dense, side="pisa-jax bf16", loop_ms=dense["loop_ms"] / 10))
+  (results / "decode.json").write_text(json.dumps(record))
+  assert "bfloat16 pyramid, in a jitted loop: d128 K32 B=1 1M" in report.table(["decode"], results)
+  assert "(10.0x dense)" in report.table(["decode"], results)

@@ -11,18 +11,20 @@ from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
 from pisa_jax.geometry import level_offsets
-from pisa_jax.kernels._common import MIN_DOT, load_rows, next_pow2, pallas_launch
+from pisa_jax.kernels._common import MIN_DOT, load_rows, next_pow2, pallas_launch, stored_summary
 from pisa_jax.kernels.decode.config import DecodeConfig
 from pisa_jax.kernels.decode.layout import load_row, load_scalar, store_row
 
 
 def append_token(i_bh, pos_ref, kn_ref, vn_ref, k_ref, v_ref, s_ref, ko_ref, vo_ref, so_ref, *,
                  capacity: int, hkv: int, d: int, block_size: int, branching: int,
-                 offsets: tuple[int, ...]) -> None:
+                 offsets: tuple[int, ...], summary_dtype: str = "float32") -> None:
   """(Batch row, KV head) i_bh: append the token at position pos = the row's length, then update
   its leaf (the mean of the block's raw keys) and every ancestor (the mean of its existing
   children, Eq. 15), leaves first. k_ref / v_ref / s_ref are aliased to ko_ref / vo_ref / so_ref:
-  only rows below pos and complete siblings are read, never a row this program writes."""
+  only rows below pos and complete siblings are read, never a row this program writes. A
+  bfloat16 pyramid (summary_dtype) stores each float32 mean rounded once, and the parent pools
+  the rounded value, as `decode_append_reference`."""
   dp = max(MIN_DOT, next_pow2(d))
   cp = max(MIN_DOT, next_pow2(block_size))
   num_nodes = offsets[-1] + 1
@@ -44,9 +46,10 @@ def append_token(i_bh, pos_ref, kn_ref, vn_ref, k_ref, v_ref, s_ref, ko_ref, vo_
   rows = (i_b * capacity + jnp.minimum(key_pos, capacity - 1)) * hkv + i_h
   keys = load_rows(k_ref, rows, m_old, d, dp).astype(jnp.float32)
   keys = jnp.where((key_pos == pos)[:, None], k_new.astype(jnp.float32)[None, :], keys)
-  new = jnp.sum(keys, axis=0) / (pos - leaf * block_size + 1).astype(jnp.float32)
+  stored, new = stored_summary(
+      jnp.sum(keys, axis=0) / (pos - leaf * block_size + 1).astype(jnp.float32), summary_dtype)
   node = leaf
-  store_row(so_ref, (i_b * num_nodes + offsets[0] + node) * hkv + i_h, new, live, d, dp)
+  store_row(so_ref, (i_b * num_nodes + offsets[0] + node) * hkv + i_h, stored, live, d, dp)
   for level in range(1, len(offsets)):
     # Eq. 15 for the parent: its children before `node` are complete and unchanged, `node`
     # holds the new mean, and the ones after it do not exist yet. Summed in child order.
@@ -57,10 +60,12 @@ def append_token(i_bh, pos_ref, kn_ref, vn_ref, k_ref, v_ref, s_ref, ko_ref, vo_
       child = jnp.minimum(parent * branching + j, node)
       x = load_row(s_ref, (i_b * num_nodes + offsets[level - 1] + child) * hkv + i_h, j < slot,
                    d, dp)
+      if summary_dtype != "float32":
+        x = x.astype(jnp.float32)
       acc = acc + jnp.where(j == slot, new, x)
-    new = acc / (slot + 1).astype(jnp.float32)
+    stored, new = stored_summary(acc / (slot + 1).astype(jnp.float32), summary_dtype)
     node = parent
-    store_row(so_ref, (i_b * num_nodes + offsets[level] + node) * hkv + i_h, new, live, d, dp)
+    store_row(so_ref, (i_b * num_nodes + offsets[level] + node) * hkv + i_h, stored, live, d, dp)
 
 
 def _append_kernel(pos_ref, kn_ref, vn_ref, k_ref, v_ref, s_ref, ko_ref, vo_ref, so_ref, **geo):
@@ -69,11 +74,12 @@ def _append_kernel(pos_ref, kn_ref, vn_ref, k_ref, v_ref, s_ref, ko_ref, vo_ref,
                so_ref, **geo)
 
 
-def append_geometry(k_cache, block_size: int, branching: int) -> dict:
-  """`append_token`'s static arguments for a cache `[B, N, HKV, D]`."""
+def append_geometry(k_cache, summaries, block_size: int, branching: int) -> dict:
+  """`append_token`'s static arguments for a cache `[B, N, HKV, D]` and its pyramid."""
   _, capacity, hkv, d = k_cache.shape
   return dict(capacity=capacity, hkv=hkv, d=d, block_size=block_size, branching=branching,
-              offsets=level_offsets(capacity, block_size, branching))
+              offsets=level_offsets(capacity, block_size, branching),
+              summary_dtype=summaries.dtype.name)
 
 
 def decode_append_pallas(
@@ -97,7 +103,8 @@ def decode_append_pallas(
   """
   config = config or DecodeConfig()
   b, _, hkv, d = k_cache.shape
-  kernel = functools.partial(_append_kernel, **append_geometry(k_cache, block_size, branching))
+  kernel = functools.partial(_append_kernel,
+                             **append_geometry(k_cache, summaries, block_size, branching))
   shapes = [jax.ShapeDtypeStruct((x.size // d, d), x.dtype) for x in (k_cache, v_cache, summaries)]
   call = pallas_launch(kernel, shapes, (b * hkv,), warps=config.append_warps, stages=1,
                        interpret=interpret, name="pisa_decode_append", aliases={3: 0, 4: 1, 5: 2})

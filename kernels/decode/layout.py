@@ -27,9 +27,10 @@ class Geometry(KernelGeometry):
   # q and the cache share one 16-bit dtype: raw keys meet the queries in a 16-bit tensor-core dot
   # with float32 accumulation; otherwise both are upcast to float32 (`_common.qk_dot`).
   inputs_16bit: bool
-  # bfloat16 queries meet the float32 summaries as two bfloat16 dots (`scoring.split_logits`);
-  # otherwise as one float32 dot.
+  # bfloat16 queries meet float32 summaries as two bfloat16 dots (`scoring.split_logits`), and
+  # a bfloat16 pyramid (spec.summary_dtype) in one bfloat16 dot; otherwise one float32 dot.
   split_summaries: bool
+  bf16_summary_dot: bool = False
 
   @property
   def sizes(self) -> tuple[int, ...]:
@@ -49,9 +50,12 @@ def make_geometry(q, k_cache, spec: SelectionSpec) -> Geometry:
   b, hq, d = q.shape
   _, capacity, hkv, _ = k_cache.shape
   inputs_16bit = q.dtype == k_cache.dtype and q.dtype in (jnp.bfloat16, jnp.float16)
+  bf16_queries = inputs_16bit and q.dtype == jnp.bfloat16
+  bf16_summaries = spec.summary_dtype == "bfloat16"
   return Geometry(batch=b, hq=hq, hkv=hkv, d=d, spec=spec, capacity=capacity,
                   inputs_16bit=inputs_16bit,
-                  split_summaries=inputs_16bit and q.dtype == jnp.bfloat16)
+                  split_summaries=bf16_queries and not bf16_summaries,
+                  bf16_summary_dot=bf16_queries and bf16_summaries)
 
 
 def load_row(ref, row, m_row, d: int, dp: int):

@@ -15,8 +15,12 @@ from pisa_jax.kernels.decode.layout import Geometry, load_rows
 
 def summary_logits(qg, s_ref, rows, m_row, geo: Geometry):
   """qg @ summaries[rows].T, `[Gp, N]` float32. In "split" mode the float32 summary is the sum of
-  its high half (bits truncated to bfloat16's, so exact) and the bfloat16 rounding of the rest."""
+  its high half (bits truncated to bfloat16's, so exact) and the bfloat16 rounding of the rest;
+  a bfloat16 pyramid meets bfloat16 queries in one bfloat16 dot (half the loads, one dot) and
+  any other queries in a float32 one (16-bit products are exact in float32)."""
   s = load_rows(s_ref, rows, m_row, geo.d, geo.head_dim_padded)
+  if geo.bf16_summary_dot:
+    return qk_dot(qg, s, True)
   if not geo.split_summaries:
     return qk_dot(qg, s, False)
   return split_logits(qg, s)

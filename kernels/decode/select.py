@@ -262,11 +262,15 @@ def _level_table(geo: Geometry, branching: int):
                      "the decode level table")
 
 
-def prepare(q, k_cache, spec: SelectionSpec, config: DecodeConfig | None):
-  """The static geometry and the config of a selection (the selector checked)."""
+def prepare(q, k_cache, summaries, spec: SelectionSpec, config: DecodeConfig | None):
+  """The static geometry and the config of a selection (the selector and the pyramid's dtype
+  checked)."""
   if spec.selector not in SELECTORS:
     raise ValueError(f"selector={spec.selector!r} has no decode kernel: expected one of "
                      f"{SELECTORS}")
+  if summaries.dtype.name != spec.summary_dtype:
+    raise ValueError(f"summaries.dtype={summaries.dtype.name} must be "
+                     f"spec.summary_dtype={spec.summary_dtype!r}")
   geo = make_geometry(q, k_cache, spec)
   return geo, config or DecodeConfig.default(head_dim=q.shape[-1], candidate_slots=geo.num_slots)
 
@@ -285,7 +289,7 @@ def decode_select_pallas(
   """Kernel twin of `decode_select_reference`: the leaf blocks of the token at `positions`
   (already appended), int32 `[B, HKV, top_k]`, ascending, -1 padded. spec: the selection
   (`SelectionSpec`, or its fields as keywords), its block size and branching the cache's."""
-  geo, config = prepare(q, k_cache, spec, config)
+  geo, config = prepare(q, k_cache, summaries, spec, config)
   selector, top_k = spec.selector, spec.top_k
   b, _, d = q.shape
   hkv = k_cache.shape[2]
@@ -333,7 +337,7 @@ def decode_append_select_pallas(
                                config=config)
     return k_cache, v_cache, summaries, idx
   top_k = spec.top_k
-  geo, config = prepare(q, k_cache, spec, config)
+  geo, config = prepare(q, k_cache, summaries, spec, config)
   positions = positions.astype(jnp.int32)
   q_rows = q.reshape(-1, q.shape[-1])
   k_rows, v_rows, s_rows, cand = append_walk(q_rows, k_new, v_new, k_cache, v_cache, summaries,
@@ -350,7 +354,8 @@ def append_walk(q_rows, k_new, v_new, k_cache, v_cache, summaries, positions, ge
   d = geo.d
   caches = (k_cache.reshape(-1, d), v_cache.reshape(-1, d), summaries.reshape(-1, d))
   kernel = functools.partial(_append_walk_kernel, geo=geo,
-                             append=append_geometry(k_cache, geo.block_size, geo.branching))
+                             append=append_geometry(k_cache, summaries, geo.block_size,
+                                                    geo.branching))
   shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in caches]
   return pallas_launch(
       kernel, shapes + [jax.ShapeDtypeStruct((geo.batch * geo.hkv, geo.num_slots), jnp.int32)],

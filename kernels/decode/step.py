@@ -94,7 +94,7 @@ def decode_step_pallas(
     over = positions >= k_cache.shape[1]
     return (k_cache, v_cache, summaries, jnp.where(over[:, None, None], -1, idx),
             jnp.where(over[:, None, None], jnp.asarray(jnp.nan, out.dtype), out), positions + 1)
-  geo, config = prepare(q, k_cache, spec, config)
+  geo, config = prepare(q, k_cache, summaries, spec, config)
   q_rows = q.reshape(-1, geo.d)
   k_rows, v_rows, s_rows, cand = append_walk(q_rows, k_new, v_new, k_cache, v_cache, summaries,
                                              positions, geo, config, interpret)

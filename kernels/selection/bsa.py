@@ -154,7 +154,8 @@ def select_bsa(q, k, geo: Geometry, *, interpret: bool, config: SelectionConfig,
   """BSA over the leaf means of k: int32 `[B*Tq*HKV, KP]`; offset: None, or int32 `[1]`
   (`geo.has_offset`)."""
   b, t, hq, d = q.shape
-  leaves = leaf_summaries_pallas(k, block_size=geo.block_size, interpret=interpret)
+  leaves = leaf_summaries_pallas(k, block_size=geo.block_size, interpret=interpret,
+                                 summary_dtype=geo.spec.summary_dtype)
   q_tile = config.bsa_q_tile
   n_tiles = -(-t // q_tile)
   rows = b * t * geo.hkv

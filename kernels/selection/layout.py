@@ -42,6 +42,14 @@ class Geometry(KernelGeometry):
   # has_offset (`query_position`). Rows of q and of the output count the shard's queries.
   query_len: int | None = None
   has_offset: bool = False
+  # bfloat16 queries and keys against a bfloat16 pyramid (spec.summary_dtype): one bfloat16
+  # tensor-core dot per summary, no split (exact products, float32 accumulation).
+  bf16_summary_dot: bool = False
+
+  @property
+  def split_summaries(self) -> bool:
+    """16-bit inputs against float32 summaries: each summary as a 16-bit high + low pair."""
+    return self.inputs_16bit and self.spec.summary_dtype == "float32"
 
   @property
   def num_queries(self) -> int:
@@ -64,7 +72,9 @@ def make_geometry(q, k, *, spec: SelectionSpec, interpret: bool = True,
       batch=b, hq=hq, hkv=hkv, d=d, spec=spec, seq_len=t,
       level_sizes=geometry.level_sizes(t, spec.block_size, spec.branching),
       inputs_16bit=inputs_16bit, approx_log=not interpret, query_len=None if tq == t else tq,
-      has_offset=has_offset)
+      has_offset=has_offset,
+      bf16_summary_dot=(inputs_16bit and q.dtype == jnp.bfloat16
+                        and spec.summary_dtype == "bfloat16"))
 
 
 def launch(kernel, out_shape, grid: int, config: SelectionConfig, warps: int, interpret: bool,
@@ -154,11 +164,12 @@ def load_table(tab_ref, geo: Geometry):
 
 
 def summary_rows(rows: Float[Array, "R D"], geo: Geometry, dtype) -> Array:
-  """The summaries ref of `scoring.summary_logits`: float32 rows as they are, or, for 16-bit inputs,
-  each row r as its 16-bit high part (row 2r) and the 16-bit rounding of the remainder (row 2r + 1),
-  `[2R, D]` in `dtype`: two exact-product dots then score a 16-bit query against the float32
-  summary to ~2^-17 relative. Split once here, not after every load inside the walk."""
-  if not geo.inputs_16bit:
+  """The summaries ref of `scoring.summary_logits`: the rows as they are (float32, or a bfloat16
+  pyramid's), or, for 16-bit inputs against float32 summaries, each row r as its 16-bit high part
+  (row 2r) and the 16-bit rounding of the remainder (row 2r + 1), `[2R, D]` in `dtype`: two
+  exact-product dots then score a 16-bit query against the float32 summary to ~2^-17 relative.
+  Split once here, not after every load inside the walk."""
+  if not geo.split_summaries:
     return rows
   # The high part by reduce_precision, not a round trip through the 16-bit dtype: XLA on the GPU
   # (xla_allow_excess_precision, on by default) may fold convert(convert(x, bf16), f32) into x,

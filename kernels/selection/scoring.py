@@ -1,5 +1,5 @@
-"""Scores inside the selection kernels: the float32 pyramid summaries against the queries
-(`summary_logits`), Eq. 21 for a pair of children (`pair_lse`), and the bound under which a
+"""Scores inside the selection kernels: the pyramid summaries (float32 or bfloat16) against the
+queries (`summary_logits`), Eq. 21 for a pair of children (`pair_lse`), and the bound under which a
 program takes the unshifted form of Eq. 21 (`unshifted_ok`). The dots and the reductions of
 Eq. 21 / 33 / 34 that decode shares are in `pisa_jax.kernels._common`.
 
@@ -21,17 +21,22 @@ from pisa_jax.kernels.selection.layout import Geometry, load_rows
 # flush terms below 2^-126 of it), and a sum of up to 2^27 terms stays below float32's 2^128, so
 # the shift is not needed for range; each exponential's relative rounding is the same either
 # way. (Trained models' |q| |k| can exceed the bound: their programs take the shifted branch.)
+# A bfloat16 summary may exceed the largest key norm by its rounding, a factor <= 1 + 2^-8: its
+# exponents stay below 100.4, still normal terms and sums far below 2^128.
 UNSHIFTED_EXP2 = 100.0
 
 
 def summary_logits(a, s_ref, rows, m_row, geo: Geometry):
   """a @ summaries[rows].T in float32, `[R, N]`: a `[R, Dp]`, rows / m_row `[N]`.
 
-  With 16-bit inputs the summaries ref holds every float32 summary row r as two 16-bit rows, its
-  high part at 2r and the rounding of the remainder at 2r + 1 (`layout.summary_rows`). Otherwise
-  it holds the float32 rows.
+  With 16-bit inputs against float32 summaries the ref holds every summary row r as two 16-bit
+  rows, its high part at 2r and the rounding of the remainder at 2r + 1 (`layout.summary_rows`).
+  Otherwise it holds the rows: bfloat16 queries meet a bfloat16 pyramid in one bfloat16 dot,
+  anything else meets it in an IEEE float32 dot (the products of 16-bit values are exact).
   """
-  if geo.inputs_16bit:
+  if geo.bf16_summary_dot:
+    return qk_dot(a, load_rows(s_ref, rows, m_row, geo), True)
+  if geo.split_summaries:
     # Relative error ~2^-17: the products are exact, the accumulation float32.
     return (qk_dot(a, load_rows(s_ref, 2 * rows, m_row, geo), True)
             + qk_dot(a, load_rows(s_ref, 2 * rows + 1, m_row, geo), True))

@@ -59,7 +59,7 @@ def select_blocks_pallas(
     out = select_bsa(q, k, geo, interpret=interpret, config=config, offset=offset)
   else:
     pyramid = build_pyramid_pallas(k, block_size=spec.block_size, branching=spec.branching,
-                                   interpret=interpret)
+                                   interpret=interpret, summary_dtype=spec.summary_dtype)
     select = select_fused if config.variant == "fused" else select_two_stage
     out = select(q, k, pyramid.summaries, geo, interpret=interpret, config=config, offset=offset)
   return out[:, :spec.top_k].reshape(b, t, hkv, spec.top_k)
