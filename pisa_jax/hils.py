@@ -371,6 +371,31 @@ def hils_chunk_scores_reference(landmark_q, landmark_k, landmark_bias, segment_i
   return jnp.where(eligible[:, :, None, :], scores, -jnp.inf)
 
 
+def hils_attention_pallas(q, k, v, landmark_q, segment_ids=None, *, chunk_size: int, top_k: int,
+                          window: int, scale: float, interpret: bool, config=None):
+  """`hils_attention` with the attention on the Pallas kernels (`kernels.hils`, forward and
+  backward) and the selection in the jnp reference (`hils_select_chunks`); the landmarks (a
+  softmax-weighted sum over each chunk's C keys: O(T * HQ * D), one pass of the keys) in XLA,
+  whose autodiff carries the chunk scores' gradient on to k and landmark_q. Arguments are
+  already validated."""
+  from pisa_jax.kernels import hils as hils_kernels  # the kernels import only base modules
+
+  b, seq_len = q.shape[:2]
+  start, first_slot, ends, slot_valid = _chunk_geometry(segment_ids, b, seq_len, chunk_size)
+  landmark_k, landmark_bias = _landmarks(k.astype(jnp.float32),
+                                         _priors(landmark_q.astype(jnp.float32), ends), ends,
+                                         slot_valid, chunk_size=chunk_size, scale=scale)
+  select = _dispatch.lookup("hils_select_chunks", "xla")
+  idx = lax.stop_gradient(select(q, k, landmark_q, segment_ids, chunk_size=chunk_size,
+                                 top_k=top_k, window=window, scale=scale))
+  packed = segment_ids is not None
+  return hils_kernels.hils_chunk_attention_pallas(
+      q, k, v, landmark_q, landmark_k, landmark_bias, idx, start if packed else None,
+      first_slot if packed else None, chunk_size=chunk_size, window=window,
+      num_window=window_chunks(window, chunk_size), scale=scale, interpret=interpret,
+      config=config)
+
+
 # ----------------------------------------------------------------------------- public functions
 
 
