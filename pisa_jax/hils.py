@@ -371,23 +371,57 @@ def hils_chunk_scores_reference(landmark_q, landmark_k, landmark_bias, segment_i
   return jnp.where(eligible[:, :, None, :], scores, -jnp.inf)
 
 
-def hils_attention_pallas(q, k, v, landmark_q, segment_ids=None, *, chunk_size: int, top_k: int,
-                          window: int, scale: float, interpret: bool, config=None):
-  """`hils_attention` with the attention on the Pallas kernels (`kernels.hils`, forward and
-  backward) and the selection in the jnp reference (`hils_select_chunks`); the landmarks (a
-  softmax-weighted sum over each chunk's C keys: O(T * HQ * D), one pass of the keys) in XLA,
-  whose autodiff carries the chunk scores' gradient on to k and landmark_q. Arguments are
-  already validated."""
-  from pisa_jax.kernels import hils as hils_kernels  # the kernels import only base modules
-
-  b, seq_len = q.shape[:2]
-  start, first_slot, ends, slot_valid = _chunk_geometry(segment_ids, b, seq_len, chunk_size)
+def _landmarks_of_rows(k, landmark_q, segment_ids, *, chunk_size, scale):
+  """The rows' chunk geometry and float32 landmarks (`_chunk_geometry`, `_landmarks`)."""
+  start, first_slot, ends, slot_valid = _chunk_geometry(segment_ids, k.shape[0], k.shape[1],
+                                                        chunk_size)
   landmark_k, landmark_bias = _landmarks(k.astype(jnp.float32),
                                          _priors(landmark_q.astype(jnp.float32), ends), ends,
                                          slot_valid, chunk_size=chunk_size, scale=scale)
-  select = _dispatch.lookup("hils_select_chunks", "xla")
-  idx = lax.stop_gradient(select(q, k, landmark_q, segment_ids, chunk_size=chunk_size,
-                                 top_k=top_k, window=window, scale=scale))
+  return start, first_slot, landmark_k, landmark_bias
+
+
+def _select_pallas(q, k, landmark_q, landmark_k, landmark_bias, start, first_slot, *,
+                   chunk_size, top_k, window, scale, interpret):
+  """The selection kernel's document-relative chunks `[B, T, HKV, K]`, in rank order."""
+  from pisa_jax.kernels import hils_select  # the kernels import only base modules
+
+  rel = jnp.arange(q.shape[1], dtype=jnp.int32) - start
+  n_eligible = _num_eligible(rel, window, chunk_size)
+  slots = hils_select.hils_select_slots_pallas(
+      q, k, landmark_q, landmark_k, landmark_bias, start + n_eligible * chunk_size, first_slot,
+      first_slot + n_eligible, top_k=top_k, scale=scale, interpret=interpret)
+  return jnp.where(slots >= 0, slots - first_slot[:, :, None, None], -1)
+
+
+def hils_select_chunks_pallas(q, k, landmark_q, segment_ids=None, *, chunk_size: int, top_k: int,
+                              window: int, scale: float, interpret: bool):
+  """`hils_select_chunks` with the chunk scores and their top-k in one Pallas kernel
+  (`kernels.hils_select`: the `[T, HQ, N]` scores never reach memory) and the landmarks in XLA;
+  arguments are already validated."""
+  start, first_slot, landmark_k, landmark_bias = _landmarks_of_rows(
+      k, landmark_q, segment_ids, chunk_size=chunk_size, scale=scale)
+  idx = _select_pallas(q, k, landmark_q, landmark_k, landmark_bias, start, first_slot,
+                       chunk_size=chunk_size, top_k=top_k, window=window, scale=scale,
+                       interpret=interpret)
+  return _sort_ascending_padded(idx)
+
+
+def hils_attention_pallas(q, k, v, landmark_q, segment_ids=None, *, chunk_size: int, top_k: int,
+                          window: int, scale: float, interpret: bool, config=None):
+  """`hils_attention` on the Pallas kernels: the selection (`kernels.hils_select`) and the
+  attention (`kernels.hils`, forward and backward). The landmarks stay in XLA: a softmax-weighted
+  sum over each chunk's C keys is O(T * HQ * D), one pass of the keys with no reduction across
+  chunks, which XLA fuses; its autodiff carries the chunk scores' gradient on to k and
+  landmark_q. Arguments are already validated."""
+  from pisa_jax.kernels import hils as hils_kernels  # the kernels import only base modules
+
+  start, first_slot, landmark_k, landmark_bias = _landmarks_of_rows(
+      k, landmark_q, segment_ids, chunk_size=chunk_size, scale=scale)
+  idx = lax.stop_gradient(_select_pallas(
+      q, k, landmark_q, lax.stop_gradient(landmark_k), lax.stop_gradient(landmark_bias), start,
+      first_slot, chunk_size=chunk_size, top_k=top_k, window=window, scale=scale,
+      interpret=interpret))
   packed = segment_ids is not None
   return hils_kernels.hils_chunk_attention_pallas(
       q, k, v, landmark_q, landmark_k, landmark_bias, idx, start if packed else None,
