@@ -160,7 +160,8 @@ def _select_kernel(q_ref, lq_ref, k_ref, lk_ref, lb_ref, lo_ref, slot_lo_ref, sl
     # The K-th kept rank of each row (kept ranks are in descending order): a tile that beats it
     # nowhere changes nothing (a tie goes to the kept, lower slot).
     kth = jnp.max(jnp.where(o_col[None, :] == top_k - 1, best_v, -jnp.inf), axis=1)
-    return lax.cond(jnp.any(b_r > kth[:, None]), lambda: merge(best_v, best_i, b_r, o_n),
+    beats = jnp.max((b_r > kth[:, None]).astype(jnp.int32)) > 0  # no reduce_or in Triton
+    return lax.cond(beats, lambda: merge(best_v, best_i, b_r, o_n),
                     lambda: (best_v, best_i))
 
   init = (jnp.full((bt, kp), -jnp.inf, jnp.float32), jnp.full((bt, kp), -1, jnp.int32))

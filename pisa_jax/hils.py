@@ -57,11 +57,14 @@ Where we differ:
   - Packed documents (`segment_ids`): each document has its own chunk grid from its first token
     and is computed exactly as if alone (the public kernels accept only chunk-aligned documents).
 
-Every function here is the jnp reference ("xla"), float32 inside whatever the input dtype,
-rounded to the input dtype once; no kernel is registered yet ("pallas" raises, and None means
-"xla" on every backend). The attention runs over query chunks (`pisa_jax._chunking`) under
-`jax.checkpoint`, so memory is bounded independently of T in the forward and the backward; the
-gradients are jax's autodiff of that computation (dk and dv accumulate through gathers).
+The references ("xla") are float32 inside whatever the input dtype, rounded to the input dtype
+once. The attention runs over query chunks (`pisa_jax._chunking`) under `jax.checkpoint`, so
+memory is bounded independently of T in the forward and the backward; the gradients are jax's
+autodiff of that computation (dk and dv accumulate through gathers). `hils_attention` and
+`hils_select_chunks` also have Pallas kernels ("pallas", the default on a GPU):
+`kernels.hils_select` (the chunk scores fused with their top-k) and `kernels.hils` (the window
+and the chunks in one two-level softmax, forward and backward); `hils_landmarks` and
+`hils_chunk_scores` are the reference only (None means "xla"; "pallas" raises).
 Inputs are taken to be finite: a non-finite key reaches every query whose selection or score
 reads its chunk's landmark.
 """
@@ -418,10 +421,11 @@ def hils_attention_pallas(q, k, v, landmark_q, segment_ids=None, *, chunk_size: 
 
   start, first_slot, landmark_k, landmark_bias = _landmarks_of_rows(
       k, landmark_q, segment_ids, chunk_size=chunk_size, scale=scale)
-  idx = lax.stop_gradient(_select_pallas(
-      q, k, landmark_q, lax.stop_gradient(landmark_k), lax.stop_gradient(landmark_bias), start,
-      first_slot, chunk_size=chunk_size, top_k=top_k, window=window, scale=scale,
-      interpret=interpret))
+  # The selection has no gradient: its kernel is never differentiated.
+  idx = _select_pallas(*(lax.stop_gradient(x) for x in (q, k, landmark_q, landmark_k,
+                                                          landmark_bias)),
+                       start, first_slot, chunk_size=chunk_size, top_k=top_k, window=window,
+                       scale=scale, interpret=interpret)
   packed = segment_ids is not None
   return hils_kernels.hils_chunk_attention_pallas(
       q, k, v, landmark_q, landmark_k, landmark_bias, idx, start if packed else None,
@@ -452,9 +456,11 @@ def _check_landmark_q(landmark_q, q) -> None:
                     f"{landmark_q.dtype} and q {q.dtype}")
 
 
-def _lookup(op: str, implementation):
-  # No kernel is registered yet: None is the reference on every backend, and "pallas" raises.
-  return _dispatch.lookup(op, "xla" if implementation is None else implementation)
+def _lookup(op: str, implementation, *, has_kernel: bool = True):
+  # None: the platform's default where a kernel exists, the reference elsewhere.
+  if implementation is None and not has_kernel:
+    implementation = "xla"
+  return _dispatch.lookup(op, implementation)
 
 
 def hils_attention(
@@ -487,7 +493,8 @@ def hils_attention(
     segment_ids: None, or int32 `[B, T]` non-decreasing within a row (packed documents): each
       document has its own chunk grid from its first token and every output row is the one it
       would have alone.
-    implementation: "xla" (jnp reference) or None (the same: no kernel yet); "pallas" raises.
+    implementation: "xla" (jnp reference), "pallas" (the kernels: selection and attention,
+      forward and backward; the landmarks in XLA) or None ("pallas" on a GPU, else "xla").
 
   Options (chunk_size, top_k, window, scale, implementation) are static under `jax.jit`.
 
@@ -565,7 +572,7 @@ def hils_landmarks(
   _check_options(chunk_size=chunk_size)
   _validation.check_segment_ids(segment_ids, batch=b, seq_len=t)
   _validation.check_implementation(implementation)
-  pool = _lookup("hils_landmarks", implementation)
+  pool = _lookup("hils_landmarks", implementation, has_kernel=False)
   return pool(k, landmark_q, segment_ids, chunk_size=int(chunk_size),
               scale=_validation.resolve_scale(scale, d))
 
@@ -599,6 +606,6 @@ def hils_chunk_scores(
                      f"be [B, T // chunk_size, HQ] = [{b}, {t // chunk_size}, {hq}]")
   _validation.check_segment_ids(segment_ids, batch=b, seq_len=t)
   _validation.check_implementation(implementation)
-  score = _lookup("hils_chunk_scores", implementation)
+  score = _lookup("hils_chunk_scores", implementation, has_kernel=False)
   return score(landmark_q, landmark_k, landmark_bias, segment_ids, chunk_size=int(chunk_size),
                window=int(window), scale=_validation.resolve_scale(scale, d))

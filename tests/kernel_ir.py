@@ -185,6 +185,21 @@ def _attention(*, d=64, top_k=8, hq=32, hkv=2, dtype=BF16, packed=False, offset=
   return jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv, idx, *extra
 
 
+def _hils(*, d=128, top_k=32, hq=32, hkv=2, dtype=BF16, packed=False):
+  """HiLS: the selection kernel and the attention's forward, dq and dk / dv (under the
+  custom_vjp), at chunk 64 and window 512."""
+  from pisa_jax import hils
+
+  kw = dict(chunk_size=64, top_k=top_k, window=512, scale=d ** -0.5, interpret=False)
+  q, kv = _s((1, SEQ, hq, d), dtype), _s((1, SEQ, hkv, d), dtype)
+  extra = (_s((1, SEQ), jnp.int32),) if packed else ()
+
+  def loss(q, k, v, lq, *ids):
+    return jnp.sum(hils.hils_attention_pallas(q, k, v, lq, *ids, **kw).astype(F32))
+
+  return jax.grad(loss, argnums=(0, 1, 2, 3)), q, kv, kv, q, *extra
+
+
 def _decode_shapes(*, batch, d, hq, hkv=2, dtype=BF16, branching=2):
   from pisa_jax.decode_cache import DecodeCache
 
@@ -281,6 +296,11 @@ CASES: dict[str, Callable[[], tuple]] = {
     "attention/d128k32/packed": lambda: _attention(d=128, top_k=32, packed=True),
     "attention/d64k8/offset": lambda: _attention(offset=True),
     "attention/d128k32/offset": lambda: _attention(d=128, top_k=32, offset=True),
+    # HiLS: its selection, attention forward and backward.
+    "hils/d128k32": lambda: _hils(),
+    "hils/d64k32/g3": lambda: _hils(d=64, hq=6),
+    "hils/d64k32/f32": lambda: _hils(d=64, dtype=F32),
+    "hils/d128k32/packed": lambda: _hils(packed=True),
     # Decode at 1M cached tokens: the whole step and each entry point.
     "decode/d128k32/b16/step": lambda: _decode("step"),
     "decode/d128k32/b1/step": lambda: _decode("step", batch=1),
