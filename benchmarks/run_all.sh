@@ -11,8 +11,8 @@
 #                  flash-linear-attention==0.6.0 einops==0.8.1`)
 #   --gpu-tests    first run the GPU correctness tests (pytest -m gpu), stop if they fail
 #   --multi-gpu    also run benchmarks.multi_gpu over every local GPU
-#   --only A,B     run only these steps, of: selection attention packed layer training evals decode
-#                  long_context ceilings (evals: pisa-eval's suite on the dense and PISA `small` runs that
+#   --only A,B     run only these steps, of: selection attention packed layer hils training evals
+#                  decode long_context ceilings (evals: pisa-eval's suite on the dense and PISA `small` runs that
 #                  the training step keeps in <out>/runs, written to <out>/evals/<run>)
 #
 # The project must be importable from the repository root: `pip install -e .` (done here when it
@@ -25,7 +25,7 @@ OUT=benchmarks/results
 WHEELS=""
 GPU_TESTS=0
 MULTI=0
-ONLY="selection,attention,packed,layer,training,evals,decode,long_context,ceilings"
+ONLY="selection,attention,packed,layer,hils,training,evals,decode,long_context,ceilings"
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT=$2; shift 2 ;;
@@ -39,7 +39,7 @@ while [ $# -gt 0 ]; do
 done
 for step in $(echo "$ONLY" | tr ',' ' '); do
   case $step in
-    selection|attention|packed|layer|training|evals|decode|long_context|ceilings) ;;
+    selection|attention|packed|layer|hils|training|evals|decode|long_context|ceilings) ;;
     *) echo "run_all.sh: --only: unknown step $step" >&2; exit 2 ;;
   esac
 done
@@ -58,7 +58,7 @@ if [ "$GPU_TESTS" = 1 ]; then
   "$PY" -m pytest -q -m gpu tests/test_gpu_*.py
 fi
 want() { case ",$ONLY," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
-for name in selection attention packed layer; do
+for name in selection attention packed layer hils; do
   if want $name; then "$PY" -m benchmarks.$name --out "$OUT"; fi
 done
 if want training; then

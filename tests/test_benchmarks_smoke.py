@@ -20,7 +20,7 @@ from pisa_jax.testing import random_block_indices
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ("selection", "attention", "layer", "training", "multi_gpu", "decode",
-           "context_parallel", "packed", "ceilings", "paper_settings")
+           "context_parallel", "packed", "ceilings", "paper_settings", "hils")
 
 # One small fake result per script, rows as the script writes them.
 FAKE_ROWS = {
@@ -40,6 +40,12 @@ FAKE_ROWS = {
              phase="fwd+bwd", ms=2.1, speedup_vs_dense=4.3),
         dict(case="16K d64 K8 g16", n=16384, hq=32, hkv=2, d=64, top_k=8, side="cudnn dense",
              phase="fwd+bwd", ms=9.0)],
+    "hils": [
+        dict(case="16K d128 g16", n=16384, hq=32, hkv=2, d=128, side=side, phase=phase, ms=ms,
+             x_hils=x)
+        for phase in ("fwd", "fwd+bwd")
+        for side, ms, x in (("hils layer", 3.0, 1.0), ("pisa layer", 2.0, 0.667),
+                            ("nsa layer", 4.0, 1.33), ("cudnn dense", 9.0, 3.0))],
     "training": [
         dict(attention=a, seq_len=4096, global_batch=8, tokens_per_step=32768, steps=20,
              tokens_per_s=t, mfu=0.2, compiled_step_gib={"temp": 20.0}, final_loss=5.0,
@@ -106,6 +112,8 @@ SETTINGS = {
     "selection": dict(hq=32, hkv=2, d=64, block_size=64, top_k=8, branching=2, dtype="bfloat16"),
     "attention": dict(indices="random"),
     "layer": {},
+    "hils": dict(dtype="bfloat16", hils=dict(chunk_size=64, top_k=32, window=512),
+                 pisa=dict(block_size=64, top_k=32, branching=2)),
     "training": dict(preset="small", seconds=60.0),
     "multi_gpu": dict(preset="small", attention="pisa", global_batch=8, seq_len=4096),
     "decode": dict(block_size=64, dtype="bfloat16", selector="pisa"),

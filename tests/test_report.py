@@ -36,3 +36,21 @@ def test_the_table_names_each_figures_date_device_and_commit():
   assert line.endswith(f"| {record['date'][:10]}, {record['device']}, {record['commit'][:7]} |")
   with pytest.raises(ValueError, match="must hold one <!-- figures:begin -->"):
     report.replace_table("no markers", "| table |", "README.md")
+
+
+def test_a_result_not_yet_measured_names_its_command_until_it_exists(tmp_path, monkeypatch):
+  from test_benchmarks_smoke import FAKE_ROWS, SETTINGS
+
+  results = tmp_path / "results"
+  shutil.copytree(report.RESULTS, results)
+  (results / "hils.json").unlink(missing_ok=True)
+  line = report.table(["hils"], results).splitlines()[-1]
+  assert line.startswith("| hils |") and "`python -m benchmarks.hils` on a GPU" in line
+  record = json.loads((results / "layer.json").read_text())
+  record.update(benchmark="hils", settings=SETTINGS["hils"], rows=FAKE_ROWS["hils"])
+  (results / "hils.json").write_text(json.dumps(record))
+  with pytest.raises(ValueError, match="remove 'hils.json' from NOT_YET_MEASURED"):
+    report.table(["hils"], results)
+  monkeypatch.setattr(report, "NOT_YET_MEASURED", {})
+  line = report.table(["hils"], results).splitlines()[-1]
+  assert "16K d128 g16: fwd 3 (pisa 0.667x, nsa 1.33x, cudnn 3x)" in line, line
