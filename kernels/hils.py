@@ -25,9 +25,8 @@ So every key's gradient is a plain attention backward with a per-(query, slot) l
 and also writes ds^ and the landmark query's gradient scale * sum_c ds^_ic k'_c; dk / dv run over
 an inverted index of the block lists (work items of at most `items_entries` entries, float32
 partials summed in a fixed order: no atomics, bit-identical), as `kernels.attention_backward`.
-The landmark keys' and biases' gradients (scale * sum_t ds^_tc lq_t, sum_t ds^_tc) are returned
-as `[B, T, HKV, K, G]` chunk-score cotangents for the caller to scatter onto its chunk slots
-(`hils_landmark_grads`).
+The landmark keys' and biases' gradients (scale * sum_t ds^_tc lq_t, sum_t ds^_tc) come from a
+third index, grouped by landmark slot, and a kernel that sums each slot's (query, head) rows.
 
 Packed documents: each query's document start and its document's first landmark slot are
 per-query inputs; a block starts at start + i C (aligned to nothing) and the `key <= query`
@@ -540,7 +539,7 @@ def _core_bwd(chunk_size, num_window, scale, interpret, config, residuals, do5):
   dk, dv = _backward_dkv(q5, k, v, do5, blocks, starts, lse_e, delta_e, chunk_size=chunk_size,
                          scale=scale, interpret=interpret, config=config)
   dlk5, dlb4 = _landmark_cotangents(lq5, blocks[..., num_window:], slot0, dshat, lk5.shape[1],
-                                    scale=scale)
+                                    scale=scale, interpret=interpret, config=config)
   return (dq5, dlq5.astype(lq5.dtype), dk, dv, dlk5.astype(lk5.dtype), dlb4.astype(lb4.dtype),
           None, None, None)
 
@@ -548,39 +547,110 @@ def _core_bwd(chunk_size, num_window, scale, interpret, config, residuals, do5):
 _core.defvjp(_core_fwd, _core_bwd)
 
 
-def _landmark_cotangents(lq5, chunks, slot0, dshat, num_slots: int, *, scale: float):
+def _landmark_grad_kernel(lq_ref, dshat_ref, entry_ref, blk_ref, start_ref, end_ref, dlk_ref,
+                          dlb_ref, *, group: int, rows: int, top_k: int):
+  """One program: one work item (a landmark slot and a run of the (query, chunk slot) entries
+  that selected it). Rows are (entry, head) pairs; writes the item's float32 partials
+  sum ds^ lq `[Gp, D]` (unscaled) and sum ds^ `[Gp]`."""
+  i = pl.program_id(0)
+  first = start_ref[i]
+  last = end_ref[i]
+  per_step = rows // group
+  d = lq_ref.shape[-1]
+  gp = dlk_ref.shape[0]
+  o_r = jnp.arange(rows)
+  o_j = o_r // group
+  o_g = o_r % group
+  o_d = jnp.arange(d)
+
+  def body(step, carry):
+    b_acc, b_sum = carry
+    entry = first + step * per_step + o_j
+    m_r = (o_j < per_step) & (entry < last)
+    o_e = entry_ref[jnp.where(m_r, entry, first)]
+    o_t, o_k = o_e // top_k, o_e % top_k
+    m_rd = m_r[:, None] & (o_d[None, :] < d)
+    b_lq = plt.load(lq_ref.at[jnp.broadcast_to(o_t[:, None], (rows, d)),
+                              jnp.broadcast_to(o_g[:, None], (rows, d)),
+                              jnp.broadcast_to(o_d[None, :], (rows, d))], mask=m_rd, other=0.0)
+    b_ds = plt.load(dshat_ref.at[o_t, o_k, o_g], mask=m_r, other=0.0)
+    return b_acc + b_ds[:, None] * b_lq.astype(jnp.float32), b_sum + b_ds
+
+  num_steps = (last - first + per_step - 1) // per_step
+  b_acc, b_sum = lax.fori_loop(0, num_steps, body, (jnp.zeros((rows, d), jnp.float32),
+                                                    jnp.zeros((rows,), jnp.float32)))
+  # Rows to heads once per item: [Gp, R] one-hot sums in float32.
+  hit = o_g[None, :] == jnp.arange(gp)[:, None]
+  dlk_ref[...] = jnp.sum(jnp.where(hit[:, :, None], b_acc[None], 0.0), axis=1)
+  dlb_ref[...] = jnp.sum(jnp.where(hit, b_sum[None, :], 0.0), axis=1)
+
+
+def _landmark_reduce_kernel(item_offsets_ref, dlk_part_ref, dlb_part_ref, dlk_ref, dlb_ref, *,
+                            scale: float):
+  """Sums the partials of landmark slot n in item order (deterministic), applies the scale."""
+  n = pl.program_id(0)
+
+  def body(i, carry):
+    return carry[0] + dlk_part_ref[i], carry[1] + dlb_part_ref[i]
+
+  b_dlk, b_dlb = lax.fori_loop(item_offsets_ref[n], item_offsets_ref[n + 1], body,
+                               (jnp.zeros(dlk_ref.shape, jnp.float32),
+                                jnp.zeros(dlb_ref.shape, jnp.float32)))
+  dlk_ref[...] = b_dlk * scale
+  dlb_ref[...] = b_dlb
+
+
+def _landmark_cotangents(lq5, chunks, slot0, dshat, num_slots: int, *, scale: float,
+                         interpret: bool, config):
   """The landmark keys' and biases' cotangents `[B, N, HKV, G, D]`, `[B, N, HKV, G]` from each
   (query, chunk slot)'s ds^ `[B, T, HKV, K, G]`: scale * sum_t ds^_tc lq_t and sum_t ds^_tc over
-  the queries that selected slot c. A one-hot matmul over runs of queries (a `[Tq, N]` matrix
-  per head, a tensor-core dot): a scatter-add would touch T * HQ * K * D elements one by one."""
+  the queries that selected slot c. An inverted index grouped by landmark slot (a document's
+  chunk c is slot first_slot + c, so packed rows need nothing more), cut into work items whose
+  float32 partials a second kernel sums in a fixed order: T * HQ * K * D multiply-adds, where a
+  dense `[T, N]` one-hot matmul per head would move O(T^2 / C) bytes."""
   b, t, hkv, g, d = lq5.shape
   top_k = chunks.shape[-1]
+  gp = next_pow2(g)
+  rows = max(config.dkv_rows, gp)
+  items_entries = config.items_entries
+  num_items = -(-t * top_k // items_entries) + num_slots
   slot = chunks + (0 if slot0 is None else slot0[:, :, None, None])
-  slot = jnp.where(chunks >= 0, slot, num_slots)  # an empty slot matches no landmark
-  run = max(1, min(t, (1 << 26) // max(1, b * hkv * max(g, top_k) * max(num_slots, 1))))
-  run = 1 << (run.bit_length() - 1)
-  num_runs = -(-t // run)
-  pad = num_runs * run - t
-
-  def split(x, fill):
-    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
-    return jnp.moveaxis(x.reshape(b, num_runs, run, *x.shape[2:]), 1, 0)
-
-  def body(acc, xs):
-    lq_run, slot_run, ds_run = xs
-    # [B, Tq, HKV, G, N]: each query's ds^ on the slots it selected.
-    onehot = (slot_run[..., None] == jnp.arange(num_slots)).astype(jnp.float32)
-    a = jnp.einsum("bthkn,bthkg->bthgn", onehot, ds_run, precision=lax.Precision.HIGHEST)
-    dlk, dlb = acc
-    dlk = dlk + scale * jnp.einsum("bthgn,bthgd->bnhgd", a, lq_run.astype(jnp.float32),
-                                   precision=lax.Precision.HIGHEST)
-    return (dlk, dlb + jnp.sum(a, axis=1).transpose(0, 3, 1, 2)), None
-
-  init = (jnp.zeros((b, num_slots, hkv, g, d), jnp.float32),
-          jnp.zeros((b, num_slots, hkv, g), jnp.float32))
-  (dlk, dlb), _ = lax.scan(body, init, (split(lq5, 0), split(slot, num_slots),
-                                        split(dshat, 0)))
-  return dlk, dlb
+  key = jnp.where(chunks >= 0, slot, num_slots).transpose(0, 2, 1, 3).reshape(b, hkv, t * top_k)
+  order, item_block, item_start, item_end, item_offsets = _group_by_block(
+      key, num_blocks=num_slots, items_entries=items_entries, num_items=num_items)
+  lq_spec = pl.BlockSpec((None, t, None, g, d), lambda i, h, bb: (bb, 0, h, 0, 0))
+  ds_spec = pl.BlockSpec((None, t, None, top_k, g), lambda i, h, bb: (bb, 0, h, 0, 0))
+  entry_spec = pl.BlockSpec((None, None, t * top_k), lambda i, h, bb: (bb, h, 0))
+  item_spec = pl.BlockSpec((None, None, num_items), lambda i, h, bb: (bb, h, 0))
+  dlk_part_spec = pl.BlockSpec((None, None, None, gp, d), lambda i, h, bb: (bb, h, i, 0, 0))
+  dlb_part_spec = pl.BlockSpec((None, None, None, gp), lambda i, h, bb: (bb, h, i, 0))
+  dlk_part, dlb_part = call_kernel(pl.pallas_call(
+      functools.partial(_landmark_grad_kernel, group=g, rows=rows, top_k=top_k),
+      grid=(num_items, hkv, b),
+      in_specs=[lq_spec, ds_spec, entry_spec, item_spec, item_spec, item_spec],
+      out_specs=[dlk_part_spec, dlb_part_spec],
+      out_shape=[jax.ShapeDtypeStruct((b, hkv, num_items, gp, d), jnp.float32),
+                 jax.ShapeDtypeStruct((b, hkv, num_items, gp), jnp.float32)],
+      compiler_params=plt.CompilerParams(num_warps=config.dkv_num_warps,
+                                         num_stages=config.dkv_num_stages),
+      interpret=interpret,
+      name="hils_landmark_grad",
+  ), lq5, dshat, order, item_block, item_start, item_end)
+  dlk, dlb = call_kernel(pl.pallas_call(
+      functools.partial(_landmark_reduce_kernel, scale=scale),
+      grid=(num_slots, hkv, b),
+      in_specs=[pl.BlockSpec((None, None, num_slots + 1), lambda n, h, bb: (bb, h, 0)),
+                pl.BlockSpec((None, None, num_items, gp, d), lambda n, h, bb: (bb, h, 0, 0, 0)),
+                pl.BlockSpec((None, None, num_items, gp), lambda n, h, bb: (bb, h, 0, 0))],
+      out_specs=[pl.BlockSpec((None, None, None, gp, d), lambda n, h, bb: (bb, n, h, 0, 0)),
+                 pl.BlockSpec((None, None, None, gp), lambda n, h, bb: (bb, n, h, 0))],
+      out_shape=[jax.ShapeDtypeStruct((b, num_slots, hkv, gp, d), jnp.float32),
+                 jax.ShapeDtypeStruct((b, num_slots, hkv, gp), jnp.float32)],
+      compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+      interpret=interpret,
+      name="hils_landmark_grad_reduce",
+  ), item_offsets, dlk_part, dlb_part)
+  return dlk[..., :g, :], dlb[..., :g]
 
 
 def _window_blocks(seq_len: int, starts, *, chunk_size: int, window: int, num_window: int):
