@@ -49,7 +49,7 @@ from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
 from pisa_jax import checkpoint_names
-from pisa_jax.kernels._common import LN2, LOG2E, call_kernel, dot_precision, next_pow2
+from pisa_jax.kernels._common import LOG2E, call_kernel, dot_precision, next_pow2
 from pisa_jax.kernels.attention import _block_slot, _load_rows, _store_rows
 from pisa_jax.kernels.attention_backward import _group_by_block, _reduce_kernel
 
@@ -88,9 +88,9 @@ class HiLSAttentionConfig:
   @classmethod
   def default(cls, *, head_dim: int, group: int, num_blocks: int, chunk_size: int
               ) -> "HiLSAttentionConfig":
-    """The launch of `kernels.attention`'s whole-block settings: 2 warps hold a `[16, C]` tile
-    at d <= 64, 4 at d = 128 (its 1-warp setting needs 16-key steps, which a chunk's exact
-    log-sum-exp does not take). Not swept on a GPU: `benchmarks.hils` times these."""
+    """`kernels.attention`'s whole-block launch, untuned here: 2 warps hold a `[16, C]` tile at
+    d <= 64, 4 at d = 128 (its 1-warp setting needs 16-key steps, which a chunk's exact
+    log-sum-exp in one tile does not take); `benchmarks.hils` times the result."""
     dp = next_pow2(max(16, head_dim))
     warps = 2 if dp <= 64 else 4
     return cls(fwd_num_warps=warps, dq_num_warps=warps, dkv_rows=max(64, next_pow2(group)),
@@ -530,12 +530,10 @@ def _core_bwd(chunk_size, num_window, scale, interpret, config, residuals, do5):
       config=config)
   # Per (query, slot): a window block's lse and delta are the query's, a chunk's
   # log2 Z_ic - s^_ic log2 e + lse2 and delta_c.
-  nb = blocks.shape[-1]
   lse_e = jnp.concatenate([jnp.broadcast_to(lse2[:, :, :, None], lse2.shape[:3] + (
       num_window,) + lse2.shape[3:]), res2 + lse2[:, :, :, None]], axis=3)
   delta_e = jnp.concatenate([jnp.broadcast_to(delta[:, :, :, None], delta.shape[:3] + (
       num_window,) + delta.shape[3:]), delta_c], axis=3)
-  assert lse_e.shape[3] == nb
   dk, dv = _backward_dkv(q5, k, v, do5, blocks, starts, lse_e, delta_e, chunk_size=chunk_size,
                          scale=scale, interpret=interpret, config=config)
   dlk5, dlb4 = _landmark_cotangents(lq5, blocks[..., num_window:], slot0, dshat, lk5.shape[1],
