@@ -152,6 +152,22 @@ def nsa(r: dict) -> tuple[str, str]:
   return (f"mean compression, l = d = l' = {s['block_length']}, n {s['top_n']}, "
           f"w {s['window']}, {s['dtype']}",
           "fwd+bwd ms of our NSA layer (a peer's time over ours): " + "; ".join(cases))
+def hils(r: dict) -> tuple[str, str]:
+  s = r["settings"]
+  h = s["hils"]
+  cases = []
+  for case in dict.fromkeys(x["case"] for x in r["rows"]):
+    phases = []
+    for phase in ("fwd", "fwd+bwd"):
+      ours = one(r, "hils", case=case, side="hils layer", phase=phase)
+      peers = [f"{x['side'].split()[0]} {num(x['x_hils'])}x" for x in r["rows"]
+               if x["case"] == case and x["phase"] == phase and x["side"] != "hils layer"
+               and "x_hils" in x]
+      phases.append(f"{phase} {num(ours['ms'])}" + (f" ({', '.join(peers)})" if peers else ""))
+    cases.append(f"{case}: " + ", ".join(phases))
+  return (f"{s['dtype']}, C{h['chunk_size']} K{h['top_k']} W{h['window']}; PISA K"
+          f"{s['pisa']['top_k']}; NSA's defaults",
+          "HiLS layer ms (each peer's time over HiLS's): " + "; ".join(cases))
 
 
 def packed(r: dict) -> tuple[str, str]:
@@ -339,6 +355,7 @@ ROWS: list[tuple[str, str, Callable[[dict], tuple[str, str]]]] = [
      attention("attention_real")),
     ("layer", "layer.json", layer),
     ("NSA layer", "nsa.json", nsa),
+    ("HiLS layer", "hils.json", hils),
     ("packed documents", "packed.json", packed),
     ("decode", "decode.json", decode),
     ("bfloat16 pyramid", "summary_dtype.json", summary_dtype),
@@ -355,10 +372,11 @@ ROWS: list[tuple[str, str, Callable[[dict], tuple[str, str]]]] = [
 PENDING = {"NSA layer": "not yet measured: `python -m benchmarks.nsa` on a GPU",
            "pretrained model": "not yet measured: `python -m benchmarks.pretrained` on a GPU "
                                "(its docstring gives the calls)",
+           "HiLS layer": "not yet measured: `python -m benchmarks.hils` on a GPU",
            "bfloat16 pyramid": "not yet measured: `python -m benchmarks.summary_dtype` on a "
                                "trained run's q/k (its docstring gives the calls)"}
-README_ROWS = ("selection", "attention", "layer", "NSA layer", "packed documents", "decode",
-               "training", "long context training")
+README_ROWS = ("selection", "attention", "layer", "NSA layer", "HiLS layer", "packed documents",
+               "decode", "training", "long context training")
 
 
 def table(names, results: Path = RESULTS) -> str:

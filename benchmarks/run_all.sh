@@ -12,7 +12,7 @@
 #                  needs flash-attn for its window)
 #   --gpu-tests    first run the GPU correctness tests (pytest -m gpu), stop if they fail
 #   --multi-gpu    also run benchmarks.multi_gpu over every local GPU
-#   --only A,B     run only these steps, of: selection attention packed layer nsa training evals
+#   --only A,B     run only these steps, of: selection attention packed layer nsa hils training evals
 #                  decode summary_dtype long_context ceilings (evals: pisa-eval's suite on the dense
 #                  and PISA `small` runs that the training step keeps in <out>/runs, written to
 #                  <out>/evals/<run>; summary_dtype: the bfloat16 pyramid's selections on the PISA
@@ -28,7 +28,7 @@ OUT=benchmarks/results
 WHEELS=""
 GPU_TESTS=0
 MULTI=0
-ONLY="selection,attention,packed,layer,nsa,training,evals,decode,summary_dtype,long_context,ceilings"
+ONLY="selection,attention,packed,layer,nsa,hils,training,evals,decode,summary_dtype,long_context,ceilings"
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT=$2; shift 2 ;;
@@ -42,7 +42,7 @@ while [ $# -gt 0 ]; do
 done
 for step in $(echo "$ONLY" | tr ',' ' '); do
   case $step in
-    selection|attention|packed|layer|nsa|training|evals|decode|summary_dtype|long_context|ceilings) ;;
+    selection|attention|packed|layer|nsa|hils|training|evals|decode|summary_dtype|long_context|ceilings) ;;
     *) echo "run_all.sh: --only: unknown step $step" >&2; exit 2 ;;
   esac
 done
@@ -61,7 +61,7 @@ if [ "$GPU_TESTS" = 1 ]; then
   "$PY" -m pytest -q -m gpu tests/test_gpu_*.py
 fi
 want() { case ",$ONLY," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
-for name in selection attention packed layer nsa; do
+for name in selection attention packed layer nsa hils; do
   if want $name; then "$PY" -m benchmarks.$name --out "$OUT"; fi
 done
 if want training; then

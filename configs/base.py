@@ -242,9 +242,6 @@ def validate(config: Config) -> Config:
       _checks.check_block_size(getattr(m, field), name=f"model.{field}")
     _checks.check_implementation(m.attention_implementation,
                                  name="model.attention_implementation")
-    if m.attention_implementation == "pallas":
-      raise ValueError("model.attention_implementation='pallas' has no HiLS kernel: use None or "
-                       "'xla' with model.attention='hils'")
     if t.context_parallel > 1:
       raise ValueError(f"model.attention='hils' does not split the sequence over devices: set "
                        f"train.context_parallel=1 (got {t.context_parallel})")

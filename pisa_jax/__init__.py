@@ -15,8 +15,9 @@ Public API (shapes follow `jax.nn.dot_product_attention`: q `[B, T, HQ, D]`, k/v
 Each takes `implementation="xla" | "pallas" | None` (selection_quality and the NSA pieces but
 nsa_attention have only "xla": "pallas" raises, None means "xla").
 
-HiLS (learned-landmark chunk routing with a two-level softmax, `pisa_jax.hils`), jnp reference
-only ("pallas" raises, None means "xla"), with `segment_ids`:
+HiLS (learned-landmark chunk routing with a two-level softmax, `pisa_jax.hils`), with
+`segment_ids`; hils_attention and hils_select_chunks on Pallas kernels too, the others and the
+decode step the jnp reference only ("pallas" raises, None means "xla"):
   hils_attention     a sliding window plus the top-k chunks before it, weighted by their scores
   hils_landmarks     each complete chunk's landmark key and entropy bias
   hils_chunk_scores  every query's score of every chunk before its window

@@ -72,6 +72,8 @@ register("nsa_decode_step", xla=nsa_decode.nsa_decode_step_reference)
 # HiLS: landmarks, chunk scores and selection, the two-level softmax, its decode step (reference).
 register("hils_landmarks", xla=hils.hils_landmarks_reference)
 register("hils_chunk_scores", xla=hils.hils_chunk_scores_reference)
-register("hils_select_chunks", xla=hils.hils_select_chunks_reference)
-register("hils_attention", xla=hils.hils_attention_reference)
+register("hils_select_chunks", xla=hils.hils_select_chunks_reference,
+         pallas=with_interpret(hils.hils_select_chunks_pallas))
+register("hils_attention", xla=hils.hils_attention_reference,
+         pallas=with_interpret(hils.hils_attention_pallas))
 register("hils_decode_step", xla=hils_decode.hils_decode_step_reference)

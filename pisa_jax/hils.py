@@ -57,11 +57,14 @@ Where we differ:
   - Packed documents (`segment_ids`): each document has its own chunk grid from its first token
     and is computed exactly as if alone (the public kernels accept only chunk-aligned documents).
 
-Every function here is the jnp reference ("xla"), float32 inside whatever the input dtype,
-rounded to the input dtype once; no kernel is registered yet ("pallas" raises, and None means
-"xla" on every backend). The attention runs over query chunks (`pisa_jax._chunking`) under
-`jax.checkpoint`, so memory is bounded independently of T in the forward and the backward; the
-gradients are jax's autodiff of that computation (dk and dv accumulate through gathers).
+The references ("xla") are float32 inside whatever the input dtype, rounded to the input dtype
+once. The attention runs over query chunks (`pisa_jax._chunking`) under `jax.checkpoint`, so
+memory is bounded independently of T in the forward and the backward; the gradients are jax's
+autodiff of that computation (dk and dv accumulate through gathers). `hils_attention` and
+`hils_select_chunks` also have Pallas kernels ("pallas", the default on a GPU):
+`kernels.hils_select` (the chunk scores fused with their top-k) and `kernels.hils` (the window
+and the chunks in one two-level softmax, forward and backward); `hils_landmarks` and
+`hils_chunk_scores` are the reference only (None means "xla"; "pallas" raises).
 Inputs are taken to be finite: a non-finite key reaches every query whose selection or score
 reads its chunk's landmark.
 """
@@ -371,6 +374,66 @@ def hils_chunk_scores_reference(landmark_q, landmark_k, landmark_bias, segment_i
   return jnp.where(eligible[:, :, None, :], scores, -jnp.inf)
 
 
+def _landmarks_of_rows(k, landmark_q, segment_ids, *, chunk_size, scale):
+  """The rows' chunk geometry and float32 landmarks (`_chunk_geometry`, `_landmarks`)."""
+  start, first_slot, ends, slot_valid = _chunk_geometry(segment_ids, k.shape[0], k.shape[1],
+                                                        chunk_size)
+  landmark_k, landmark_bias = _landmarks(k.astype(jnp.float32),
+                                         _priors(landmark_q.astype(jnp.float32), ends), ends,
+                                         slot_valid, chunk_size=chunk_size, scale=scale)
+  return start, first_slot, landmark_k, landmark_bias
+
+
+def _select_pallas(q, k, landmark_q, landmark_k, landmark_bias, start, first_slot, *,
+                   chunk_size, top_k, window, scale, interpret):
+  """The selection kernel's document-relative chunks `[B, T, HKV, K]`, in rank order."""
+  from pisa_jax.kernels import hils_select  # the kernels import only base modules
+
+  rel = jnp.arange(q.shape[1], dtype=jnp.int32) - start
+  n_eligible = _num_eligible(rel, window, chunk_size)
+  slots = hils_select.hils_select_slots_pallas(
+      q, k, landmark_q, landmark_k, landmark_bias, start + n_eligible * chunk_size, first_slot,
+      first_slot + n_eligible, top_k=top_k, scale=scale, interpret=interpret)
+  return jnp.where(slots >= 0, slots - first_slot[:, :, None, None], -1)
+
+
+def hils_select_chunks_pallas(q, k, landmark_q, segment_ids=None, *, chunk_size: int, top_k: int,
+                              window: int, scale: float, interpret: bool):
+  """`hils_select_chunks` with the chunk scores and their top-k in one Pallas kernel
+  (`kernels.hils_select`: the `[T, HQ, N]` scores never reach memory) and the landmarks in XLA;
+  arguments are already validated."""
+  start, first_slot, landmark_k, landmark_bias = _landmarks_of_rows(
+      k, landmark_q, segment_ids, chunk_size=chunk_size, scale=scale)
+  idx = _select_pallas(q, k, landmark_q, landmark_k, landmark_bias, start, first_slot,
+                       chunk_size=chunk_size, top_k=top_k, window=window, scale=scale,
+                       interpret=interpret)
+  return _sort_ascending_padded(idx)
+
+
+def hils_attention_pallas(q, k, v, landmark_q, segment_ids=None, *, chunk_size: int, top_k: int,
+                          window: int, scale: float, interpret: bool, config=None):
+  """`hils_attention` on the Pallas kernels: the selection (`kernels.hils_select`) and the
+  attention (`kernels.hils`, forward and backward). The landmarks stay in XLA: a softmax-weighted
+  sum over each chunk's C keys is O(T * HQ * D), one pass of the keys with no reduction across
+  chunks, which XLA fuses; its autodiff carries the chunk scores' gradient on to k and
+  landmark_q. Arguments are already validated."""
+  from pisa_jax.kernels import hils as hils_kernels  # the kernels import only base modules
+
+  start, first_slot, landmark_k, landmark_bias = _landmarks_of_rows(
+      k, landmark_q, segment_ids, chunk_size=chunk_size, scale=scale)
+  # The selection has no gradient: its kernel is never differentiated.
+  idx = _select_pallas(*(lax.stop_gradient(x) for x in (q, k, landmark_q, landmark_k,
+                                                          landmark_bias)),
+                       start, first_slot, chunk_size=chunk_size, top_k=top_k, window=window,
+                       scale=scale, interpret=interpret)
+  packed = segment_ids is not None
+  return hils_kernels.hils_chunk_attention_pallas(
+      q, k, v, landmark_q, landmark_k, landmark_bias, idx, start if packed else None,
+      first_slot if packed else None, chunk_size=chunk_size, window=window,
+      num_window=window_chunks(window, chunk_size), scale=scale, interpret=interpret,
+      config=config)
+
+
 # ----------------------------------------------------------------------------- public functions
 
 
@@ -393,9 +456,11 @@ def _check_landmark_q(landmark_q, q) -> None:
                     f"{landmark_q.dtype} and q {q.dtype}")
 
 
-def _lookup(op: str, implementation):
-  # No kernel is registered yet: None is the reference on every backend, and "pallas" raises.
-  return _dispatch.lookup(op, "xla" if implementation is None else implementation)
+def _lookup(op: str, implementation, *, has_kernel: bool = True):
+  # None: the platform's default where a kernel exists, the reference elsewhere.
+  if implementation is None and not has_kernel:
+    implementation = "xla"
+  return _dispatch.lookup(op, implementation)
 
 
 def hils_attention(
@@ -428,7 +493,8 @@ def hils_attention(
     segment_ids: None, or int32 `[B, T]` non-decreasing within a row (packed documents): each
       document has its own chunk grid from its first token and every output row is the one it
       would have alone.
-    implementation: "xla" (jnp reference) or None (the same: no kernel yet); "pallas" raises.
+    implementation: "xla" (jnp reference), "pallas" (the kernels: selection and attention,
+      forward and backward; the landmarks in XLA) or None ("pallas" on a GPU, else "xla").
 
   Options (chunk_size, top_k, window, scale, implementation) are static under `jax.jit`.
 
@@ -506,7 +572,7 @@ def hils_landmarks(
   _check_options(chunk_size=chunk_size)
   _validation.check_segment_ids(segment_ids, batch=b, seq_len=t)
   _validation.check_implementation(implementation)
-  pool = _lookup("hils_landmarks", implementation)
+  pool = _lookup("hils_landmarks", implementation, has_kernel=False)
   return pool(k, landmark_q, segment_ids, chunk_size=int(chunk_size),
               scale=_validation.resolve_scale(scale, d))
 
@@ -540,6 +606,6 @@ def hils_chunk_scores(
                      f"be [B, T // chunk_size, HQ] = [{b}, {t // chunk_size}, {hq}]")
   _validation.check_segment_ids(segment_ids, batch=b, seq_len=t)
   _validation.check_implementation(implementation)
-  score = _lookup("hils_chunk_scores", implementation)
+  score = _lookup("hils_chunk_scores", implementation, has_kernel=False)
   return score(landmark_q, landmark_k, landmark_bias, segment_ids, chunk_size=int(chunk_size),
                window=int(window), scale=_validation.resolve_scale(scale, d))

@@ -209,6 +209,21 @@ def _nsa_range(branch, *, d=64, hq=32, hkv=2, packed=False, dtype=BF16):
   return jax.grad(loss, argnums=(0, 1, 2)), _s((1, SEQ, hq, d), dtype), kv, kv, *extra
 
 
+def _hils(*, d=128, top_k=32, hq=32, hkv=2, dtype=BF16, packed=False):
+  """HiLS: the selection kernel and the attention's forward, dq and dk / dv (under the
+  custom_vjp), at chunk 64 and window 512."""
+  from pisa_jax import hils
+
+  kw = dict(chunk_size=64, top_k=top_k, window=512, scale=d ** -0.5, interpret=False)
+  q, kv = _s((1, SEQ, hq, d), dtype), _s((1, SEQ, hkv, d), dtype)
+  extra = (_s((1, SEQ), jnp.int32),) if packed else ()
+
+  def loss(q, k, v, lq, *ids):
+    return jnp.sum(hils.hils_attention_pallas(q, k, v, lq, *ids, **kw).astype(F32))
+
+  return jax.grad(loss, argnums=(0, 1, 2, 3)), q, kv, kv, q, *extra
+
+
 def _decode_shapes(*, batch, d, hq, hkv=2, dtype=BF16, branching=2, summary_dtype="float32"):
   from pisa_jax.decode_cache import DecodeCache
 
@@ -377,6 +392,11 @@ CASES: dict[str, Callable[[], tuple]] = {
     "nsa/compressed/d128g4/packed": lambda: _nsa_range("compressed", d=128, hkv=8, packed=True),
     "nsa/compressed/d64g3/f32": lambda: _nsa_range("compressed", hq=6, dtype=F32),
     "nsa/window/d64g8/packed": lambda: _nsa_range("window", hkv=4, packed=True),
+    # HiLS: its selection, attention forward and backward.
+    "hils/d128k32": lambda: _hils(),
+    "hils/d64k32/g3": lambda: _hils(d=64, hq=6),
+    "hils/d64k32/f32": lambda: _hils(d=64, dtype=F32),
+    "hils/d128k32/packed": lambda: _hils(packed=True),
     # Decode at 1M cached tokens: the whole step and each entry point.
     "decode/d128k32/b16/step": lambda: _decode("step"),
     "decode/d128k32/b1/step": lambda: _decode("step", batch=1),
@@ -426,7 +446,8 @@ CI_CASES = ("selection/d64k8/pisa", "selection/d128k32/pisa", "selection/d64k8/b
             "packed_selection/d64k8/pisa", "packed_selection/d128k32/pisa",
             "attention/d128k32", "attention/d64k8/packed", "attention/d64k8/offset",
             "decode/d128k32/b16/step", "decode/d128k32/bsa/step", "nsa/compressed/d64g16",
-            "decode/d128k32/b16/step/bf16_summaries", "selection/d128k32/bf16_summaries")
+            "decode/d128k32/b16/step/bf16_summaries", "selection/d128k32/bf16_summaries",
+            "hils/d128k32")
 
 
 def lower_case(name: str) -> tuple[list[Kernel], str]:

@@ -20,7 +20,8 @@ from pisa_jax.testing import random_block_indices
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ("selection", "attention", "layer", "training", "multi_gpu", "decode",
-           "context_parallel", "packed", "ceilings", "paper_settings", "nsa", "summary_dtype")
+           "context_parallel", "packed", "ceilings", "paper_settings", "nsa", "summary_dtype",
+           "hils")
 
 # One small fake result per script, rows as the script writes them.
 FAKE_ROWS = {
@@ -49,6 +50,12 @@ FAKE_ROWS = {
         + [dict(case="16K d64 g4", n=16384, hq=32, hkv=8, d=64, group=4, side="fla nsa",
                 phase=phase, refused=True, error="AssertionError: Group size must be a multiple "
                 "of 16 in NSA") for phase in ("fwd", "fwd+bwd")],
+    "hils": [
+        dict(case="16K d128 g16", n=16384, hq=32, hkv=2, d=128, side=side, phase=phase, ms=ms,
+             x_hils=x)
+        for phase in ("fwd", "fwd+bwd")
+        for side, ms, x in (("hils layer", 3.0, 1.0), ("pisa layer", 2.0, 0.667),
+                            ("nsa layer", 4.0, 1.33), ("cudnn dense", 9.0, 3.0))],
     "training": [
         dict(attention=a, seq_len=4096, global_batch=8, tokens_per_step=32768, steps=20,
              tokens_per_s=t, mfu=0.2, compiled_step_gib={"temp": 20.0}, final_loss=5.0,
@@ -123,6 +130,8 @@ SETTINGS = {
     "selection": dict(hq=32, hkv=2, d=64, block_size=64, top_k=8, branching=2, dtype="bfloat16"),
     "attention": dict(indices="random"),
     "layer": {},
+    "hils": dict(dtype="bfloat16", hils=dict(chunk_size=64, top_k=32, window=512),
+                 pisa=dict(block_size=64, top_k=32, branching=2)),
     "training": dict(preset="small", seconds=60.0),
     "multi_gpu": dict(preset="small", attention="pisa", global_batch=8, seq_len=4096),
     "decode": dict(block_size=64, dtype="bfloat16", selector="pisa"),

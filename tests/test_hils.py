@@ -210,7 +210,6 @@ def test_bfloat16_inputs_compute_in_float32():
     (dict(top_k=0), ValueError, "top_k=0"),
     (dict(window=0), ValueError, "window=0"),
     (dict(top_k=2.5), ValueError, "top_k=2.5"),
-    (dict(implementation="pallas"), ValueError, "implementation='pallas'"),
     (dict(implementation="triton"), ValueError, "implementation='triton'"),
     (dict(landmark_q=np.zeros((1, 8, 2, 4), np.float32)), ValueError, "landmark_q.shape"),
     (dict(landmark_q=jnp.zeros((1, 8, 4, 4), jnp.bfloat16)), TypeError, "landmark_q"),
@@ -277,7 +276,6 @@ def test_decoder_kind_trains_the_landmark_projection():
     (["model.hils_window=0"], "model.hils_window=0"),
     (["model.hils_chunk_size=0"], "model.hils_chunk_size=0"),
     (["model.hils_landmark_rank=0"], "model.hils_landmark_rank=0"),
-    (["model.attention_implementation=pallas"], "model.attention_implementation='pallas'"),
     (["train.context_parallel=2"], "train.context_parallel=1"),
 ])
 def test_config_rejects_bad_hils_fields(overrides, needle):
@@ -346,3 +344,105 @@ def test_decoder_generation_equals_the_full_forward():
     np.testing.assert_allclose(out.logits[:, s], want, atol=tolerances.OUTPUT_ATOL[jnp.float32],
                                rtol=tolerances.OUTPUT_RTOL[jnp.float32], err_msg=f"step {s}")
     np.testing.assert_array_equal(out.tokens[:, s], want.argmax(-1))
+
+
+# ----------------------------------------------------------------------------- Pallas kernels
+# Interpret mode on the CPU fills every output with NaN before the kernel runs (Pallas'
+# `uninitialized_value`), so an element a kernel never writes fails the comparisons below.
+
+# (batch, T, HQ, HKV, D, chunk, top_k, window, documents): T not a multiple of C, head dims
+# padded (8, 20), GQA groups 3, 2 and 1, window 1, top_k above a document's eligible chunks.
+KERNEL_CASES = [
+    (1, 29, 3, 1, 8, 4, 3, 6, None),
+    (2, 30, 4, 2, 20, 4, 2, 1, None),
+    (1, 38, 2, 1, 16, 4, 3, 5, (21, 3, 14)),
+]
+
+
+def kernel_case_id(case):
+  *shape, docs = case
+  return case_id(shape) + ("" if docs is None else "-docs" + "_".join(map(str, docs)))
+
+
+def _segment_ids(batch, docs):
+  if docs is None:
+    return None
+  return jnp.asarray(np.repeat(np.arange(len(docs)), docs)[None].repeat(batch, 0), jnp.int32)
+
+
+@pytest.mark.parametrize("case, dtype", [(KERNEL_CASES[0], jnp.float32),
+                                         (KERNEL_CASES[1], jnp.bfloat16),
+                                         (KERNEL_CASES[2], jnp.float32)],
+                         ids=lambda x: kernel_case_id(x) if isinstance(x, tuple) else None)
+def test_select_kernel_matches_reference(case, dtype):
+  """The fused chunk-score + top-k kernel picks exactly the reference's chunks."""
+  b, t, hq, hkv, d, c, top_k, w, docs = case
+  opts = dict(chunk_size=c, top_k=top_k, window=w)
+  q, k, _, lq = make_inputs(b, t, hq, hkv, d, seed=11, dtype=dtype)
+  ids = _segment_ids(b, docs)
+  got = pisa_jax.hils_select_chunks(q, k, lq, segment_ids=ids, implementation="pallas", **opts)
+  want = pisa_jax.hils_select_chunks(q, k, lq, segment_ids=ids, implementation="xla", **opts)
+  # Selection decides: some query has more eligible chunks than top_k, some fewer.
+  assert int(jnp.min(jnp.sum(want >= 0, -1))) < top_k == int(jnp.max(jnp.sum(want >= 0, -1)))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def _value_and_grads(implementation, q, k, v, lq, ct, ids, opts):
+  def loss(q, k, v, lq):
+    out = pisa_jax.hils_attention(q, k, v, lq, segment_ids=ids, implementation=implementation,
+                                  **opts)
+    return jnp.sum(out.astype(jnp.float32) * ct), out
+
+  (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, lq)
+  return (out,) + grads
+
+
+GRAD_NAMES = ("out", "dq", "dk", "dv", "dlandmark_q")
+
+
+def _assert_close(got, want, where=""):
+  for name, g, r in zip(GRAD_NAMES, got, want):
+    assert bool(jnp.all(jnp.isfinite(g))), name + where
+    np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=tolerances.GRAD_ATOL[jnp.float32],
+                               rtol=tolerances.GRAD_RTOL[jnp.float32], err_msg=name + where)
+
+
+def test_attention_kernels_match_reference_with_gradients():
+  """Forward and the gradients of q, k, v and the landmark queries (the landmark projection's
+  gradient: through the chunk scores into both the landmark keys and the queries' scores)."""
+  b, t, hq, hkv, d, c, top_k, w, _ = KERNEL_CASES[0]
+  opts = dict(chunk_size=c, top_k=top_k, window=w)
+  q, k, v, lq = make_inputs(b, t, hq, hkv, d, seed=12)
+  ct = jax.random.normal(jax.random.key(13), q.shape)
+  got = _value_and_grads("pallas", q, k, v, lq, ct, None, opts)
+  _assert_close(got, _value_and_grads("xla", q, k, v, lq, ct, None, opts))
+  # The chunk scores carry gradient: without them dlandmark_q would be zero.
+  assert float(jnp.max(jnp.abs(got[4]))) > 1e-2
+
+
+def test_attention_kernels_packed_equal_each_document_alone():
+  """Packed rows through the kernels (their packed launches): every document's output and
+  gradients are the reference's of that document alone."""
+  b, t, hq, hkv, d, c, top_k, w, docs = KERNEL_CASES[2]
+  opts = dict(chunk_size=c, top_k=top_k, window=w)
+  q, k, v, lq = make_inputs(b, t, hq, hkv, d, seed=15)
+  ct = jax.random.normal(jax.random.key(16), q.shape)
+  packed = _value_and_grads("pallas", q, k, v, lq, ct, _segment_ids(b, docs), opts)
+  lo = 0
+  for n in docs:
+    part = lambda x: x[:, lo:lo + n]
+    alone = _value_and_grads("xla", *map(part, (q, k, v, lq, ct)), None, opts)
+    _assert_close([part(x) for x in packed], alone, f" of the document at {lo}")
+    lo += n
+
+
+def test_attention_kernels_bfloat16_and_group_two():
+  b, t, hq, hkv, d, c, top_k, w, _ = KERNEL_CASES[1]
+  opts = dict(chunk_size=c, top_k=top_k, window=w)
+  inputs = make_inputs(b, t, hq, hkv, d, seed=14, dtype=jnp.bfloat16)
+  got = pisa_jax.hils_attention(*inputs, implementation="pallas", **opts)
+  want = pisa_jax.hils_attention(*inputs, implementation="xla", **opts)
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                             atol=tolerances.OUTPUT_ATOL[jnp.bfloat16],
+                             rtol=tolerances.OUTPUT_RTOL[jnp.bfloat16])

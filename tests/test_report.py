@@ -80,3 +80,16 @@ def test_the_bfloat16_pyramid_rows_appear_once_measured(tmp_path):
   (results / "decode.json").write_text(json.dumps(record))
   assert "bfloat16 pyramid, in a jitted loop: d128 K32 B=1 1M" in report.table(["decode"], results)
   assert "(10.0x dense)" in report.table(["decode"], results)
+def test_a_result_not_yet_measured_names_its_command_until_it_exists(tmp_path):
+  from test_benchmarks_smoke import FAKE_ROWS, SETTINGS
+
+  results = tmp_path / "results"
+  shutil.copytree(report.RESULTS, results)
+  (results / "hils.json").unlink(missing_ok=True)
+  line = report.table(["HiLS layer"], results).splitlines()[-1]
+  assert line.startswith("| HiLS layer |") and "`python -m benchmarks.hils` on a GPU" in line
+  record = json.loads((results / "layer.json").read_text())
+  record.update(benchmark="hils", settings=SETTINGS["hils"], rows=FAKE_ROWS["hils"])
+  (results / "hils.json").write_text(json.dumps(record))
+  line = report.table(["HiLS layer"], results).splitlines()[-1]
+  assert "16K d128 g16: fwd 3 (pisa 0.667x, nsa 1.33x, cudnn 3x)" in line, line
