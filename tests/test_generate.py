@@ -431,6 +431,33 @@ def test_the_cli_streams_the_greedy_continuation(tiny_run, monkeypatch):
 
 
 @needs_bpe
+def test_the_cli_generates_a_file_of_prompts_as_one_ragged_batch(tiny_run, tmp_path, capsys):
+  import json
+
+  from pisa_jax.train import generate as cli
+  from pisa_jax.train.tokenizer import gpt2_encoding
+
+  # GPT-2 tokens inside the tiny model's 64-token vocabulary: "1+1=" [16, 10, 16, 28], "2+"
+  # [17, 10]; "=" (28) stops a row.
+  file = tmp_path / "prompts.jsonl"
+  file.write_text('"1+1="\n{"prompt": "2+"}\n')
+  argv = ["--workdir", str(tiny_run), "--prompt-file", str(file), "--max-new-tokens", "8",
+          "--prefill-chunk", "2", "--stop", "=", "--temperature", "1", "--seed", "3"]
+  assert cli.main(argv) == 0
+  lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+  _, model, _ = cli.restore_model(tiny_run)
+  encoding = gpt2_encoding()
+  rows = [encoding.encode_ordinary(p) for p in ("1+1=", "2+")]
+  want = pisa_jax.generate(model, rows, max_new_tokens=8, stop_tokens=(28,), temperature=1.0,
+                           seed=3, prefill_chunk=2)
+  assert [line["prompt"] for line in lines] == ["1+1=", "2+"]
+  for line, tokens, stopped in zip(lines, want.sequences(), want.stopped):
+    text = encoding.decode(tokens[:-1] if stopped else tokens)
+    assert line == {"prompt": line["prompt"], "completion": text, "new_tokens": len(tokens),
+                    "stopped": bool(stopped)}
+
+
+@needs_bpe
 def test_cli_mistakes_are_one_line_naming_the_argument(tiny_run, tmp_path, capsys):
   from pisa_jax.train import generate as cli
 
@@ -453,6 +480,12 @@ def test_cli_mistakes_are_one_line_naming_the_argument(tiny_run, tmp_path, capsy
   fails(run + ["--prompt", "1", "--top-p", "0"], "argument --top-p")
   fails(run + ["--prompt", "1", "--max-new-tokens", "0"], "argument --max-new-tokens")
   fails(run + ["--prompt", "1", "--steps-per-call", "0"], "argument --steps-per-call")
+  fails(run + ["--prompt", "1", "--stop", "1+1"], r"--stop='1\+1' must be one token .* 3 tokens")
+  fails(run + ["--prompt", "1", "--stop", ""], "--stop: empty")
+  long = tmp_path / "long.txt"
+  long.write_text("1+1=\n" + "1+" * 20 + "\n")
+  fails(run + ["--prompt-file", str(long)],
+        r"--prompt-file: prompt 2: 40 tokens exceed the model's context of 32")
   fails(["--prompt", "1"], "--workdir")
 
 
