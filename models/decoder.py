@@ -493,7 +493,8 @@ class Attention(nnx.Module):
     else:
       out = pisa_attention_at(q, k_all, v_all, offset, block_size=cfg.block_size,
                               top_k=cfg.top_k, branching=cfg.branching, selector=cfg.attention,
-                              beam=cfg.beam, implementation=cfg.attention_implementation)
+                              beam=cfg.beam, summary_dtype=cfg.summary_dtype,
+                              implementation=cfg.attention_implementation)
     lengths = jnp.where(lengths > 0, offset + lengths, cache.lengths).astype(jnp.int32)
     # The pyramid of every key held, as one prefill would build it.
     cache = cache.prefill(k_all, v_all, lengths)
