@@ -292,7 +292,7 @@ def measure(args, rec: _record.Recorder) -> None:
   from pisa_jax.train.provenance import environment
 
   cases = selected(args)
-  kept = _earlier_rows(args.out / f"{NAME}.json", {c.name for c in cases})
+  kept = [r for r in args.earlier_rows if r["case"] not in {c.name for c in cases}]
   for row in kept:
     rec.add(**row)
   if kept:
@@ -320,7 +320,8 @@ def measure(args, rec: _record.Recorder) -> None:
   _compare_chunked(rec)
 
 
-def _earlier_rows(path: Path, running: set[str]) -> list[dict]:
+def _earlier_rows(path: Path) -> list[dict]:
+  """The rows of a result already at path (read before the new result overwrites it)."""
   if not path.exists():
     return []
   try:
@@ -329,7 +330,7 @@ def _earlier_rows(path: Path, running: set[str]) -> list[dict]:
     return []
   if record["benchmark"] != NAME:
     return []
-  return [r for r in record["rows"] if r.get("case") not in running and "case" in r]
+  return [r for r in record["rows"] if "case" in r]
 
 
 def _compare_chunked(rec: _record.Recorder) -> None:
@@ -448,6 +449,7 @@ def main(argv=None) -> dict | None:
       print(f"# ~{total:.0f} s\npython -m benchmarks.generation --cases "
             f"'{','.join(c.name for c in calls)}'")
     return None
+  args.earlier_rows = [] if args.replot else _earlier_rows(args.out / f"{NAME}.json")
   return _record.run(NAME, args, measure, settings, plot, table)
 
 
