@@ -346,6 +346,48 @@ def evaluation(name: str) -> Callable[[dict], tuple[str, str]]:
   return summary
 
 
+def generation(r: dict) -> tuple[str, str]:
+  """Per preset: tokens/s of PISA against dense at each B and L, the warm time to the first
+  token and the cache a row at the longest L; then the 1M prompt's first token."""
+  measured = [x for x in r["rows"] if "case" in x and not x.get("error")]
+  parts = []
+  for preset in dict.fromkeys(x["preset"] for x in measured):
+    mine = [x for x in measured if x["preset"] == preset]
+    by = {(x["attention"], x["batch"], x["length"], x.get("prefill_chunk")): x for x in mine}
+    speeds = []
+    for x in mine:
+      if x["attention"] != "pisa" or x["length"] >= 1 << 20 or not x.get("tokens_per_s"):
+        continue
+      dense = by.get(("dense", x["batch"], x["length"], x.get("prefill_chunk")), {})
+      text = f"B={x['batch']} {length(x['length'])} {num(x['tokens_per_s'])}"
+      if dense.get("tokens_per_s"):
+        text += f" ({num(x['tokens_per_s'] / dense['tokens_per_s'])}x dense)"
+      speeds.append(text)
+    text = f"`{preset}` tokens/s: " + " · ".join(speeds)
+    longest = max((x for x in mine if x["attention"] == "pisa" and x["batch"] == 1
+                   and x.get("prefill_warm_s")
+                   and not x.get("prefill_chunk")), key=lambda x: x["length"], default=None)
+    if longest:
+      dense = by.get(("dense", 1, longest["length"], None), {})
+      text += (f"; first token warm at {length(longest['length'])}: pisa "
+               f"{num(longest['prefill_warm_s'])} s" + (
+                   f", dense {num(dense['prefill_warm_s'])} s" if dense.get("prefill_warm_s")
+                   else ""))
+      text += f", cache {num(longest['cache_mib_per_row'])} MiB a row"
+    million = [x for x in mine if x["length"] == 1 << 20 and x["attention"] == "pisa"
+               and x.get("prefill_chunk")]
+    for x in million:
+      text += (f"; 1M in {length(x['prefill_chunk'])} chunks: first token "
+               f"{num(x['first_token_cold_s'])} s cold, {num(x['prefill_warm_s'])} s warm")
+      dense = by.get(("dense", 1, 1 << 20, None), {})
+      if dense.get("first_token_cold_s"):
+        text += f" (dense one pass {num(dense['first_token_cold_s'])} s cold)"
+    parts.append(text)
+  s = r["settings"]
+  return (f"random weights, ragged B rows, {s['new_tokens']} new tokens, greedy",
+          "; ".join(parts))
+
+
 # (row name, result file under benchmarks/results, summary)
 ROWS: list[tuple[str, str, Callable[[dict], tuple[str, str]]]] = [
     ("selection", "selection.json", selection),
@@ -358,6 +400,7 @@ ROWS: list[tuple[str, str, Callable[[dict], tuple[str, str]]]] = [
     ("HiLS layer", "hils.json", hils),
     ("packed documents", "packed.json", packed),
     ("decode", "decode.json", decode),
+    ("generation", "generation.json", generation),
     ("bfloat16 pyramid", "summary_dtype.json", summary_dtype),
     ("ceilings", "ceilings.json", ceilings),
     ("training", "training.json", training),
@@ -370,13 +413,15 @@ ROWS: list[tuple[str, str, Callable[[dict], tuple[str, str]]]] = [
 # Rows whose benchmark has not run yet: the table says so, with the command, until its result is
 # committed (every other row's missing result is an error). A row leaves this with its result.
 PENDING = {"NSA layer": "not yet measured: `python -m benchmarks.nsa` on a GPU",
+           "generation": "not yet measured: `python -m benchmarks.generation --list` on a GPU "
+                         "gives the calls",
            "pretrained model": "not yet measured: `python -m benchmarks.pretrained` on a GPU "
                                "(its docstring gives the calls)",
            "HiLS layer": "not yet measured: `python -m benchmarks.hils` on a GPU",
            "bfloat16 pyramid": "not yet measured: `python -m benchmarks.summary_dtype` on a "
                                "trained run's q/k (its docstring gives the calls)"}
 README_ROWS = ("selection", "attention", "layer", "NSA layer", "HiLS layer", "packed documents",
-               "decode", "training", "long context training")
+               "decode", "generation", "training", "long context training")
 
 
 def table(names, results: Path = RESULTS) -> str:

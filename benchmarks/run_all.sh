@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the benchmark suite on your GPU: selection, attention, packed documents, layer, NSA, training,
-# decode, the long-context training ladder and the kernels' ceilings, each writing
+# decode, generation, the long-context training ladder and the kernels' ceilings, each writing
 # <out>/<name>.json and <out>/<name>.png (default out: benchmarks/results).
 #
 #   benchmarks/run_all.sh [--out DIR] [--wheels DIR] [--gpu-tests] [--multi-gpu] [--only A,B]
@@ -13,7 +13,7 @@
 #   --gpu-tests    first run the GPU correctness tests (pytest -m gpu), stop if they fail
 #   --multi-gpu    also run benchmarks.multi_gpu over every local GPU
 #   --only A,B     run only these steps, of: selection attention packed layer nsa hils training evals
-#                  decode summary_dtype long_context ceilings (evals: pisa-eval's suite on the dense
+#                  decode generation summary_dtype long_context ceilings (evals: pisa-eval's suite on the dense
 #                  and PISA `small` runs that the training step keeps in <out>/runs, written to
 #                  <out>/evals/<run>; summary_dtype: the bfloat16 pyramid's selections on the PISA
 #                  run's q/k at 32K and 128K, random q/k where its data is too short)
@@ -28,7 +28,7 @@ OUT=benchmarks/results
 WHEELS=""
 GPU_TESTS=0
 MULTI=0
-ONLY="selection,attention,packed,layer,nsa,hils,training,evals,decode,summary_dtype,long_context,ceilings"
+ONLY="selection,attention,packed,layer,nsa,hils,training,evals,decode,generation,summary_dtype,long_context,ceilings"
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT=$2; shift 2 ;;
@@ -42,7 +42,7 @@ while [ $# -gt 0 ]; do
 done
 for step in $(echo "$ONLY" | tr ',' ' '); do
   case $step in
-    selection|attention|packed|layer|nsa|hils|training|evals|decode|summary_dtype|long_context|ceilings) ;;
+    selection|attention|packed|layer|nsa|hils|training|evals|decode|generation|summary_dtype|long_context|ceilings) ;;
     *) echo "run_all.sh: --only: unknown step $step" >&2; exit 2 ;;
   esac
 done
@@ -78,6 +78,8 @@ if want evals; then
   "$PY" -m pisa_jax.train.evaluation.cli --compare "$OUT"/evals/* --out "$OUT/evals"
 fi
 if want decode; then "$PY" -m benchmarks.decode --out "$OUT"; fi
+# Every case, each in a fresh process (~40 minutes on an H200: `--list` gives the estimates).
+if want generation; then "$PY" -m benchmarks.generation --out "$OUT"; fi
 if want summary_dtype; then
   QK="$OUT/qk"
   if "$PY" -m benchmarks.dump_qk --workdir "$OUT/runs/pisa-4096" --seq-len 32768 --out "$QK/32k.npz" \

@@ -42,12 +42,16 @@ from pisa_jax import _validation, checkpoint_names
 from pisa_jax.decode import DecodeCache, bucket_capacity, decode_step
 from pisa_jax.decode_cache import last_document
 from pisa_jax.hils_decode import HiLSCache, hils_decode_step
+from pisa_jax.context_parallel import pisa_attention_at
 from pisa_jax.models.config import SPARSE_ATTENTION_KINDS, ModelConfig
 from pisa_jax.models.context_parallel import sequence_axis, sequence_sharded_attention
 from pisa_jax.models.sharding import axes_size, batch_axes_of, constrain_batch
 from pisa_jax.nsa import CompressionMLP
 from pisa_jax.nsa_decode import NSACache, nsa_decode_step
 from pisa_jax.segments import document_bounds
+
+# Attention kinds whose decoder reads a prompt in chunks (`Decoder.prefill_chunk`).
+CHUNKED_PREFILL_KINDS = ("dense",) + tuple(SPARSE_ATTENTION_KINDS)
 
 # Logit given to the padding rows of the output embedding: they never win and carry no mass.
 _PAD_LOGIT = -1e9
@@ -462,6 +466,41 @@ class Attention(nnx.Module):
     return (self(x, cos, sin, segment_ids),
             cache.prefill(apply_rope(k, cos, sin), v, lengths, segment_ids=segment_ids))
 
+  def prefill_chunk(self, x: Float[Array, "B S E"], cos: Array, sin: Array,
+                    lengths: Int[Array, "B"], offset: Int[Array, ""],
+                    cache: DecodeCache | KVCache) -> tuple[Float[Array, "B S E"],
+                                                           DecodeCache | KVCache]:
+    """A chunk of S tokens at positions offset .. offset + S - 1 (cos, sin `[S, R/2]` there):
+    row b's first lengths[b] of them are appended to the cache (rows with lengths[b] > 0 hold
+    exactly offset tokens; the cache has room for offset + S), and the chunk's queries attend
+    over the cache's keys up to each query (the pyramid of all of them: `pisa_attention_at`;
+    dense: every earlier key). Rows with lengths[b] == 0 keep their cache."""
+    cfg, cdt = self.cfg, x.dtype
+    if cfg.attention not in CHUNKED_PREFILL_KINDS:
+      raise ValueError(f"model.attention={cfg.attention!r} has no chunked prefill (kinds "
+                       f"{CHUNKED_PREFILL_KINDS}): read the prompt in one pass "
+                       "(prefill_chunk=None)")
+    q = self._finish_q(jnp.einsum("bte,ehd->bthd", x, self.wq[...].astype(cdt)))
+    k, v = self._project_kv(x)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    # The chunk's padding is never written: past a row's length the cache stays zero.
+    keep = (jnp.arange(x.shape[1])[None, :] < lengths[:, None])[:, :, None, None]
+    k_all, v_all = (jax.lax.dynamic_update_slice_in_dim(
+        old, jnp.where(keep, new, jnp.zeros((), new.dtype)).astype(old.dtype), offset, axis=1)
+        for old, new in ((cache.k, k), (cache.v, v)))
+    if cfg.attention == "dense":
+      out = dense_chunk_attention(q, k_all, v_all, offset)
+    else:
+      out = pisa_attention_at(q, k_all, v_all, offset, block_size=cfg.block_size,
+                              top_k=cfg.top_k, branching=cfg.branching, selector=cfg.attention,
+                              beam=cfg.beam, summary_dtype=cfg.summary_dtype,
+                              implementation=cfg.attention_implementation)
+    lengths = jnp.where(lengths > 0, offset + lengths, cache.lengths).astype(jnp.int32)
+    # The pyramid of every key held, as one prefill would build it.
+    cache = cache.prefill(k_all, v_all, lengths)
+    return self._out_bias(jnp.einsum("bthd,hde->bte", out.astype(cdt),
+                                     self.wo[...].astype(cdt))), cache
+
   def decode(self, x: Float[Array, "B 1 E"], cos: Array, sin: Array,
              cache: DecodeCache | KVCache) -> tuple[Float[Array, "B 1 E"], DecodeCache | KVCache]:
     """One token per row at its own position (the cache's length), cos and sin `[B, D/4]`."""
@@ -551,6 +590,11 @@ class Block(nnx.Module):
 
   def prefill(self, x, cos, sin, lengths, cache, segment_ids=None):
     h, cache = self.attn.prefill(self.attn_norm(x), cos, sin, lengths, cache, segment_ids)
+    x = x + h
+    return x + self.mlp(self.mlp_norm(x)), cache
+
+  def prefill_chunk(self, x, cos, sin, lengths, offset, cache):
+    h, cache = self.attn.prefill_chunk(self.attn_norm(x), cos, sin, lengths, offset, cache)
     x = x + h
     return x + self.mlp(self.mlp_norm(x)), cache
 
@@ -670,6 +714,39 @@ class Decoder(nnx.Module):
                                                       segment_ids)
 
     x, caches = jax.lax.scan(layer, x, stacked)
+    last = x[jnp.arange(x.shape[0]), jnp.maximum(lengths - 1, 0)]  # [B, E]
+    return self._next_logits(last), tuple(jax.tree.map(lambda a, i=i: a[i], caches)
+                                          for i in range(len(self.blocks)))
+
+  def prefill_chunk(self, tokens: Int[Array, "B S"], lengths: Int[Array, "B"], state: tuple,
+                    offset: Int[Array, ""]) -> tuple[Float[Array, "B Vp"], tuple]:
+    """Chunked prefill (`pisa_jax.generate(..., prefill_chunk=S)`): appends row b's
+    tokens[b, :lengths[b]] at positions offset .. offset + lengths[b] - 1 to every layer's cache
+    (rows with lengths[b] > 0 hold exactly offset tokens, rows with 0 keep theirs; each cache has
+    room for offset + S tokens). The chunk's queries attend over everything before them, so chunk
+    after chunk gives the caches and last-token logits of `prefill` over the whole prompts. Dense
+    and the PISA kinds; offset may be traced (one compiled chunk for every chunk). Returns the
+    float32 logits of each row's last appended token (stale where lengths[b] == 0)."""
+    cfg = self.cfg
+    chex.assert_rank(tokens, 2)  # [B, S]
+    if len(state) != len(self.blocks):
+      raise ValueError(f"state holds {len(state)} caches: expected one per layer "
+                       f"({len(self.blocks)})")
+    x = jnp.take(self.embed[...], tokens, axis=0).astype(compute_dtype(cfg))
+    offset = jnp.asarray(offset, jnp.int32)
+    cos, sin = RopeSpec.of(cfg).at(offset + jnp.arange(tokens.shape[1], dtype=jnp.int32))
+    # Scanned over the layers as `prefill` is (one call site per kernel), each layer with its
+    # own cache: the caches are stacked for the scan and split after it (a copy of them per
+    # chunk, against the chunk's compute).
+    graphdef, _ = nnx.split(self.blocks[0])
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(b) for b in self.blocks])
+    caches = jax.tree.map(lambda *xs: jnp.stack(xs), *state)
+
+    def layer(x, inputs):
+      block_state, cache = inputs
+      return nnx.merge(graphdef, block_state).prefill_chunk(x, cos, sin, lengths, offset, cache)
+
+    x, caches = jax.lax.scan(layer, x, (stacked, caches))
     last = x[jnp.arange(x.shape[0]), jnp.maximum(lengths - 1, 0)]  # [B, E]
     return self._next_logits(last), tuple(jax.tree.map(lambda a, i=i: a[i], caches)
                                           for i in range(len(self.blocks)))
@@ -899,3 +976,43 @@ def dense_decode_attention(q: Float[Array, "B 1 HQ D"], k: Float[Array, "B 1 HKV
                    precision=jax.lax.Precision.HIGHEST).reshape(b, 1, hq, d)
   out = jnp.where((positions >= n)[:, None, None, None], jnp.nan, out)
   return out.astype(q.dtype), KVCache(k=k_cache, v=v_cache, lengths=positions + 1)
+
+
+def dense_chunk_attention(q: Float[Array, "B S HQ D"], k: Float[Array, "B N HKV D"],
+                          v: Float[Array, "B N HKV D"], offset: Int[Array, ""], *,
+                          key_tile: int = 512) -> Float[Array, "B S HQ D"]:
+  """Causal dense attention of S queries at positions offset .. offset + S - 1 over the keys
+  0 .. N - 1 (key j visible to the query at p when j <= p): an online softmax over tiles of
+  `key_tile` keys, float32 statistics, only the tiles up to offset + S read (offset may be
+  traced). No [S, N] mask or logits exist at once: [S, key_tile] a tile."""
+  b, s, hq, d = q.shape
+  n, hkv = k.shape[1], k.shape[2]
+  tile = min(key_tile, n)
+  pad = (0, 0), (0, -n % tile), (0, 0), (0, 0)
+  k, v = jnp.pad(k, pad), jnp.pad(v, pad)
+  # Query head h reads KV head h // (HQ / HKV), as jax.nn.dot_product_attention does.
+  qg = q.astype(jnp.float32).reshape(b, s, hkv, hq // hkv, d) / math.sqrt(d)
+  positions = offset + jnp.arange(s, dtype=jnp.int32)
+
+  def body(i, carry):
+    m, denom, acc = carry  # [B, HKV, G, S], [B, HKV, G, S], [B, HKV, G, S, D]
+    kt, vt = (jax.lax.dynamic_slice_in_dim(x, i * tile, tile, axis=1).astype(jnp.float32)
+              for x in (k, v))
+    logits = jnp.einsum("bshgd,bnhd->bhgsn", qg, kt, precision=jax.lax.Precision.HIGHEST)
+    visible = i * tile + jnp.arange(tile)[None, :] <= positions[:, None]  # [S, tile]
+    logits = jnp.where(visible, logits, -jnp.inf)
+    # Tile 0 holds key 0, visible to every query: m is finite from then on.
+    m_new = jnp.maximum(m, logits.max(axis=-1))
+    p = jnp.exp(logits - m_new[..., None])
+    correction = jnp.exp(m - m_new)
+    acc = acc * correction[..., None] + jnp.einsum("bhgsn,bnhd->bhgsd", p, vt,
+                                                   precision=jax.lax.Precision.HIGHEST)
+    return m_new, denom * correction + p.sum(axis=-1), acc
+
+  shape = (b, hkv, hq // hkv, s)
+  init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+          jnp.zeros(shape + (d,), jnp.float32))
+  tiles = jnp.minimum((offset + s + tile - 1) // tile, k.shape[1] // tile)
+  _, denom, acc = jax.lax.fori_loop(0, tiles, body, init)
+  out = acc / denom[..., None]  # [B, HKV, G, S, D]
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, s, hq, d).astype(q.dtype)

@@ -9,6 +9,14 @@ plain KV cache).
 
     out = pisa_jax.generate(model, [[15496, 995], [464]], max_new_tokens=32, stop_tokens=(50256,))
     out.sequences()   # the new tokens of each row, up to and including its stop token
+    out = pisa_jax.generate(model, prompts, max_new_tokens=32, temperature=0.8, top_p=0.95,
+                            key=jax.random.key(1))      # sampled, reproducible from the key
+
+Rows are independent: a row's tokens are those it would get generated alone (greedy: always; sampled:
+with the same row key, see `generate`'s `key`), whatever the lengths of the other prompts.
+A prompt too long for one pass is read in chunks (`prefill_chunk=`): each chunk is appended to
+the cache and its queries select over everything before it, with the same first token and cache
+as one pass.
 
 Shapes are bucketed so that compiled code is reused across calls: prompts are right-padded to a
 power of two, and the cache holds the power-of-two bucket (`bucket_capacity`) of the longest
@@ -34,6 +42,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+# Every op registered (and the kernels' modules imported) before the first trace: the import
+# inside the first trace defines jax config options, which changes the tracing context, so the
+# second generation in a process traced and compiled its prefill again (1.4 s on `tiny`, CPU).
+from pisa_jax import _ops  # noqa: F401
 from pisa_jax._validation import _is_int
 from pisa_jax.decode import bucket_capacity
 
@@ -73,6 +85,16 @@ class DecodeModel(Protocol):
     """Appends one token per row at the row's length; returns float32 logits of that position
     (the distribution of the next token) and the state with every length one longer."""
 
+  # Optional, for `generate(..., prefill_chunk=S)`:
+  #
+  # def prefill_chunk(self, tokens: Int[Array, "B S"], lengths: Int[Array, "B"], state: Any,
+  #                   offset: Int[Array, ""]) -> tuple[Float[Array, "B V"], Any]:
+  #   """Appends row b's tokens[b, :lengths[b]] at positions offset .. offset + lengths[b] - 1
+  #   (offset traced; every row with lengths[b] > 0 holds exactly offset tokens, rows with 0
+  #   are left as they are; the state has room for offset + S tokens). The chunk's queries see
+  #   every token before them. Returns float32 logits of each row's last appended token
+  #   (unspecified where lengths[b] == 0) and the state."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Generation:
@@ -98,8 +120,9 @@ class Generation:
 
 
 def generate(model: DecodeModel, prompt_tokens, *, max_new_tokens: int, temperature: float = 0.0,
-             top_p: float = 1.0, stop_tokens: Sequence[int] = (), seed: int = 0,
-             prompt_lengths=None, prompt_segment_ids=None, initial_capacity: int | None = None,
+             top_p: float = 1.0, stop_tokens: Sequence[int] = (), key=None,
+             seed: int | None = None, prompt_lengths=None, prompt_segment_ids=None,
+             prefill_chunk: int | None = None, initial_capacity: int | None = None,
              return_logits: bool = False, steps_per_call: int = 16) -> Generation:
   """Generates up to `max_new_tokens` tokens after each prompt.
 
@@ -107,20 +130,34 @@ def generate(model: DecodeModel, prompt_tokens, *, max_new_tokens: int, temperat
     model: a `DecodeModel` (e.g. `pisa_jax.models.Decoder`).
     prompt_tokens: a list of token sequences (lengths may differ), or an int array `[B, T]` of
       right-padded prompts with `prompt_lengths` (default: T for every row). Each has >= 1 token.
+      Rows are independent: each row's tokens are the ones it gets generated alone (its logits
+      equal to float32 rounding, the padding never seen).
     max_new_tokens: tokens to generate per row, >= 1.
     temperature: 0 is greedy (argmax, the lowest id on a tie); > 0 samples from
       softmax(logits / temperature).
     top_p: nucleus sampling (temperature > 0): sample among the most likely tokens whose
       probabilities sum to at least top_p, in (0, 1]; 1 keeps every token.
-    stop_tokens: ids that end a row (it is kept, then the row holds PAD); the other rows go on.
-      Generation ends when every row has stopped.
-    seed: the random stream of sampling; the same seed, prompts and model give the same tokens.
+    stop_tokens: ids that end a row at the first of them it generates (it is kept, then the row
+      holds PAD); the other rows go on. Generation ends when every row has stopped.
+    key: the randomness of sampling, a `jax.random.key` (or a raw uint32 `[2]` key): row b
+      draws from the stream `fold_in(key, b)`; or one key per row, `[B]` (raw: `[B, 2]`), row b
+      drawing from `key[b]`. A row's draw at step s uses `fold_in(row_key, s)` alone, so its
+      tokens depend on its own prompt and row key, never on the other rows: row b of a batch
+      generated with keys `ks` is the row generated alone with `ks[b:b + 1]`.
+    seed: shorthand for `key=jax.random.key(seed)` (default 0); give key or seed, not both.
     prompt_lengths: valid tokens per row of an array `prompt_tokens`.
     prompt_segment_ids: packed prompts: int `[B, T]` document ids of an array `prompt_tokens`,
       non-decreasing over each row's valid tokens. The prompt is read with no attention across
       documents (positions restart at each) and generation continues each row's last document,
       exactly as if that document alone were the prompt. Needs a model whose `prefill` takes
       `segment_ids` (`pisa_jax.models.Decoder` does).
+    prefill_chunk: read the prompts in chunks of this many tokens (>= 1) instead of one pass:
+      chunk c (positions c S .. c S + S - 1 of every row) is appended to the cache, its queries
+      selecting over everything before it, so the first token and the cache equal one pass's
+      (float32 rounding apart) while the activations of one pass are those of S tokens. Needs a
+      model with `prefill_chunk` (`pisa_jax.models.Decoder` with dense attention or a PISA
+      kind); not with prompt_segment_ids. A multiple of the model's block size keeps the
+      kernels' tiles whole.
     initial_capacity: tokens per row the cache is first allocated for (default: the longest
       prompt plus max_new_tokens, so it never grows). A smaller one bounds the memory of rows that
       stop early; the cache then grows between power-of-two buckets, one recompile of the step
@@ -136,9 +173,10 @@ def generate(model: DecodeModel, prompt_tokens, *, max_new_tokens: int, temperat
   """
   steps = list(generate_stream(
       model, prompt_tokens, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-      stop_tokens=stop_tokens, seed=seed, prompt_lengths=prompt_lengths,
-      prompt_segment_ids=prompt_segment_ids, initial_capacity=initial_capacity,
-      return_logits=return_logits, steps_per_call=steps_per_call))
+      stop_tokens=stop_tokens, key=key, seed=seed, prompt_lengths=prompt_lengths,
+      prompt_segment_ids=prompt_segment_ids, prefill_chunk=prefill_chunk,
+      initial_capacity=initial_capacity, return_logits=return_logits,
+      steps_per_call=steps_per_call))
   logits = None
   if return_logits:
     steps, logits = zip(*steps)
@@ -152,8 +190,9 @@ def generate(model: DecodeModel, prompt_tokens, *, max_new_tokens: int, temperat
 
 def generate_stream(model: DecodeModel, prompt_tokens, *, max_new_tokens: int,
                     temperature: float = 0.0, top_p: float = 1.0,
-                    stop_tokens: Sequence[int] = (), seed: int = 0, prompt_lengths=None,
-                    prompt_segment_ids=None, initial_capacity: int | None = None,
+                    stop_tokens: Sequence[int] = (), key=None, seed: int | None = None,
+                    prompt_lengths=None, prompt_segment_ids=None,
+                    prefill_chunk: int | None = None, initial_capacity: int | None = None,
                     return_logits: bool = False,
                     steps_per_call: int = 16) -> Iterator[np.ndarray]:
   """`generate`, one step at a time: yields each step's new token of every row, int32 `[B]`
@@ -161,7 +200,8 @@ def generate_stream(model: DecodeModel, prompt_tokens, *, max_new_tokens: int,
   is done (the prefill's token first, then `steps_per_call` tokens a call); with
   `return_logits`, (tokens, float32 logits `[B, V]`) pairs.
 
-  The arguments are `generate`'s and are checked before the generator is returned. The next
+  The arguments are `generate`'s and are checked before the generator is returned (a model
+  that refuses chunked prefill for its attention kind raises at the first step). The next
   call is dispatched before this one's tokens are read back, so the device does not wait for
   the host between calls.
   """
@@ -171,10 +211,13 @@ def generate_stream(model: DecodeModel, prompt_tokens, *, max_new_tokens: int,
   if segments is not None and "segment_ids" not in inspect.signature(model.prefill).parameters:
     raise TypeError(f"prompt_segment_ids needs a model whose prefill takes segment_ids: "
                     f"{type(model).__name__}.prefill does not")
-  _check_options(max_new_tokens, temperature, top_p, seed, initial_capacity, steps_per_call)
+  _check_options(max_new_tokens, temperature, top_p, initial_capacity, steps_per_call)
+  _check_prefill_chunk(prefill_chunk, model, segments)
+  row_keys = _row_keys(key, seed, tokens.shape[0])
   stop = _check_stop_tokens(stop_tokens, model.vocab_size)
   return _stream(model, tokens, lengths, segments, max_new_tokens=int(max_new_tokens),
-                 temperature=float(temperature), top_p=float(top_p), stop=stop, seed=int(seed),
+                 temperature=float(temperature), top_p=float(top_p), stop=stop,
+                 row_keys=row_keys, prefill_chunk=prefill_chunk,
                  initial_capacity=initial_capacity, return_logits=bool(return_logits),
                  steps_per_call=int(steps_per_call))
 
@@ -184,12 +227,14 @@ def _bucket(num_tokens: int) -> int:
 
 
 def _stream(model, tokens: np.ndarray, lengths: np.ndarray, segments: np.ndarray | None, *,
-            max_new_tokens: int,
-            temperature: float, top_p: float, stop: np.ndarray, seed: int,
-            initial_capacity: int | None, return_logits: bool,
+            max_new_tokens: int, temperature: float, top_p: float, stop: np.ndarray, row_keys,
+            prefill_chunk: int | None, initial_capacity: int | None, return_logits: bool,
             steps_per_call: int) -> Iterator[np.ndarray]:
   batch, longest = tokens.shape[0], int(lengths.max())
-  width = _bucket(longest)
+  if prefill_chunk is None:
+    width = _bucket(longest)
+  else:  # whole chunks: the last one padded like the others
+    width = -(-longest // prefill_chunk) * prefill_chunk
   padded = np.zeros((batch, width), np.int32)
   cols = min(tokens.shape[1], width)
   padded[:, :cols] = tokens[:, :cols]
@@ -202,15 +247,20 @@ def _stream(model, tokens: np.ndarray, lengths: np.ndarray, segments: np.ndarray
   capacity = max(_bucket(needed if initial_capacity is None else initial_capacity), width)
   # Stop ids padded with PAD to a multiple of 8: a different number of them compiles nothing new.
   stop = np.pad(stop, (0, max(8, -(-len(stop) // 8) * 8) - len(stop)), constant_values=PAD)
-  scalars = (jax.random.key(seed), jnp.float32(max(temperature, 1e-30)), jnp.float32(top_p),
+  scalars = (row_keys, jnp.float32(max(temperature, 1e-30)), jnp.float32(top_p),
              jnp.asarray(stop, jnp.int32))
+  greedy = temperature == 0.0
   # The model is flattened once: an NNX module's flatten runs in Python (~0.4 ms for 16 layers),
   # a list of arrays in jit's C++ dispatch, and a step's device time at B = 1 is about that.
   model_leaves, model_def = jax.tree.flatten(model)
-  token, done, state, logits = _prefill(model_def, model_leaves, jnp.asarray(padded),
-                                        jnp.asarray(lengths), segments, *scalars,
-                                        capacity=capacity, greedy=temperature == 0.0)
-  greedy = temperature == 0.0
+  if prefill_chunk is None:
+    token, done, state, logits = _prefill(model_def, model_leaves, jnp.asarray(padded),
+                                          jnp.asarray(lengths), segments, *scalars,
+                                          capacity=capacity, greedy=greedy)
+  else:
+    token, done, state, logits = _chunked_prefill(model, model_def, model_leaves, padded,
+                                                  lengths, scalars, chunk=prefill_chunk,
+                                                  capacity=capacity, greedy=greedy)
   done_steps = 1  # the prefill's token is step 0
 
   def dispatch(token, done, state):
@@ -244,23 +294,68 @@ def _stream(model, tokens: np.ndarray, lengths: np.ndarray, segments: np.ndarray
       return
 
 
+def _chunked_prefill(model, model_def, model_leaves, padded: np.ndarray, lengths: np.ndarray,
+                     scalars, *, chunk: int, capacity: int, greedy: bool):
+  """The prefill in chunks of `chunk` tokens: `_prefill`'s (token, done, state, logits).
+
+  Every row's chunk c is its positions c chunk .. c chunk + chunk - 1 (rows whose prompt ended
+  before take none), so the rows still reading all hold exactly c chunk tokens, the offset of
+  `prefill_chunk`; the offset is traced, so one compiled chunk serves every chunk. The state is
+  allocated at `capacity` (>= the padded width) from the start: no copy of a grown cache."""
+  batch, width = padded.shape
+  del model  # the chunks run on the flattened model
+  state = _empty_state(model_def, model_leaves, batch=batch, capacity=capacity)
+  logits = None
+  for offset in range(0, width, chunk):
+    taken = np.clip(lengths - offset, 0, chunk).astype(np.int32)
+    chunk_logits, state = _prefill_chunk(model_def, model_leaves,
+                                         jnp.asarray(padded[:, offset:offset + chunk]),
+                                         jnp.asarray(taken), np.int32(offset), state)
+    # A row's last prompt token lies in the last chunk that gave it tokens.
+    logits = chunk_logits if logits is None else _where_taken(taken, chunk_logits, logits)
+  token, done = _first_token(logits, *scalars, greedy=greedy)
+  return token, done, state, logits
+
+
+@functools.partial(jax.jit, static_argnames=("model_def", "batch", "capacity"))
+def _empty_state(model_def, model_leaves, *, batch: int, capacity: int):
+  return jax.tree.unflatten(model_def, model_leaves).init_decode_state(batch, capacity)
+
+
+@functools.partial(jax.jit, static_argnames=("model_def",), donate_argnames=("state",))
+def _prefill_chunk(model_def, model_leaves, tokens, lengths, offset, state):
+  model = jax.tree.unflatten(model_def, model_leaves)
+  return model.prefill_chunk(tokens, lengths, state, offset)
+
+
+@jax.jit
+def _where_taken(taken, chunk_logits, logits):
+  return jnp.where((taken > 0)[:, None], chunk_logits, logits)
+
+
+@functools.partial(jax.jit, static_argnames=("greedy",))
+def _first_token(logits, row_keys, temperature, top_p, stop, *, greedy: bool):
+  token = _sample(logits, row_keys, 0, temperature, top_p, greedy=greedy)
+  return token, jnp.isin(token, stop)
+
+
 @functools.partial(jax.jit, static_argnames=("model_def", "capacity", "greedy"))
-def _prefill(model_def, model_leaves, tokens, lengths, segments, key, temperature, top_p, stop, *,
-             capacity: int, greedy: bool):
+def _prefill(model_def, model_leaves, tokens, lengths, segments, row_keys, temperature, top_p,
+             stop, *, capacity: int, greedy: bool):
   model = jax.tree.unflatten(model_def, model_leaves)
   state = model.init_decode_state(tokens.shape[0], capacity)
   if segments is None:
     logits, state = model.prefill(tokens, lengths, state)
   else:
     logits, state = model.prefill(tokens, lengths, state, segment_ids=segments)
-  token = _sample(logits, jax.random.fold_in(key, 0), temperature, top_p, greedy=greedy)
+  token = _sample(logits, row_keys, 0, temperature, top_p, greedy=greedy)
   return token, jnp.isin(token, stop), state, logits
 
 
 @functools.partial(jax.jit, static_argnames=("model_def", "greedy", "chunk", "with_logits"),
                    donate_argnames=("state",))
-def _steps(model_def, model_leaves, token, done, state, first, count, key, temperature, top_p,
-           stop, *, greedy: bool, chunk: int, with_logits: bool):
+def _steps(model_def, model_leaves, token, done, state, first, count, row_keys, temperature,
+           top_p, stop, *, greedy: bool, chunk: int, with_logits: bool):
   """Steps first .. first + count - 1 (count <= chunk) in one loop on the device, which ends
   early once every row has stopped. Returns the last token, done flags and state, the steps'
   tokens int32 `[chunk, B]` (PAD for a row stopped before the step, and past the last step run),
@@ -270,7 +365,7 @@ def _steps(model_def, model_leaves, token, done, state, first, count, key, tempe
 
   def one(i, token, done, state):
     logits, state = model.decode(token, state)
-    new = _sample(logits, jax.random.fold_in(key, first + i), temperature, top_p, greedy=greedy)
+    new = _sample(logits, row_keys, first + i, temperature, top_p, greedy=greedy)
     # A stopped row keeps feeding its stop token: its cache advances with the batch, unread.
     new = jnp.where(done, token, new)
     return new, done | jnp.isin(new, stop), state, logits
@@ -296,10 +391,12 @@ def _steps(model_def, model_leaves, token, done, state, first, count, key, tempe
   return token, done, state, tokens_out, logits_out, ran
 
 
-def _sample(logits: Float[Array, "B V"], key, temperature, top_p, *,
+def _sample(logits: Float[Array, "B V"], row_keys, step, temperature, top_p, *,
             greedy: bool) -> Int[Array, "B"]:
-  """The next token of each row: argmax, or a draw from the tempered nucleus distribution.
-  temperature and top_p are traced: changing them compiles nothing new."""
+  """The next token of each row: argmax, or a draw from the tempered nucleus distribution with
+  key fold_in(row_keys[b], step) (one typed key per row, `[B]`), so that a row's draw depends on
+  its own key and logits alone. temperature and top_p are traced: changing them compiles nothing
+  new."""
   logits = logits.astype(jnp.float32)
   if greedy:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -313,7 +410,32 @@ def _sample(logits: Float[Array, "B V"], key, temperature, top_p, *,
   keep = (before < top_p) | (top_p >= 1.0)
   threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
   logits = jnp.where(logits >= threshold, logits, -jnp.inf)
-  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+  keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, step)
+  return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
+
+
+def _row_keys(key, seed, batch: int):
+  """One typed PRNG key per row, `[B]`, from `generate`'s key or seed."""
+  if key is not None and seed is not None:
+    raise ValueError(f"give key= or seed=, not both (got key and seed={seed!r})")
+  if key is None:
+    if seed is not None and not _is_int(seed):
+      raise ValueError(f"seed={seed!r} must be an int")
+    key = jax.random.key(0 if seed is None else int(seed))
+  typed = key
+  if (isinstance(key, (jax.Array, np.ndarray)) and key.dtype == np.uint32 and key.ndim in (1, 2)
+      and key.shape[-1] == 2):
+    typed = jax.random.wrap_key_data(jnp.asarray(key))  # a raw key, `[2]` or `[B, 2]`
+  if (not isinstance(typed, jax.Array) or not jax.dtypes.issubdtype(typed.dtype,
+                                                                     jax.dtypes.prng_key)
+      or typed.shape not in ((), (batch,))):
+    raise ValueError(f"key must be one jax.random.key (or a raw uint32 [2] key) or one per row "
+                     f"[B] = [{batch}] (raw: [{batch}, 2]), got "
+                     f"{getattr(key, 'dtype', type(key).__name__)} "
+                     f"{tuple(getattr(key, 'shape', ()))}")
+  if typed.shape == ():
+    typed = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(typed, jnp.arange(batch))
+  return typed
 
 
 # ----------------------------------------------------------------------------- argument checks
@@ -403,7 +525,7 @@ def _check_segment_ids(prompt_segment_ids, tokens: np.ndarray,
   return ids.astype(np.int32)
 
 
-def _check_options(max_new_tokens, temperature, top_p, seed, initial_capacity,
+def _check_options(max_new_tokens, temperature, top_p, initial_capacity,
                    steps_per_call) -> None:
   if not _is_int(max_new_tokens) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
@@ -413,12 +535,24 @@ def _check_options(max_new_tokens, temperature, top_p, seed, initial_capacity,
   if (isinstance(top_p, bool) or not isinstance(top_p, (int, float, np.number))
       or not 0 < top_p <= 1):
     raise ValueError(f"top_p={top_p!r} must lie in (0, 1] (1: no nucleus truncation)")
-  if not _is_int(seed):
-    raise ValueError(f"seed={seed!r} must be an int")
   if initial_capacity is not None and (not _is_int(initial_capacity) or initial_capacity < 1):
     raise ValueError(f"initial_capacity={initial_capacity!r} must be an int >= 1 or None")
   if not _is_int(steps_per_call) or steps_per_call < 1:
     raise ValueError(f"steps_per_call={steps_per_call!r} must be an int >= 1")
+
+
+def _check_prefill_chunk(prefill_chunk, model, segments) -> None:
+  if prefill_chunk is None:
+    return
+  if not _is_int(prefill_chunk) or prefill_chunk < 1:
+    raise ValueError(f"prefill_chunk={prefill_chunk!r} must be an int >= 1 (tokens a chunk) or "
+                     "None (one pass)")
+  if segments is not None:
+    raise ValueError("prefill_chunk reads one document per row: it does not take "
+                     "prompt_segment_ids")
+  if not callable(getattr(model, "prefill_chunk", None)):
+    raise TypeError(f"prefill_chunk needs a model with a prefill_chunk method (DecodeModel): "
+                    f"{type(model).__name__} has none")
 
 
 def _check_stop_tokens(stop_tokens, vocab_size: int) -> np.ndarray:

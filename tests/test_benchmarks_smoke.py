@@ -21,10 +21,20 @@ from pisa_jax.testing import random_block_indices
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ("selection", "attention", "layer", "training", "multi_gpu", "decode",
            "context_parallel", "packed", "ceilings", "paper_settings", "nsa", "summary_dtype",
-           "hils")
+           "hils", "generation")
 
 # One small fake result per script, rows as the script writes them.
 FAKE_ROWS = {
+    "generation": [
+        dict(case=f"small-{a}-B{b}-{n // 1024}K" + (f"-chunk{c // 1024}K" if c else ""),
+             preset="small", attention=a, batch=b, length=n, prefill_chunk=c,
+             date="2026-12-05T00:00:00Z", commit="abc", first_token_cold_s=10.0 + n / 2**17,
+             prefill_warm_s=n / 2**18, tokens_per_s=t * b, ms_per_token=1e3 / t,
+             cache_mib_per_row=n / 2**12, peak_gib=20.0, first_tokens=[5] * b)
+        for a, t in (("pisa", 800.0), ("dense", 300.0))
+        for b, n, c in ((1, 32768, None), (8, 32768, None), (1, 131072, None),
+                        (1, 1 << 20, None), (1, 1 << 20, 65536))
+        if not (a == "dense" and c)],
     "selection": [
         dict(n=n, side=side, selector=sel, beam=8 if sel == "pisa" else None, ms=ms, memory_mb=1.0)
         for n, scale in ((4096, 1), (8192, 2))
@@ -127,6 +137,7 @@ FAKE_ROWS = {
                 value=2.57, target=4.0, met=False)],
 }
 SETTINGS = {
+    "generation": dict(presets=["small"], new_tokens=256, steps_per_call=16),
     "selection": dict(hq=32, hkv=2, d=64, block_size=64, top_k=8, branching=2, dtype="bfloat16"),
     "attention": dict(indices="random"),
     "layer": {},
@@ -323,6 +334,44 @@ def test_decode_select_sweeps_time_the_kernel_at_each_setting(tmp_path):
   assert ours["loop_ms_select_w1"] > 0 and ours["loop_ms_select_w2"] > 0, ours
   table = decode.table(record)
   assert "w1 " in table and "w2 " in table
+
+
+def test_generation_cases_names_and_calls():
+  from benchmarks import generation
+
+  cases = generation.grid()
+  names = [c.name for c in cases]
+  assert len(set(names)) == len(names)
+  assert all(generation.Case.parse(c.name) == c for c in cases)
+  assert "small-pisa-B1-1M-chunk64K" in names and "418m-dense-B32-128K-chunk32K" in names
+  assert "small-dense-B1-1M-chunk64K" not in names  # dense chunks at 1M: minutes of jnp
+  # Ragged rows: the longest fills L with its new tokens, the shortest about half of it.
+  assert generation.Case("small", "pisa", 8, 32768).prompt_lengths(256) == [
+      32512 - 2048 * b for b in range(8)]
+  calls = generation.plan(cases, 450, 256, cached=False)
+  assert sorted(c.name for call in calls for c in call) == sorted(names)
+  for call in calls:
+    assert len(call) == 1 or sum(generation.estimate_s(c) for c in call) <= 450
+
+
+@pytest.mark.slow  # ~15 s: two fresh processes of the tiny preset
+def test_generation_runs_cases_in_fresh_processes(tmp_path):
+  from benchmarks import generation
+
+  record = generation.main(["--presets", "tiny", "--lengths", "256", "--batches", "2",
+                            "--no-long", "--new-tokens", "8", "--implementation", "xla",
+                            "--out", str(tmp_path)])
+  rows = {r["case"]: r for r in record["rows"]}
+  assert set(rows) == {"tiny-pisa-B2-256", "tiny-dense-B2-256"}, rows
+  for row in rows.values():
+    assert "error" not in row, row
+    assert row["tokens_per_s"] > 0 and row["prefill_warm_s"] < row["first_token_cold_s"]
+    assert row["prompt_tokens"] == 248 + 184 and len(row["first_tokens"]) == 2
+  # A second run of one case keeps the other's row.
+  again = generation.main(["--presets", "tiny", "--lengths", "256", "--batches", "2",
+                           "--no-long", "--new-tokens", "8", "--implementation", "xla",
+                           "--cases", "tiny-dense-*", "--in-process", "--out", str(tmp_path)])
+  assert {r["case"] for r in again["rows"]} == set(rows)
 
 
 @pytest.mark.slow  # ~80 s of CPU; generation itself is tested in test_generate.py

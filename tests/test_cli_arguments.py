@@ -23,7 +23,8 @@ SCRIPTS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scrip
 HAS_LM_EVAL = importlib.util.find_spec("lm_eval") is not None
 
 # (tool, argv, a phrase of the message). {tmp} is a folder of the test: {tmp}/notes.txt is text,
-# {tmp}/one.npy a single array, {tmp}/run no run folder at all.
+# {tmp}/one.npy a single array, {tmp}/prompts.jsonl a prompt, a blank line and a JSON number,
+# {tmp}/run no run folder at all.
 CASES = [
     ("pisa-prepare-data", ["--fiels", "{tmp}/notes.txt", "--out", "{tmp}/corpus"],
      "unrecognized arguments: --fiels"),
@@ -33,6 +34,14 @@ CASES = [
      "--workdir: {tmp}/run does not exist"),
     ("pisa-generate", ["--workdir", "{tmp}", "--prompt", "Once", "--top-p", "0"],
      "argument --top-p: 0 must be in (0, 1]"),
+    ("pisa-generate", ["--workdir", "{tmp}", "--prompt", "Once", "--prefill-chunk", "0"],
+     "argument --prefill-chunk: 0 must be >= 1"),
+    ("pisa-generate", ["--workdir", "{tmp}", "--prompt-file", "{tmp}/missing.txt"],
+     "--prompt-file: {tmp}/missing.txt does not exist"),
+    ("pisa-generate", ["--workdir", "{tmp}", "--prompt-file", "{tmp}/prompts.jsonl"],
+     "--prompt-file: {tmp}/prompts.jsonl line 3 is no prompt: expected a JSON string"),
+    ("pisa-generate", ["--workdir", "{tmp}", "--prompt", "Once", "--prompt-file", "{tmp}/p"],
+     "argument --prompt-file: not allowed with argument --prompt"),
     ("pisa-eval", ["--workdir", "{tmp}", "--suite", "ppl"],
      "--workdir: {tmp} has no config.json and no checkpoint"),
     ("pisa-eval", ["--workdir", "{tmp}", "--suite", "ppl,bleu"], "unknown suite 'bleu'"),
@@ -96,6 +105,7 @@ def test_every_tool_but_pisa_train_has_a_case():
 def results(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("cli")
   (tmp / "notes.txt").write_text("These are notes, not arrays.\n")
+  (tmp / "prompts.jsonl").write_text('"Once"\n\n{"prompt": 3}\n')
   np.save(tmp / "one.npy", np.zeros((2, 3), np.float32))
   cases = [(SCRIPTS[tool], [a.format(tmp=tmp) for a in argv]) for tool, argv, _ in CASES]
   run = subprocess.run([sys.executable, "-c", RUNNER], input=json.dumps(cases), cwd=REPO,

@@ -176,9 +176,9 @@ def test_nucleus_sampling_draws_from_the_renormalised_head_of_the_distribution()
   probs = np.array([0.5, 0.3, 0.15, 0.05])
   draws = 20_000
   logits = jnp.tile(jnp.log(jnp.asarray(probs, jnp.float32)), (draws, 1))
-  key = jax.random.key(0)
+  keys = jax.random.split(jax.random.key(0), draws)  # one key a row, as generate's rows
   for top_p, kept in ((0.7, 2), (0.85, 3), (1.0, 4)):
-    tokens = np.asarray(_sample(logits, key, jnp.float32(1.0), jnp.float32(top_p),
+    tokens = np.asarray(_sample(logits, keys, 0, jnp.float32(1.0), jnp.float32(top_p),
                                 greedy=False))
     freq = np.bincount(tokens, minlength=4) / draws
     want = np.where(np.arange(4) < kept, probs, 0.0)
@@ -186,10 +186,146 @@ def test_nucleus_sampling_draws_from_the_renormalised_head_of_the_distribution()
     # Five standard deviations of a binomial frequency: a wrong nucleus is off by >= 0.05.
     np.testing.assert_allclose(freq, want, atol=5 * np.sqrt(0.25 / draws))
   # Temperature 0.5 squares the probabilities before renormalising.
-  tokens = np.asarray(_sample(logits, key, jnp.float32(0.5), jnp.float32(1.0), greedy=False))
+  tokens = np.asarray(_sample(logits, keys, 0, jnp.float32(0.5), jnp.float32(1.0),
+                              greedy=False))
   want = probs ** 2 / (probs ** 2).sum()
   np.testing.assert_allclose(np.bincount(tokens, minlength=4) / draws, want,
                              atol=5 * np.sqrt(0.25 / draws))
+
+
+# Each kind's decoder at the sizes of its own tests: NSA's blocks of 8 at stride 4, a window of
+# 6; HiLS's chunks of 4, top-2 and a window of 4. From ~16 tokens on, selection decides.
+KINDS = {
+    "pisa": dict(attention="pisa"),
+    "dense": dict(attention="dense"),
+    "nsa": dict(attention="nsa", nsa_block_length=8, nsa_stride=4, nsa_select_block_size=8,
+                nsa_top_n=4, nsa_window=6),
+    "hils": dict(attention="hils", hils_chunk_size=4, hils_top_k=2, hils_window=4,
+                 hils_landmark_rank=4),
+}
+
+
+# NSA and HiLS: their generation equals the full forward pass row by row (test_nsa.py,
+# test_hils.py); here ~13 s each.
+@pytest.mark.parametrize("kind", ["pisa", "dense"] + [
+    pytest.param(kind, marks=pytest.mark.slow) for kind in ("nsa", "hils")])
+def test_each_row_of_a_ragged_batch_is_the_row_generated_alone(kind):
+  # Rows of 27, 3 and 12 tokens padded to 32 in the batch, to 32 and 16 alone: neither the
+  # padding nor the other rows reach a row's tokens.
+  fields = dict(KINDS[kind])
+  model = _model(fields.pop("attention"), **fields)
+  kw = dict(max_new_tokens=8, initial_capacity=64, return_logits=True, steps_per_call=8)
+  batch = pisa_jax.generate(model, PROMPTS, **kw)
+  for b, prompt in enumerate(PROMPTS):
+    alone = pisa_jax.generate(model, [prompt], **kw)
+    np.testing.assert_array_equal(batch.tokens[b], alone.tokens[0], err_msg=f"row {b}")
+    np.testing.assert_allclose(batch.logits[b], alone.logits[0], atol=OUTPUT_ATOL[jnp.float32],
+                               rtol=OUTPUT_RTOL[jnp.float32], err_msg=f"row {b}")
+
+
+def test_a_sampled_row_is_the_row_sampled_alone_with_its_key():
+  model = _model("dense")
+  kw = dict(max_new_tokens=NEW_TOKENS, initial_capacity=64, temperature=1.5, top_p=0.9)
+  keys = jax.random.split(jax.random.key(8), 3)
+  batch = pisa_jax.generate(model, PROMPTS, key=keys, **kw)
+  for b, prompt in enumerate(PROMPTS):
+    alone = pisa_jax.generate(model, [prompt], key=keys[b:b + 1], **kw)
+    np.testing.assert_array_equal(batch.tokens[b], alone.tokens[0], err_msg=f"row {b}")
+  # One key: row b draws from fold_in(key, b); a raw uint32 key is the same key.
+  key = jax.random.key(7)
+  one = pisa_jax.generate(model, PROMPTS, key=key, **kw)
+  folded = jnp.stack([jax.random.fold_in(key, b) for b in range(3)])
+  np.testing.assert_array_equal(one.tokens,
+                                pisa_jax.generate(model, PROMPTS, key=folded, **kw).tokens)
+  raw = pisa_jax.generate(model, PROMPTS, key=jax.random.key_data(key), **kw)
+  np.testing.assert_array_equal(one.tokens, raw.tokens)
+  assert (one.tokens != batch.tokens).any()  # the key is what decides
+
+
+def _padded(prompts) -> tuple[np.ndarray, np.ndarray]:
+  tokens = np.zeros((len(prompts), max(map(len, prompts))), np.int32)
+  for b, prompt in enumerate(prompts):
+    tokens[b, :len(prompt)] = prompt
+  return tokens, np.array([len(p) for p in prompts], np.int32)
+
+
+@pytest.mark.parametrize("attention", ["pisa", "dense"])
+def test_chunked_prefill_gives_the_first_token_and_cache_of_one_pass(attention):
+  # Prompts of 1,200, 700 and 5 tokens in 3 chunks of 512 (row 1 ends in the second, row 2 in
+  # the first, reading nothing after): 300 leaf blocks of 4, selection over a 9-level pyramid.
+  from pisa_jax import generation
+
+  model = _model(attention)
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(0, 64, n).tolist() for n in (1200, 700, 5)]
+  tokens, lengths = _padded(prompts)
+  leaves, treedef = jax.tree.flatten(model)
+  scalars = (jax.random.split(jax.random.key(0), 3), jnp.float32(1), jnp.float32(1),
+             jnp.full((8,), PAD, jnp.int32))
+  capacity = 2048
+  width = generation._bucket(1200)
+  padded = np.zeros((3, width), np.int32)
+  padded[:, :tokens.shape[1]] = tokens
+  token, _, state, logits = generation._prefill(treedef, leaves, jnp.asarray(padded),
+                                                jnp.asarray(lengths), None, *scalars,
+                                                capacity=capacity, greedy=True)
+  chunked_token, _, chunked_state, chunked_logits = generation._chunked_prefill(
+      model, treedef, leaves, np.pad(tokens, ((0, 0), (0, 3 * 512 - 1200))), lengths, scalars,
+      chunk=512, capacity=capacity, greedy=True)
+  np.testing.assert_allclose(chunked_logits, logits, atol=OUTPUT_ATOL[jnp.float32],
+                             rtol=OUTPUT_RTOL[jnp.float32])
+  np.testing.assert_array_equal(chunked_token, token)
+  top2 = np.sort(np.asarray(logits), axis=-1)[:, -2:]
+  assert (top2[:, 1] - top2[:, 0]).min() > 1e-4  # no near-tie
+  # Every layer's cache: keys, values, the pyramid (sparse) and the lengths.
+  for layer, (one, chunked) in enumerate(zip(state, chunked_state, strict=True)):
+    assert jax.tree.structure(one) == jax.tree.structure(chunked)
+    for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(chunked), strict=True):
+      np.testing.assert_allclose(b, a, atol=OUTPUT_ATOL[jnp.float32],
+                                 rtol=OUTPUT_RTOL[jnp.float32], err_msg=f"layer {layer}")
+    np.testing.assert_array_equal(chunked.lengths, lengths)
+
+
+@pytest.mark.parametrize("attention", ["pisa", "dense"])
+def test_generation_with_chunks_of_any_size_equals_one_pass(attention):
+  # Chunks of 7 (leaf blocks of 4 cut anywhere) and one chunk covering every prompt.
+  model = _model(attention)
+  kw = dict(max_new_tokens=12, initial_capacity=64, return_logits=True)
+  one = pisa_jax.generate(model, PROMPTS, **kw)
+  for chunk in (7, 64):
+    out = pisa_jax.generate(model, PROMPTS, prefill_chunk=chunk, **kw)
+    np.testing.assert_array_equal(out.tokens, one.tokens, err_msg=f"chunk {chunk}")
+    np.testing.assert_allclose(out.logits, one.logits, atol=OUTPUT_ATOL[jnp.float32],
+                               rtol=OUTPUT_RTOL[jnp.float32], err_msg=f"chunk {chunk}")
+
+
+def test_chunked_prefill_is_refused_where_the_decoder_has_none():
+  fields = dict(KINDS["nsa"])
+  model = _model(fields.pop("attention"), **fields)
+  with pytest.raises(ValueError, match="model.attention='nsa' has no chunked prefill"):
+    pisa_jax.generate(model, PROMPTS, max_new_tokens=2, prefill_chunk=8)
+  with pytest.raises(TypeError, match="prefill_chunk needs a model with a prefill_chunk method"):
+    pisa_jax.generate(_NoChunks(model), PROMPTS, max_new_tokens=2, prefill_chunk=8)
+
+
+class _NoChunks(nnx.Module):
+  """A decoder's DecodeModel methods without prefill_chunk."""
+
+  def __init__(self, model):
+    self.model = model
+    self.vocab_size = model.vocab_size
+
+  def init_decode_state(self, batch, capacity):
+    return self.model.init_decode_state(batch, capacity)
+
+  def grow_decode_state(self, state, capacity):
+    return self.model.grow_decode_state(state, capacity)
+
+  def prefill(self, tokens, lengths, state):
+    return self.model.prefill(tokens, lengths, state)
+
+  def decode(self, tokens, state):
+    return self.model.decode(tokens, state)
 
 
 @pytest.mark.parametrize("prompts,kw,pattern", [
@@ -211,6 +347,12 @@ def test_nucleus_sampling_draws_from_the_renormalised_head_of_the_distribution()
     ([[1]], {"stop_tokens": 3}, "stop_tokens=3"),
     ([[1]], {"stop_tokens": (64,)}, "stop_tokens"),
     ([[1]], {"seed": 1.0}, "seed=1.0"),
+    ([[1]], {"seed": 1, "key": jax.random.key(1)}, "give key= or seed=, not both"),
+    ([[1], [2]], {"key": jax.random.split(jax.random.key(1), 3)}, r"key must be .* \[B\] = \[2\]"),
+    ([[1]], {"key": 7}, "key must be one jax.random.key"),
+    ([[1]], {"prefill_chunk": 0}, "prefill_chunk=0 must be an int >= 1"),
+    (np.ones((1, 4), np.int32), {"prefill_chunk": 2, "prompt_segment_ids": np.zeros((1, 4), int)},
+     "prefill_chunk .* does not take prompt_segment_ids"),
     ([[1]], {"initial_capacity": 0}, "initial_capacity=0"),
     ([[1]], {"steps_per_call": 0}, "steps_per_call=0 must be an int >= 1"),
 ])
@@ -289,6 +431,33 @@ def test_the_cli_streams_the_greedy_continuation(tiny_run, monkeypatch):
 
 
 @needs_bpe
+def test_the_cli_generates_a_file_of_prompts_as_one_ragged_batch(tiny_run, tmp_path, capsys):
+  import json
+
+  from pisa_jax.train import generate as cli
+  from pisa_jax.train.tokenizer import gpt2_encoding
+
+  # GPT-2 tokens inside the tiny model's 64-token vocabulary: "1+1=" [16, 10, 16, 28], "2+"
+  # [17, 10]; "=" (28) stops a row.
+  file = tmp_path / "prompts.jsonl"
+  file.write_text('"1+1="\n{"prompt": "2+"}\n')
+  argv = ["--workdir", str(tiny_run), "--prompt-file", str(file), "--max-new-tokens", "8",
+          "--prefill-chunk", "2", "--stop", "=", "--temperature", "1", "--seed", "3"]
+  assert cli.main(argv) == 0
+  lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+  _, model, _ = cli.restore_model(tiny_run)
+  encoding = gpt2_encoding()
+  rows = [encoding.encode_ordinary(p) for p in ("1+1=", "2+")]
+  want = pisa_jax.generate(model, rows, max_new_tokens=8, stop_tokens=(28,), temperature=1.0,
+                           seed=3, prefill_chunk=2)
+  assert [line["prompt"] for line in lines] == ["1+1=", "2+"]
+  for line, tokens, stopped in zip(lines, want.sequences(), want.stopped):
+    text = encoding.decode(tokens[:-1] if stopped else tokens)
+    assert line == {"prompt": line["prompt"], "completion": text, "new_tokens": len(tokens),
+                    "stopped": bool(stopped)}
+
+
+@needs_bpe
 def test_cli_mistakes_are_one_line_naming_the_argument(tiny_run, tmp_path, capsys):
   from pisa_jax.train import generate as cli
 
@@ -311,6 +480,12 @@ def test_cli_mistakes_are_one_line_naming_the_argument(tiny_run, tmp_path, capsy
   fails(run + ["--prompt", "1", "--top-p", "0"], "argument --top-p")
   fails(run + ["--prompt", "1", "--max-new-tokens", "0"], "argument --max-new-tokens")
   fails(run + ["--prompt", "1", "--steps-per-call", "0"], "argument --steps-per-call")
+  fails(run + ["--prompt", "1", "--stop", "1+1"], r"--stop='1\+1' must be one token .* 3 tokens")
+  fails(run + ["--prompt", "1", "--stop", ""], "--stop: empty")
+  long = tmp_path / "long.txt"
+  long.write_text("1+1=\n" + "1+" * 20 + "\n")
+  fails(run + ["--prompt-file", str(long)],
+        r"--prompt-file: prompt 2: 40 tokens exceed the model's context of 32")
   fails(["--prompt", "1"], "--workdir")
 
 
@@ -355,7 +530,8 @@ def test_the_prefill_lowers_each_kernel_once_whatever_the_depth(captured, monkey
     leaves, treedef = jax.tree.flatten(Decoder(cfg, rngs=nnx.Rngs(0)))
     tokens = jax.ShapeDtypeStruct((1, 256), jnp.int32)
     lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
-    scalars = (jax.random.key(0), jnp.float32(1), jnp.float32(1), jnp.full((8,), -1, jnp.int32))
+    scalars = (jax.random.split(jax.random.key(0), 1), jnp.float32(1), jnp.float32(1),
+               jnp.full((8,), -1, jnp.int32))
     lowered = generate_module._prefill.trace(
         treedef, leaves, tokens, lengths, None, *scalars, capacity=512, greedy=True,
     ).lower(lowering_platforms=("cuda",))
@@ -373,7 +549,8 @@ def test_the_jitted_step_has_no_effects(attention, implementation):
   state = jax.eval_shape(lambda: model.init_decode_state(2, 32))
   token = jax.ShapeDtypeStruct((2,), jnp.int32)
   done = jax.ShapeDtypeStruct((2,), jnp.bool_)
-  scalars = (jax.random.key(0), jnp.float32(1), jnp.float32(1), jnp.full((8,), -1, jnp.int32))
+  scalars = (jax.random.split(jax.random.key(0), 2), jnp.float32(1), jnp.float32(1),
+             jnp.full((8,), -1, jnp.int32))
   opts = dict(greedy=True, chunk=4, with_logits=False)
   traced = _steps.trace(treedef, leaves, token, done, state, jnp.int32(1), jnp.int32(4),
                         *scalars, **opts)

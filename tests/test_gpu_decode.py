@@ -51,3 +51,27 @@ def test_step_kernels_equal_the_reference_step(d, top_k, batch):
                              atol=2e-2, rtol=2e-2)
   np.testing.assert_array_equal(np.asarray(got[5]), lengths + 1)
   np.testing.assert_allclose(np.asarray(got[2]), np.asarray(ref[2]), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("attention", ["pisa", "dense"])
+def test_chunked_prefill_on_the_kernels_gives_the_one_pass_first_token(attention):
+  # A 4-layer float32 decoder (C64, K8) on the GPU's kernels (the offset selection and attention
+  # of `pisa_attention_at`), rows of 12,000 and 5,000 tokens read in chunks of 4,096 (the last
+  # chunk's row 1 reads nothing): the first token and logits of one pass.
+  import dataclasses
+
+  from flax import nnx
+
+  from pisa_jax.configs import get_config
+  from pisa_jax.models.decoder import Decoder
+
+  config = dataclasses.replace(get_config("small").model, num_layers=4, attention=attention,
+                               compute_dtype="float32", attention_implementation="pallas")
+  model = Decoder(config, rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (12000, 5000)]
+  kw = dict(max_new_tokens=4, return_logits=True)
+  one = pisa_jax.generate(model, prompts, **kw)
+  chunked = pisa_jax.generate(model, prompts, prefill_chunk=4096, **kw)
+  np.testing.assert_array_equal(chunked.tokens, one.tokens)
+  np.testing.assert_allclose(chunked.logits, one.logits, atol=2e-3, rtol=2e-3)

@@ -93,3 +93,22 @@ def test_a_result_not_yet_measured_names_its_command_until_it_exists(tmp_path):
   (results / "hils.json").write_text(json.dumps(record))
   line = report.table(["HiLS layer"], results).splitlines()[-1]
   assert "16K d128 g16: fwd 3 (pisa 0.667x, nsa 1.33x, cudnn 3x)" in line, line
+
+
+def test_the_generation_row_pairs_pisa_with_dense(tmp_path):
+  from test_benchmarks_smoke import FAKE_ROWS, SETTINGS
+
+  results = tmp_path / "results"
+  shutil.copytree(report.RESULTS, results)
+  (results / "generation.json").unlink(missing_ok=True)
+  line = report.table(["generation"], results).splitlines()[-1]
+  assert "`python -m benchmarks.generation --list` on a GPU" in line
+  record = json.loads((results / "decode.json").read_text())
+  record.update(benchmark="generation", settings=SETTINGS["generation"],
+                rows=FAKE_ROWS["generation"])
+  (results / "generation.json").write_text(json.dumps(record))
+  line = report.table(["generation"], results).splitlines()[-1]
+  assert ("`small` tokens/s: B=1 32K 800 (2.67x dense) · B=8 32K 6,400 (2.67x dense) · "
+          "B=1 128K 800 (2.67x dense); first token warm at 1M: pisa 4 s, dense 4 s, cache 256 "
+          "MiB a row; 1M in 64K chunks: first token 18.0 s cold, 4 s warm (dense one pass "
+          "18.0 s cold)") in line, line
