@@ -457,8 +457,10 @@ def _check_landmark_q(landmark_q, q) -> None:
 
 
 def _lookup(op: str, implementation, *, has_kernel: bool = True):
-  # None: the platform's default where a kernel exists, the reference elsewhere.
-  if implementation is None and not has_kernel:
+  # None is the reference on every platform: the attention kernel does not yet match it on a GPU
+  # in bfloat16 (tests/test_gpu_hils.py); "pallas" runs the kernels on request.
+  del has_kernel
+  if implementation is None:
     implementation = "xla"
   return _dispatch.lookup(op, implementation)
 

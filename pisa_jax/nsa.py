@@ -385,7 +385,9 @@ def compressed_attention(
   b, t, _, hkv, d = _check_queries(q, k_cmp, v_cmp, block_length=block_length, stride=stride,
                                    segment_ids=segment_ids)
   _validation.check_implementation(implementation)
-  attend = _dispatch.lookup("nsa_compressed_attention", implementation)
+  # None is the reference everywhere: the range kernel's compressed branch does not yet match it
+  # on a GPU in bfloat16 (tests/test_gpu_nsa.py); "pallas" runs it on request.
+  attend = _dispatch.lookup("nsa_compressed_attention", _unverified_default(implementation))
   return attend(q, k_cmp, v_cmp, segment_ids, block_length=int(block_length), stride=int(stride),
                 scale=_validation.resolve_scale(scale, d))
 
@@ -727,6 +729,11 @@ def nsa_attention_reference(q, k, v, gates, key_mlp, value_mlp, segment_ids, *, 
   return _gate(gates, out_cmp, out_slc, out_win, q.dtype)
 
 
+def _unverified_default(implementation):
+  """None means "xla" for the ops whose kernels have not yet matched the reference on a GPU."""
+  return "xla" if implementation is None else implementation
+
+
 @functools.partial(jax.jit, static_argnames=_NSA_STATIC + ("interpret",))
 def nsa_attention_pallas(q, k, v, gates, key_mlp, value_mlp, segment_ids, *, compression,
                          block_length, stride, select_block_size, top_n, window, scale,
@@ -811,7 +818,7 @@ def nsa_attention(
     _check_mlp(mlp, name, compression=compression, block_length=block_length, head_dim=d)
   _validation.check_segment_ids(segment_ids, batch=b, seq_len=t)
   _validation.check_implementation(implementation)
-  attend = _dispatch.lookup("nsa_attention", implementation)
+  attend = _dispatch.lookup("nsa_attention", _unverified_default(implementation))
   return attend(q, k, v, gates, key_mlp, value_mlp, segment_ids, compression=compression,
                 block_length=int(block_length), stride=int(stride),
                 select_block_size=int(select_block_size), top_n=int(top_n), window=int(window),
