@@ -61,7 +61,8 @@ The references ("xla") are float32 inside whatever the input dtype, rounded to t
 once. The attention runs over query chunks (`pisa_jax._chunking`) under `jax.checkpoint`, so
 memory is bounded independently of T in the forward and the backward; the gradients are jax's
 autodiff of that computation (dk and dv accumulate through gathers). `hils_attention` and
-`hils_select_chunks` also have Pallas kernels ("pallas", the default on a GPU):
+`hils_select_chunks` also have Pallas kernels ("pallas", on request: None is the reference
+until the attention kernel matches it on a GPU in bfloat16):
 `kernels.hils_select` (the chunk scores fused with their top-k) and `kernels.hils` (the window
 and the chunks in one two-level softmax, forward and backward); `hils_landmarks` and
 `hils_chunk_scores` are the reference only (None means "xla"; "pallas" raises).
