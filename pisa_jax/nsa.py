@@ -39,7 +39,8 @@ lse, backward under custom_vjp), the window on cuDNN's sliding window instead wh
 arguments (`cudnn_takes_window`); the selected branch is `sparse_attention`'s kernel.
 `implementation=` of `nsa_attention`: "xla" runs every branch in the reference, "pallas" the
 three attentions on their kernels and the compression and the selection's scores in jnp under
-XLA; None is "pallas" on a GPU, "xla" elsewhere. `compressed_attention` and
+XLA; None is "xla" until the compressed branch's kernel matches the reference on a GPU in
+bfloat16 (the window's already does). `compressed_attention` and
 `sliding_window_attention` take "pallas" too; `nsa_compress` and `nsa_select_blocks` register
 only "xla" (None means "xla" on every platform, and "pallas" raises).
 """
@@ -373,7 +374,8 @@ def compressed_attention(
     segment_ids: None, or int32 `[B, T]` packed documents (as given to `nsa_compress`).
     implementation: "xla" (the jnp reference), "pallas" (the kernel of
       `pisa_jax.kernels.nsa`: O(T N D) work, forward and backward, through Triton on a GPU and
-      the Pallas interpreter elsewhere) or None ("pallas" on a GPU, else "xla").
+      the Pallas interpreter elsewhere) or None ("xla": the kernel has yet to match the
+      reference on a GPU in bfloat16).
 
   Returns:
     out `[B, T, HQ, D]` in q's dtype; and lse float32 `[B, T, HQ]`, the log of each row's
@@ -797,8 +799,8 @@ def nsa_attention(
     implementation: "xla" (every branch in the jnp reference, float32), "pallas" (the
       compressed attention on the range kernel, the selected branch on the sparse-attention
       kernel, the window on cuDNN's sliding window where it takes the arguments, else the range
-      kernel; compression and selection scores in jnp under XLA) or None ("pallas" on a GPU,
-      else "xla").
+      kernel; compression and selection scores in jnp under XLA) or None ("xla", until the
+      compressed branch's kernel matches the reference on a GPU in bfloat16).
 
   Options fix shapes or compiled code: static under `jax.jit`, as in `sparse_attention`.
 
