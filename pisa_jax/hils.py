@@ -457,10 +457,9 @@ def _check_landmark_q(landmark_q, q) -> None:
                     f"{landmark_q.dtype} and q {q.dtype}")
 
 
-def _lookup(op: str, implementation, *, has_kernel: bool = True):
+def _lookup(op: str, implementation):
   # None is the reference on every platform: the attention kernel does not yet match it on a GPU
   # in bfloat16 (tests/test_gpu_hils.py); "pallas" runs the kernels on request.
-  del has_kernel
   if implementation is None:
     implementation = "xla"
   return _dispatch.lookup(op, implementation)
@@ -575,7 +574,7 @@ def hils_landmarks(
   _check_options(chunk_size=chunk_size)
   _validation.check_segment_ids(segment_ids, batch=b, seq_len=t)
   _validation.check_implementation(implementation)
-  pool = _lookup("hils_landmarks", implementation, has_kernel=False)
+  pool = _lookup("hils_landmarks", implementation)
   return pool(k, landmark_q, segment_ids, chunk_size=int(chunk_size),
               scale=_validation.resolve_scale(scale, d))
 
@@ -609,6 +608,6 @@ def hils_chunk_scores(
                      f"be [B, T // chunk_size, HQ] = [{b}, {t // chunk_size}, {hq}]")
   _validation.check_segment_ids(segment_ids, batch=b, seq_len=t)
   _validation.check_implementation(implementation)
-  score = _lookup("hils_chunk_scores", implementation, has_kernel=False)
+  score = _lookup("hils_chunk_scores", implementation)
   return score(landmark_q, landmark_k, landmark_bias, segment_ids, chunk_size=int(chunk_size),
                window=int(window), scale=_validation.resolve_scale(scale, d))
