@@ -150,7 +150,7 @@ def _check_compressed(name: str, x, *, batch: int, num_slots: int, num_kv_heads:
 def _xla_only(op: str, implementation):
   """The registered function of a piece with no kernel: None means "xla" on every platform."""
   _validation.check_implementation(implementation)
-  return _dispatch.lookup(op, "xla" if implementation is None else implementation)
+  return _dispatch.lookup(op, _unverified_default(implementation))
 
 
 # ----------------------------------------------------------------------------- geometry
