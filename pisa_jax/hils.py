@@ -193,8 +193,8 @@ def _gather_keys(x, start, rel_pos, heads=None):
   return (x[rows, pos] if heads is None else x[rows, pos, heads]).astype(jnp.float32)
 
 
-def _attend_rows(rel, start, first_slot, q, landmark_q, k, v, landmark_k, landmark_bias, *,
-                 chunk_size: int, top_k: int, window: int, scale: float,
+def _attend_rows(rel, start, first_slot, q, landmark_q, chunks, k, v, landmark_k, landmark_bias,
+                 *, chunk_size: int, top_k: int, window: int, scale: float,
                  select_only: bool = False):
   """HiLS for a run of queries, float32.
 
@@ -204,6 +204,10 @@ def _attend_rows(rel, start, first_slot, q, landmark_q, k, v, landmark_k, landma
     q, landmark_q: float32 `[B, Tq, HQ, D]`; k, v: `[B, T, HKV, D]`, the row's keys (at least up
       to each query; gathered, then made float32); landmark_k `[B, N, HQ, D]`, landmark_bias
       `[B, N, HQ]` float32 (`_landmarks`).
+    chunks: None, or int32 `[B, Tq, HKV, K']`: document chunks to attend instead of this
+      function's own top-k (any order, -1 unused), so that a kernel given some chunks can be
+      compared with the reference on exactly those; a near-tie in the chunk scores may
+      otherwise select differently in two programs.
 
   Returns:
     out `[B, Tq, HQ, D]` (None with select_only) and the selected document chunks, int32
@@ -243,8 +247,11 @@ def _attend_rows(rel, start, first_slot, q, landmark_q, k, v, landmark_k, landma
   lse_win = lax.stop_gradient(_log_sum_exp(s_win, win_visible[:, :, None, None, :], -1))
   lse_total = jnp.logaddexp(lse_win, _log_sum_exp(s_hat_sg, eligible, -1))
   rank = jnp.max(jnp.where(eligible, s_hat_sg - lse_total[..., None], -jnp.inf), axis=3)
-  best, idx = lax.top_k(rank, min(top_k, num_slots))  # ties: the lower chunk first
-  idx = jnp.where(best > -jnp.inf, idx, -1).astype(jnp.int32)  # [B, Tq, HKV, K]
+  if chunks is None:
+    best, idx = lax.top_k(rank, min(top_k, num_slots))  # ties: the lower chunk first
+    idx = jnp.where(best > -jnp.inf, idx, -1).astype(jnp.int32)  # [B, Tq, HKV, K]
+  else:
+    idx = chunks.astype(jnp.int32)
   if select_only:
     return None, idx
   valid = idx >= 0
@@ -305,9 +312,10 @@ def _prepare(k, landmark_q, segment_ids, *, chunk_size, scale):
 
 
 def _run_queries(q, k, v, landmark_q, segment_ids, *, chunk_size, top_k, window, scale,
-                 select_only=False):
+                 select_only=False, chunks=None):
   """`_attend_rows` over every query of float32 rows, in query chunks under `jax.checkpoint`
-  (the backward recomputes a chunk's temporaries instead of keeping every chunk's)."""
+  (the backward recomputes a chunk's temporaries instead of keeping every chunk's); chunks as
+  `_attend_rows`'."""
   b, seq_len, hq, d = q.shape
   hkv = k.shape[2]
   rel, start, first_slot, landmark_k, landmark_bias = _prepare(
@@ -318,7 +326,8 @@ def _run_queries(q, k, v, landmark_q, segment_ids, *, chunk_size, top_k, window,
   chunk = _query_chunk(b, seq_len, hq, hkv, d, seq_len // chunk_size, chunk_size=chunk_size,
                        top_k=top_k, window=window)
   return _chunking.map_query_chunks(
-      fn, chunk, (rel, start, first_slot, q, landmark_q), (k, v, landmark_k, landmark_bias))
+      fn, chunk, (rel, start, first_slot, q, landmark_q, chunks),
+      (k, v, landmark_k, landmark_bias))
 
 
 def _f32(*xs):

@@ -177,7 +177,7 @@ def hils_decode_step_reference(q, k, v, landmark_q, cache: HiLSCache, *, top_k: 
   landmark_bias = cache.landmark_bias.at[rows, slot].set(new_bias[:, 0], mode="drop")
   zeros = jnp.zeros((b, 1), jnp.int32)
   out, _ = _attend_rows(pos[:, None], zeros, zeros, q.astype(jnp.float32),
-                        landmark_q.astype(jnp.float32), k_cache, v_cache, landmark_k,
+                        landmark_q.astype(jnp.float32), None, k_cache, v_cache, landmark_k,
                         landmark_bias, chunk_size=c, top_k=top_k, window=window, scale=scale)
   out = jnp.where((pos >= n)[:, None, None, None], jnp.nan, out)
   return out.astype(q.dtype), HiLSCache(k=k_cache, v=v_cache, landmark_k=landmark_k,

@@ -62,12 +62,12 @@ def options(case):
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "top_k", "window", "scale", "kernel"))
 def value_and_grads(q, k, v, lq, do, ids, idx, *, chunk_size, top_k, window, scale, kernel):
-  """(out, dq, dk, dv, dlq): the kernels on the given chunks, or the reference (which selects
-  them itself)."""
+  """(out, dq, dk, dv, dlq): the kernels or the reference, both on the given chunks."""
   def fn(q, k, v, lq):
-    if not kernel:
-      return hils.hils_attention_reference(q, k, v, lq, ids, chunk_size=chunk_size, top_k=top_k,
-                                           window=window, scale=scale)
+    if not kernel:  # float32 rows, attending the kernel's chunks (near-ties cannot flip)
+      out, _ = hils._run_queries(q, k, v, lq, ids, chunk_size=chunk_size, top_k=top_k,
+                                 window=window, scale=scale, chunks=idx)
+      return out
     start, first_slot, lk, lb = hils._landmarks_of_rows(k, lq, ids, chunk_size=chunk_size,
                                                         scale=scale)
     return hils_kernels.hils_chunk_attention_pallas(

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import pisa_jax
+from pisa_jax import hils
 import oracles
 import tolerances
 
@@ -64,6 +65,24 @@ def test_matches_float64_oracle(case):
   np.testing.assert_allclose(np.asarray(out), want_out, atol=tolerances.GOLDEN_OUTPUT_ATOL,
                              rtol=tolerances.GOLDEN_OUTPUT_ATOL)
   assert out.dtype == q.dtype and out.shape == q.shape
+
+
+def test_reference_on_given_chunks():
+  """The reference attends the chunks it is given (a kernel's test compares both sides on the
+  same chunks): its own chunks, in any order, give its output; other chunks change it."""
+  b, t, hq, hkv, d, _, top_k, _ = CASES[0]
+  opts, scale = options(CASES[0])
+  q, k, v, lq = make_inputs(b, t, hq, hkv, d, seed=3)
+  run = lambda chunks: hils._run_queries(q, k, v, lq, None, scale=scale, chunks=chunks,
+                                         **opts)[0]
+  own = pisa_jax.hils_select_chunks(q, k, lq, **opts)  # ascending, the reference's set
+  for chunks in (own, own[..., ::-1]):  # the order changes only the summation order
+    np.testing.assert_allclose(np.asarray(run(chunks)), np.asarray(run(None)), rtol=1e-6,
+                               atol=1e-6)
+  fewer = own.at[..., 0].set(-1)
+  changed = np.any(np.asarray(run(fewer)) != np.asarray(run(None)), axis=-1)
+  dropped = np.asarray(own[..., 0] >= 0)  # [B, T, HKV]: rows that lost a chunk
+  assert changed.reshape(b, t, hkv, -1).any(-1)[dropped].all()
 
 
 def test_landmarks_and_chunk_scores_match_oracle():
