@@ -42,11 +42,24 @@ def _value_and_grads(fn, q, k, v, do):
   return run(q, k, v, do)
 
 
-def _check(got, want, dtype):
-  for g, w in zip(got, want, strict=True):
-    g = np.asarray(g, np.float32)
-    assert np.all(np.isfinite(g)), "an output the kernel never wrote (NaN)"
-    np.testing.assert_allclose(g, w, atol=tol.GRAD_ATOL[dtype], rtol=tol.GRAD_RTOL[dtype])
+def _check(got, want, dtype, *, summed_keys=False):
+  """Outputs and gradients (out, dq, dk, dv) against the float32 reference's.
+
+  summed_keys: dk and dv of keys that nearly every later query attends (NSA's compressed keys)
+  sum thousands of terms each rounded to 16 bits in the kernel's dots, so their error scales
+  with the terms, not with a sum that may cancel to near zero: their absolute tolerance is
+  scaled by the gradient's RMS, and their relative RMS error is bounded as the reference's own
+  16-bit rounding is (`tolerances.REFERENCE_LOW_PRECISION_REL_RMS`)."""
+  for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+    assert np.all(np.isfinite(g)), f"{name}: an output the kernel never wrote (NaN)"
+    atol = tol.GRAD_ATOL[dtype]
+    if summed_keys and name in ("dk", "dv"):
+      rms = float(np.sqrt(np.mean(w ** 2)))
+      rel_rms = float(np.sqrt(np.mean((g - w) ** 2))) / max(rms, 1e-30)
+      assert rel_rms <= tol.REFERENCE_LOW_PRECISION_REL_RMS, f"{name}: {rel_rms=}"
+      atol *= max(1.0, rms)
+    np.testing.assert_allclose(g, w, atol=atol, rtol=tol.GRAD_RTOL[dtype], err_msg=name)
 
 
 def _upcast(fn):
@@ -85,7 +98,7 @@ def test_compressed_attention_matches_reference(hq, hkv, d, dtype, packed):
                          q, k_cmp, v_cmp, do)
   want = _value_and_grads(_upcast(lambda *a: nsa.compressed_attention_reference(*a, **kw)[0]),
                           q, k_cmp, v_cmp, do)
-  _check(got, want, dtype)
+  _check(got, want, dtype, summed_keys=True)
 
 
 def test_layer_on_the_kernels_matches_the_reference():
