@@ -184,6 +184,38 @@ def load_rows(ref, rows, m_row, d: int, dp: int):
                   mask=m_row[:, None] & (o_col < d)[None, :], other=0.0)
 
 
+def dkv_tile_step(b_k, b_v, b_q, b_do, b_lse2, b_delta, visible_of, b_dk, b_dv, *,
+                  qk_scale: float, precision):
+  """One step of a key tile's dk / dv accumulation over R query rows (Eq. 6's backward).
+
+  Args:
+    b_k, b_v: the tile's keys and values `[W, D]`; b_q, b_do: the rows' queries and output
+      cotangents `[R, D]`; b_lse2: each row's log-sum-exp in base 2 `[R]`; b_delta: each row's
+      sum(out * dout) `[R]`.
+    visible_of: called after the scores are formed (so that the traced program keeps this
+      order), returns the bool `[W, R]` of the (key, row) pairs that attend.
+    b_dk, b_dv: float32 `[W, D]` accumulators.
+    qk_scale: the softmax scale times log2(e) (scores in base 2).
+
+  Returns:
+    The updated (b_dk, b_dv).
+  """
+  # [W, R]
+  b_s = jnp.dot(b_k, b_q.T, precision=precision, preferred_element_type=jnp.float32) * qk_scale
+  visible = visible_of()
+  b_dp = jnp.dot(b_v, b_do.T, precision=precision, preferred_element_type=jnp.float32)
+  b_p = jnp.where(visible, jnp.exp2(b_s - b_lse2[None, :]), 0.0)
+  # Masked again: a hidden pair's dp (a NaN value) or delta (a query whose output is NaN) must
+  # not reach that key's dk through p = 0 (0 * NaN = NaN). dp comes before the dv dot so that
+  # both selects sit together (fewer live predicates, fewer spills at d = 128).
+  b_ds = b_p * jnp.where(visible, b_dp - b_delta[None, :], 0.0)
+  b_dv = b_dv + jnp.dot(b_p.astype(b_do.dtype), b_do, precision=precision,
+                        preferred_element_type=jnp.float32)
+  b_dk = b_dk + jnp.dot(b_ds.astype(b_q.dtype), b_q, precision=precision,
+                        preferred_element_type=jnp.float32)
+  return b_dk, b_dv
+
+
 def stored_summary(mean, summary_dtype: str):
   """A float32 mean as a pyramid stores it and as its parent reads it back: (stored, float32).
   A bfloat16 pyramid rounds it once, by a conversion (Triton keeps the round trip; the jnp

@@ -49,7 +49,8 @@ from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
 from pisa_jax import checkpoint_names
-from pisa_jax.kernels._common import LOG2E, call_kernel, dot_precision, next_pow2
+from pisa_jax.kernels._common import (LOG2E, call_kernel, dkv_tile_step, dot_precision,
+                                      next_pow2)
 from pisa_jax.kernels.attention import _block_slot, _load_rows, _store_rows
 from pisa_jax.kernels.attention_backward import _group_by_block, _reduce_kernel
 
@@ -348,21 +349,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, entry_ref, slot
     b_do = plt.load(do_ref.at[i_t, i_g, i_d], mask=m_rd, other=0.0)
     b_lse2 = plt.load(lse_ref.at[o_t, o_s, o_g], mask=m_r, other=0.0)
     b_delta = plt.load(delta_ref.at[o_t, o_s, o_g], mask=m_r, other=0.0)
-    # [W, R]
-    b_s = jnp.dot(b_k, b_q.T, precision=precision, preferred_element_type=jnp.float32) * qk_scale
-    visible = m_r[None, :] & (key_pos[:, None] <= o_t[None, :])
-    if packed:
-      o_lo = lo_ref[o_e]
-      visible = visible & (key_pos[:, None] >= o_lo[None, :]) & (
-          key_pos[:, None] < o_lo[None, :] + chunk_size)
-    b_dp = jnp.dot(b_v, b_do.T, precision=precision, preferred_element_type=jnp.float32)
-    b_p = jnp.where(visible, jnp.exp2(b_s - b_lse2[None, :]), 0.0)
-    b_ds = b_p * jnp.where(visible, b_dp - b_delta[None, :], 0.0)
-    b_dv = b_dv + jnp.dot(b_p.astype(b_do.dtype), b_do, precision=precision,
-                          preferred_element_type=jnp.float32)
-    b_dk = b_dk + jnp.dot(b_ds.astype(b_q.dtype), b_q, precision=precision,
-                          preferred_element_type=jnp.float32)
-    return b_dk, b_dv
+    def visible_of():
+      visible = m_r[None, :] & (key_pos[:, None] <= o_t[None, :])
+      if packed:
+        o_lo = lo_ref[o_e]
+        visible = visible & (key_pos[:, None] >= o_lo[None, :]) & (
+            key_pos[:, None] < o_lo[None, :] + chunk_size)
+      return visible
+
+    return dkv_tile_step(b_k, b_v, b_q, b_do, b_lse2, b_delta, visible_of, b_dk, b_dv,
+                         qk_scale=qk_scale, precision=precision)
 
   num_steps = (last - first + per_step - 1) // per_step
   zeros = jnp.zeros((window, d), jnp.float32)
