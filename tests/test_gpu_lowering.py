@@ -40,7 +40,7 @@ TWO_STAGE = dataclasses.replace(DEFAULT, variant="two_stage")
 
 @pytest.mark.parametrize("selector,config,kernels", [
     ("pisa", None, {"pisa_select_fused_rank_pair_lse_unshifted"}),  # the K = 8 default
-    ("pisa", TWO_STAGE, {"pisa_select_walk_rank_pair_lse", "pisa_select_leaf_q8",
+    ("pisa", TWO_STAGE, {"pisa_select_walk_rank_pair_lse", "pisa_select_sibling_q8",
                          "pisa_select_final_topk_rank"}),
     ("pisa", dataclasses.replace(TWO_STAGE, topk_impl="passes", walk_pair_lse=False),
      {"pisa_select_walk_passes", "pisa_select_final_topk_passes"}),
@@ -66,7 +66,7 @@ def test_selection_lowers_for_other_dtypes_and_k32(captured, dtype):
   # float32 (IEEE dots on float32 summaries) and float16 (split summaries), and K = 32, whose 64
   # candidate slots take the two-stage default with the 4-warp rank walk.
   _lower_selection("pisa", None, dtype=dtype, top_k=32, beam=32)
-  assert {"pisa_select_walk_rank_pair_lse", "pisa_select_leaf_q8",
+  assert {"pisa_select_walk_rank_pair_lse", "pisa_select_sibling_q8",
           "pisa_select_final_topk_rank"} <= set(_names(captured))
 
 

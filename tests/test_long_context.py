@@ -163,9 +163,9 @@ SELECTION_CASES = [
     # (selector, K, beam, d, the selection kernels it launches)
     ("pisa", 8, 8, 64, {"pisa_select_fused_rank_pair_lse_unshifted"}),
     ("pisa", 8, 8, 128, {"pisa_select_fused_rank_pair_lse_unshifted"}),
-    ("pisa", 8, 16, 64, {"pisa_select_walk_rank_pair_lse", "pisa_select_leaf_q8",
+    ("pisa", 8, 16, 64, {"pisa_select_walk_rank_pair_lse", "pisa_select_sibling_q8",
                          "pisa_select_final_topk_rank"}),
-    ("pisa", 32, 32, 128, {"pisa_select_walk_rank_pair_lse", "pisa_select_leaf_q8",
+    ("pisa", 32, 32, 128, {"pisa_select_walk_rank_pair_lse", "pisa_select_sibling_q8",
                            "pisa_select_final_topk_rank"}),
     ("pisa1", 8, 8, 64, {"pisa_select_fused_rank"}),
     ("pisa2", 8, 8, 64, {"pisa_select_fused_rank"}),
@@ -194,7 +194,7 @@ def test_two_stage_lowers_past_two_to_the_31_pairs(captured):
   # 4M tokens, 8 KV heads, K = 32 (64 slots): 2^31 (query, candidate) pairs, two row ranges.
   _lower_selection(M4, "pisa", 32, 32, hkv=8)
   names = _by_name(captured)
-  assert len(names["pisa_select_leaf_q8"]) == 2 and len(names["pisa_select_final_topk_rank"]) == 2
+  assert len(names["pisa_select_sibling_q8"]) == 2 and len(names["pisa_select_final_topk_rank"]) == 2
   assert len(names["pisa_select_walk_rank_pair_lse"]) == 1
 
 
@@ -252,7 +252,7 @@ def test_no_64_bit_integer_in_any_kernel_at_256k(captured):
     _lower_selection(t, selector, top_k, beam, d=d)
   _lower_attention(t, 128, 32)
   names = _by_name(captured)
-  assert {"pisa_select_fused_rank_pair_lse_unshifted", "pisa_select_leaf_q8", "bsa_select",
+  assert {"pisa_select_fused_rank_pair_lse_unshifted", "pisa_select_sibling_q8", "bsa_select",
           "pisa_sparse_attention_fwd", "pisa_sparse_attention_dkv"} <= set(names)
   for name, irs in names.items():
     assert not any(re.search(r"\bi64\b", ir) for ir in irs), name

@@ -503,6 +503,51 @@ def test_two_runs_bit_identical_and_variants_agree():
     np.testing.assert_array_equal(np.asarray(_kernel(q, k, config=cfg, **kw)), np.asarray(a))
 
 
+@pytest.mark.parametrize("t,hq,hkv,d,top_k,beam,bs,g,dtype,b,q_tile,selector", [
+    (300, 4, 2, 64, 8, 8, 8, 2, jnp.float32, 1, 8, "pisa"),  # NC = 16
+    (333, 3, 1, 64, 4, 5, 8, 3, jnp.float32, 1, 4, "pisa"),  # g = 3: slot 15 in no group
+    (200, 16, 1, 64, 32, 32, 4, 2, jnp.bfloat16, 2, 8, "pisa"),  # K = 32, two batch rows
+    (301, 2, 1, 48, 6, 6, 12, 4, jnp.float32, 1, 2, "pisa2"),  # g = 4, C = 12 padded, D = 48
+])
+def test_sibling_tiles_equal_leaf_tiles(t, hq, hkv, d, top_k, beam, bs, g, dtype, b, q_tile,
+                                        selector):
+  # The two groupings of the two-stage leaf stage (`SelectionConfig.sibling_tiles`) score every
+  # needed (query, leaf) pair with the same dot and reduction, so they select the same blocks,
+  # bit for bit; the sibling tiles also match the reference.
+  q, k = _inputs(t, t, hq, hkv, d, dtype, b)
+  kw = dict(block_size=bs, top_k=top_k, branching=g, selector=selector, scale=float(d) ** -0.5,
+            beam=beam)
+  sibling = SelectionConfig(variant="two_stage", q_tile=q_tile, topk_rows=1)
+  leaf = dataclasses.replace(sibling, sibling_tiles=False)
+  assert {n for n in _kernel_names(q, k, sibling, **kw) if "_q" in n} == {
+      f"pisa_select_sibling_q{q_tile}"}
+  assert {n for n in _kernel_names(q, k, leaf, **kw) if "_q" in n} == {
+      f"pisa_select_leaf_q{q_tile}"}
+  got = _kernel(q, k, config=sibling, **kw)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(_kernel(q, k, config=leaf, **kw)))
+  q32, k32 = q.astype(jnp.float32), k.astype(jnp.float32)
+  assert_same_or_near_tie(got, select_blocks_reference(q32, k32, **kw), q32, k32, **kw)
+
+
+@pytest.mark.parametrize("q_tile", [1, 2, 8])
+def test_tile_starts_cut_each_bucket_into_tiles(q_tile):
+  # Items sorted by bucket (empty buckets, long and short runs, the unused bucket at the end):
+  # each tile starts at the first item of its bucket or q_tile items after the previous tile
+  # of that bucket, tiles are numbered densely in bucket order, and the unused tail reads E.
+  from pisa_jax.kernels.selection import two_stage
+
+  rng = np.random.default_rng(q_tile)
+  num_buckets = 9
+  counts = rng.integers(0, 20, size=num_buckets) * (rng.random(num_buckets) < 0.7)
+  items = np.repeat(np.arange(num_buckets + 1), list(counts) + [5]).astype(np.int32)
+  got = np.asarray(two_stage.tile_starts(jnp.asarray(items), num_buckets, q_tile))
+  want = [first + r for first, c in zip(np.cumsum(counts) - counts, counts)
+          for r in range(0, c, q_tile)]
+  assert got.shape == (-(-len(items) // q_tile) + min(len(items), num_buckets),)
+  np.testing.assert_array_equal(got[:len(want)], want)
+  np.testing.assert_array_equal(got[len(want):], len(items))
+
+
 @pytest.mark.parametrize("case,selectors", [
     (2, ("pisa", "bsa")),
     pytest.param(2, ("pisa1", "pisa2"), marks=pytest.mark.slow),

@@ -4,10 +4,19 @@ wider than 16 slots:
 1. `walk_kernel`, one program per (query, KV head): loads the group's query heads once and walks
    the pyramid to level 2 (`walk.walk_to_leaves`); only the level-1 candidates `[B*T*HKV, NC]` go
    back to HBM.
-2. `leaf_tile_kernel`: the (query, candidate leaf) pairs that need a score are grouped by leaf with
-   a stable argsort outside the kernel (`leaf_scores_pallas`) and cut into tiles of at most
-   `q_tile` queries; each program loads one leaf's raw keys once and scores `q_tile` queries x the
-   group's heads with one dot (Eq. 21 with l = 1: the exact raw-key LSE).
+2. Leaf tiles (Algorithm 1, lines 16-22; Eq. 23-24), in one of two groupings
+   (`SelectionConfig.sibling_tiles`):
+   - `sibling_tile_kernel` (the default): the walk's last expansion (Eq. 18) puts the g children
+     of each kept level-2 node in g consecutive slots, so the (query, kept level-2 node) entries
+     with a leaf to score are grouped by that node with one stable sort outside the kernel
+     (`sibling_scores_pallas`) and cut into tiles of at most `q_tile` queries. Each program loads
+     its queries' group heads once and scores them against each of the node's g leaves (one dot
+     per leaf): the queries, the leaf stage's largest load (O(N g K G_Q d), Section 3.4), are
+     read once per g leaves, and the sort holds g times fewer items.
+   - `leaf_tile_kernel`: the (query, candidate leaf) pairs that need a score, grouped by leaf;
+     each program loads one leaf's raw keys once and scores `q_tile` queries x the group's heads
+     with one dot (Eq. 21 with l = 1: the exact raw-key LSE). Packed documents use this one.
+   Either computes every score with the same `[q_tile * heads, D] x [D, C]` dot and reduction.
 3. `final_topk_kernel`: forced blocks first, then the top_k best scores, ascending, -1 padded.
 
 Stages 2 and 3 number the (query, candidate) pairs row * NC + slot in int32 (jax without x64 has no
@@ -22,6 +31,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Int
@@ -108,6 +118,69 @@ def leaf_tile_kernel(q_ref, k_ref, start_ref, bucket_ref, pair_ref, score_ref, *
     # Eq. 22: sum each entry's heads, [Q].
     score_e = jnp.sum(jnp.where(e_r[None, :] == o_e[:, None], per_row[None, :], 0.0), axis=1)
     plt.store(score_ref.at[jnp.where(m_e, pair_e, trash)], score_e)
+
+
+def sibling_tile_kernel(q_ref, k_ref, start_ref, bucket_ref, entry_ref, score_ref, *,
+                        geo: Geometry, q_tile: int, num_entries: int, trash: int, row0: int = 0):
+  """Stage 2 by sibling groups: the g leaves of one kept level-2 node against up to q_tile
+  queries, the queries' group heads loaded once for all g.
+
+  start_ref `[NT]`: first sorted position of each tile (num_entries when the tile is unused);
+  bucket_ref `[num_entries]`: sorted (batch, KV head, level-2 node) buckets; entry_ref
+  `[num_entries]`: the entry (row - row0) * NG + p at each sorted position, NG = NC // g groups
+  per row, group p being slots p * g .. p * g + g - 1 (the children of one kept node, Eq. 18).
+  Writes score_ref[(row - row0) * NC + p * g + j] for every child j (score_ref[trash] when
+  masked). A child that needs no score (forced, after the query, past the sequence) gets some
+  complete leaf's score, which the final Select_K never reads (`topk.final_select` keeps only
+  the scores `topk.leaf_needs_score` asks for); a child that needs one is a complete past leaf.
+  """
+  # Head rows per query: the group padded to a power of two, and >= 16 rows in all for the dot.
+  heads = max(next_pow2(geo.group), MIN_DOT // q_tile)
+  tile_rows = q_tile * heads
+  g, groups = geo.branching, geo.num_slots // geo.branching
+  i_g = pl.program_id(0)
+  o_r = jnp.arange(tile_rows)
+  o_e = jnp.arange(q_tile)
+  start = jnp.max(plt.load(start_ref.at[jnp.full((q_tile,), i_g, jnp.int32)]))
+  # As in `leaf_tile_kernel`: the unused tiles are the grid's tail and exit here.
+  @pl.when(start < num_entries)
+  def _():
+    last = num_entries - 1
+    pos_e = start + o_e
+    bucket0 = jnp.max(plt.load(bucket_ref.at[jnp.full((q_tile,), start)]))
+    bucket_e = plt.load(bucket_ref.at[jnp.minimum(pos_e, last)])
+    m_e = (pos_e < num_entries) & (bucket_e == bucket0)
+    entry_e = plt.load(entry_ref.at[jnp.minimum(pos_e, last)])
+    parents = -(-geo.num_blocks // g)
+    node = bucket0 % parents
+    i_bh = bucket0 // parents
+    i_b, i_h = i_bh // geo.hkv, i_bh % geo.hkv
+    # [Q*heads] query rows: entry r // heads, head r % heads.
+    e_r = o_r // heads
+    j_r = o_r % heads
+    pos_r = start + e_r
+    m_r = (pos_r < num_entries) & (j_r < geo.group)
+    entry_r = plt.load(entry_ref.at[jnp.minimum(pos_r, last)])
+    bucket_r = plt.load(bucket_ref.at[jnp.minimum(pos_r, last)])
+    m_r = m_r & (bucket_r == bucket0)
+    qk_row = entry_r // groups  # (b * Tq + t) * HKV + h
+    if row0:
+      qk_row = qk_row + row0
+    q_rows = (qk_row // geo.hkv) * geo.hq + i_h * geo.group + jnp.minimum(j_r, geo.group - 1)
+    b_q = load_rows(q_ref, q_rows, m_r, geo)
+    slot_e = (entry_e // groups) * geo.num_slots + (entry_e % groups) * g
+    # The last complete leaf: a child past it is never scored, and its keys may not exist.
+    complete = max(geo.seq_len // geo.block_size - 1, 0)
+    for j in range(g):
+      leaf = jnp.minimum(node * g + j, complete)
+      k_rows, m_load, m_key = leaf_key_rows(leaf, i_b, i_h, geo)
+      b_k = load_rows(k_ref, k_rows, m_load, geo)
+      # [Q*heads, Cp]: the tile's queries against child j's raw keys, the dot and reduction of
+      # `leaf_tile_kernel`, then Eq. 22 per entry.
+      per_row = jnp.where(m_r, reduce_keys(qk_dot(b_q, b_k, geo.inputs_16bit), m_key,
+                                           geo.selector, geo.scale, geo.approx_log), 0.0)
+      score_e = jnp.sum(jnp.where(e_r[None, :] == o_e[:, None], per_row[None, :], 0.0), axis=1)
+      plt.store(score_ref.at[jnp.where(m_e, slot_e + j, trash)], score_e)
 
 
 def final_topk_kernel(cand_ref, score_ref, *refs, geo: Geometry, rows: int, num_rows: int,
@@ -214,6 +287,74 @@ def leaf_scores_pallas(q, k, cand, geo: Geometry, *, interpret: bool, config: Se
       sorted_bucket, order)
 
 
+def tile_starts(sorted_bucket: Int[Array, "E"], num_buckets: int, q_tile: int) -> Int[Array, "NT"]:
+  """The first sorted position of each tile of at most q_tile items of one bucket, over items
+  sorted by bucket (values 0 .. num_buckets, the last one unused): `[NT]` for the static bound
+  NT = ceil(E / q_tile) + min(E, num_buckets) on the tiles, unused tiles (the tail) E.
+
+  Binary searches instead of per-item scatters: each bucket's first position is a search of the
+  sorted items, each tile's bucket a search of the tiles' running count (`scan_unrolled`: one
+  fused kernel of log2 steps each), so no pass over the E items runs besides the sort."""
+  n = sorted_bucket.shape[0]
+  first = jnp.searchsorted(sorted_bucket, jnp.arange(num_buckets + 1, dtype=jnp.int32),
+                           side="left", method="scan_unrolled").astype(jnp.int32)
+  counts = first[1:] - first[:-1]
+  tiles = -(-counts // q_tile)
+  tile_end = jnp.cumsum(tiles)  # tiles up to and including each bucket
+  num_tiles = -(-n // q_tile) + min(n, num_buckets)
+  tile = jnp.arange(num_tiles, dtype=jnp.int32)
+  owner = jnp.searchsorted(tile_end, tile, side="right", method="scan_unrolled").astype(jnp.int32)
+  safe = jnp.minimum(owner, num_buckets - 1)
+  start = first[safe] + (tile - (tile_end[safe] - tiles[safe])) * q_tile
+  return jnp.where(owner < num_buckets, start, n)
+
+
+def sibling_scores_pallas(q, k, cand, geo: Geometry, *, interpret: bool, config: SelectionConfig,
+                          row0: int = 0, offset=None):
+  """Stage 2 by sibling groups (`sibling_tile_kernel`) of candidates `[R, NC]`, rows row0 ..
+  row0 + R - 1 of `[B*T*HKV, NC]`: float32 scores `[R * NC + 1]`, as `leaf_scores_pallas`
+  returns them (the last element the trash slot; slots of groups without a needed leaf are
+  left unwritten). offset: None, or int32 `[1]`, the position of q's first row among the keys."""
+  b, t, hq, d = q.shape
+  rows = cand.shape[0]
+  g = geo.branching
+  groups = geo.num_slots // g
+  num_pairs = rows * geo.num_slots
+  if num_pairs > MAX_PAIRS:
+    raise ValueError(f"{num_pairs} pairs in one launch, past {MAX_PAIRS}: split with row_chunks")
+  o_row = jnp.arange(row0, row0 + rows)  # (b * Tq + t) * HKV + h
+  t_row = ((o_row // geo.hkv) % t)[:, None]
+  if offset is not None:
+    t_row = t_row + offset[0]
+  need, _, _ = topk.leaf_needs_score(cand, t_row, geo)
+
+  def grouped(x):
+    """`[R, NC]` -> `[R, NG, g]`: slot p * g + j at [p, j] (slots past NG * g stay empty:
+    beam * g <= NC)."""
+    return x[:, :groups * g].reshape(rows, groups, g)
+
+  # A group's first child is valid wherever a sibling is (lower id, same parent), so it names
+  # the kept level-2 node wherever the group needs a score.
+  need_group = jnp.any(grouped(need), axis=-1)
+  node = grouped(cand)[..., 0] // g
+  parents = -(-geo.num_blocks // g)
+  num_buckets = b * geo.hkv * parents
+  bh = (o_row // (t * geo.hkv)) * geo.hkv + o_row % geo.hkv
+  bucket = jnp.where(need_group, bh[:, None] * parents + node, num_buckets).reshape(-1)
+  num_entries = rows * groups
+  # Group the entries by node, stably (by query inside a node); the sort returns the sorted
+  # buckets beside the entries.
+  sorted_bucket, order = lax.sort((bucket, jnp.arange(num_entries, dtype=jnp.int32)),
+                                  num_keys=1, is_stable=True)
+  starts = tile_starts(sorted_bucket, num_buckets, config.q_tile)
+  return launch(
+      functools.partial(sibling_tile_kernel, geo=geo, q_tile=config.q_tile,
+                        num_entries=num_entries, trash=num_pairs, row0=row0),
+      jax.ShapeDtypeStruct((num_pairs + 1,), jnp.float32), starts.shape[0], config,
+      config.leaf_warps, interpret, f"pisa_select_sibling_q{config.q_tile}", q.reshape(-1, d),
+      k.reshape(-1, d), starts, sorted_bucket, order)
+
+
 def final_topk_pallas(cand, scores, geo: Geometry, *, interpret: bool, config: SelectionConfig,
                       row0: int = 0, offset=None, rel=None):
   """Stage 2 final Select_K: candidates `[R, NC]` (rows row0 .. row0 + R - 1 of
@@ -239,8 +380,8 @@ def select_two_stage(q, k, summaries, geo: Geometry, *, interpret: bool,
   outs = []
   for r0, r1 in row_chunks(cand.shape[0], geo.num_slots):
     part = cand if r1 - r0 == cand.shape[0] else cand[r0:r1]
-    scores = leaf_scores_pallas(q, k, part, geo, interpret=interpret, config=config, row0=r0,
-                                offset=offset)
+    score = sibling_scores_pallas if config.sibling_tiles else leaf_scores_pallas
+    scores = score(q, k, part, geo, interpret=interpret, config=config, row0=r0, offset=offset)
     outs.append(final_topk_pallas(part, scores, geo, interpret=interpret, config=config, row0=r0,
                                   offset=offset))
   return outs[0] if len(outs) == 1 else jnp.concatenate(outs)
