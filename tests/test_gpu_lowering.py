@@ -64,10 +64,10 @@ def test_selection_kernels_lower_for_sm90(captured, selector, config, kernels):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
 def test_selection_lowers_for_other_dtypes_and_k32(captured, dtype):
   # float32 (IEEE dots on float32 summaries) and float16 (split summaries), and K = 32, whose 64
-  # candidate slots take the two-stage default with the 4-warp rank walk.
+  # candidate slots take the two-stage default with the 4-warp folded rank walk.
   _lower_selection("pisa", None, dtype=dtype, top_k=32, beam=32)
-  assert {"pisa_select_walk_rank_pair_lse", "pisa_select_sibling_q8",
-          "pisa_select_final_topk_rank"} <= set(_names(captured))
+  assert {"pisa_select_walk_rank_folded_pair_lse", "pisa_select_sibling_q8",
+          "pisa_select_final_topk_rank_folded"} <= set(_names(captured))
 
 
 @pytest.mark.parametrize("variant", ["fused", "two_stage"])

@@ -163,10 +163,10 @@ SELECTION_CASES = [
     # (selector, K, beam, d, the selection kernels it launches)
     ("pisa", 8, 8, 64, {"pisa_select_fused_rank_pair_lse_unshifted"}),
     ("pisa", 8, 8, 128, {"pisa_select_fused_rank_pair_lse_unshifted"}),
-    ("pisa", 8, 16, 64, {"pisa_select_walk_rank_pair_lse", "pisa_select_sibling_q8",
-                         "pisa_select_final_topk_rank"}),
-    ("pisa", 32, 32, 128, {"pisa_select_walk_rank_pair_lse", "pisa_select_sibling_q8",
-                           "pisa_select_final_topk_rank"}),
+    ("pisa", 8, 16, 64, {"pisa_select_walk_rank_folded_pair_lse", "pisa_select_sibling_q8",
+                         "pisa_select_final_topk_rank_folded"}),
+    ("pisa", 32, 32, 128, {"pisa_select_walk_rank_folded_pair_lse", "pisa_select_sibling_q8",
+                           "pisa_select_final_topk_rank_folded"}),
     ("pisa1", 8, 8, 64, {"pisa_select_fused_rank"}),
     ("pisa2", 8, 8, 64, {"pisa_select_fused_rank"}),
     ("bsa", 8, 8, 64, {"bsa_select"}),
@@ -183,7 +183,7 @@ def test_selection_lowers_at_millions_of_tokens(captured, t, selector, top_k, be
   for name in kernels:
     (ir,) = names[name]
     # The queries (2^32 elements and more) are addressed with 64-bit offsets...
-    if name != "pisa_select_final_topk_rank":
+    if not name.startswith("pisa_select_final_topk"):
       assert re.search(r"tt\.addptr .*tensor<[0-9x]+xi64>", ir), name
     # ...loaded once per program: the loops over levels, leaves and block tiles read keys and
     # summaries (below 2^32 bytes here) with 32-bit offsets, as at 128K.
@@ -194,8 +194,9 @@ def test_two_stage_lowers_past_two_to_the_31_pairs(captured):
   # 4M tokens, 8 KV heads, K = 32 (64 slots): 2^31 (query, candidate) pairs, two row ranges.
   _lower_selection(M4, "pisa", 32, 32, hkv=8)
   names = _by_name(captured)
-  assert len(names["pisa_select_sibling_q8"]) == 2 and len(names["pisa_select_final_topk_rank"]) == 2
-  assert len(names["pisa_select_walk_rank_pair_lse"]) == 1
+  assert len(names["pisa_select_sibling_q8"]) == 2
+  assert len(names["pisa_select_final_topk_rank_folded"]) == 2
+  assert len(names["pisa_select_walk_rank_folded_pair_lse"]) == 1
 
 
 @pytest.mark.parametrize("t,d,top_k", [(M1, 128, 8), (M2, 64, 8), (M2, 128, 32), (M4, 128, 8)],

@@ -132,10 +132,11 @@ def test_selection_of_a_nan_query_is_forced_then_lowest(selector, implementation
 
 
 @pytest.mark.parametrize("variant,topk_impl", [
-    ("fused", "passes"), ("two_stage", "rank"), ("two_stage", "passes")])
+    ("fused", "passes"), ("two_stage", "rank"), ("two_stage", "passes"),
+    ("two_stage", "rank_folded"), ("fused", "rank_folded")])
 def test_every_kernel_top_k_ranks_nan_as_the_reference(variant, topk_impl):
   # The default config (fused, rank) runs above; the other Select_K forms (`top_mask`,
-  # `keep_and_expand`) and the two-stage kernels rank a NaN score the same way.
+  # `keep_and_expand`, the folded rank) and the two-stage kernels rank a NaN score the same way.
   q, k, _ = make_qkv(1)
   q = q.at[0, 100, 1, 4].set(jnp.nan)  # KV head 0: every score of query 100 NaN
   k = k.at[0, 53, 1, 2].set(jnp.nan)  # KV head 1: block 3 NaN for every query that scores it

@@ -421,9 +421,9 @@ def test_packed_selection_kernels_lower_for_sm90(captured):
   assert {"pisa_pool_runs_g2", "pisa_select_packed_bsa"} <= names, names
   assert {"pisa_select_packed_fused_pisa_rank_pair_lse_unshifted",
           "pisa_select_packed_fused_pisa1_rank", "pisa_select_packed_fused_pisa2_rank"} <= names
-  assert {"pisa_select_packed_walk_pisa_rank_pair_lse", "pisa_select_packed_walk_pisa1_rank",
-          "pisa_select_packed_walk_pisa2_rank", "pisa_select_leaf_q8",
-          "pisa_select_final_topk_rank"} <= names, names
+  assert {"pisa_select_packed_walk_pisa_rank_folded_pair_lse",
+          "pisa_select_packed_walk_pisa1_rank_folded", "pisa_select_packed_walk_pisa2_rank_folded",
+          "pisa_select_leaf_q8", "pisa_select_final_topk_rank_folded"} <= names, names
 
 
 def test_unpacked_attention_kernels_keep_their_inputs(captured):

@@ -175,10 +175,11 @@ def test_routing_rule():
   assert names(top_k=3, branching=2, selector="pisa", beam=8) == [
       "pisa_select_packed_fused_pisa_rank_pair_lse_unshifted"]
   assert names(top_k=3, branching=2, selector="pisa", beam=9) == [
-      "pisa_select_final_topk_rank", "pisa_select_leaf_q8",
-      "pisa_select_packed_walk_pisa_rank_pair_lse"]
+      "pisa_select_final_topk_rank_folded", "pisa_select_leaf_q8",
+      "pisa_select_packed_walk_pisa_rank_folded_pair_lse"]
   assert names(top_k=3, branching=3, selector="pisa2", beam=6) == [
-      "pisa_select_final_topk_rank", "pisa_select_leaf_q8", "pisa_select_packed_walk_pisa2_rank"]
+      "pisa_select_final_topk_rank_folded", "pisa_select_leaf_q8",
+      "pisa_select_packed_walk_pisa2_rank_folded"]
   assert names(top_k=3, branching=2, selector="bsa", beam=3) == ["pisa_select_packed_bsa"]
   with pytest.raises(ValueError, match="beam=9"):
     packed_walk.select_packed_fused(q, k, *([None] * 4), block_size=4, top_k=3, branching=2,

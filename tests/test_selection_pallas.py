@@ -158,6 +158,8 @@ def test_selection_matrix_slow(case):
 
 RANK = dataclasses.replace(TWO, topk_impl="rank", topk_rows=8)
 RANK_FUSED = dataclasses.replace(FUSED, topk_impl="rank")
+FOLDED = dataclasses.replace(RANK, topk_impl="rank_folded")
+FOLDED_FUSED = dataclasses.replace(FUSED, topk_impl="rank_folded")
 # (T, HQ, HKV, D, top_k, selector, block_size, branching, beam, config); beam > top_k in most, so
 # the walk keeps more nodes than the leaves do.
 RANK_CI_CASES = [
@@ -166,15 +168,19 @@ RANK_CI_CASES = [
     (300, 3, 1, 64, 3, "pisa1", 16, 2, 5, RANK_FUSED),
     (65, 2, 2, 64, 3, "pisa2", 8, 3, 4, RANK),
     (1, 16, 1, 64, 8, "pisa", 64, 2, 9, RANK),
+    # The folded rank: g = 2 (pair expansion), g = 3 (the general one), the fused kernel.
+    (1000, 16, 1, 64, 8, "pisa", 64, 2, 12, FOLDED),
+    (65, 2, 2, 64, 3, "pisa2", 8, 3, 4, FOLDED),
+    (300, 3, 1, 64, 3, "pisa1", 16, 2, 5, FOLDED_FUSED),
 ]
 
 
-@pytest.mark.parametrize("top_k,beam,impl", [(8, 8, "rank"), (8, 16, "rank"), (32, 32, "rank"),
-                                             (8, 64, "passes")])
+@pytest.mark.parametrize("top_k,beam,impl", [(8, 8, "rank"), (8, 16, "rank_folded"),
+                                             (32, 32, "rank_folded"), (8, 64, "passes")])
 def test_default_config_picks_topk_by_candidates(top_k, beam, impl):
-  # The default takes the rank top-k up to 64 candidate slots (measured faster there on the H200)
-  # and the passes above (the rank's [NC, NC] compares would not fit); select_blocks_pallas must
-  # pass its NC so that the kernels it launches follow.
+  # The default takes the rank top-k up to 64 candidate slots (measured faster there on the H200;
+  # folded past 16) and the passes above (the rank's [NC, NC] compares would not fit);
+  # select_blocks_pallas must pass its NC so that the kernels it launches follow.
   q, k = _inputs(0, 200, 4, 1, 64, jnp.float32, 1)
   kw = dict(block_size=4, top_k=top_k, branching=2, selector="pisa", scale=0.125, beam=beam)
   geo = layout.make_geometry(q, k, **kw)
@@ -268,11 +274,37 @@ def test_rank_helpers_equal_the_passes_on_ties(keep):
     assert np.all(a[int(np.asarray(got[row]).sum()) * g:] == -1)
 
 
+@pytest.mark.parametrize("n,keep", [(16, 3), (32, 8), (64, 32), (64, 5)])
+def test_folded_rank_helpers_equal_the_rank_ones_on_ties(n, keep):
+  # "rank_folded" (validity folded into the key, the kept mask into the ids, the g = 2
+  # expansion from n / 2 parent slots) against "rank" on rows full of exact ties, forced nodes
+  # and keep-all rows: the same kept set, the same sorted output and the same expansion layout.
+  cand, valid, forced, score = _tied_rows(n + keep, 300, n)
+  want, rank = jax.jit(topk.rank_keep, static_argnums=4)(cand, valid, forced, score, keep)
+  for by_column in (False, True):
+    got, rank_f = jax.jit(topk.rank_keep_folded, static_argnums=(4, 5))(
+        cand, valid, forced, score, keep, by_column)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    v = np.asarray(valid)
+    np.testing.assert_array_equal(np.where(v, rank_f, -1), np.where(v, rank, -1))
+    width = 1 << (keep - 1).bit_length()
+    np.testing.assert_array_equal(
+        np.asarray(topk.sorted_kept_folded(cand, got, width, by_column)),
+        np.asarray(topk.sorted_kept_rank(cand, want, width, by_column)))
+  expand_pairs = jax.jit(topk.expand_pairs, static_argnums=3)
+  expand_rank = jax.jit(topk.expand_rank, static_argnums=(3, 4))
+  for row in range(60):
+    np.testing.assert_array_equal(
+        np.asarray(expand_pairs(cand[row], want[row], rank[row], n)),
+        np.asarray(expand_rank(cand[row], want[row], rank[row], 2, n)))
+
+
 def test_rank_and_passes_bit_identical():
   q, k = _inputs(7, 300, 4, 1, 64)
   kw = dict(block_size=16, top_k=4, branching=2, selector="pisa", scale=0.125, beam=6)
   want = np.asarray(_kernel(q, k, config=TWO, **kw))
-  for cfg in (RANK, RANK_FUSED):
+  for cfg in (RANK, RANK_FUSED, dataclasses.replace(RANK, topk_impl="rank_folded"),
+              dataclasses.replace(RANK_FUSED, topk_impl="rank_folded")):
     np.testing.assert_array_equal(np.asarray(_kernel(q, k, config=cfg, **kw)), want)
 
 

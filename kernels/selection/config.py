@@ -8,7 +8,7 @@ import dataclasses
 from pisa_jax.kernels._common import MIN_DOT, candidate_slots, next_pow2
 
 VARIANTS = ("fused", "two_stage")
-TOPK_IMPLS = ("rank", "passes")
+TOPK_IMPLS = ("rank", "rank_folded", "passes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +40,10 @@ class SelectionConfig:
     topk_impl: the in-kernel Select_K. "rank": one broadcast compare `[..., N, N]` and one sum give
       every candidate its rank, O(1) dependent reductions; faster up to NC = 64. "passes": `keep`
       dependent max / lowest-index argmax passes; for NC >= 128, where the rank's compares do not
-      fit in registers.
+      fit in registers. "rank_folded": the rank with validity folded into the ranking key and, at
+      g = 2, the expansion from NC / 2 parent slots (`topk.rank_keep_folded`, `expand_pairs`):
+      the same kept nodes in ~16% fewer instructions a walk level at NC = 64 (sm_90a SASS
+      compiled offline); the default at NC = 32 and 64, while the K = 8 kernels keep "rank".
     walk_pair_lse: at g = 2 with the "pisa" selector the walk scores a candidate from its two
       children's logits as max + log(1 + exp(-|z0 - z1|)) (Eq. 21 for a pair): one exponential and
       one logarithm per head. Other branchings and selectors use the general reduction.
@@ -82,17 +85,17 @@ class SelectionConfig:
   @classmethod
   def default(cls, *, seq_len: int, group: int, candidates: int = MIN_DOT) -> SelectionConfig:
     """The field defaults at NC = `candidates` = 16 (`candidate_slots`); wider candidate sets take
-    the two-stage variant, with the rank top-k on one warp up to NC = 32, on 4 warps at NC = 64
-    (one warp spills) and the passes from NC = 128. BSA programs hold about 64 query rows
+    the two-stage variant, with the folded rank top-k on one warp at NC = 32, on 4 warps at
+    NC = 64 (one warp spills) and the passes from NC = 128. BSA programs hold about 64 query rows
     (bsa_q_tile x the padded group). No measured setting depended on seq_len."""
     del seq_len
     changes = dict(bsa_q_tile=max(1, min(16, 64 // next_pow2(group))))
     if candidates != MIN_DOT:
       changes.update(variant="two_stage")
     if candidates == 32:
-      changes.update(topk_rows=1)
+      changes.update(topk_rows=1, topk_impl="rank_folded")
     elif candidates == 64:
-      changes.update(topk_rows=1, walk_warps=4)
+      changes.update(topk_rows=1, walk_warps=4, topk_impl="rank_folded")
     elif candidates >= 128:
       changes.update(topk_impl="passes", topk_rows=32, topk_warps=1)
     return cls(**changes)

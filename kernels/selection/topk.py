@@ -1,10 +1,12 @@
 """Select_K inside the kernels (Eq. 17 with the forced-node rule of Appendix B) and the Eq. 18
 expansion of kept nodes to their children, without sorts.
 
-Two forms with the same result: "passes" (`keep` dependent passes of max / lowest-index argmax)
-and "rank" (one broadcast compare `[..., N, N]` and one sum give every candidate its rank in
-(score descending, node id ascending)). Reductions run over the last axis, so every helper works
-on `[N]` and `[rows, N]`.
+Three forms with the same result: "passes" (`keep` dependent passes of max / lowest-index
+argmax), "rank" (one broadcast compare `[..., N, N]` and one sum give every candidate its rank in
+(score descending, node id ascending)) and "rank_folded", the rank with fewer instructions per
+compared pair for wide candidate sets (validity folded into the ranking key, Eq. 18's expansion
+from `N / g` parent slots). Reductions run over the last axis, so every helper works on `[N]` and
+`[rows, N]`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from pisa_jax.kernels._common import BIG, rank_by_id, rank_by_key, rank_key
+from pisa_jax.kernels._common import BIG, pair_axes, rank_by_id, rank_by_key, rank_key
 from pisa_jax.kernels.selection.layout import Geometry
 
 
@@ -134,8 +136,54 @@ def expand_rank(cand, taken, rank, branching: int, width: int):
   return jnp.max(jnp.where(hit, cand[None, :] * branching + o_child[:, None], -1), axis=1)
 
 
+def rank_keep_folded(cand, valid, forced, score, keep: int, by_column: bool = False):
+  """`rank_keep` with validity folded into the ranking key: (kept, rank), the same kept set.
+
+  An invalid candidate's key is -inf, below every valid key (`rank_key` clamps numbers to
+  +-SCORE_LIMIT and forced nodes are +inf), so a valid candidate's rank counts only valid ones
+  without a validity term per compared pair; an invalid candidate's rank is meaningless and it
+  is never kept. One test fewer per pair of the `[..., N, N]` compare, which is most of a wide
+  walk level's instructions (NC = 64: 4,096 pairs against 64 candidates' dots).
+  """
+  keep_all = jnp.sum(valid.astype(jnp.int32), axis=-1, keepdims=True) <= keep
+  key = jnp.where(valid, rank_key(score, forced | keep_all), -jnp.inf)
+  as_i, as_j, over_j = pair_axes(by_column)
+  k_i, k_j, c_i, c_j = as_i(key), as_j(key), as_i(cand), as_j(cand)
+  before = (k_j > k_i) | ((k_j == k_i) & (c_j < c_i))
+  rank = jnp.sum(before.astype(jnp.int32), axis=over_j)
+  return valid & (rank < keep), rank
+
+
+def sorted_kept_folded(cand, taken, width: int, by_column: bool = False):
+  """`sorted_kept_rank` with the kept mask folded into the ids (a dropped candidate counts as
+  BIG, after every id): one compare per pair for each kept node's output slot."""
+  as_i, as_j, over_j = pair_axes(by_column)
+  ids = jnp.where(taken, cand, BIG)
+  pos = jnp.sum((as_j(ids) < as_i(cand)).astype(jnp.int32), axis=over_j)
+  slot = lax.broadcasted_iota(jnp.int32, cand.shape[:-1] + (width, 1), cand.ndim - 1)
+  hit = taken[..., None, :] & (pos[..., None, :] == slot)
+  return jnp.max(jnp.where(hit, cand[..., None, :], -1), axis=-1)
+
+
+def expand_pairs(cand, taken, rank, width: int):
+  """`expand_rank` at g = 2 from `width / 2` parent slots: the kept node of rank p is found with
+  one compare per (parent slot, candidate), half of `expand_rank`'s (output slot, candidate)
+  grid, then its children 2 c and 2 c + 1 fill slots 2 p and 2 p + 1 (the same layout).
+  `[N]` -> `[width]` candidate ids (-1 empty)."""
+  ranked = jnp.where(taken, rank, -1)
+  hit = ranked[None, :] == jnp.arange(width // 2)[:, None]
+  parent = jnp.max(jnp.where(hit, cand[None, :], -1), axis=1)
+  first = jnp.where(parent >= 0, 2 * parent, -1)
+  return jnp.stack([first, jnp.where(parent >= 0, first + 1, -1)], axis=-1).reshape(width)
+
+
 def select_and_expand(cand, valid, forced, score, geo: Geometry, topk_impl: str):
   """One walk level's Select_K (keep = beam) and Eq. 18 expansion to `[NC]` child candidates."""
+  if topk_impl == "rank_folded":
+    taken, rank = rank_keep_folded(cand, valid, forced, score, geo.beam, by_column=True)
+    if geo.branching == 2:
+      return expand_pairs(cand, taken, rank, geo.num_slots)
+    return expand_rank(cand, taken, rank, geo.branching, geo.num_slots)
   if topk_impl == "rank":
     taken, rank = rank_keep(cand, valid, forced, score, geo.beam, by_column=True)
     return expand_rank(cand, taken, rank, geo.branching, geo.num_slots)
@@ -162,6 +210,9 @@ def final_select(cand, score, t, geo: Geometry, topk_impl: str, by_column: bool 
   """
   need, valid, forced = leaf_needs_score(cand, t, geo)
   score = jnp.where(need, score, 0.0)
+  if topk_impl == "rank_folded":
+    taken, _ = rank_keep_folded(cand, valid, forced, score, geo.top_k, by_column=by_column)
+    return sorted_kept_folded(cand, taken, geo.top_k_padded, by_column=by_column)
   if topk_impl == "rank":
     taken, _ = rank_keep(cand, valid, forced, score, geo.top_k, by_column=by_column)
     return sorted_kept_rank(cand, taken, geo.top_k_padded, by_column=by_column)
