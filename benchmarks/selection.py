@@ -22,6 +22,16 @@ four times wider costs.
   python -m benchmarks.selection --sizes 256 --budget-sizes 256 --implementation xla --out /tmp/s
   python -m benchmarks.selection --sizes 131072 --budget-sizes 131072 --budget-cases 128:32
 
+--compare NAMES times, at each wide case, the Pallas selection under other `SelectionConfig`s
+(COMPARE: "previous" is the wide-set default before sibling leaf tiles and the folded rank,
+"leaf_tiles" and "rank" undo one of the two) beside the default in the same process, each row
+with `same_indices`: whether it selected exactly the default's blocks. --kernels adds each PISA
+row's device ms per kernel (a profiler trace of a few calls).
+
+  python -m benchmarks.selection --sizes 16384,65536,131072 --budget-sizes 16384,65536,131072 \
+      --budget-cases 64:32,128:32 --selectors pisa --compare previous --kernels --no-memory \
+      --no-fla --out DIR
+
 Correctness is not checked here: tests/test_gpu_selection.py and tests/test_gpu_fla.py do that.
 """
 
@@ -35,9 +45,15 @@ import jax.numpy as jnp
 
 import pisa_jax
 from benchmarks import _fla, _record
-from benchmarks.timing import time_jax, time_torch
+from benchmarks.timing import device_kernel_ms, time_jax, time_torch
 
 NAME = "selection"
+# --compare: SelectionConfig changes against the default of a wide candidate set.
+COMPARE = {
+    "previous": dict(sibling_tiles=False, topk_impl="rank"),  # one leaf a tile, the plain rank
+    "leaf_tiles": dict(sibling_tiles=False),
+    "rank": dict(topk_impl="rank"),
+}
 HQ, HKV, D, C, G = 32, 2, 64, 64, 2
 SIZES = (4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576)
 
@@ -54,6 +70,21 @@ def select_fn(selector: str, top_k: int, beam: int | None, implementation: str):
   return jax.jit(functools.partial(pisa_jax.select_blocks, block_size=C, top_k=top_k,
                                    branching=G, selector=selector, beam=beam,
                                    implementation=implementation))
+
+
+def compare_fn(name: str, n: int, top_k: int, beam: int):
+  """The PISA selection on the Pallas kernels under the default config changed by COMPARE[name]
+  (interpreted without a GPU, as `implementation="pallas"` is)."""
+  import dataclasses
+
+  from pisa_jax.kernels.selection import SelectionConfig, candidate_slots, select_blocks_pallas
+
+  config = dataclasses.replace(
+      SelectionConfig.default(seq_len=n, group=HQ // HKV, candidates=candidate_slots(beam, G)),
+      **COMPARE[name])
+  return jax.jit(lambda q, k: select_blocks_pallas(
+      q, k, block_size=C, top_k=top_k, branching=G, selector="pisa", scale=q.shape[-1] ** -0.5,
+      beam=beam, interpret=jax.default_backend() != "gpu", config=config))
 
 
 def memory_mb(fn, *args) -> float | None:
@@ -99,21 +130,41 @@ def measure(args, rec: _record.Recorder) -> None:
   for n, d, top_k in cases(args):
     # Wider beams belong to Table 4's sweep; the budget cases run the paper's beam = K.
     beams = args.beams if (top_k == args.top_k and n in args.sizes and d == D) else [top_k]
-    ours = [("pisa", beam) for beam in beams] + [("bsa", None)]
+    ours = [("pisa-jax", "pisa", beam) for beam in beams if "pisa" in args.selectors]
+    if "bsa" in args.selectors:
+      ours.append(("pisa-jax", "bsa", None))
+    if top_k != args.top_k and "pisa" in args.selectors:
+      ours += [(f"pisa-jax {name}", "pisa", top_k) for name in args.compare]
     q, k = inputs(n, d)
     pisa_ms = None
-    for selector, beam in ours:
-      row = dict(n=n, d=d, top_k=top_k, side="pisa-jax", selector=selector, beam=beam)
+    default_idx = None  # the default PISA selection's indices, for --compare
+    for side, selector, beam in ours:
+      row = dict(n=n, d=d, top_k=top_k, side=side, selector=selector, beam=beam)
       try:
-        fn = select_fn(selector, top_k, beam, args.implementation)
-        row.update(ms=time_jax(fn, q, k), memory_mb=memory_mb(fn, q, k))
+        if side != "pisa-jax":
+          fn = compare_fn(side.split()[-1], n, top_k, beam)
+        else:
+          fn = select_fn(selector, top_k, beam, args.implementation)
+        row["ms"] = time_jax(fn, q, k)
+        if args.memory:
+          row["memory_mb"] = memory_mb(fn, q, k)
+        if args.kernels and selector == "pisa":
+          row["kernel_ms"] = device_kernel_ms(fn, q, k)
+        if selector == "pisa" and beam == top_k and args.compare and top_k != args.top_k:
+          idx = jax.device_get(fn(q, k))
+          if side != "pisa-jax":
+            row["same_indices"] = bool(default_idx is not None and (idx == default_idx).all())
+            if not row["same_indices"] and default_idx is not None:
+              row["rows_differing"] = int((idx != default_idx).any(axis=-1).sum())
+          else:
+            default_idx = idx
       except Exception as e:  # recorded: one failing side must not hide the others
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-      if selector == "pisa" and beam == beams[0]:
+      if side == "pisa-jax" and selector == "pisa" and beam == beams[0]:
         pisa_ms = row.get("ms")
       rec.add(**row)
       print(row, flush=True)
-    del q, k
+    del q, k, default_idx
     if not fla_reason:
       row = dict(n=n, d=d, top_k=top_k, side="fla", selector="bsa", beam=None)
       try:
@@ -132,8 +183,10 @@ def measure(args, rec: _record.Recorder) -> None:
             and row["side"] == "pisa-jax" and row["selector"] == "pisa" and "ms" in row
             and row["beam"] == args.top_k]
       for row in same:
-        if k8 and "ms" in row and row["side"] == "pisa-jax":
+        if k8 and "ms" in row and row["side"].startswith("pisa-jax"):
           row["x_k8"] = round(row["ms"] / k8[0]["ms"], 3)
+          print(f"{label(row)} at N={n}: {row['ms']} ms, K{args.top_k} {k8[0]['ms']} ms, "
+                f"x_k8 {row['x_k8']}", flush=True)
     rec.save()
 
 
@@ -203,12 +256,17 @@ def settings(args) -> dict:
               dtype="bfloat16", seed=0, sizes=args.sizes, beams=args.beams,
               budget_sizes=args.budget_sizes,
               budget_cases=[f"d{d} K{k}" for d, k in args.budget_cases],
-              implementation=args.implementation,
+              implementation=args.implementation, selectors=args.selectors,
+              compare={name: COMPARE[name] for name in args.compare},
               timing="median of 7 batches of back-to-back calls (benchmarks/timing.py)")
 
 
 def ints(text: str) -> list[int]:
   return [int(x) for x in text.split(",") if x]
+
+
+def names(text: str) -> list[str]:
+  return [x for x in text.split(",") if x]
 
 
 def pairs(text: str) -> list[tuple[int, int]]:
@@ -234,8 +292,23 @@ def main(argv=None) -> dict:
                  help="D:K pairs run at --budget-sizes, each beside K = --top-k at its d")
   p.add_argument("--implementation", default="pallas", choices=("pallas", "xla"),
                  help="ours: the Pallas kernels (default) or the jnp reference (a CPU smoke run)")
+  p.add_argument("--selectors", type=names, default=["pisa", "bsa"],
+                 help="ours to time: pisa, bsa or both (default pisa,bsa)")
+  p.add_argument("--compare", type=names, default=[],
+                 help="at each wide case, also time these SelectionConfig variants "
+                      f"({', '.join(COMPARE)}) and compare their indices with the default's")
+  p.add_argument("--kernels", action="store_true",
+                 help="record each PISA row's device ms per kernel (a profiler trace)")
+  p.add_argument("--no-memory", dest="memory", action="store_false",
+                 help="skip the compiled memory analysis of each row")
   p.add_argument("--no-fla", dest="fla", action="store_false", help="leave fla out")
   args = p.parse_args(argv)
+  bad = sorted(set(args.selectors) - {"pisa", "bsa"})
+  if bad:
+    p.error(f"--selectors {bad} must be among pisa, bsa")
+  bad = sorted(set(args.compare) - set(COMPARE))
+  if bad:
+    p.error(f"--compare {bad} must be among {', '.join(COMPARE)}")
   args.beams = args.beams or [args.top_k]
   return _record.run(NAME, args, measure, settings, plot, table)
 
