@@ -46,7 +46,7 @@ from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
 from pisa_jax.kernels._common import LN2, LOG2E, MIN_DOT, call_kernel, dot_precision
-from pisa_jax.kernels._common import next_pow2, pow2_at_least
+from pisa_jax.kernels._common import dkv_tile_step, next_pow2, pow2_at_least
 
 # Larger than any position: the empty minimum of a range's start.
 _NO_KEY = 2**30
@@ -272,20 +272,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, first_ref, end_
     b_do = plt.load(do_ref.at[idx])
     b_lse2 = plt.load(lse_ref.at[o_t, o_g]) * LOG2E
     b_delta = plt.load(delta_ref.at[o_t, o_g])
-    # [S, R]
+    # Each row's key range [first, end); the [S, R] pairs inside it attend.
     b_first = plt.load(first_ref.at[o_t])
     b_end = plt.load(end_ref.at[o_t])
-    visible = (o_s[:, None] >= b_first[None, :]) & (o_s[:, None] < b_end[None, :])
-    b_s = jnp.dot(b_k, b_q.T, precision=precision, preferred_element_type=jnp.float32) * qk_scale
-    b_p = jnp.where(visible, jnp.exp2(b_s - b_lse2[None, :]), 0.0)
-    b_dp = jnp.dot(b_v, b_do.T, precision=precision, preferred_element_type=jnp.float32)
-    # Masked again: a hidden pair's dp (a NaN value) must not reach dk through p = 0.
-    b_ds = b_p * jnp.where(visible, b_dp - b_delta[None, :], 0.0)
-    b_dv = b_dv + jnp.dot(b_p.astype(b_do.dtype), b_do, precision=precision,
-                          preferred_element_type=jnp.float32)
-    b_dk = b_dk + jnp.dot(b_ds.astype(b_q.dtype), b_q, precision=precision,
-                          preferred_element_type=jnp.float32)
-    return b_dk, b_dv
+    return dkv_tile_step(
+        b_k, b_v, b_q, b_do, b_lse2, b_delta,
+        lambda: (o_s[:, None] >= b_first[None, :]) & (o_s[:, None] < b_end[None, :]),
+        b_dk, b_dv, qk_scale=qk_scale, precision=precision)
 
   zeros = jnp.zeros((block_keys, dp), jnp.float32)
   b_dk, b_dv = lax.fori_loop(0, num_tiles, body, (zeros, zeros))
