@@ -23,6 +23,27 @@ def missing() -> str | None:
   return None
 
 
+def nsa_window_substitute() -> str | None:
+  """fla's `parallel_nsa` runs its window branch on flash-attn's `flash_attn_func`; where
+  flash-attn is not installed, hand that branch to fla's own `parallel_attn`, whose `window_size`
+  w is the same window (keys i - w < j <= i, flash-attn's `window_size=(w - 1, 0)`) on fla's
+  Triton kernel, which skips blocks outside it. Returns a note saying so, None when flash-attn is
+  there and nothing was changed."""
+  from fla.ops.attn.parallel import parallel_attn
+  from fla.ops.nsa import parallel as nsa_parallel
+  if nsa_parallel.flash_attn_func is not None:
+    return None
+
+  def window_attention(q, k, v, causal, window_size):
+    if not causal or window_size[1] != 0:
+      raise ValueError(f"{causal=}, {window_size=}: only the causal window (w - 1, 0) is mapped")
+    return parallel_attn(q, k, v, window_size=window_size[0] + 1)
+
+  nsa_parallel.flash_attn_func = window_attention
+  return ("flash-attn is not installed: fla's NSA window branch runs on fla's own parallel_attn "
+          "(window_size w, the same keys), everything else is fla's parallel_nsa")
+
+
 def to_torch(x, dtype=None):
   """A jax or numpy array as a CUDA tensor (through host memory), in `dtype` if given."""
   import jax.numpy as jnp

@@ -50,7 +50,8 @@ class Recorder:
 
   def note(self, text: str) -> None:
     print(f"note: {text}", flush=True)
-    self.record["notes"].append(text)
+    if text not in self.record["notes"]:  # an --append run may repeat an earlier note
+      self.record["notes"].append(text)
     self.save()
 
   def save(self) -> None:
@@ -110,6 +111,37 @@ def run(name: str, args: argparse.Namespace, measure: Callable[[argparse.Namespa
       print(f"note: {text}")
   print(f"wrote {png}" + ("" if args.replot else f" and {args.out / f'{name}.json'}"), flush=True)
   return record
+
+
+def appending(name: str, args: argparse.Namespace,
+              measure: Callable[[argparse.Namespace, Recorder], None],
+              cases: list[str]) -> Callable[[argparse.Namespace, Recorder], None]:
+  """`measure`, starting from the earlier result in --out when --append is given: its rows of
+  cases this call does not measure are kept (rows name their case), and the note says from which
+  commit and date they come. The earlier result must be of the same benchmark and device."""
+  path = args.out / f"{name}.json"
+  if not getattr(args, "append", False) or args.replot or not path.is_file():
+    return measure
+  earlier, device = load(path), environment()["device"]
+  if earlier["benchmark"] != name or earlier["device"] != device:  # before anything overwrites it
+    raise SystemExit(f"--append: {path} holds a {earlier['benchmark']!r} result on "
+                     f"{earlier['device']!r}; this run is {name!r} on {device!r}")
+
+  def measure_after_earlier(args, rec: Recorder) -> None:
+    kept = [r for r in earlier["rows"] if r.get("case") not in cases]
+    rec.record["rows"] = kept
+    rec.record["notes"] = earlier["notes"] + [
+        f"{len(kept)} rows kept from the result of {earlier['date']} (commit "
+        f"{earlier['commit']}), cases {sorted({r['case'] for r in kept})}"]
+    # The earlier settings list the cases it meant to run; keep those it has rows of.
+    old = [c for c in earlier["settings"].get("cases", [])
+           if any(all(r.get(k) == v for k, v in c.items()) for r in kept)]
+    if "cases" in rec.record["settings"]:
+      rec.record["settings"]["cases"] = old + rec.record["settings"]["cases"]
+    rec.save()
+    measure(args, rec)
+
+  return measure_after_earlier
 
 
 def markdown(columns: list[str], lines: list[list]) -> str:

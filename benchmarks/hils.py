@@ -177,9 +177,13 @@ def main(argv=None) -> dict:
                  help="PISA's K (default 32: HiLS's chunk count, beside its window)")
   p.add_argument("--implementation", default="pallas", choices=("pallas", "xla"),
                  help="every layer on its kernels (default) or the jnp references (a CPU run)")
+  p.add_argument("--append", action="store_true",
+                 help="keep the rows of --out's earlier result whose cases this call does not "
+                      "measure (a suite measured over several calls)")
   args = p.parse_args(argv)
   args.cases = args.cases or list(CASES)
-  return _record.run(NAME, args, measure, settings, plot, table)
+  measure_into = _record.appending(NAME, args, measure, [case_name(*c) for c in args.cases])
+  return _record.run(NAME, args, measure_into, settings, plot, table)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ All sides in one process on the same bf16 q, k, v `[1, N, 32, 64]` (B = 1, HQ = 
                and the window on the range kernels, the window on cuDNN where it takes the
                arguments, the selected branch on the sparse-attention kernel)
   fla nsa      fla's `parallel_nsa` with the same gates, block_size 64, block_counts 16,
-               window_size 512 (its window needs flash-attn). fla takes only GQA groups that are
+               window_size 512 (its window is flash-attn's; without flash-attn, fla's own
+               `parallel_attn` with the same window, noted in the result). fla takes only GQA groups that are
                powers of two >= 16: a refusal is recorded as a row with `refused`. Its forward's
                largest difference from ours is recorded (same rule, selection tested equal)
   pisa layer   `pisa_jax.pisa_attention(implementation="pallas")`, C = 64, K = 16
@@ -113,6 +114,8 @@ def measure(args, rec: _record.Recorder) -> None:
   fla_reason = _fla.missing() if args.fla else "fla left out (--no-fla)"
   if fla_reason:
     rec.note(fla_reason)
+  elif (substitute := _fla.nsa_window_substitute()) is not None:
+    rec.note(substitute)
   if not on_gpu:
     rec.note("cuDNN and the kernels' branch timings need a CUDA GPU: skipped")
   for n, hq, hkv, d in args.cases:
@@ -230,9 +233,13 @@ def main(argv=None) -> dict:
   p.add_argument("--implementation", default="pallas", choices=("pallas", "xla"),
                  help="ours: the kernels (default) or the jnp reference (a CPU smoke run)")
   p.add_argument("--no-fla", dest="fla", action="store_false", help="leave fla out")
+  p.add_argument("--append", action="store_true",
+                 help="keep the rows of --out's earlier result whose cases this call does not "
+                      "measure (a suite measured over several calls)")
   args = p.parse_args(argv)
   args.cases = args.cases or list(CASES)
-  return _record.run(NAME, args, measure, settings, plot, table)
+  measure_into = _record.appending(NAME, args, measure, [case_name(*c) for c in args.cases])
+  return _record.run(NAME, args, measure_into, settings, plot, table)
 
 
 if __name__ == "__main__":
