@@ -95,8 +95,7 @@ def selection(r: dict) -> tuple[str, str]:
     peer = f" / {num(fla[0]['ms'])} ({num(fla[0]['x_pisa'])}x)" if fla else ""
     parts.append(f"{length(row['n'])} {num(row['ms'])}{peer}")
   text = "PISA ms / fla NSA top-k ms (x): " + " · ".join(parts)
-  wide = [x for x in r["rows"] if "x_k8" in x and x["selector"] == "pisa"
-          and x["side"] == "pisa-jax"]
+  wide = [x for x in r["rows"] if "x_k8" in x and x["selector"] == "pisa"]
   if wide:
     text += f"; wider K over K{s['top_k']}, time: " + " · ".join(
         f"{length(x['n'])} d{x['d']} K{x['top_k']} {num(x['x_k8'])}x" for x in wide)

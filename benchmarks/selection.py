@@ -22,15 +22,10 @@ four times wider costs.
   python -m benchmarks.selection --sizes 256 --budget-sizes 256 --implementation xla --out /tmp/s
   python -m benchmarks.selection --sizes 131072 --budget-sizes 131072 --budget-cases 128:32
 
---compare NAMES times, at each wide case, the Pallas selection under other `SelectionConfig`s
-(COMPARE: "previous" is the wide-set default before sibling leaf tiles and the folded rank,
-"leaf_tiles" and "rank" undo one of the two) beside the default in the same process, each row
-with `same_indices`: whether it selected exactly the default's blocks. --kernels adds each PISA
-row's device ms per kernel (a profiler trace of a few calls).
+--kernels adds each PISA row's device ms per kernel (a profiler trace of a few calls).
 
   python -m benchmarks.selection --sizes 16384,65536,131072 --budget-sizes 16384,65536,131072 \
-      --budget-cases 64:32,128:32 --selectors pisa --compare previous --kernels --no-memory \
-      --no-fla --out DIR
+      --budget-cases 64:32,128:32 --selectors pisa --kernels --no-memory --no-fla --out DIR
 
 Correctness is not checked here: tests/test_gpu_selection.py and tests/test_gpu_fla.py do that.
 """
@@ -48,12 +43,6 @@ from benchmarks import _fla, _record
 from benchmarks.timing import device_kernel_ms, time_jax, time_torch
 
 NAME = "selection"
-# --compare: SelectionConfig changes against the default of a wide candidate set.
-COMPARE = {
-    "previous": dict(sibling_tiles=False, topk_impl="rank"),  # one leaf a tile, the plain rank
-    "leaf_tiles": dict(sibling_tiles=False),
-    "rank": dict(topk_impl="rank"),
-}
 HQ, HKV, D, C, G = 32, 2, 64, 64, 2
 SIZES = (4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576)
 
@@ -70,21 +59,6 @@ def select_fn(selector: str, top_k: int, beam: int | None, implementation: str):
   return jax.jit(functools.partial(pisa_jax.select_blocks, block_size=C, top_k=top_k,
                                    branching=G, selector=selector, beam=beam,
                                    implementation=implementation))
-
-
-def compare_fn(name: str, n: int, top_k: int, beam: int):
-  """The PISA selection on the Pallas kernels under the default config changed by COMPARE[name]
-  (interpreted without a GPU, as `implementation="pallas"` is)."""
-  import dataclasses
-
-  from pisa_jax.kernels.selection import SelectionConfig, candidate_slots, select_blocks_pallas
-
-  config = dataclasses.replace(
-      SelectionConfig.default(seq_len=n, group=HQ // HKV, candidates=candidate_slots(beam, G)),
-      **COMPARE[name])
-  return jax.jit(lambda q, k: select_blocks_pallas(
-      q, k, block_size=C, top_k=top_k, branching=G, selector="pisa", scale=q.shape[-1] ** -0.5,
-      beam=beam, interpret=jax.default_backend() != "gpu", config=config))
 
 
 def memory_mb(fn, *args) -> float | None:
@@ -130,41 +104,27 @@ def measure(args, rec: _record.Recorder) -> None:
   for n, d, top_k in cases(args):
     # Wider beams belong to Table 4's sweep; the budget cases run the paper's beam = K.
     beams = args.beams if (top_k == args.top_k and n in args.sizes and d == D) else [top_k]
-    ours = [("pisa-jax", "pisa", beam) for beam in beams if "pisa" in args.selectors]
+    ours = [("pisa", beam) for beam in beams if "pisa" in args.selectors]
     if "bsa" in args.selectors:
-      ours.append(("pisa-jax", "bsa", None))
-    if top_k != args.top_k and "pisa" in args.selectors:
-      ours += [(f"pisa-jax {name}", "pisa", top_k) for name in args.compare]
+      ours.append(("bsa", None))
     q, k = inputs(n, d)
     pisa_ms = None
-    default_idx = None  # the default PISA selection's indices, for --compare
-    for side, selector, beam in ours:
-      row = dict(n=n, d=d, top_k=top_k, side=side, selector=selector, beam=beam)
+    for selector, beam in ours:
+      row = dict(n=n, d=d, top_k=top_k, side="pisa-jax", selector=selector, beam=beam)
       try:
-        if side != "pisa-jax":
-          fn = compare_fn(side.split()[-1], n, top_k, beam)
-        else:
-          fn = select_fn(selector, top_k, beam, args.implementation)
+        fn = select_fn(selector, top_k, beam, args.implementation)
         row["ms"] = time_jax(fn, q, k)
         if args.memory:
           row["memory_mb"] = memory_mb(fn, q, k)
         if args.kernels and selector == "pisa":
           row["kernel_ms"] = device_kernel_ms(fn, q, k)
-        if selector == "pisa" and beam == top_k and args.compare and top_k != args.top_k:
-          idx = jax.device_get(fn(q, k))
-          if side != "pisa-jax":
-            row["same_indices"] = bool(default_idx is not None and (idx == default_idx).all())
-            if not row["same_indices"] and default_idx is not None:
-              row["rows_differing"] = int((idx != default_idx).any(axis=-1).sum())
-          else:
-            default_idx = idx
       except Exception as e:  # recorded: one failing side must not hide the others
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-      if side == "pisa-jax" and selector == "pisa" and beam == beams[0]:
+      if selector == "pisa" and beam == beams[0]:
         pisa_ms = row.get("ms")
       rec.add(**row)
       print(row, flush=True)
-    del q, k, default_idx
+    del q, k
     if not fla_reason:
       row = dict(n=n, d=d, top_k=top_k, side="fla", selector="bsa", beam=None)
       try:
@@ -183,7 +143,7 @@ def measure(args, rec: _record.Recorder) -> None:
             and row["side"] == "pisa-jax" and row["selector"] == "pisa" and "ms" in row
             and row["beam"] == args.top_k]
       for row in same:
-        if k8 and "ms" in row and row["side"].startswith("pisa-jax"):
+        if k8 and "ms" in row and row["side"] == "pisa-jax":
           row["x_k8"] = round(row["ms"] / k8[0]["ms"], 3)
           print(f"{label(row)} at N={n}: {row['ms']} ms, K{args.top_k} {k8[0]['ms']} ms, "
                 f"x_k8 {row['x_k8']}", flush=True)
@@ -257,7 +217,6 @@ def settings(args) -> dict:
               budget_sizes=args.budget_sizes,
               budget_cases=[f"d{d} K{k}" for d, k in args.budget_cases],
               implementation=args.implementation, selectors=args.selectors,
-              compare={name: COMPARE[name] for name in args.compare},
               timing="median of 7 batches of back-to-back calls (benchmarks/timing.py)")
 
 
@@ -294,9 +253,6 @@ def main(argv=None) -> dict:
                  help="ours: the Pallas kernels (default) or the jnp reference (a CPU smoke run)")
   p.add_argument("--selectors", type=names, default=["pisa", "bsa"],
                  help="ours to time: pisa, bsa or both (default pisa,bsa)")
-  p.add_argument("--compare", type=names, default=[],
-                 help="at each wide case, also time these SelectionConfig variants "
-                      f"({', '.join(COMPARE)}) and compare their indices with the default's")
   p.add_argument("--kernels", action="store_true",
                  help="record each PISA row's device ms per kernel (a profiler trace)")
   p.add_argument("--no-memory", dest="memory", action="store_false",
@@ -306,9 +262,6 @@ def main(argv=None) -> dict:
   bad = sorted(set(args.selectors) - {"pisa", "bsa"})
   if bad:
     p.error(f"--selectors {bad} must be among pisa, bsa")
-  bad = sorted(set(args.compare) - set(COMPARE))
-  if bad:
-    p.error(f"--compare {bad} must be among {', '.join(COMPARE)}")
   args.beams = args.beams or [args.top_k]
   return _record.run(NAME, args, measure, settings, plot, table)
 

@@ -133,11 +133,10 @@ def _selection(selector="pisa", *, d=64, top_k=8, beam=None, hq=32, hkv=2, dtype
   return functools.partial(sel.select_blocks_pallas, **kw), q, k
 
 
-def _selection_config(candidates=16, **changes):
+def _selection_config(**changes):
   from pisa_jax.kernels.selection import SelectionConfig
 
-  return dataclasses.replace(SelectionConfig.default(seq_len=SEQ, group=16, candidates=candidates),
-                             **changes)
+  return dataclasses.replace(SelectionConfig.default(seq_len=SEQ, group=16), **changes)
 
 
 def _packed_selection(selector="pisa", *, d=64, top_k=8, beam=None, hq=32, hkv=2, dtype=BF16,
@@ -337,9 +336,6 @@ CASES: dict[str, Callable[[], tuple]] = {
         walk_pair_lse=False)),
     "selection/d64k8/fused_passes_shifted": lambda: _selection(config=_selection_config(
         topk_impl="passes", fused_unshifted_lse=False)),
-    # The two-stage leaf stage with one leaf per tile (sibling_tiles=False) at K = 32.
-    "selection/d128k32/leaf_tiles": lambda: _selection(d=128, top_k=32, config=_selection_config(
-        candidates=64, sibling_tiles=False)),
     # Other dtypes, head dims and groups.
     "selection/d64k8/f32": lambda: _selection(dtype=F32),
     "selection/d128k32/f16": lambda: _selection(d=128, top_k=32, dtype=F16),

@@ -227,23 +227,6 @@ def test_selection_runs_on_the_reference(tmp_path):
   assert json.loads((tmp_path / "selection.json").read_text())["rows"] == record["rows"]
 
 
-def test_selection_compare_variants_are_configs(tmp_path):
-  # --compare's names are changes of the wide-set default SelectionConfig (the pipeline of each
-  # is timed on a GPU); a name outside COMPARE is refused before anything runs.
-  import dataclasses
-
-  from benchmarks import selection
-  from pisa_jax.kernels.selection import SelectionConfig
-
-  wide = SelectionConfig.default(seq_len=1 << 17, group=16, candidates=64)
-  for name, changes in selection.COMPARE.items():
-    assert dataclasses.replace(wide, **changes) != wide, name
-  previous = dataclasses.replace(wide, **selection.COMPARE["previous"])
-  assert (previous.sibling_tiles, previous.topk_impl) == (False, "rank")
-  with pytest.raises(SystemExit):
-    selection.main(["--compare", "bogus", "--out", str(tmp_path)])
-
-
 # Slow: a whole benchmark on the reference; the library parts it drives are tested directly.
 @pytest.mark.slow
 def test_packed_runs_on_the_reference(tmp_path):

@@ -541,22 +541,35 @@ def test_two_runs_bit_identical_and_variants_agree():
     (200, 16, 1, 64, 32, 32, 4, 2, jnp.bfloat16, 2, 8, "pisa"),  # K = 32, two batch rows
     (301, 2, 1, 48, 6, 6, 12, 4, jnp.float32, 1, 2, "pisa2"),  # g = 4, C = 12 padded, D = 48
 ])
-def test_sibling_tiles_equal_leaf_tiles(t, hq, hkv, d, top_k, beam, bs, g, dtype, b, q_tile,
-                                        selector):
-  # The two groupings of the two-stage leaf stage (`SelectionConfig.sibling_tiles`) score every
-  # needed (query, leaf) pair with the same dot and reduction, so they select the same blocks,
-  # bit for bit; the sibling tiles also match the reference.
+def test_sibling_scores_equal_leaf_scores(t, hq, hkv, d, top_k, beam, bs, g, dtype, b, q_tile,
+                                          selector):
+  # The unpacked two-stage leaf stage holds a kept level-2 node's g children in one tile
+  # (`sibling_scores_pallas`), packed rows one leaf a tile (`leaf_scores_pallas`). Both score a
+  # needed (query, leaf) pair with the same dot and reduction, so given the same candidates their
+  # scores agree bit for bit wherever the final Select_K reads one; the selection runs the
+  # sibling tiles and matches the reference.
+  from pisa_jax.kernels.selection import two_stage
+
   q, k = _inputs(t, t, hq, hkv, d, dtype, b)
   kw = dict(block_size=bs, top_k=top_k, branching=g, selector=selector, scale=float(d) ** -0.5,
             beam=beam)
-  sibling = SelectionConfig(variant="two_stage", q_tile=q_tile, topk_rows=1)
-  leaf = dataclasses.replace(sibling, sibling_tiles=False)
-  assert {n for n in _kernel_names(q, k, sibling, **kw) if "_q" in n} == {
+  config = SelectionConfig(variant="two_stage", q_tile=q_tile, topk_rows=1)
+  assert {n for n in _kernel_names(q, k, config, **kw) if "_q" in n} == {
       f"pisa_select_sibling_q{q_tile}"}
-  assert {n for n in _kernel_names(q, k, leaf, **kw) if "_q" in n} == {
-      f"pisa_select_leaf_q{q_tile}"}
-  got = _kernel(q, k, config=sibling, **kw)
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(_kernel(q, k, config=leaf, **kw)))
+  geo = layout.make_geometry(q, k, interpret=True, **kw)
+  summaries = build_pyramid_pallas(k, block_size=bs, branching=g, interpret=True).summaries
+  cand = two_stage.leaf_candidates_pallas(q, k, summaries, geo, interpret=True, config=config)
+  t_row = ((jnp.arange(cand.shape[0]) // hkv) % t)[:, None]
+  need = np.asarray(topk.leaf_needs_score(cand, t_row, geo)[0]).reshape(-1)
+  assert need.any()
+  sibling, leaf = (np.asarray(score(q, k, cand, geo, interpret=True, config=config))
+                   for score in (two_stage.sibling_scores_pallas, two_stage.leaf_scores_pallas))
+  # The last element is the trash slot of masked stores; pairs needing no score are unwritten.
+  assert sibling.shape == leaf.shape == (need.size + 1,)
+  sibling, leaf = sibling[:-1][need], leaf[:-1][need]
+  assert np.isfinite(sibling).all()
+  np.testing.assert_array_equal(sibling.view(np.uint32), leaf.view(np.uint32))
+  got = _kernel(q, k, config=config, **kw)
   q32, k32 = q.astype(jnp.float32), k.astype(jnp.float32)
   assert_same_or_near_tie(got, select_blocks_reference(q32, k32, **kw), q32, k32, **kw)
 

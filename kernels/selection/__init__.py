@@ -7,8 +7,8 @@
   topk.py       in-kernel Select_K (passes and rank) and the Eq. 18 expansion
   walk.py       one query's walk from the first scored level down to level 2
   fused.py      per-query kernel: walk, leaf scores and final Select_K in one program
-  two_stage.py  walk kernel, leaf tiles (host sort: a kept level-2 node's g leaves a tile, or one
-                leaf), final top-k kernel
+  two_stage.py  walk kernel, leaf tiles (host sort: a kept level-2 node's g leaves a tile; one
+                leaf a tile for packed rows), final top-k kernel
   bsa.py        the flat BSA kernel (two passes, running top-k, no [T, M] in HBM)
   select.py     select_blocks_pallas (and _at, a sequence shard's): geometry, config, dispatch
   packed_walk.py  packed documents (segment_ids), per-query document geometry: the fused walk

@@ -47,9 +47,6 @@ class SelectionConfig:
     walk_pair_lse: at g = 2 with the "pisa" selector the walk scores a candidate from its two
       children's logits as max + log(1 + exp(-|z0 - z1|)) (Eq. 21 for a pair): one exponential and
       one logarithm per head. Other branchings and selectors use the general reduction.
-    sibling_tiles: the two-stage leaf tiles hold one kept level-2 node's g children
-      (`two_stage.sibling_tile_kernel`: each query loaded once for g leaves, g times fewer items
-      to sort) instead of one leaf (`two_stage.leaf_tile_kernel`). Same scores either way.
     fused_unshifted_lse: the fused kernel ("pisa") computes Eq. 21 as log2 of a plain sum of
       2^(c z), without the max shift, in every program whose logits are bounded
       (`scoring.unshifted_ok`); the others take the shifted branch of one `lax.cond`. Scores come
@@ -67,7 +64,6 @@ class SelectionConfig:
   num_stages: int = 2
   topk_impl: str = "rank"
   walk_pair_lse: bool = True
-  sibling_tiles: bool = True
   fused_unshifted_lse: bool = True
 
   def __post_init__(self):

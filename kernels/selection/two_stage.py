@@ -4,19 +4,19 @@ wider than 16 slots:
 1. `walk_kernel`, one program per (query, KV head): loads the group's query heads once and walks
    the pyramid to level 2 (`walk.walk_to_leaves`); only the level-1 candidates `[B*T*HKV, NC]` go
    back to HBM.
-2. Leaf tiles (Algorithm 1, lines 16-22; Eq. 23-24), in one of two groupings
-   (`SelectionConfig.sibling_tiles`):
-   - `sibling_tile_kernel` (the default): the walk's last expansion (Eq. 18) puts the g children
-     of each kept level-2 node in g consecutive slots, so the (query, kept level-2 node) entries
-     with a leaf to score are grouped by that node with one stable sort outside the kernel
-     (`sibling_scores_pallas`) and cut into tiles of at most `q_tile` queries. Each program loads
-     its queries' group heads once and scores them against each of the node's g leaves (one dot
-     per leaf): the queries, the leaf stage's largest load (O(N g K G_Q d), Section 3.4), are
-     read once per g leaves, and the sort holds g times fewer items.
-   - `leaf_tile_kernel`: the (query, candidate leaf) pairs that need a score, grouped by leaf;
-     each program loads one leaf's raw keys once and scores `q_tile` queries x the group's heads
-     with one dot (Eq. 21 with l = 1: the exact raw-key LSE). Packed documents use this one.
-   Either computes every score with the same `[q_tile * heads, D] x [D, C]` dot and reduction.
+2. Leaf tiles (Algorithm 1, lines 16-22; Eq. 23-24), `sibling_tile_kernel`: the walk's last
+   expansion (Eq. 18) puts the g children of each kept level-2 node in g consecutive slots, so
+   the (query, kept level-2 node) entries with a leaf to score are grouped by that node with one
+   stable sort outside the kernel (`sibling_scores_pallas`) and cut into tiles of at most
+   `q_tile` queries. Each program loads its queries' group heads once and scores them against
+   each of the node's g leaves (one dot per leaf): the queries, the leaf stage's largest load
+   (O(N g K G_Q d), Section 3.4), are read once per g leaves, and the sort holds g times fewer
+   items (faster on a GPU than one leaf a tile, with the same scores).
+   Packed rows (`packed_walk`), whose leaves start on no block edge, use `leaf_tile_kernel`
+   instead (`leaf_scores_pallas`): the (query, candidate leaf) pairs that need a score, grouped
+   by leaf; each program loads one leaf's raw keys once and scores `q_tile` queries x the group's
+   heads with one dot (Eq. 21 with l = 1: the exact raw-key LSE). Both compute every score with
+   the same `[q_tile * heads, D] x [D, C]` dot and reduction.
 3. `final_topk_kernel`: forced blocks first, then the top_k best scores, ascending, -1 padded.
 
 Stages 2 and 3 number the (query, candidate) pairs row * NC + slot in int32 (jax without x64 has no
@@ -380,8 +380,8 @@ def select_two_stage(q, k, summaries, geo: Geometry, *, interpret: bool,
   outs = []
   for r0, r1 in row_chunks(cand.shape[0], geo.num_slots):
     part = cand if r1 - r0 == cand.shape[0] else cand[r0:r1]
-    score = sibling_scores_pallas if config.sibling_tiles else leaf_scores_pallas
-    scores = score(q, k, part, geo, interpret=interpret, config=config, row0=r0, offset=offset)
+    scores = sibling_scores_pallas(q, k, part, geo, interpret=interpret, config=config, row0=r0,
+                                   offset=offset)
     outs.append(final_topk_pallas(part, scores, geo, interpret=interpret, config=config, row0=r0,
                                   offset=offset))
   return outs[0] if len(outs) == 1 else jnp.concatenate(outs)
