@@ -61,8 +61,7 @@ The references ("xla") are float32 inside whatever the input dtype, rounded to t
 once. The attention runs over query chunks (`pisa_jax._chunking`) under `jax.checkpoint`, so
 memory is bounded independently of T in the forward and the backward; the gradients are jax's
 autodiff of that computation (dk and dv accumulate through gathers). `hils_attention` and
-`hils_select_chunks` also have Pallas kernels ("pallas", on request: None is the reference
-until the attention kernel matches it on a GPU in bfloat16):
+`hils_select_chunks` also have Pallas kernels ("pallas", the default on a GPU):
 `kernels.hils_select` (the chunk scores fused with their top-k) and `kernels.hils` (the window
 and the chunks in one two-level softmax, forward and backward); `hils_landmarks` and
 `hils_chunk_scores` are the reference only (None means "xla"; "pallas" raises).
@@ -466,10 +465,9 @@ def _check_landmark_q(landmark_q, q) -> None:
                     f"{landmark_q.dtype} and q {q.dtype}")
 
 
-def _lookup(op: str, implementation):
-  # None is the reference on every platform: the attention kernel does not yet match it on a GPU
-  # in bfloat16 (tests/test_gpu_hils.py); "pallas" runs the kernels on request.
-  if implementation is None:
+def _lookup(op: str, implementation, *, has_kernel: bool = True):
+  # None: the platform's default where a kernel exists, the reference elsewhere.
+  if implementation is None and not has_kernel:
     implementation = "xla"
   return _dispatch.lookup(op, implementation)
 
@@ -583,7 +581,7 @@ def hils_landmarks(
   _check_options(chunk_size=chunk_size)
   _validation.check_segment_ids(segment_ids, batch=b, seq_len=t)
   _validation.check_implementation(implementation)
-  pool = _lookup("hils_landmarks", implementation)
+  pool = _lookup("hils_landmarks", implementation, has_kernel=False)
   return pool(k, landmark_q, segment_ids, chunk_size=int(chunk_size),
               scale=_validation.resolve_scale(scale, d))
 
@@ -617,6 +615,6 @@ def hils_chunk_scores(
                      f"be [B, T // chunk_size, HQ] = [{b}, {t // chunk_size}, {hq}]")
   _validation.check_segment_ids(segment_ids, batch=b, seq_len=t)
   _validation.check_implementation(implementation)
-  score = _lookup("hils_chunk_scores", implementation)
+  score = _lookup("hils_chunk_scores", implementation, has_kernel=False)
   return score(landmark_q, landmark_k, landmark_bias, segment_ids, chunk_size=int(chunk_size),
                window=int(window), scale=_validation.resolve_scale(scale, d))

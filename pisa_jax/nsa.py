@@ -39,8 +39,7 @@ lse, backward under custom_vjp), the window on cuDNN's sliding window instead wh
 arguments (`cudnn_takes_window`); the selected branch is `sparse_attention`'s kernel.
 `implementation=` of `nsa_attention`: "xla" runs every branch in the reference, "pallas" the
 three attentions on their kernels and the compression and the selection's scores in jnp under
-XLA; None is "xla" until the compressed branch's kernel matches the reference on a GPU in
-bfloat16 (the window's already does). `compressed_attention` and
+XLA; None is "pallas" on a GPU, "xla" elsewhere. `compressed_attention` and
 `sliding_window_attention` take "pallas" too; `nsa_compress` and `nsa_select_blocks` register
 only "xla" (None means "xla" on every platform, and "pallas" raises).
 """
@@ -150,7 +149,7 @@ def _check_compressed(name: str, x, *, batch: int, num_slots: int, num_kv_heads:
 def _xla_only(op: str, implementation):
   """The registered function of a piece with no kernel: None means "xla" on every platform."""
   _validation.check_implementation(implementation)
-  return _dispatch.lookup(op, _unverified_default(implementation))
+  return _dispatch.lookup(op, "xla" if implementation is None else implementation)
 
 
 # ----------------------------------------------------------------------------- geometry
@@ -374,8 +373,7 @@ def compressed_attention(
     segment_ids: None, or int32 `[B, T]` packed documents (as given to `nsa_compress`).
     implementation: "xla" (the jnp reference), "pallas" (the kernel of
       `pisa_jax.kernels.nsa`: O(T N D) work, forward and backward, through Triton on a GPU and
-      the Pallas interpreter elsewhere) or None ("xla": the kernel has yet to match the
-      reference on a GPU in bfloat16).
+      the Pallas interpreter elsewhere) or None ("pallas" on a GPU, else "xla").
 
   Returns:
     out `[B, T, HQ, D]` in q's dtype; and lse float32 `[B, T, HQ]`, the log of each row's
@@ -387,9 +385,7 @@ def compressed_attention(
   b, t, _, hkv, d = _check_queries(q, k_cmp, v_cmp, block_length=block_length, stride=stride,
                                    segment_ids=segment_ids)
   _validation.check_implementation(implementation)
-  # None is the reference everywhere: the range kernel's compressed branch does not yet match it
-  # on a GPU in bfloat16 (tests/test_gpu_nsa.py); "pallas" runs it on request.
-  attend = _dispatch.lookup("nsa_compressed_attention", _unverified_default(implementation))
+  attend = _dispatch.lookup("nsa_compressed_attention", implementation)
   return attend(q, k_cmp, v_cmp, segment_ids, block_length=int(block_length), stride=int(stride),
                 scale=_validation.resolve_scale(scale, d))
 
@@ -731,11 +727,6 @@ def nsa_attention_reference(q, k, v, gates, key_mlp, value_mlp, segment_ids, *, 
   return _gate(gates, out_cmp, out_slc, out_win, q.dtype)
 
 
-def _unverified_default(implementation):
-  """None means "xla" for the ops whose kernels have not yet matched the reference on a GPU."""
-  return "xla" if implementation is None else implementation
-
-
 @functools.partial(jax.jit, static_argnames=_NSA_STATIC + ("interpret",))
 def nsa_attention_pallas(q, k, v, gates, key_mlp, value_mlp, segment_ids, *, compression,
                          block_length, stride, select_block_size, top_n, window, scale,
@@ -799,8 +790,8 @@ def nsa_attention(
     implementation: "xla" (every branch in the jnp reference, float32), "pallas" (the
       compressed attention on the range kernel, the selected branch on the sparse-attention
       kernel, the window on cuDNN's sliding window where it takes the arguments, else the range
-      kernel; compression and selection scores in jnp under XLA) or None ("xla", until the
-      compressed branch's kernel matches the reference on a GPU in bfloat16).
+      kernel; compression and selection scores in jnp under XLA) or None ("pallas" on a GPU,
+      else "xla").
 
   Options fix shapes or compiled code: static under `jax.jit`, as in `sparse_attention`.
 
@@ -820,7 +811,7 @@ def nsa_attention(
     _check_mlp(mlp, name, compression=compression, block_length=block_length, head_dim=d)
   _validation.check_segment_ids(segment_ids, batch=b, seq_len=t)
   _validation.check_implementation(implementation)
-  attend = _dispatch.lookup("nsa_attention", _unverified_default(implementation))
+  attend = _dispatch.lookup("nsa_attention", implementation)
   return attend(q, k, v, gates, key_mlp, value_mlp, segment_ids, compression=compression,
                 block_length=int(block_length), stride=int(stride),
                 select_block_size=int(select_block_size), top_n=int(top_n), window=int(window),
