@@ -412,12 +412,10 @@ ROWS: list[tuple[str, str, Callable[[dict], tuple[str, str]]]] = [
 ]
 # Rows whose benchmark has not run yet: the table says so, with the command, until its result is
 # committed (every other row's missing result is an error). A row leaves this with its result.
-PENDING = {"NSA layer": "not yet measured: `python -m benchmarks.nsa` on a GPU",
-           "generation": "not yet measured: `python -m benchmarks.generation --list` on a GPU "
+PENDING = {"generation": "not yet measured: `python -m benchmarks.generation --list` on a GPU "
                          "gives the calls",
            "pretrained model": "not yet measured: `python -m benchmarks.pretrained` on a GPU "
                                "(its docstring gives the calls)",
-           "HiLS layer": "not yet measured: `python -m benchmarks.hils` on a GPU",
            "bfloat16 pyramid": "not yet measured: `python -m benchmarks.summary_dtype` on a "
                                "trained run's q/k (its docstring gives the calls)"}
 README_ROWS = ("selection", "attention", "layer", "NSA layer", "HiLS layer", "packed documents",
