@@ -31,6 +31,10 @@ def nsa_window_substitute() -> str | None:
   there and nothing was changed."""
   from fla.ops.attn.parallel import parallel_attn
   from fla.ops.nsa import parallel as nsa_parallel
+  note = ("flash-attn is not installed: fla's NSA window branch runs on fla's own parallel_attn "
+          "(window_size w, the same keys), everything else is fla's parallel_nsa")
+  if getattr(nsa_parallel.flash_attn_func, "substitute", False):  # installed by an earlier call
+    return note
   if nsa_parallel.flash_attn_func is not None:
     return None
 
@@ -39,9 +43,9 @@ def nsa_window_substitute() -> str | None:
       raise ValueError(f"{causal=}, {window_size=}: only the causal window (w - 1, 0) is mapped")
     return parallel_attn(q, k, v, window_size=window_size[0] + 1)
 
+  window_attention.substitute = True
   nsa_parallel.flash_attn_func = window_attention
-  return ("flash-attn is not installed: fla's NSA window branch runs on fla's own parallel_attn "
-          "(window_size w, the same keys), everything else is fla's parallel_nsa")
+  return note
 
 
 def to_torch(x, dtype=None):

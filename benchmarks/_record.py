@@ -120,7 +120,7 @@ def appending(name: str, args: argparse.Namespace,
   cases this call does not measure are kept (rows name their case), and the note says from which
   commit and date they come. The earlier result must be of the same benchmark and device."""
   path = args.out / f"{name}.json"
-  if not getattr(args, "append", False) or args.replot or not path.is_file():
+  if not args.append or args.replot or not path.is_file():
     return measure
   earlier, device = load(path), environment()["device"]
   if earlier["benchmark"] != name or earlier["device"] != device:  # before anything overwrites it

@@ -9,9 +9,10 @@ All sides in one process on the same bf16 q, k, v `[1, N, 32, 64]` (B = 1, HQ = 
                arguments, the selected branch on the sparse-attention kernel)
   fla nsa      fla's `parallel_nsa` with the same gates, block_size 64, block_counts 16,
                window_size 512 (its window is flash-attn's; without flash-attn, fla's own
-               `parallel_attn` with the same window, noted in the result). fla takes only GQA groups that are
-               powers of two >= 16: a refusal is recorded as a row with `refused`. Its forward's
-               largest difference from ours is recorded (same rule, selection tested equal)
+               `parallel_attn` with the same window, noted in the result). fla takes only GQA
+               groups that are powers of two >= 16: a refusal is recorded as a row with
+               `refused`. Its forward's largest difference from ours is recorded (same rule,
+               selection tested equal)
   pisa layer   `pisa_jax.pisa_attention(implementation="pallas")`, C = 64, K = 16
   cudnn dense  causal `jax.nn.dot_product_attention(implementation="cudnn")`
 and our NSA's branches alone, to show where its time goes and which window is faster: the
