@@ -388,3 +388,49 @@ def rank_by_id(cand, taken, by_column: bool = False):
   as_i, as_j, over_j = pair_axes(by_column)
   before = as_j(taken) & (as_j(cand) < as_i(cand))
   return jnp.sum(before.astype(jnp.int32), axis=over_j)
+
+
+# ----------------------------------------------------------------------------- running top-k
+
+
+def _merge_top_k(best_v, best_i, b_r, o_n, o_col, top_k: int):
+  """The top_k of the kept `[R, KP]` and the tile `[R, N]` (higher ids: ties to the kept)."""
+  bt, kp = best_v.shape
+  tile_i = jnp.broadcast_to(o_n[None, :], b_r.shape)
+
+  def take(p, carry):
+    kv, tv, nv, ni = carry
+    m_k = jnp.max(kv, axis=1)
+    m = jnp.maximum(m_k, jnp.max(tv, axis=1))
+    from_kept = m_k >= m
+    pick = jnp.where(from_kept,
+                     jnp.min(jnp.where(kv == m[:, None], best_i, BIG), axis=1),
+                     jnp.min(jnp.where(tv == m[:, None], tile_i, BIG), axis=1))
+    nv = jnp.where(o_col[None, :] == p, m[:, None], nv)
+    ni = jnp.where(o_col[None, :] == p, jnp.where(m > -jnp.inf, pick, -1)[:, None], ni)
+    kv = jnp.where(from_kept[:, None] & (best_i == pick[:, None]), -jnp.inf, kv)
+    tv = jnp.where(~from_kept[:, None] & (tile_i == pick[:, None]), -jnp.inf, tv)
+    return kv, tv, nv, ni
+
+  init = (best_v, b_r, jnp.full((bt, kp), -jnp.inf, jnp.float32),
+          jnp.full((bt, kp), -1, jnp.int32))
+  return lax.fori_loop(0, top_k, take, init)[2:]
+
+
+def running_top_k(best_v, best_i, b_r, o_n, o_col, top_k: int):
+  """One tile of a running top_k over candidate tiles, for R rows at once (no `[R, N]` scores of
+  the whole row in memory): (values, ids) `[R, KP]`, KP >= top_k.
+
+  best_v, best_i: the kept values, descending, and their ids (-inf and -1 in empty columns and
+  in columns >= top_k). b_r: the tile's values `[R, N]` (-inf: not a candidate), of ids o_n `[N]`,
+  every id above those of earlier tiles. o_col: `jnp.arange(KP)`. The merge (top_k passes of a
+  row max over kept and tile, each picking the lowest id among equal values) runs only where
+  some row's tile beats its K-th kept value; an equal value never displaces a kept one, so ties
+  go to the lower id, as `lax.top_k` sends them in the references.
+  """
+  # The K-th kept value of each row (kept values are in descending order): a tile that beats it
+  # nowhere changes nothing (a tie goes to the kept, lower slot).
+  kth = jnp.max(jnp.where(o_col[None, :] == top_k - 1, best_v, -jnp.inf), axis=1)
+  beats = jnp.max((b_r > kth[:, None]).astype(jnp.int32)) > 0  # no reduce_or in Triton
+  return lax.cond(beats, lambda: _merge_top_k(best_v, best_i, b_r, o_n, o_col, top_k),
+                  lambda: (best_v, best_i))

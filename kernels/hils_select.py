@@ -12,8 +12,8 @@ One program per (run of BT queries, KV head): every score is a tensor-core dot o
 queries with a tile of BN landmark keys of one head (landmark keys are per query head, so the
 group's heads are a loop, not dot rows). Two passes over the slots: the first accumulates each
 head's log-sum-exp, the second forms the group's rank tile and merges it into a running top-k
-of BT rows (K passes of a row max over the tile and the K kept; a tile none of whose ranks beats
-a row's K-th is skipped). The `[T, HQ, N]` scores never reach memory: per query the kernel
+of BT rows (`_common.running_top_k`: K passes of a row max over the tile and the K kept; a tile
+none of whose ranks beats a row's K-th is skipped). The `[T, HQ, N]` scores never reach memory: per query the kernel
 writes its K chunks. Cost: two passes of 2 T N HQ D multiply-adds (four dots each for 16-bit
 inputs: a float32 landmark key is scored as its 16-bit high part plus the rounding of the
 remainder, ~2^-17 relative, as the selection kernels score float32 summaries).
@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
-from pisa_jax.kernels._common import BIG, LOG2E, call_kernel, next_pow2, qk_dot
+from pisa_jax.kernels._common import LOG2E, call_kernel, next_pow2, qk_dot, running_top_k
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,28 +124,6 @@ def _select_kernel(q_ref, lq_ref, k_ref, lk_ref, lb_ref, lo_ref, slot_lo_ref, sl
   lse_tot = lax.fori_loop(0, group, head_lse, jnp.zeros((o_gp.shape[0], bt), jnp.float32))
   o_col = jnp.arange(kp)
 
-  def merge(best_v, best_i, b_r, o_n):
-    """The top_k of the kept `[BT, KP]` and the tile `[BT, BN]` (higher slots: ties to kept)."""
-    tile_i = jnp.broadcast_to(o_n[None, :], b_r.shape)
-
-    def take(p, carry):
-      kv, tv, nv, ni = carry
-      m_k = jnp.max(kv, axis=1)
-      m = jnp.maximum(m_k, jnp.max(tv, axis=1))
-      from_kept = m_k >= m
-      pick = jnp.where(from_kept,
-                       jnp.min(jnp.where(kv == m[:, None], best_i, BIG), axis=1),
-                       jnp.min(jnp.where(tv == m[:, None], tile_i, BIG), axis=1))
-      nv = jnp.where(o_col[None, :] == p, m[:, None], nv)
-      ni = jnp.where(o_col[None, :] == p, jnp.where(m > -jnp.inf, pick, -1)[:, None], ni)
-      kv = jnp.where(from_kept[:, None] & (best_i == pick[:, None]), -jnp.inf, kv)
-      tv = jnp.where(~from_kept[:, None] & (tile_i == pick[:, None]), -jnp.inf, tv)
-      return kv, tv, nv, ni
-
-    init = (best_v, b_r, jnp.full((bt, kp), -jnp.inf, jnp.float32),
-            jnp.full((bt, kp), -1, jnp.int32))
-    return lax.fori_loop(0, top_k, take, init)[2:]
-
   def rank_step(j, carry):
     best_v, best_i = carry
 
@@ -157,12 +135,7 @@ def _select_kernel(q_ref, lq_ref, k_ref, lk_ref, lb_ref, lo_ref, slot_lo_ref, sl
 
     b_r = lax.fori_loop(0, group, head_rank, jnp.full((bt, bn), -jnp.inf, jnp.float32))
     o_n = j * bn + jnp.arange(bn)
-    # The K-th kept rank of each row (kept ranks are in descending order): a tile that beats it
-    # nowhere changes nothing (a tie goes to the kept, lower slot).
-    kth = jnp.max(jnp.where(o_col[None, :] == top_k - 1, best_v, -jnp.inf), axis=1)
-    beats = jnp.max((b_r > kth[:, None]).astype(jnp.int32)) > 0  # no reduce_or in Triton
-    return lax.cond(beats, lambda: merge(best_v, best_i, b_r, o_n),
-                    lambda: (best_v, best_i))
+    return running_top_k(best_v, best_i, b_r, o_n, o_col, top_k)
 
   init = (jnp.full((bt, kp), -jnp.inf, jnp.float32), jnp.full((bt, kp), -1, jnp.int32))
   _, best_i = lax.fori_loop(slot_first, slot_last, rank_step, init)
