@@ -57,12 +57,13 @@ register("decode_attention", xla=decode.decode_attention_reference,
 register("selection_quality", xla=quality.selection_quality_reference)
 
 # NSA: the compressed attention and the window on the range kernel (the window on cuDNN where
-# it takes the arguments), the selected branch on `sparse_attention`'s; compression, selection
-# and the decode step in the reference only.
+# it takes the arguments), the selection of unpacked rows on its kernel, the selected branch on
+# `sparse_attention`'s; compression and the decode step in the reference only.
 register("nsa_compress", xla=nsa.nsa_compress_reference)
 register("nsa_compressed_attention", xla=nsa.compressed_attention_reference,
          pallas=with_interpret(nsa.compressed_attention_pallas))
-register("nsa_select_blocks", xla=nsa.nsa_select_blocks_reference)
+register("nsa_select_blocks", xla=nsa.nsa_select_blocks_reference,
+         pallas=with_interpret(nsa.nsa_select_blocks_pallas))
 register("sliding_window_attention", xla=nsa.sliding_window_attention_reference,
          pallas=with_interpret(nsa.sliding_window_attention_pallas))
 register("nsa_attention", xla=nsa.nsa_attention_reference,

@@ -37,11 +37,15 @@ Kernels: the compressed attention and the window are one Pallas kernel family
 (`pisa_jax.kernels.nsa`: each query attends to one contiguous range of keys, forward with the
 lse, backward under custom_vjp), the window on cuDNN's sliding window instead where it takes the
 arguments (`cudnn_takes_window`); the selected branch is `sparse_attention`'s kernel.
+The selection of rows of one document is a kernel too (`pisa_jax.kernels.nsa_select`: the
+group's probabilities of a tile of compressed blocks, Eq. 9 as a fixed count map, a running
+top-n; no `[T, N]` scores in memory); packed rows select in the reference.
 `implementation=` of `nsa_attention`: "xla" runs every branch in the reference, "pallas" the
-three attentions on their kernels and the compression and the selection's scores in jnp under
-XLA; None is "pallas" on a GPU, "xla" elsewhere. `compressed_attention` and
-`sliding_window_attention` take "pallas" too; `nsa_compress` and `nsa_select_blocks` register
-only "xla" (None means "xla" on every platform, and "pallas" raises).
+three attentions and the selection of unpacked rows on their kernels, the compression (and a
+packed row's selection) in jnp under XLA; None is "pallas" on a GPU, "xla" elsewhere.
+`compressed_attention` and `sliding_window_attention` take "pallas" too, `nsa_select_blocks`
+without segment_ids; `nsa_compress` registers only "xla" (None means "xla" on every platform,
+and "pallas" raises).
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ from jaxtyping import Array, Float, Int
 from pisa_jax import _checks, _chunking, _dispatch, _validation, segments
 from pisa_jax.attention import _attend
 from pisa_jax.kernels import nsa as nsa_kernels
+from pisa_jax.kernels import nsa_select as nsa_select_kernels
 from pisa_jax.selection import flat_top_k
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -482,6 +487,25 @@ def nsa_select_blocks_reference(q, k_cmp, lse, segment_ids, *, block_length: int
                  stride=stride, select_block_size=select_block_size, top_n=top_n, scale=scale)
 
 
+@functools.partial(jax.jit, static_argnames=("block_length", "stride", "select_block_size",
+                                             "top_n", "scale", "interpret", "config"))
+def nsa_select_blocks_pallas(q, k_cmp, lse, segment_ids, *, block_length: int, stride: int,
+                             select_block_size: int, top_n: int, scale: float, interpret: bool,
+                             config=None):
+  """Pallas twin of `nsa_select_blocks_reference` (`pisa_jax.kernels.nsa_select`) for rows of
+  one document; arguments are already validated. segment_ids must be None (packed rows select
+  in the reference: "xla")."""
+  if segment_ids is not None:
+    raise ValueError("segment_ids must be None for nsa_select_blocks' implementation='pallas' "
+                     "(the kernel selects rows of one document): pass implementation='xla' "
+                     "for packed documents")
+  q, k_cmp, lse = (lax.stop_gradient(x) for x in (q, k_cmp, lse))
+  return nsa_select_kernels.nsa_select_blocks_pallas(
+      q, k_cmp, lse, block_length=block_length, stride=stride,
+      select_block_size=select_block_size, top_n=top_n, scale=scale, interpret=interpret,
+      config=config)
+
+
 def nsa_select_blocks(
     q: Float[Array, "B T HQ D"],
     k_cmp: Float[Array, "B N HKV D"],
@@ -510,11 +534,15 @@ def nsa_select_blocks(
     top_n: n, blocks kept (>= 3: the first, previous and current are forced).
     scale: default 1/sqrt(D), as `compressed_attention`'s.
     segment_ids: None, or int32 `[B, T]` packed documents: block numbers within each document.
-    implementation: "xla" or None (the jnp reference, the only implementation); "pallas" raises.
+    implementation: "xla" (the jnp reference: query chunks, O(T N) logits a chunk), "pallas"
+      (the kernel of `pisa_jax.kernels.nsa_select`: scores and top-n fused, nothing `[T, N]` in
+      memory; rows of one document only: with segment_ids it raises) or None ("pallas" on a GPU
+      without segment_ids, else "xla").
 
   Returns:
     int32 `[B, T, HKV, top_n]`, ascending, -1 padded: block indices for `sparse_attention` with
-    block_size=l' (and the same segment_ids). No gradient.
+    block_size=l' (and the same segment_ids). No gradient. The kernel sums in another order than
+    the reference: the two agree except where two blocks' scores are within float32 rounding.
   """
   _validation.check_static("nsa_select_blocks", block_length=block_length, stride=stride,
                            select_block_size=select_block_size, top_n=top_n, scale=scale,
@@ -527,7 +555,11 @@ def nsa_select_blocks(
   if tuple(lse.shape) != (b, t, hq):
     raise ValueError(f"lse.shape={tuple(lse.shape)} must be [B, T, HQ] = [{b}, {t}, {hq}] (as "
                      "compressed_attention returns)")
-  select = _xla_only("nsa_select_blocks", implementation)
+  _validation.check_implementation(implementation)
+  if implementation is None:
+    # The kernel selects rows of one document: packed rows take the reference.
+    implementation = "pallas" if _dispatch.on_gpu() and segment_ids is None else "xla"
+  select = _dispatch.lookup("nsa_select_blocks", implementation)
   return select(q, k_cmp, lse, segment_ids, block_length=int(block_length), stride=int(stride),
                 select_block_size=int(select_block_size), top_n=int(top_n),
                 scale=_validation.resolve_scale(scale, d))
@@ -695,16 +727,14 @@ def _gate(gates, out_cmp, out_slc, out_win, dtype):
   return out.astype(dtype)
 
 
-def _selected(q, k, v, q_sel, lse, k_cmp_sel, layout, segment_ids, *, block_length, stride,
-              select_block_size, top_n, scale, implementation):
-  """The selected branch: blocks chosen from float32 q_sel, lse `[B, T, HKV, G]` and k_cmp_sel
-  (all held fixed; Appendix B of PISA, Section 3.3 of NSA), attended by `sparse_attention`."""
-  indices = lax.stop_gradient(_select(
+def _reference_indices(q_sel, lse, k_cmp_sel, layout, *, block_length, stride,
+                       select_block_size, top_n, scale):
+  """The selection in the reference from float32 q_sel, lse `[B, T, HKV, G]` and k_cmp_sel, all
+  held fixed (Appendix B of PISA, Section 3.3 of NSA)."""
+  return lax.stop_gradient(_select(
       *(lax.stop_gradient(x) for x in (q_sel, lse, k_cmp_sel)), layout,
       block_length=block_length, stride=stride, select_block_size=select_block_size,
       top_n=top_n, scale=scale))
-  return _attend(q, k, v, indices, segment_ids, block_size=select_block_size, scale=scale,
-                 implementation=implementation)
 
 
 _NSA_STATIC = ("compression", "block_length", "stride", "select_block_size", "top_n", "window",
@@ -720,9 +750,10 @@ def nsa_attention_reference(q, k, v, gates, key_mlp, value_mlp, segment_ids, *, 
   k_cmp = _compress(k32, layout, key_mlp, block_length=block_length, compression=compression)
   v_cmp = _compress(v32, layout, value_mlp, block_length=block_length, compression=compression)
   out_cmp, lse = _compressed_attention(q32, k_cmp, v_cmp, layout, scale=scale)
-  out_slc = _selected(q, k, v, q32, lse, k_cmp, layout, segment_ids, block_length=block_length,
-                      stride=stride, select_block_size=select_block_size, top_n=top_n,
-                      scale=scale, implementation="xla")
+  indices = _reference_indices(q32, lse, k_cmp, layout, block_length=block_length, stride=stride,
+                               select_block_size=select_block_size, top_n=top_n, scale=scale)
+  out_slc = _attend(q, k, v, indices, segment_ids, block_size=select_block_size, scale=scale,
+                    implementation="xla")
   out_win = _window_attention(q32, k32, v32, layout.start, window=window, scale=scale)
   return _gate(gates, out_cmp, out_slc, out_win, q.dtype)
 
@@ -732,9 +763,11 @@ def nsa_attention_pallas(q, k, v, gates, key_mlp, value_mlp, segment_ids, *, com
                          block_length, stride, select_block_size, top_n, window, scale,
                          interpret: bool):
   """`nsa_attention` on the kernels: the compressed attention on the range kernel
-  (`compressed_attention_pallas`, its lse feeding the selection), the selected branch on the
-  sparse-attention kernel, the window on `sliding_window_attention_pallas` (cuDNN where it
-  takes the arguments); the compression and the selection's scores in the jnp reference."""
+  (`compressed_attention_pallas`, its lse feeding the selection), the selection on
+  `nsa_select_blocks_pallas` (packed rows: the reference's `_select`, which the kernel does not
+  take), the selected branch on the sparse-attention kernel, the window on
+  `sliding_window_attention_pallas` (cuDNN where it takes the arguments); the compression in the
+  jnp reference."""
   b, t = q.shape[:2]
   layout = _layout(segment_ids, t, block_length=block_length, stride=stride)
   k_cmp, v_cmp = (_compress(x.astype(jnp.float32), layout, mlp, block_length=block_length,
@@ -745,11 +778,15 @@ def nsa_attention_pallas(q, k, v, gates, key_mlp, value_mlp, segment_ids, *, com
                                                     interpret=interpret)
   hkv = k.shape[2]
   # The selection scores the blocks with the very compressed keys the kernel's lse summed over.
-  out_slc = _selected(q, k, v, q.astype(jnp.float32),
-                      lse.reshape(b, t, hkv, q.shape[2] // hkv), k_cmp.astype(jnp.float32),
-                      layout, segment_ids, block_length=block_length, stride=stride,
-                      select_block_size=select_block_size, top_n=top_n, scale=scale,
-                      implementation="pallas")
+  sizes = dict(block_length=block_length, stride=stride, select_block_size=select_block_size,
+               top_n=top_n, scale=scale)
+  if segment_ids is None:
+    indices = nsa_select_blocks_pallas(q, k_cmp, lse, None, interpret=interpret, **sizes)
+  else:
+    indices = _reference_indices(q.astype(jnp.float32), lse.reshape(b, t, hkv, q.shape[2] // hkv),
+                                 k_cmp.astype(jnp.float32), layout, **sizes)
+  out_slc = _attend(q, k, v, indices, segment_ids, block_size=select_block_size, scale=scale,
+                    implementation="pallas")
   out_win = sliding_window_attention_pallas(q, k, v, segment_ids, window=window, scale=scale,
                                             interpret=interpret)
   return _gate(gates, out_cmp, out_slc, out_win, q.dtype)
@@ -788,10 +825,10 @@ def nsa_attention(
     segment_ids: None, or int32 `[B, T]` packed documents: every branch its document's own, each
       row of the output that of its document run alone.
     implementation: "xla" (every branch in the jnp reference, float32), "pallas" (the
-      compressed attention on the range kernel, the selected branch on the sparse-attention
-      kernel, the window on cuDNN's sliding window where it takes the arguments, else the range
-      kernel; compression and selection scores in jnp under XLA) or None ("pallas" on a GPU,
-      else "xla").
+      compressed attention on the range kernel, the selection on `nsa_select_blocks`' kernel
+      (packed rows: its reference), the selected branch on the sparse-attention kernel, the
+      window on cuDNN's sliding window where it takes the arguments, else the range kernel; the
+      compression in jnp under XLA) or None ("pallas" on a GPU, else "xla").
 
   Options fix shapes or compiled code: static under `jax.jit`, as in `sparse_attention`.
 

@@ -9,7 +9,8 @@ decision the row's selection made. A true mismatch has a large margin and fails 
 
 `mismatch_margins` runs that proof over every row where two index arrays differ, and
 `bsa_scores64` gives the float64 BSA score of every block of one row, to measure how far apart
-two selectors' choices are.
+two selectors' choices are. `nsa_mismatch_margins` is the proof for NSA's selection
+(`pisa_jax.nsa_select_blocks`), from the compressed keys.
 """
 
 from __future__ import annotations
@@ -188,6 +189,52 @@ def mismatch_margins(out, ref, q, k, *, positions=None, max_rows: int | None = N
     margin = (decision_margin(q, k, b, t, h, cache=cache, **selection)
               if max_rows is None or n < max_rows else float("nan"))
     rows.append((b, t, h, margin))
+  return rows
+
+
+def nsa_scores64(q, k_cmp, b: int, t: int, h: int, *, block_length: int, stride: int,
+                 select_block_size: int, scale: float) -> np.ndarray:
+  """Row (b, t, h)'s float64 NSA score of selection blocks 0 .. t // l' (Eq. 8-10), one document
+  a row: each head's softmax over the compressed blocks complete at t, block i credited to
+  selection block j once per d-token piece they share, summed over the group."""
+  hq, hkv = q.shape[2], k_cmp.shape[2]
+  cur = t // select_block_size
+  seen = max(0, min((t + 1 - block_length) // stride + 1, k_cmp.shape[1]))
+  score = np.zeros(cur + 1)
+  if seen == 0:
+    return score
+  z = scale * _query_rows(q, b, t, h, hq // hkv) @ np.asarray(k_cmp[b, :seen, h], np.float64).T
+  p = np.exp(z - z.max(-1, keepdims=True))
+  p = (p / p.sum(-1, keepdims=True)).sum(0)  # [seen]
+  i = np.arange(seen)[:, None]
+  j = np.arange(cur + 1)[None, :]
+  shared = (np.minimum(i * stride + block_length, (j + 1) * select_block_size)
+            - np.maximum(i * stride, j * select_block_size))
+  return p @ (np.maximum(shared, 0) / stride)
+
+
+def nsa_mismatch_margins(out, ref, q, k_cmp, *, block_length: int, stride: int,
+                         select_block_size: int, top_n: int, scale: float,
+                         max_rows: int | None = None) -> list[tuple[int, int, int, float]]:
+  """`(b, t, h, margin)` of every row where NSA index arrays `out` and `ref` `[B, T, HKV, n]`
+  differ (one document a row): the relative gap, in float64 (`nsa_scores64`), between the last
+  kept and the best dropped of the scored blocks; with `max_rows`, later rows get NaN."""
+  out, ref = np.asarray(out), np.asarray(ref)
+  if out.shape != ref.shape:
+    raise ValueError(f"index arrays differ in shape: {out.shape} vs {ref.shape}")
+  rows = []
+  for n, (b, t, h) in enumerate(np.argwhere(np.any(out != ref, axis=-1))):
+    b, t, h = int(b), int(t), int(h)
+    if max_rows is not None and n >= max_rows:
+      rows.append((b, t, h, float("nan")))
+      continue
+    cur = t // select_block_size
+    score = nsa_scores64(q, k_cmp, b, t, h, block_length=block_length, stride=stride,
+                         select_block_size=select_block_size, scale=scale)
+    cand = list(range(cur + 1))
+    forced = [c in (0, cur - 1, cur) for c in cand]
+    score = [s if not f else 0.0 for s, f in zip(score, forced)]
+    rows.append((b, t, h, _select64(cand, [True] * len(cand), forced, score, top_n)[1]))
   return rows
 
 

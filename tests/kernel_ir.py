@@ -209,6 +209,18 @@ def _nsa_range(branch, *, d=64, hq=32, hkv=2, packed=False, dtype=BF16):
   return jax.grad(loss, argnums=(0, 1, 2)), _s((1, SEQ, hq, d), dtype), kv, kv, *extra
 
 
+def _nsa_select(*, d=64, hq=32, hkv=2, block_length=64, stride=64, dtype=BF16):
+  """NSA's selection kernel (l' = 64, n = 16) given the compressed keys and the lse."""
+  from pisa_jax import nsa
+
+  n = nsa.num_compressed_slots(SEQ, block_length, stride, False)
+  select = functools.partial(nsa.nsa_select_blocks_pallas, segment_ids=None,
+                             block_length=block_length, stride=stride, select_block_size=64,
+                             top_n=16, scale=d ** -0.5, interpret=False)
+  return (select, _s((1, SEQ, hq, d), dtype), _s((1, n, hkv, d), dtype),
+          _s((1, SEQ, hq), F32))
+
+
 def _hils(*, d=128, top_k=32, hq=32, hkv=2, dtype=BF16, packed=False):
   """HiLS: the selection kernel and the attention's forward, dq and dk / dv (under the
   custom_vjp), at chunk 64 and window 512."""
@@ -392,6 +404,11 @@ CASES: dict[str, Callable[[], tuple]] = {
     "nsa/compressed/d128g4/packed": lambda: _nsa_range("compressed", d=128, hkv=8, packed=True),
     "nsa/compressed/d64g3/f32": lambda: _nsa_range("compressed", hq=6, dtype=F32),
     "nsa/window/d64g8/packed": lambda: _nsa_range("window", hkv=4, packed=True),
+    # NSA's selection: fla's l = d = l' = 64 (no Eq. 9 dot), the paper's l = 32, d = 16 (the
+    # count-matrix dot, halo 1), float32 with group 3 at d128.
+    "nsa/select/d64g16": lambda: _nsa_select(),
+    "nsa/select/d64g16/l32d16": lambda: _nsa_select(block_length=32, stride=16),
+    "nsa/select/d128g3/f32": lambda: _nsa_select(d=128, hq=6, dtype=F32),
     # HiLS: its selection, attention forward and backward.
     "hils/d128k32": lambda: _hils(),
     "hils/d64k32/g3": lambda: _hils(d=64, hq=6),
@@ -446,6 +463,7 @@ CI_CASES = ("selection/d64k8/pisa", "selection/d128k32/pisa", "selection/d64k8/b
             "packed_selection/d64k8/pisa", "packed_selection/d128k32/pisa",
             "attention/d128k32", "attention/d64k8/packed", "attention/d64k8/offset",
             "decode/d128k32/b16/step", "decode/d128k32/bsa/step", "nsa/compressed/d64g16",
+            "nsa/select/d64g16",
             "decode/d128k32/b16/step/bf16_summaries", "selection/d128k32/bf16_summaries",
             "hils/d128k32")
 

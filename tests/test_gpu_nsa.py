@@ -1,9 +1,12 @@
-"""NSA's range kernels (`pisa_jax.kernels.nsa`) compiled for the GPU, cuDNN's sliding window, and
-the whole layer, against the jnp reference on float32-upcast inputs.
+"""NSA's range kernels (`pisa_jax.kernels.nsa`) and selection kernel
+(`pisa_jax.kernels.nsa_select`) compiled for the GPU, cuDNN's sliding window, and the whole layer,
+against the jnp reference on float32-upcast inputs.
 
-CI runs the range kernels in the Pallas interpreter (tests/test_nsa.py); here they compile through
-Triton, and the window also runs on cuDNN. Outputs land in memory poisoned with NaN first, so an
-element a kernel never writes fails the finiteness check. Skipped without a CUDA GPU:
+CI runs the kernels in the Pallas interpreter (tests/test_nsa.py); here they compile through
+Triton, and the window also runs on cuDNN. Outputs land in memory poisoned with NaN first (-1 for
+the int32 indices), so an element a kernel never writes fails the finiteness (or, for indices,
+the structure) check. The selection's indices equal the reference's except in rows proven to be
+near-ties in float64 (`pisa_jax.testing.nsa_mismatch_margins`). Skipped without a CUDA GPU:
 
   python -m pytest -q -m gpu tests/test_gpu_nsa.py
 """
@@ -18,9 +21,11 @@ import numpy as np
 import pytest
 
 from pisa_jax import nsa
+from pisa_jax.testing import nsa_mismatch_margins
 
 import tolerances as tol
 from test_gpu_attention import poison
+from test_nsa import _assert_selection_structure
 
 pytestmark = pytest.mark.gpu
 
@@ -128,3 +133,50 @@ def test_layer_on_the_kernels_matches_the_reference():
   close = np.isclose(got, want, atol=tol.OUTPUT_ATOL[jnp.bfloat16],
                      rtol=tol.OUTPUT_RTOL[jnp.bfloat16])
   assert np.all(np.isfinite(got)) and close.mean() > 0.999, close.mean()
+
+
+# The selection kernel: (T, HQ, HKV, D, l, d, dtype), l' = 64, n = 16. fla's configuration
+# (mean compression, l = d = l' = 64) at 16K d64 and 4K d128, the paper's l = 32, d = 16 (the
+# learned compression: the Eq. 9 dot and its halo), float32 with group 3 at d48 and a T that is
+# no multiple of the tiles.
+SELECT_CASES = [
+    (16384, 32, 2, 64, 64, 64, jnp.bfloat16),
+    (4096, 32, 2, 128, 64, 64, jnp.bfloat16),
+    (4096, 32, 2, 64, 32, 16, jnp.bfloat16),
+    (3000, 6, 2, 48, 32, 16, jnp.float32),
+]
+# At most this fraction of (query, KV head) rows may differ, each a proven near-tie.
+MAX_DIFFERING_ROWS = 1e-3
+
+
+def _select_case_id(case):
+  t, hq, hkv, d, length, stride, dtype = case
+  return f"T{t}-HQ{hq}-HKV{hkv}-D{d}-l{length}-d{stride}-{jnp.dtype(dtype).name}"
+
+
+@pytest.mark.parametrize("case", SELECT_CASES, ids=_select_case_id)
+def test_select_kernel_matches_reference(case):
+  t, hq, hkv, d, length, stride, dtype = case
+  q, k, _, _ = _inputs(t, hq, hkv, d, dtype, seed=4)
+  sizes = dict(block_length=length, stride=stride)
+  mean = length == stride
+  mlp = None if mean else nsa.init_compression_mlp(jax.random.key(5), block_length=length,
+                                                     head_dim=d, dtype=dtype)
+  k_cmp = nsa.nsa_compress(k, mlp, compression="mean" if mean else "mlp", **sizes)
+  _, lse = nsa.compressed_attention_pallas(q, k_cmp, k_cmp, None, scale=d ** -0.5,
+                                           interpret=False, **sizes)
+  kw = dict(sizes, select_block_size=64, top_n=16, scale=d ** -0.5)
+  select = jax.jit(functools.partial(nsa.nsa_select_blocks_pallas, segment_ids=None,
+                                     interpret=False, **kw))
+  jax.block_until_ready(select(q, k_cmp, lse))  # compiled before the memory is poisoned
+  poison(4 << 30)
+  got = np.asarray(select(q, k_cmp, lse))
+  want = np.asarray(nsa.nsa_select_blocks_reference(q.astype(jnp.float32),
+                                                    k_cmp.astype(jnp.float32), lse, None, **kw))
+  _assert_selection_structure(got, 64, 16)
+  differ = np.any(got != want, axis=-1)
+  assert differ.mean() <= MAX_DIFFERING_ROWS, f"{int(differ.sum())} of {differ.size} rows differ"
+  margins = nsa_mismatch_margins(got, want, q, k_cmp, **kw)
+  unproven = [m for m in margins if not m[3] < tol.SELECTION_NEAR_TIE_RTOL]
+  assert not unproven, (f"{len(unproven)} of {len(margins)} differing rows are not near-ties "
+                        f"(b, t, h, margin): {unproven[:10]}")

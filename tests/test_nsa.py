@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 
 import pisa_jax
-from pisa_jax import nsa
+from pisa_jax import _dispatch, nsa, testing
 from pisa_jax.kernels.nsa import RangeAttentionConfig, dkv_splits
+from pisa_jax.kernels.nsa_select import NSASelectConfig
 import oracles
-from tolerances import GRAD_ATOL, GRAD_RTOL, OUTPUT_ATOL, OUTPUT_RTOL
+from tolerances import (GRAD_ATOL, GRAD_RTOL, OUTPUT_ATOL, OUTPUT_RTOL,
+                        SELECTION_NEAR_TIE_RTOL)
 
 # The layer's tiny geometry: l = 8, d = 4 (overlapping), l' = 8, n = 4 (one free slot beside the
 # three forced ones), w = 6; T = 53 is no multiple of any of them, and queries past position 39
@@ -334,15 +336,19 @@ def test_config_rejects_bad_nsa_fields_by_name(override, match):
   assert "\n" not in str(info.value)
 
 
-def test_pallas_layer_equals_xla():
+@pytest.mark.parametrize("packed", [False, True])
+def test_pallas_layer_equals_xla(packed):
   """implementation="pallas": the compressed and window branches on the range kernel, the
-  selected branch on the sparse-attention kernel (the interpreter off a GPU): outputs and
-  gradients equal "xla"'s."""
+  selection on its kernel (packed rows: the reference's), the selected branch on the
+  sparse-attention kernel (the interpreter off a GPU): outputs and gradients equal "xla"'s."""
   args = make_inputs()
+  segment_ids = (jnp.asarray((np.arange(T)[None, :] >= np.array([[20], [33]])).astype(np.int32))
+                 if packed else None)
   cotangent = jax.random.normal(jax.random.key(6), args[0].shape)
   results = []
   for implementation in ("xla", "pallas"):
-    out, vjp = jax.vjp(functools.partial(_layer, implementation=implementation), *args)
+    out, vjp = jax.vjp(functools.partial(_layer, implementation=implementation,
+                                         segment_ids=segment_ids), *args)
     results.append((out, vjp(cotangent)))
   (want, want_grads), (got, got_grads) = results
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -502,3 +508,99 @@ def test_cudnn_window_where_it_cannot_run_is_refused_in_one_line():
     nsa.sliding_window_attention_pallas(q, k, v, None, window=6, scale=0.3, interpret=True,
                                         backend="cudnn")
   assert "\n" not in str(info.value)
+
+
+# The selection kernel (`pisa_jax.kernels.nsa_select`) in the Pallas interpreter against the jnp
+# reference. Small tiles (16 queries, 16 compressed blocks) so that programs hold several
+# queries and rows cross tiles, except the fla-geometry case (the default tiles). Interpret mode
+# fills outputs with garbage before the kernel runs, so an unwritten element fails the checks.
+SELECT_TILES = NSASelectConfig(query_tile=16, block_tile=16)
+SELECT_CASES = {  # id: (B, T, HQ, HKV, D, l, d, l', n, config)
+    # l = d = l': a tile of 16 compressed blocks is 16 selection blocks; group 1.
+    "T150-G1-D16-l4d4s4-n5": (2, 150, 2, 2, 16, 4, 4, 4, 5, SELECT_TILES),
+    # Overlapping blocks (halo 1), r = 2: 7 selection blocks a tile.
+    "T133-G2-D16-l8d4s8-n4": (1, 133, 4, 2, 16, 8, 4, 8, 4, SELECT_TILES),
+    # The paper's ratios l = 2d, l' = 4d at small sizes: 3 selection blocks a tile.
+    "T201-G4-D16-l8d4s16-n4": (1, 201, 4, 1, 16, 8, 4, 16, 4, SELECT_TILES),
+    # The paper's l = 32, d = 16, l' = 64 at d64.
+    "T420-G2-D64-l32d16s64-n5": (1, 420, 4, 2, 64, 32, 16, 64, 5, SELECT_TILES),
+    # fla's configuration, l = d = l' = 64, group 16, the default tiles.
+    "T330-G16-D64-l64d64s64-n4": (1, 330, 16, 1, 64, 64, 64, 64, 4, None),
+    # T < top_n l': every eligible block is kept, none scored.
+    "T45-G4-D16-l8d8s8-n6": (1, 45, 8, 2, 16, 8, 8, 8, 6, SELECT_TILES),
+}
+
+
+def _select_inputs(case, dtype, seed=21):
+  b, t, hq, hkv, d, length, stride, select, top_n, config = SELECT_CASES[case]
+  keys = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(keys[0], (b, t, hq, d)).astype(dtype)
+  k = jax.random.normal(keys[1], (b, t, hkv, d)).astype(dtype)
+  mean = length == stride
+  mlp = None if mean else nsa.init_compression_mlp(keys[2], block_length=length, head_dim=d,
+                                                     hidden=8, dtype=dtype)
+  sizes = dict(block_length=length, stride=stride)
+  k_cmp = nsa.nsa_compress(k, mlp, compression="mean" if mean else "mlp", **sizes)
+  _, lse = nsa.compressed_attention(q, k_cmp, k_cmp, **sizes)
+  kw = dict(sizes, select_block_size=select, top_n=top_n, scale=1 / np.sqrt(d))
+  return q, k_cmp, lse, kw, config
+
+
+def _assert_selection_structure(idx, select_block_size, top_n):
+  """min(top_n, cur + 1) blocks ascending then -1, the first, previous and current among them."""
+  idx = np.asarray(idx)
+  cur = (np.arange(idx.shape[1]) // select_block_size)[None, :, None]
+  valid = idx >= 0
+  assert (valid.sum(-1) == np.minimum(top_n, cur + 1)).all(), "wrong count of valid blocks"
+  assert (valid[..., :-1] >= valid[..., 1:]).all(), "-1 before a valid block"
+  assert (np.where(valid, idx, -1).max(-1) == cur).all(), "the current block is missing"
+  shifted = np.where(valid[..., 1:], idx[..., 1:], np.iinfo(np.int32).max)
+  assert (shifted > idx[..., :-1]).all(), "blocks not strictly ascending"
+  assert (idx[..., 0] == 0).all(), "the first block is missing"
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", list(SELECT_CASES))
+def test_select_kernel_matches_reference(case, dtype):
+  """The kernel keeps the reference's blocks; a row may differ only where float64 proves the
+  decision a near-tie (`testing.nsa_mismatch_margins`)."""
+  q, k_cmp, lse, kw, config = _select_inputs(case, dtype)
+  got = nsa.nsa_select_blocks_pallas(q, k_cmp, lse, None, interpret=True, config=config, **kw)
+  want = nsa.nsa_select_blocks_reference(q, k_cmp, lse, None, **kw)
+  assert got.dtype == jnp.int32 and got.shape == want.shape
+  _assert_selection_structure(got, kw["select_block_size"], kw["top_n"])
+  margins = testing.nsa_mismatch_margins(got, want, q, k_cmp, **kw)
+  assert all(m < SELECTION_NEAR_TIE_RTOL for *_, m in margins), margins
+  # Scores decide some rows (at least two candidates for one slot), except where T < top_n l'.
+  decides = (q.shape[1] - 1) // kw["select_block_size"] - 2 > kw["top_n"] - 3
+  assert decides == (not case.startswith("T45")), case
+
+
+def test_float64_proof_scores_select_as_the_oracle():
+  """The near-tie proof's float64 scores (`testing.nsa_scores64`) keep the oracle's blocks."""
+  q, k_cmp, lse, kw, _ = _select_inputs("T201-G4-D16-l8d4s16-n4", jnp.float32)
+  sizes = {x: kw[x] for x in ("block_length", "stride", "select_block_size", "scale")}
+  want = oracles.nsa_select(q[0], np64(k_cmp[0]), top_n=kw["top_n"], **sizes)
+  lp, top_n = kw["select_block_size"], kw["top_n"]
+  for t in range(3 * lp, q.shape[1], 7):
+    cur = t // lp
+    score = testing.nsa_scores64(q, k_cmp, 0, t, 0, **sizes)
+    rest = sorted((-score[j], j) for j in range(1, cur - 1))
+    np.testing.assert_array_equal(sorted([0, cur - 1, cur] + [j for _, j in rest[:top_n - 3]]),
+                                  want[t, 0], err_msg=f"{t=}")
+
+
+def test_select_kernel_refuses_packed_documents_in_one_line(monkeypatch):
+  """"pallas" takes rows of one document; None picks it on a GPU only without segment_ids (the
+  reference selects packed rows)."""
+  q, k_cmp, lse, kw, _ = _select_inputs("T45-G4-D16-l8d8s8-n6", jnp.float32)
+  ids = jnp.zeros(q.shape[:2], jnp.int32)
+  public = {x: v for x, v in kw.items() if x != "scale"}
+  with pytest.raises(ValueError, match=r"segment_ids must be None for nsa_select_blocks' "
+                                       r"implementation='pallas'") as info:
+    nsa.nsa_select_blocks(q, k_cmp, lse, segment_ids=ids, implementation="pallas", **public)
+  assert "\n" not in str(info.value)
+  monkeypatch.setattr(_dispatch, "on_gpu", lambda: True)
+  got = nsa.nsa_select_blocks(q, k_cmp, lse, segment_ids=ids, **public)
+  np.testing.assert_array_equal(got, nsa.nsa_select_blocks(q, k_cmp, lse, segment_ids=ids,
+                                                           implementation="xla", **public))
