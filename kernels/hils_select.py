@@ -13,10 +13,10 @@ queries with a tile of BN landmark keys of one head (landmark keys are per query
 group's heads are a loop, not dot rows). Two passes over the slots: the first accumulates each
 head's log-sum-exp, the second forms the group's rank tile and merges it into a running top-k
 of BT rows (`_common.running_top_k`: K passes of a row max over the tile and the K kept; a tile
-none of whose ranks beats a row's K-th is skipped). The `[T, HQ, N]` scores never reach memory: per query the kernel
-writes its K chunks. Cost: two passes of 2 T N HQ D multiply-adds (four dots each for 16-bit
-inputs: a float32 landmark key is scored as its 16-bit high part plus the rounding of the
-remainder, ~2^-17 relative, as the selection kernels score float32 summaries).
+none of whose ranks beats a row's K-th is skipped). The `[T, HQ, N]` scores never reach memory:
+per query the kernel writes its K chunks. Cost: two passes of 2 T N HQ D multiply-adds (four
+dots each for 16-bit inputs: a float32 landmark key is scored as its 16-bit high part plus the
+rounding of the remainder, ~2^-17 relative, as the selection kernels score float32 summaries).
 """
 
 from __future__ import annotations
