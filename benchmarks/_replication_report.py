@@ -205,6 +205,7 @@ def setup_section(res: Results) -> str:
   e = m.eval
   lines += ["", f"Evaluation samples: ppl {e['ppl_samples']} windows a length; RULER "
             f"{e['ruler_samples']} a task and length (8 tasks); MQAR {e['mqar_samples']} a cell; "
+            f"held-out needle documents {e['mixture_samples']} a family and length; "
             f"selection {e['selection_samples']} windows, K {list(e['selection_top_k'])}, beams "
             f"x{list(e['selection_beam_factors'])}, on {', '.join(e['selection_methods'])}."]
   return "\n".join(lines)
@@ -347,6 +348,27 @@ def mqar_table(res: Results) -> str:
     rows.append([LABELS.get(method, method)] + [fmt(res.values(method, stage, get(p, n)), 100, 1)
                                                 for p, n in cells])
   return _record.markdown(["Method"] + [f"{p} pairs @ {n}" for p, n in cells], rows)
+
+
+def mixture_table(res: Results) -> str:
+  """Held-out needle documents of the training families (`train.evaluation.mixture`), after
+  each stage that measured them: whether a model retrieves at all, in its own templates."""
+  m = res.manifest
+  stages = [s.name for s in m.stages if s.eval["mixture"]]
+  if not any("mixture" in row["eval"] for method in res.methods for s in stages
+             for row in res.stage_rows(method, s)):
+    return "No held-out mixture results yet."
+  rows = []
+  for method in res.methods:
+    for stage in stages:
+      for n in m.stage(stage).eval["mixture"]:
+        get = lambda f, n=n: lambda row: next(
+            r["accuracy"] for r in row["eval"]["mixture"]["rows"]
+            if r["family"] == f and r["length"] == n)
+        rows.append([LABELS.get(method, method), stage, n]
+                    + [fmt(res.values(method, stage, get(f)), 100, 1) for f in FAMILIES])
+  return _record.markdown(["Method", "stage", "length"] + [f.replace("_", "-") for f in FAMILIES],
+                          rows)
 
 
 def _lengths(res: Results, stage: str | None, suite: str) -> list[int]:
@@ -604,6 +626,8 @@ def summarize(manifest, folder: Path, *, readme: Path | None = None) -> Path:
       "## Table 6: after CPT", table6(res),
       "## Table 7: block selection on the dense model's q and k", table7(res),
       "## MQAR after CPT", mqar_table(res),
+      "## Retrieval in the training templates (held-out needle documents, accuracy %)",
+      mixture_table(res),
   ]
   if long and manifest.stage(long) is not None and manifest.stage(long).enabled:
     sections += [f"## Beyond the paper: RULER after `{long}`", table3(res, long)]

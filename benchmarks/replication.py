@@ -113,6 +113,10 @@ def preflight(m: Manifest, run: Run) -> None:
                    vocab_size=GPT2_VOCAB, packing=True)
     TokenWindows(m.resolve(d["haystack"]), "train", seq_len=longest, global_batch=1, accum=1,
                  seed=0, vocab_size=GPT2_VOCAB, packing=True)
+    if any(s.eval["mixture"] for _, s in stages):
+      TokenWindows(m.resolve(d["haystack"]), "val", seq_len=max(
+          n for _, s in stages for n in s.eval["mixture"]), global_batch=1, accum=1, seed=0,
+          vocab_size=GPT2_VOCAB, packing=True)
   except (FileNotFoundError, ValueError) as e:
     raise ManifestError(f"{m.path}: data: {' '.join(str(e).splitlines())}; {hint}") from None
   from pisa_jax.train.evaluation import common
@@ -331,7 +335,7 @@ def _mixture(config, global_batch: int) -> dict:
 def evaluate_stage(m: Manifest, run: Run, stage, workdir: Path, row: dict, record: Record, *,
                    progress: bool) -> None:
   """The stage's evaluations on its checkpoint, each saved into `row["eval"]` as it ends."""
-  from pisa_jax.train.evaluation import mqar, needles, perplexity, selection
+  from pisa_jax.train.evaluation import mixture, mqar, needles, perplexity, selection
   from pisa_jax.train.restore import restore_model
 
   suites = {k: list(v) for k, v in stage.eval.items() if v}
@@ -355,6 +359,10 @@ def evaluate_stage(m: Manifest, run: Run, stage, workdir: Path, row: dict, recor
       part["records"] = [{k: r[k] for k in ("task", "family", "length", "index", "score",
                                             "depths", "new_tokens")}
                          | {"prediction": r["prediction"][:80]} for r in records]
+    elif suite == "mixture":
+      part = mixture.run_mixture(model, config, lengths=lengths, samples=e["mixture_samples"],
+                                 batch_size=e["batch_size"], **kw)
+      part["records"] = part["records"][:400]
     elif suite == "mqar":
       pairs = [p for p in e["mqar_pairs"] if 4 * p <= lengths[-1]]
       part = mqar.run_mqar(model, config, lengths=lengths, pairs=pairs,

@@ -614,10 +614,11 @@ def test_claims_follow_the_numbers_and_the_retrieval_gate(tmp_path):
 
 def _smoke(text: str) -> str:
   """The toy manifest cut to what proves the pipeline's joints: two training steps, one CPT
-  step from the first stage's checkpoint, perplexity after each."""
+  step from the first stage's checkpoint, perplexity after each, held-out needle documents after
+  the first."""
   for old, new in [("steps = 3", "steps = 2"), ("steps = 2\npeak_lr = 3e-4", "steps = 1\n"
                                                                              "peak_lr = 3e-4"),
-                   ("selection = [256]", ""), ("ruler = [512]", ""), ("mqar = [256]", ""),
+                   ("selection = [256]", "mixture = [256]"), ("ruler = [512]", ""), ("mqar = [256]", ""),
                    ("ppl = [256, 512]", "ppl = [512]")]:
     assert old in text
     text = text.replace(old, new, 1)
@@ -629,8 +630,61 @@ def test_toy_pipeline_smoke(toy_data, tmp_path, monkeypatch):
   path = _manifest(tmp_path, _smoke(TOY), root=toy_data)
   record = _run_toy(path, tmp_path, monkeypatch)
   pre, cpt = record["rows"]
-  assert set(pre["eval"]) == {"ppl"} and set(cpt["eval"]) == {"ppl"}
+  assert set(pre["eval"]) == {"ppl", "mixture"} and set(cpt["eval"]) == {"ppl"}
   assert cpt["eval"]["ppl"]["rows"][0]["length"] == 512
+  held_out = pre["eval"]["mixture"]
+  assert [(r["length"], r["family"]) for r in held_out["rows"]] == [
+      (256, f) for f in ("single_key", "multi_key", "multi_query", "multi_value")]
+  assert all(0 <= r["accuracy"] <= 1 and r["answer_nll"] > 0 for r in held_out["rows"])
+  assert len(held_out["records"]) == 4 * 16
+
+
+def test_held_out_needles_score_exactly_the_answer_tokens(monkeypatch):
+  """An answer is retrieved when the argmax is right at each of its tokens, read at the input
+  position before each (teacher forcing): a model right exactly there retrieves every document,
+  one wrong at a single answer token loses that document only."""
+  from pisa_jax.train.evaluation import common, mixture
+  from pisa_jax.train.retrieval import NeedleMaker
+
+  rng = np.random.default_rng(0)
+  hay = rng.integers(0, 5000, 20_000).astype(np.int32)
+  maker = NeedleMaker(hay)
+  docs = {}
+
+  def fake_haystack(config):
+    return hay
+
+  def fake_scores(model, inputs, targets, *, batch_size, bar=None, **kw):
+    hit = np.zeros(inputs.shape, bool)
+    for i, row in enumerate(targets):
+      doc = next(d for d in docs[len(row) + 1] if np.array_equal(d.tokens[1:], row))
+      hit[i, doc.answer[0] - 1:doc.answer[1] - 1] = True
+      if model == "miss" and i == 0:
+        hit[i, doc.answer[1] - 2] = False  # the answer's last token
+    return np.ones(inputs.shape, np.float32), hit
+
+  def fake_documents(maker_, *, length, family, samples, seed):
+    made = [maker.make(np.random.default_rng([seed, length, i]), length, family)
+            for i in range(samples)]
+    docs.setdefault(length, []).extend(made)
+    return made
+
+  monkeypatch.setattr(mixture, "haystack", fake_haystack)
+  monkeypatch.setattr(mixture, "NeedleMaker", lambda tokens, encoding=None: maker)
+  monkeypatch.setattr(mixture, "documents", fake_documents)
+  monkeypatch.setattr(common, "token_scores", fake_scores)
+
+  class Config:
+    class train:
+      seq_len = 512
+
+  kw = dict(lengths=[300], samples=4, seed=0, batch_size=2, progress=False)
+  right = mixture.run_mixture("right", Config, **kw)
+  assert [r["accuracy"] for r in right["rows"]] == [1.0] * 4 and right["average"] == 1.0
+  missed = mixture.run_mixture("miss", Config, **kw)
+  assert [r["accuracy"] for r in missed["rows"]] == [0.75] * 4
+  with pytest.raises(common.EvalArgumentError, match="train.seq_len=512"):
+    mixture.run_mixture("right", Config, **{**kw, "lengths": [1024]})
 
 
 @pytest.mark.slow
