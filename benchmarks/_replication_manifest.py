@@ -106,6 +106,7 @@ _STAGE = {
     "lr_schedule": (str, "cosine"), "final_lr_ratio": (float, 0.1),
     "loss_chunk": ((int,), None), "remat": (str, "none"), "max_seconds": ((float,), None),
     "log_every": (int, 10), "match_wall": ((str,), None), "eval": ("table", {}),
+    "retrieval_max_length": ((int,), None),
 }
 _STAGE_EVAL = {name: ("ints", ()) for name in EVAL_SUITES}
 _EVAL = {
@@ -143,6 +144,8 @@ class Stage:
   # for as many steps as fit in the time its steps took (same wall time, not same tokens).
   match_wall: str | None
   eval: dict  # suite -> lengths
+  # The longest needle document of this stage's mixture (None: the row).
+  retrieval_max_length: int | None = None
 
   def runs_for(self, method: str) -> bool:
     return self.enabled and (self.methods is None or method in self.methods)
@@ -345,6 +348,7 @@ def stage_config(m: Manifest, run: Run, index: int, *, init_from: str | None, de
                     retrieval_fraction=d["retrieval_fraction"],
                     retrieval_path=str(m.resolve(d["haystack"])),
                     retrieval_min_length=d["retrieval_min_length"],
+                    retrieval_max_length=stage.retrieval_max_length,
                     retrieval_answer_weight=d["retrieval_answer_weight"])
   train = TrainConfig(
       seq_len=stage.seq_len, per_device_batch=stage.batch // devices,

@@ -197,11 +197,13 @@ def setup_section(res: Results) -> str:
               f"{mean([r['passes']['haystack'] for r in run_rows]):.2f}") if run_rows else ""
     rows.append([s.name, "yes" if s.enabled else "no", ", ".join(s.methods or ["all"]),
                  s.seq_len, s.top_k, f"{s.rope_base:g}", s.steps, s.batch,
-                 f"{tokens / 1e6:.3g}M", f"{s.peak_lr:g}", passes,
+                 f"{tokens / 1e6:.3g}M", f"{s.peak_lr:g}",
+                 f"{m.data['retrieval_min_length']}-{s.retrieval_max_length or s.seq_len + 1}",
+                 passes,
                  "; ".join(f"{k} {','.join(map(str, v))}" for k, v in s.eval.items() if v)])
   lines.append(_record.markdown(
       ["stage", "on", "methods", "seq", "K", "RoPE base", "steps", "batch", "tokens", "peak lr",
-       "passes text / haystack", "evaluations"], rows))
+       "needle doc tokens", "passes text / haystack", "evaluations"], rows))
   e = m.eval
   lines += ["", f"Evaluation samples: ppl {e['ppl_samples']} windows a length; RULER "
             f"{e['ruler_samples']} a task and length (8 tasks); MQAR {e['mqar_samples']} a cell; "

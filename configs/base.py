@@ -51,11 +51,12 @@ class DataConfig:
   # training batch holds needle documents (keys and values planted in haystack text, a question,
   # its answer) instead of windows of data.path. The haystack is the train split of
   # retrieval_path, a pisa-prepare-data folder; documents are retrieval_min_length tokens to
-  # train.seq_len long; the loss on answer tokens is weighted retrieval_answer_weight. Needs
-  # packing.
+  # retrieval_max_length (None: the row) long; the loss on answer tokens is weighted
+  # retrieval_answer_weight. Needs packing.
   retrieval_fraction: float = 0.0
   retrieval_path: str | None = None
   retrieval_min_length: int = 256
+  retrieval_max_length: int | None = None
   retrieval_answer_weight: float = 1.0
 
 
@@ -337,6 +338,11 @@ def _validate_retrieval(d: DataConfig, m: ModelConfig, t: TrainConfig) -> None:
   if not 128 <= d.retrieval_min_length <= t.seq_len:
     raise ValueError(f"data.retrieval_min_length={d.retrieval_min_length} must be in [128, "
                      f"train.seq_len={t.seq_len}]: a needle document needs room for its question")
+  if d.retrieval_max_length is not None and not (
+      2 * d.retrieval_min_length <= d.retrieval_max_length <= t.seq_len):
+    raise ValueError(f"data.retrieval_max_length={d.retrieval_max_length} must be None or in "
+                     f"[2 x data.retrieval_min_length = {2 * d.retrieval_min_length}, "
+                     f"train.seq_len={t.seq_len}]: a row's last document may need to split")
   if not d.retrieval_answer_weight > 0:
     raise ValueError(f"data.retrieval_answer_weight={d.retrieval_answer_weight} must be > 0")
 

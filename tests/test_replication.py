@@ -367,6 +367,29 @@ def test_mixture_batches(toy_data):
 
 
 @needs_bpe
+def test_mixture_documents_keep_to_their_lengths(toy_data):
+  """Every document of a row is min_length to max_length tokens (the last one too: it takes the
+  rest of the row, or leaves exactly min_length), and the row is filled exactly."""
+  from pisa_jax.train.data import TokenWindows
+  from pisa_jax.train.retrieval import RetrievalMixture
+
+  text = TokenWindows(toy_data / "text", "train", seq_len=1023, global_batch=4, accum=1, seed=5,
+                      vocab_size=50_257, packing=True)
+  for max_length, shortest_max in [(None, 1024), (300, 300), (256, 256)]:
+    mix = RetrievalMixture(text, str(toy_data / "haystack"), fraction=1.0, min_length=128,
+                           answer_weight=1.0, max_length=max_length)
+    lengths = [len(d.tokens) for step in range(6) for row in range(4)
+               for d in mix.documents(step, row)]
+    assert min(lengths) >= 128 and max(lengths) <= shortest_max, (max_length, lengths)
+    assert sum(lengths) == 6 * 4 * 1024
+    assert mix.describe()["max_length"] == shortest_max
+  with pytest.raises(ValueError, match=re.escape("max_length=200 must be None or in [2 x "
+                                                 "min_length = 256, 1024]")):
+    RetrievalMixture(text, str(toy_data / "haystack"), fraction=1.0, min_length=128,
+                     answer_weight=1.0, max_length=200)
+
+
+@needs_bpe
 def test_training_batches_mix_and_held_out_batches_do_not(toy_data):
   from pisa_jax.configs import apply_overrides, get_config, validate
   from pisa_jax.train.data import TokenWindows, make_batches
@@ -381,6 +404,9 @@ def test_training_batches_mix_and_held_out_batches_do_not(toy_data):
   for bad, message in [("data.packing=false", "data.packing=true"),
                        ("data.retrieval_path=none", "data.retrieval_path must name"),
                        ("data.retrieval_min_length=64", "retrieval_min_length=64 must be in"),
+                       ("data.retrieval_max_length=200", "retrieval_max_length=200 must be None "
+                                                         "or in [2 x data.retrieval_min_length"),
+                       ("data.retrieval_max_length=512", "train.seq_len=256"),
                        ("model.vocab_size=1000", "model.vocab_size=1000 must be >= 50257")]:
     with pytest.raises(ValueError, match=re.escape(message)):
       validate(apply_overrides(config, [bad]))

@@ -2,7 +2,8 @@
 
 `data.retrieval_fraction` of the rows of every training batch are filled with needle documents
 instead of windows of `data.path`. A needle document is, in GPT-2 tokens and exactly as long as
-drawn (from `data.retrieval_min_length` to the row, log-uniform):
+drawn (log-uniform from `data.retrieval_min_length` to `data.retrieval_max_length`, default the
+row; a row's last document takes what is left):
 
   [preamble "\\n"]  haystack with needles planted between sentences  "\\n" question " " prefix
   " " answer "."  <|endoftext|>
@@ -388,7 +389,8 @@ class RetrievalMixture:
   (the module docstring): the same arrays as `TokenWindows` with packing, `[A, B_local, T]`."""
 
   def __init__(self, text: TokenWindows, haystack_path: str, *, fraction: float,
-               min_length: int, answer_weight: float, encoding=None):
+               min_length: int, answer_weight: float, max_length: int | None = None,
+               encoding=None):
     if not text.packing:
       raise ValueError("the retrieval mixture needs packed text windows (data.packing=true)")
     if not 0 < fraction <= 1:
@@ -398,7 +400,12 @@ class RetrievalMixture:
     self.text = text
     self.maker = NeedleMaker(haystack.tokens, encoding)
     self.haystack_tokens = len(haystack.tokens)
+    row = text.seq_len + 1
+    if max_length is not None and not 2 * min_length <= max_length <= row:
+      raise ValueError(f"max_length={max_length} must be None or in [2 x min_length = "
+                       f"{2 * min_length}, {row}] (the row's tokens)")
     self.min_length, self.answer_weight = min_length, answer_weight
+    self.max_length = row if max_length is None else max_length
     total = text.accum * text.global_batch
     # A whole number of rows per step, at least one.
     self.rows_per_step = max(1, round(fraction * total))
@@ -409,11 +416,13 @@ class RetrievalMixture:
     tokens (inputs and the last target)."""
     rng = np.random.default_rng([self.text.seed, TRAIN, step, _STREAM, row])
     left, docs = self.text.seq_len + 1, []
-    log_lo, log_hi = math.log(self.min_length), math.log(self.text.seq_len + 1)
+    log_lo, log_hi = math.log(self.min_length), math.log(self.max_length)
     while left:
       length = min(left, int(math.exp(rng.uniform(log_lo, log_hi))))
       if left - length < self.min_length:
-        length = left
+        # Too little would be left for a document: this one takes the rest of the row, or,
+        # where that is over max_length, leaves exactly min_length (max >= 2 min: both fit).
+        length = left if left <= self.max_length else left - self.min_length
       docs.append(self.maker.make(rng, length, _pick(rng, FAMILIES)))
       left -= length
     return docs
@@ -449,6 +458,7 @@ class RetrievalMixture:
   def describe(self) -> dict:
     """What the mixture is, for a run's record."""
     return {"rows_per_step": self.rows_per_step, "token_fraction": self.token_fraction,
-            "min_length": self.min_length, "answer_weight": self.answer_weight,
+            "min_length": self.min_length, "max_length": self.max_length,
+            "answer_weight": self.answer_weight,
             "haystack_tokens": self.haystack_tokens, "families": list(FAMILIES),
             "key_formats": list(self.maker.key_formats), "key_words": len(self.maker.key_words)}
