@@ -222,7 +222,9 @@ def runs_section(res: Results) -> str:
           f"{(row['tokens_per_s'] or 0) / 1e3:.3g}K tok/s" + (" TRUNCATED" if row["truncated"]
                                                               else "")
           for row in r["rows"])
-      rows.append([r["run"], r["device"], r["date"][:10], r["commit"][:10],
+      shared = r.get("shared_device", 1)
+      device = r["device"] + (f" (shared by {shared} runs)" if shared > 1 else "")
+      rows.append([r["run"], device, r["date"][:10], r["commit"][:10],
                    r["wall_seconds"], stages])
   text = _record.markdown(["run", "device", "date", "commit", "wall s", "stages"], rows) \
       if rows else "No run is complete yet."

@@ -21,6 +21,11 @@ A run is done when `<results>/<run>.json` (or `<out>/<run>.json`) is complete an
 this manifest's settings for it (`Manifest.fingerprint`); `--next` and `--run` skip done runs
 (`--force` runs again). A run folder left by an interrupted run resumes from its checkpoint.
 Methods whose attention kind this build lacks (nsa, hils) are listed as pending.
+
+`--shared-device N`: this process is one of N runs started side by side on one GPU (a small
+backbone leaves most of a large GPU idle). Each takes 0.9 / N of its memory
+(XLA_PYTHON_CLIENT_MEM_FRACTION, unless set); the record says so, its tokens/s and wall times are
+not speed figures, and a stage that matches another run's wall time refuses it (either side).
 """
 
 from __future__ import annotations
@@ -223,6 +228,9 @@ def matched_steps(m: Manifest, run: Run, stage: Stage, config, dirs: list[Path])
   row = next((r for r in read_result(path)["rows"] if r["stage"] == stage.name), None)
   if row is None or not row.get("tokens_per_s"):
     raise ManifestError(f"{path} has no timed stage {stage.name!r} to match")
+  if read_result(path).get("shared_device", 1) > 1:
+    raise ManifestError(f"{path} shared its GPU with other runs: its wall time is no target for "
+                        f"stage {stage.name!r}; run {other.name} alone")
   target = row["steps"] * row["tokens_per_step"] / row["tokens_per_s"]
   trainer = build_trainer(config)
   batches = make_batches(config, "train", global_batch=trainer.global_batch,
@@ -379,11 +387,19 @@ def evaluate_stage(m: Manifest, run: Run, stage, workdir: Path, row: dict, recor
 
 
 def run_one(m: Manifest, run: Run, *, out: Path, workdir: Path, progress: bool,
-            dirs: list[Path] = ()) -> dict:
-  """The whole pipeline of one run: every stage, trained then evaluated; returns the record."""
+            dirs: list[Path] = (), shared_device: int = 1) -> dict:
+  """The whole pipeline of one run: every stage, trained then evaluated; returns the record.
+  shared_device: the number of runs sharing this GPU (the module docstring)."""
   preflight(m, run)
+  if shared_device > 1 and any(s.match_wall for _, s in m.stages_of(run.method)):
+    raise ManifestError(f"--shared-device {shared_device}: run {run.name} has a stage that "
+                        f"matches wall times (match_wall), which needs the GPU to itself")
   record = Record(m, run, out)
   r = record.record
+  r["shared_device"] = shared_device
+  if shared_device > 1:
+    record.note(f"trained beside {shared_device - 1} other run(s) on the same GPU: tokens/s and "
+                f"wall times are not speed figures")
   for key, folder in (("text", m.data["text"]), ("haystack", m.data["haystack"])):
     meta = json.loads((m.resolve(folder) / "meta.json").read_text())
     r["data"][f"{key}_train_tokens"] = meta["train_tokens"]
@@ -483,6 +499,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--readme", type=Path, default=REPO / "README.md",
                  help="--summarize rewrites the block between its replication markers")
   p.add_argument("--no-progress", action="store_true")
+  p.add_argument("--shared-device", type=int, default=1, metavar="N",
+                 help="this run is one of N started side by side on one GPU (0.9 / N of its "
+                      "memory each; not speed figures)")
   return p
 
 
@@ -529,12 +548,18 @@ def main(argv: list[str] | None = None) -> int:
         raise ManifestError(f"run {run.name} matches a stage's wall time to {other.name}, which "
                             f"is not done: run {other.name} first")
       runs = [run]
+    if args.shared_device < 1:
+      raise ManifestError(f"--shared-device {args.shared_device} must be >= 1")
+    if args.shared_device > 1:
+      # Before jax starts: each process preallocates its share, not 75% of the GPU.
+      os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / args.shared_device:.3f}")
     set_environment(m)
     from pisa_jax.train import compilation_cache
 
     compilation_cache.enable_for(parser)
     for run in runs:
-      run_one(m, run, out=out, workdir=args.workdir, progress=not args.no_progress, dirs=dirs)
+      run_one(m, run, out=out, workdir=args.workdir, progress=not args.no_progress, dirs=dirs,
+              shared_device=args.shared_device)
     return 0
   except ManifestError as e:
     print(f"replication: {e}", file=sys.stderr)

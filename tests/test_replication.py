@@ -573,6 +573,35 @@ def test_a_run_matching_another_runs_wall_time_waits_for_it(tmp_path, capsys, mo
   assert "match_wall='bsa' is no method of this stage (pisa, dense)" in capsys.readouterr().err
 
 
+def test_runs_sharing_a_gpu_say_so_and_time_nothing(tmp_path, capsys, monkeypatch):
+  """--shared-device N: each process takes its share of the GPU's memory, and neither side of a
+  wall-time match may be a shared run (its seconds are not its own)."""
+  _without_nsa(monkeypatch)
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  path = _manifest(tmp_path)
+  calls, run_one = [], rep.run_one
+  monkeypatch.setattr(rep, "run_one", lambda m, run, **kw: calls.append((run.name, kw)))
+  common = ["--manifest", str(path), "--results", str(tmp_path / "results")]
+  assert rep.main(common + ["--run", "dense-s0", "--shared-device", "3"]) == 0
+  assert calls[-1][1]["shared_device"] == 3
+  assert rep.os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.300"
+  assert rep.main(common + ["--run", "dense-s0", "--shared-device", "0"]) == 2
+  assert "--shared-device 0 must be >= 1" in capsys.readouterr().err
+  # A stage that matches wall times refuses a shared run, and a shared run as its target.
+  longer = _manifest(tmp_path / "long", TOY.replace("\n[eval]", LONG + "\n[eval]", 1))
+  m = rep.load_manifest(longer)
+  monkeypatch.setattr(rep, "preflight", lambda m, run: None)
+  with pytest.raises(rep.ManifestError, match="needs the GPU to itself"):
+    run_one(m, rep.Run("pisa", 0), out=tmp_path / "o", workdir=tmp_path / "w", progress=False,
+            shared_device=2)
+  shared = _fake_record(m, rep.Run("pisa", 0))
+  shared["rows"].append({**shared["rows"][1], "stage": "long"})
+  shared["shared_device"] = 2
+  _write(tmp_path / "results", shared)
+  with pytest.raises(rep.ManifestError, match="shared its GPU with other runs"):
+    rep.matched_steps(m, rep.Run("dense", 0), m.stage("long"), None, [tmp_path / "results"])
+
+
 # ----------------------------------------------------------------------------- summary
 
 
