@@ -464,3 +464,45 @@ def test_bad_input_is_one_line_naming_it(tiny_run, text, tmp_path, capsys):
         r"--lengths: 32 exceeds the arrays' T = 16")
   fails(["--npz", str(tmp_path / "f.npz"), "--suite", "ppl"] + npz, r"--suite: ppl: --npz")
   fails(["--npz", str(tmp_path / "f.npz")], r"--out: required with --npz")
+
+
+def test_mixture_suite_scores_held_out_needle_documents(gpt2_model, tmp_path, monkeypatch):
+  """--suite mixture: needle documents of the training templates over the val split of the run's
+  data.retrieval_path, every family at every length, with a table, a plot and a compare row."""
+  pytest.importorskip("tiktoken")
+  from pisa_jax.train.prepare_data import write_corpus
+  from pisa_jax.train.tokenizer import gpt2_bpe_path
+
+  if gpt2_bpe_path() is None:
+    pytest.skip("gpt2.tiktoken absent")
+  words = "the river ran past a quiet town where people kept small gardens and old books".split()
+  rng = random.Random(0)
+  docs = [" ".join(" ".join(rng.choice(words) for _ in range(rng.randint(6, 12))).capitalize()
+                   + "." for _ in range(rng.randint(10, 30))) for _ in range(60)]
+  write_corpus(iter(docs), tmp_path / "haystack", val_fraction=0.5, seed=0, sources=["toy"])
+  config, model = gpt2_model
+  config = apply_overrides(config, ["train.seq_len=256",
+                                    f"data.retrieval_path={tmp_path / 'haystack'}"])
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "config.json").write_text(config.to_json())
+  monkeypatch.setattr(cli, "restore_model", lambda workdir: (config, model, 7))
+  assert cli.main(["--workdir", str(run), "--suite", "mixture", "--lengths", "128,256",
+                   "--samples", "2", "--batch-size", "2", "--no-progress"]) == 0
+  result = json.loads((run / "eval" / "eval.json").read_text())
+  part = result["parts"]["mixture"]
+  assert [(r["length"], r["family"]) for r in part["rows"]] == [
+      (n, f) for n in (128, 256) for f in ("single_key", "multi_key", "multi_query",
+                                           "multi_value")]
+  assert all(0 <= r["accuracy"] <= 1 and r["answer_nll"] > 0 for r in part["rows"])
+  assert len(part["records"]) == 2 * 4 * 2
+  assert "Held-out needle documents" in (run / "eval" / "eval.md").read_text()
+  assert (run / "eval" / "mixture.png").is_file()
+  from pisa_jax.train.evaluation import report
+  assert "single-key @ 128" in report.compare([("run", result)])
+  # A run trained without the mixture has no templates to test.
+  plain = apply_overrides(config, ["data.retrieval_path=none"])
+  monkeypatch.setattr(cli, "restore_model", lambda workdir: (plain, model, 7))
+  with pytest.raises(SystemExit) as e:
+    cli.main(["--workdir", str(run), "--suite", "mixture", "--lengths", "128", "--no-progress"])
+  assert e.value.code == 2

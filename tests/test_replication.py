@@ -738,8 +738,9 @@ def test_held_out_needles_score_exactly_the_answer_tokens(monkeypatch):
   assert [r["accuracy"] for r in right["rows"]] == [1.0] * 4 and right["average"] == 1.0
   missed = mixture.run_mixture("miss", Config, **kw)
   assert [r["accuracy"] for r in missed["rows"]] == [0.75] * 4
-  with pytest.raises(common.EvalArgumentError, match="train.seq_len=512"):
+  with pytest.raises(common.EvalArgumentError, match="exceeds the context 512"):
     mixture.run_mixture("right", Config, **{**kw, "lengths": [1024]})
+  assert mixture.run_mixture("right", Config, **{**kw, "lengths": [1024]}, context=1024)
 
 
 @pytest.mark.slow

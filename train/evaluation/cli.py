@@ -1,6 +1,6 @@
 """`pisa-eval`: the evaluation suite of a `pisa-train` run, any attention kind, dense included.
 
-  pisa-eval --workdir runs/s --suite ppl,ruler,mqar,selection
+  pisa-eval --workdir runs/s --suite ppl,ruler,mqar,selection,mixture
   pisa-eval --workdir runs/s --suite ppl --lengths 1024,2048,4096 --samples 32 --out eval/s
   pisa-eval --compare runs/dense runs/pisa runs/bsa --out eval
   pisa-eval --npz attention.npz --out eval/arrays --block-size 64 --top-k 8
@@ -13,6 +13,9 @@ Suites (the newest checkpoint of --workdir that passes its checksums; held-out d
              multi_query and multi_value, greedy decoding; Table 3's layout (needs a model whose
              vocabulary covers GPT-2's)
   mqar       multi-query associative recall accuracy against key-value pairs and length
+  mixture    a run trained with the retrieval mixture (data.retrieval_fraction): held-out needle
+             documents of its own templates and families (the val split of data.retrieval_path),
+             answers scored by teacher forcing: does it retrieve at all, whatever RULER says
   selection  the block-selection diagnostic of Section 4.4 (Table 7, Figure 2): Recall@K,
              captured mass and mass ratio of bsa, pisa1, pisa2, pisa (with beams) and exact on
              the model's own post-RoPE q and k; with --npz on any model's arrays instead
@@ -50,7 +53,7 @@ from pisa_jax.train.evaluation import arguments
 from pisa_jax.train.evaluation.arguments import EvalArgumentError
 
 PROG = "pisa-eval"
-SUITES = ("ppl", "ruler", "mqar", "selection")
+SUITES = ("ppl", "ruler", "mqar", "selection", "mixture")
 DEFAULT_SAMPLES = 16
 DEFAULT_BATCH = 4
 # --npz without --block-size / --top-k: the paper's C and K (Table 7).
@@ -246,7 +249,7 @@ def restore_model(workdir: Path):
 
 
 def _evaluate(args, arrays, common, report) -> int:
-  from pisa_jax.train.evaluation import mqar, needles, perplexity, selection
+  from pisa_jax.train.evaluation import mixture, mqar, needles, perplexity, selection
 
   progress = not args.no_progress
   if args.npz:
@@ -277,6 +280,8 @@ def _evaluate(args, arrays, common, report) -> int:
     encoding, stop = run_encoding(args.workdir)
     needles.check_vocabulary(config, encoding)
     needles.load_ruler()
+  if "mixture" in args.suite:
+    mixture.haystack(config)
   if "mqar" in args.suite:
     pairs = args.mqar_pairs or mqar.default_pairs(config, lengths)
     mqar.check_pairs(pairs, config, lengths)
@@ -305,6 +310,8 @@ def _evaluate(args, arrays, common, report) -> int:
       "mqar": lambda: mqar.run_mqar(model, config, pairs=pairs, batch_size=batch, **kw),
       "selection": lambda: selection.run_on_checkpoint(model, config, data=args.data, **opts,
                                                        **kw),
+      "mixture": lambda: mixture.run_mixture(model, config, batch_size=batch, context=context,
+                                             **kw),
   }
   print(f"{PROG}: step {step} of {args.workdir} ({config.model.attention} attention), lengths "
         f"{','.join(map(str, lengths))}, {samples} samples; writing to {out}", flush=True)
@@ -341,7 +348,8 @@ def _run_parts(run: dict, result: dict, out: Path, report) -> int:
       label = Path(result["checkpoint"]["workdir"]).name if result["checkpoint"] else "arrays"
       body = (report.ruler_markdown(part, label) if name == "ruler" else
               {"ppl": report.ppl_markdown, "mqar": report.mqar_markdown,
-               "selection": report.selection_markdown}[name](part))
+               "selection": report.selection_markdown,
+               "mixture": report.mixture_markdown}[name](part))
       print(f"\n## {name} ({part['wall_seconds']:.1f} s)\n\n{body}\n", flush=True)
   except KeyboardInterrupt:
     print(f"\n{_interrupted_line(list(run), done, out)}", file=sys.stderr)

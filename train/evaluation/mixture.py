@@ -47,7 +47,7 @@ def documents(maker: NeedleMaker, *, length: int, family: str, samples: int, see
 
 
 def run_mixture(model, config, *, lengths: list[int], samples: int, seed: int, batch_size: int,
-                progress: bool, encoding=None) -> dict:
+                progress: bool, context: int | None = None, encoding=None) -> dict:
   """Retrieval accuracy on held-out needle documents of the training families.
 
   Returns:
@@ -55,12 +55,14 @@ def run_mixture(model, config, *, lengths: list[int], samples: int, seed: int, b
       is the argmax at every token), answer_nll (mean over answer tokens); families: the same
       averaged over lengths; records: one per document (family, length, depths of its needles,
       retrieved).
+    context: the longest document allowed (default: the run's train.seq_len).
   """
+  context = config.train.seq_len if context is None else context
   for length in lengths:
-    if length - 1 > config.train.seq_len:
+    if length > context:
       raise common.EvalArgumentError(
-          f"--lengths: {length} exceeds the run's train.seq_len={config.train.seq_len} + 1 "
-          f"(a mixture document is one row)")
+          f"--lengths: {length} exceeds the context {context} (default: the run's "
+          f"train.seq_len; a mixture document is one row)")
   start = time.perf_counter()
   maker = NeedleMaker(haystack(config), encoding)
   bar = common.progress_bar(samples * len(lengths) * len(FAMILIES), "mixture", progress)

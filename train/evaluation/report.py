@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-PARTS = ("ppl", "ruler", "mqar", "selection")
+PARTS = ("ppl", "ruler", "mqar", "selection", "mixture")
 FAMILY_TITLES = {"single_key": "niah_single", "multi_key": "niah_multikey",
                  "multi_query": "niah_multiquery", "multi_value": "niah_multivalue"}
 
@@ -90,6 +90,19 @@ def mqar_markdown(part: dict) -> str:
                    [[p] + [_pct(acc.get((p, n))) for n in lengths] for p in pairs]))
 
 
+def mixture_markdown(part: dict) -> str:
+  lengths = sorted({r["length"] for r in part["rows"]})
+  families = list(dict.fromkeys(r["family"] for r in part["rows"]))
+  cell = {(r["family"], r["length"]): r for r in part["rows"]}
+  return (f"Held-out needle documents of the training templates, {part['samples']} per family "
+          f"and length: percent whose whole answer is the argmax at every token (answer "
+          f"tokens' mean NLL in nats); average {_pct(part['average'])}.\n\n"
+          + _table(["family"] + [_length(n) for n in lengths],
+                   [[f.replace("_", "-")] + [f"{_pct(cell[(f, n)]['accuracy'])} "
+                                             f"({cell[(f, n)]['answer_nll']:.2f})"
+                                             for n in lengths] for f in families]))
+
+
 def selection_markdown(part: dict) -> str:
   out = []
   settings = sorted({(r["length"], r["top_k"]) for r in part["rows"]})
@@ -128,7 +141,8 @@ def markdown(result: dict) -> str:
     part = result["parts"].get(name)
     if part is None:
       continue
-    body = {"ppl": ppl_markdown, "mqar": mqar_markdown, "selection": selection_markdown}.get(name)
+    body = {"ppl": ppl_markdown, "mqar": mqar_markdown, "selection": selection_markdown,
+            "mixture": mixture_markdown}.get(name)
     text = ruler_markdown(part, label) if name == "ruler" else body(part)
     out.append(f"## {name} ({part['wall_seconds']:.1f} s)\n\n{text}")
   return "\n\n".join(out) + "\n"
@@ -224,7 +238,28 @@ def plot_selection(part: dict, path: Path) -> None:
   plt.close(fig)
 
 
-PLOTS = {"ppl": plot_ppl, "ruler": plot_ruler, "mqar": plot_mqar, "selection": plot_selection}
+def plot_mixture(part: dict, path: Path) -> None:
+  """Accuracy on held-out needle documents by length, a line a family."""
+  if not part["rows"]:
+    return
+  plt = _pyplot()
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for family in dict.fromkeys(r["family"] for r in part["rows"]):
+    pts = sorted((r["length"], 100 * r["accuracy"]) for r in part["rows"]
+                 if r["family"] == family)
+    ax.plot(*zip(*pts), "o-", label=family.replace("_", "-"))
+  ax.set_xscale("log", base=2)
+  ax.set(xlabel="document length (tokens)", ylabel="answers retrieved (%)", ylim=(-2, 102),
+         title="Held-out needle documents (training templates)")
+  ax.grid(True, which="both", alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+PLOTS = {"ppl": plot_ppl, "ruler": plot_ruler, "mqar": plot_mqar, "selection": plot_selection,
+         "mixture": plot_mixture}
 
 
 def write_plots(result: dict, out: Path) -> list[Path]:
@@ -279,6 +314,13 @@ def compare(labelled: list[tuple[str, dict]]) -> str:
         ["run"] + [f"{pr} @ {_length(n)}" for pr, n in cells],
         [[label] + [_pct({(r["pairs"], r["length"]): r["accuracy"] for r in p["rows"]}.get(c))
                     for c in cells] for label, p in parts("mqar")]))
+  if parts("mixture"):
+    cells = sorted({(r["family"], r["length"]) for _, p in parts("mixture") for r in p["rows"]})
+    out.append("## Held-out needle documents (answers retrieved, percent; family @ length)\n\n"
+               + _table(["run"] + [f"{f.replace('_', '-')} @ {_length(n)}" for f, n in cells],
+                        [[label] + [_pct({(r["family"], r["length"]): r["accuracy"]
+                                          for r in p["rows"]}.get(c)) for c in cells]
+                         for label, p in parts("mixture")]))
   if parts("selection"):
     settings = sorted({(r["length"], r["top_k"]) for _, p in parts("selection")
                        for r in p["rows"]})
