@@ -594,7 +594,7 @@ def test_float64_proof_scores_select_as_the_oracle():
 
 def test_select_pallas_takes_packed_documents(monkeypatch):
   """"pallas" selects packed rows on the kernel, and None picks it on a GPU for them too."""
-  q, k_cmp, lse, ids, kw = _packed_inputs("G1-l64d64-f32")
+  q, k_cmp, lse, ids, kw = _packed_inputs("G1-l64d64s64-f32")
   got = nsa.nsa_select_blocks(q, k_cmp, lse, segment_ids=ids, implementation="pallas", **kw)
   np.testing.assert_array_equal(got, nsa.nsa_select_blocks_pallas(
       q, k_cmp, lse, ids, interpret=True, **kw))
@@ -609,20 +609,23 @@ def test_select_pallas_takes_packed_documents(monkeypatch):
 
 # Packed rows: documents of every size a tile of 16 queries can meet. Row 0: three documents
 # in the first tile beside the start of a fourth (shorter than one compressed block, than the
-# tile), then documents longer than top_n l', shorter than one selection block, and a last one
-# cut by the row's end; row 1 another packing (a document of one token, one of exactly a tile).
-PACKED_LENGTHS = ([5, 3, 7, 300, 20, 50, 255], [400, 1, 16, 33, 190])
-PACKED_CASES = {  # id: (HQ, HKV, l, d, dtype), l' = 64, n = 4, D = 16
-    "G1-l64d64-f32": (2, 2, 64, 64, jnp.float32),
-    "G4-l64d64-bf16": (4, 1, 64, 64, jnp.bfloat16),
-    "G4-l32d16-f32": (4, 1, 32, 16, jnp.float32),
-    "G1-l32d16-bf16": (2, 2, 32, 16, jnp.bfloat16),
+# tile), then documents longer than top_n l' (their compressed slots after earlier documents'),
+# shorter than one selection block, and a last one cut by the row's end; row 1 another packing
+# (a document of one token, one of exactly a tile).
+PACKED_LENGTHS = ([5, 3, 7, 100, 300, 20, 50, 155], [70, 1, 16, 33, 300, 220])
+PACKED_CASES = {  # id: (HQ, HKV, l, d, l', dtype), n = 4, D = 16
+    "G1-l64d64s64-f32": (2, 2, 64, 64, 64, jnp.float32),
+    "G4-l64d64s64-bf16": (4, 1, 64, 64, 64, jnp.bfloat16),
+    "G4-l32d16s64-f32": (4, 1, 32, 16, 64, jnp.float32),
+    "G1-l32d16s64-bf16": (2, 2, 32, 16, 64, jnp.bfloat16),
+    # l = d = l' = 4: a long document's selection blocks span several tiles of 16.
+    "G4-l4d4s4-f32": (4, 1, 4, 4, 4, jnp.float32),
 }
 
 
 def _packed_inputs(case, seed=23):
   """q, k_cmp (packed layout), lse, segment_ids `[2, 640]` and the kernel's keywords."""
-  hq, hkv, length, stride, dtype = PACKED_CASES[case]
+  hq, hkv, length, stride, select, dtype = PACKED_CASES[case]
   ids = jnp.asarray(np.stack([np.repeat(np.arange(len(row)), row) for row in PACKED_LENGTHS]),
                     jnp.int32)
   b, t = ids.shape
@@ -636,7 +639,7 @@ def _packed_inputs(case, seed=23):
   k_cmp = nsa.nsa_compress(k, mlp, compression="mean" if mean else "mlp", segment_ids=ids,
                            **sizes)
   _, lse = nsa.compressed_attention(q, k_cmp, k_cmp, segment_ids=ids, **sizes)
-  kw = dict(sizes, select_block_size=64, top_n=4, scale=0.25)
+  kw = dict(sizes, select_block_size=select, top_n=4, scale=0.25)
   return q, k_cmp, lse, ids, kw
 
 
@@ -655,19 +658,19 @@ def test_select_kernel_on_packed_documents_matches_reference(case):
                                      **kw)
   want = nsa.nsa_select_blocks_reference(q, k_cmp, lse, ids, **kw)
   assert got.dtype == jnp.int32 and got.shape == want.shape
-  rel = _document_positions(ids)
-  _assert_selection_structure(got, 64, 4, rel)
+  rel, select = _document_positions(ids), kw["select_block_size"]
+  _assert_selection_structure(got, select, 4, rel)
   margins = testing.nsa_mismatch_margins(got, want, q, k_cmp, segment_ids=ids, **kw)
   assert all(m < SELECTION_NEAR_TIE_RTOL for *_, m in margins), margins
   # Scores decide rows of both rows' long documents (cur - 2 > n - 3 = 1).
-  assert (rel[0] >= 4 * 64).any() and (rel[1] >= 4 * 64).any()
+  assert (rel[0] >= 4 * select).any() and (rel[1] >= 4 * select).any()
 
 
 def test_select_kernel_on_packed_documents_equals_each_document_alone():
   """The packed launch selects, for each document, exactly what the one-document launch selects
   on that document's queries, compressed keys and lse alone (each document a row of one batch,
   zeros after it: later positions never change earlier rows)."""
-  q, k_cmp, lse, ids, kw = _packed_inputs("G4-l32d16-f32")
+  q, k_cmp, lse, ids, kw = _packed_inputs("G4-l32d16s64-f32")
   got = np.asarray(nsa.nsa_select_blocks_pallas(q, k_cmp, lse, ids, interpret=True,
                                                 config=SELECT_TILES, **kw))
   length, stride = kw["block_length"], kw["stride"]
