@@ -1,8 +1,9 @@
 """Pallas (Triton) NSA block selection: the compressed attention's probabilities mapped onto
 selection blocks, fused with their top-n.
 
-The twin of `pisa_jax.nsa.nsa_select_blocks_reference` for rows of one document (no
-segment_ids). For query t and KV head h (the module docstring of `pisa_jax.nsa` gives the rules):
+The twin of `pisa_jax.nsa.nsa_select_blocks_reference`. For query t and KV head h (the module
+docstring of `pisa_jax.nsa` gives the rules; with packed documents every number below is relative
+to t's document):
   p_c       sum over the group's heads g of exp(scale q_g . k_cmp[c] - lse_g) over the
             compressed blocks c complete at t, c < end_t (Eq. 8, 10; lse is the compressed
             attention's, an input);
@@ -25,6 +26,15 @@ tiles of compressed blocks overlap by H + BNc - S r blocks. Relative to the tile
 fixed count matrix, W[a, s] = #{m < r, e <= H: a = r s + m + e}, made from iota and applied as an
 IEEE float32 dot `[BT, BNc] x [BNc, S]`. With l = d = l' (fla's configuration) it is the
 identity and no dot runs.
+
+Packed rows (a second launch, `_packed_select_kernel`; the one-document kernel is untouched): each
+query brings its document's start, first compressed slot and end (one past the last slot complete
+at t). A query tile may straddle documents: the program takes them one at a time (the smallest
+start above the last one handled, a masked min, until none is left), and runs the tile loop above
+over that document's selection blocks, the compressed block a of a tile read at slot first + a
+(the halo rows before the first slot, another document's or the zero rows, and slots >= end
+masked per query; other documents' queries get no candidates). The tiles start at the document's
+block 0, so Eq. 9's count map is the same; the forced blocks use each query's own cur.
 
 Precision: 16-bit q and k_cmp of one dtype meet in 16-bit dots (exact products, float32
 accumulation); any other pair is upcast to float32, IEEE dots. The reference sums in another
@@ -97,6 +107,31 @@ def tiling(*, block_length: int, stride: int, select_block_size: int,
   return Tiling(r, halo, bnc, s, max(MIN_DOT, next_pow2(s)))
 
 
+def _count_map(tiles: Tiling, o_a, o_s):
+  """W^T `[SP, BNc]` float32: how often selection block s of a tile counts compressed block a of
+  it (Eq. 9): the pairs m < r, e <= H with a - r s = m + e."""
+  r, halo, _, s, _ = tiles
+  x = o_a[None, :] - r * o_s[:, None]
+  count = jnp.minimum(r - 1, x) - jnp.maximum(0, x - halo) + 1
+  return jnp.where((o_s[:, None] < s) & (count > 0), count, 0).astype(jnp.float32)
+
+
+def _kept_blocks(best_i, cur, o_col, top_n: int, kp: int):
+  """The kept blocks `[BT, KP]` ascending, -1 past them, from the running top-(top_n - 3) ids
+  best_i and each query's current block cur `[BT, 1]`."""
+  n_best = top_n - 3
+  # Every eligible block while at most top_n are (blocks 0 .. cur), else the forced 0, cur - 1,
+  # cur (then cur >= top_n: all three distinct, and cur - 2 >= n_best candidates filled the
+  # running set); then ascending.
+  o_slot = o_col[None, :]
+  chosen = jnp.where((o_slot < n_best) & (best_i >= 0), best_i, BIG)
+  chosen = jnp.where(o_slot == n_best, 0, chosen)
+  chosen = jnp.where(o_slot == n_best + 1, cur - 1, chosen)
+  chosen = jnp.where(o_slot == n_best + 2, cur, chosen)
+  chosen = jnp.where(cur + 1 <= top_n, jnp.where(o_slot <= cur, o_slot, BIG), chosen)
+  return sorted_kept(chosen, chosen < BIG, kp)
+
+
 def _select_kernel(q_ref, k_ref, lse_ref, idx_ref, *, group: int, top_n: int, scale: float,
                    inputs_16bit: bool, block_length: int, stride: int, select_block_size: int,
                    tiles: Tiling, query_tile: int, seq_len: int):
@@ -121,12 +156,7 @@ def _select_kernel(q_ref, k_ref, lse_ref, idx_ref, *, group: int, top_n: int, sc
   o_col = jnp.arange(kp)
   o_a = jnp.arange(bnc)
   o_s = jnp.arange(sp)
-  if not tiles.identity:
-    # W^T `[SP, BNc]`: how often selection block s of the tile counts compressed block a of it
-    # (Eq. 9): the pairs m < r, e <= H with a - r s = m + e.
-    x = o_a[None, :] - r * o_s[:, None]
-    count = jnp.minimum(r - 1, x) - jnp.maximum(0, x - halo) + 1
-    w_t = jnp.where((o_s[:, None] < s) & (count > 0), count, 0).astype(jnp.float32)
+  w_t = None if tiles.identity else _count_map(tiles, o_a, o_s)
 
   def step(i, carry):
     best_v, best_i = carry
@@ -157,16 +187,80 @@ def _select_kernel(q_ref, k_ref, lse_ref, idx_ref, *, group: int, top_n: int, sc
   best_i = jnp.full((bt, kp), -1, jnp.int32)
   if n_best > 0:
     best_v, best_i = lax.fori_loop(0, n_steps, step, (best_v, best_i))
-  # Every eligible block while at most top_n are (blocks 0 .. cur), else the forced 0, cur - 1,
-  # cur (then cur >= top_n: all three distinct, and cur - 2 >= n_best candidates filled the
-  # running set); then ascending.
-  o_slot = o_col[None, :]
-  chosen = jnp.where((o_slot < n_best) & (best_i >= 0), best_i, BIG)
-  chosen = jnp.where(o_slot == n_best, 0, chosen)
-  chosen = jnp.where(o_slot == n_best + 1, cur - 1, chosen)
-  chosen = jnp.where(o_slot == n_best + 2, cur, chosen)
-  chosen = jnp.where(cur + 1 <= top_n, jnp.where(o_slot <= cur, o_slot, BIG), chosen)
-  idx_ref[pl.ds(t0, bt), :] = sorted_kept(chosen, chosen < BIG, kp)
+  idx_ref[pl.ds(t0, bt), :] = _kept_blocks(best_i, cur, o_col, top_n, kp)
+
+
+def _packed_select_kernel(q_ref, k_ref, lse_ref, start_ref, first_ref, end_ref, idx_ref, *,
+                          group: int, top_n: int, scale: float, inputs_16bit: bool,
+                          select_block_size: int, tiles: Tiling, query_tile: int, seq_len: int):
+  """`_select_kernel` for packed rows (module docstring): start_ref, first_ref, end_ref `[Tp]`
+  int32, each query's document start, its document's first compressed slot and one past the
+  last slot complete at it; k_ref's slot c at row c + H. The tile's documents one at a time."""
+  r, halo, bnc, s, sp = tiles
+  bt = query_tile
+  t0 = pl.program_id(0) * bt
+  o_t = t0 + jnp.arange(bt)
+  start = start_ref[pl.ds(t0, bt)]
+  first = first_ref[pl.ds(t0, bt)]
+  end = end_ref[pl.ds(t0, bt)]
+  rel = o_t - start
+  cur = (rel // select_block_size)[:, None]
+  real = o_t < seq_len
+  c2 = scale * LOG2E
+  n_best = top_n - 3
+  kp = idx_ref.shape[-1]
+  o_col = jnp.arange(kp)
+  o_a = jnp.arange(bnc)
+  o_s = jnp.arange(sp)
+  w_t = None if tiles.identity else _count_map(tiles, o_a, o_s)
+
+  def document(carry):
+    doc, best_v, best_i = carry
+    mine = start == doc  # the queries of the document starting at position doc
+    first_doc = jnp.min(jnp.where(mine, first, BIG))
+    # Scored blocks are 1 .. cur - 2 of the document: tiles up to its last real query's.
+    rel_last = jnp.max(jnp.where(mine & real, rel, 0))
+    n_steps = pl.cdiv(jnp.maximum(rel_last // select_block_size - 1, 0), s)
+
+    def step(i, carry):
+      best_v, best_i = carry
+      # Document-relative compressed blocks i S r - H + a, slots first_doc + those: rows
+      # first_doc + i S r + a of k_ref. Blocks before the document's first (the halo of tile 0,
+      # the previous document's slots) and slots not complete at t are masked.
+      row0 = first_doc + i * (s * r)
+      b_k = k_ref[pl.ds(row0, bnc), :]
+      blk_c = i * (s * r) - halo + o_a
+      visible = (mine[:, None] & (blk_c[None, :] >= 0)
+                 & (first_doc + blk_c[None, :] < end[:, None]))
+
+      def head(g, p):
+        b_q = q_ref[pl.ds(t0, bt), g, :]
+        lse2 = lse_ref[pl.ds(t0, bt), g] * LOG2E
+        # Eq. 8 in base 2: exp(scale z - lse) = 2^(c2 z - lse log2 e).
+        z = qk_dot(b_q, b_k, inputs_16bit)
+        return p + jnp.where(visible, jnp.exp2(z * c2 - lse2[:, None]), 0.0)
+
+      # Eq. 10: the group's heads share one selection, their probabilities summed.
+      p = lax.fori_loop(0, group, head, jnp.zeros((bt, bnc), jnp.float32))
+      # Eq. 9: the tiles start at document-relative block 0, so the count map is unchanged.
+      scores = p if tiles.identity else qk_dot(p, w_t, False)  # [BT, SP]
+      blk = i * s + o_s
+      cand = (mine[:, None] & (blk[None, :] >= 1) & (blk[None, :] < cur - 1)
+              & (o_s < s)[None, :])
+      # Other documents' queries get -inf: their running sets are left as they are.
+      b_r = jnp.where(cand, rank_key(scores), -jnp.inf)
+      return running_top_k(best_v, best_i, b_r, blk, o_col, n_best)
+
+    best_v, best_i = lax.fori_loop(0, n_steps, step, (best_v, best_i))
+    # The next document of the tile: the smallest start above this one (BIG: none left).
+    return jnp.min(jnp.where(start > doc, start, BIG)), best_v, best_i
+
+  best_v = jnp.full((bt, kp), -jnp.inf, jnp.float32)
+  best_i = jnp.full((bt, kp), -1, jnp.int32)
+  if n_best > 0:
+    _, best_v, best_i = lax.while_loop(lambda carry: carry[0] < BIG, document,
+                                       (jnp.min(start), best_v, best_i))
+  idx_ref[pl.ds(t0, bt), :] = _kept_blocks(best_i, cur, o_col, top_n, kp)
 
 
 def nsa_select_blocks_pallas(
@@ -181,15 +275,20 @@ def nsa_select_blocks_pallas(
     scale: float,
     interpret: bool,
     config: NSASelectConfig | None = None,
+    documents: tuple[Int[Array, "B T"], Int[Array, "B T"], Int[Array, "B T"]] | None = None,
 ) -> Int[Array, "B T HKV K"]:
-  """The top_n selection blocks of each query and KV head, rows of one document each.
+  """The top_n selection blocks of each query and KV head, document-relative.
 
   Args:
-    q `[B, T, HQ, D]`; k_cmp `[B, N, HKV, D]`, N = max(1, (T - l) // d + 1) (`nsa_compress`'
-      unpacked layout); lse `[B, T, HQ]`, the compressed attention's (natural log, -inf where
-      no block is complete).
+    q `[B, T, HQ, D]`; k_cmp `[B, N, HKV, D]` in `nsa_compress`' layout (unpacked: N =
+      max(1, (T - l) // d + 1), slot c block c; packed: N = T // d, each document's blocks
+      consecutive); lse `[B, T, HQ]`, the compressed attention's (natural log, -inf where no
+      block is complete).
     block_length, stride, select_block_size, top_n, scale: l, d, l', n and the logit scale.
     interpret: the Pallas interpreter instead of Triton.
+    documents: None (rows of one document), or packed rows' int32 `[B, T]` (start, first, end):
+      each query's document start, its document's first compressed slot, one past the last
+      slot complete at it (`pisa_jax.nsa`'s layout).
 
   Returns:
     int32 `[B, T, HKV, top_n]`, ascending, -1 padded.
@@ -207,7 +306,8 @@ def nsa_select_blocks_pallas(
   tp = -(-t // bt) * bt
   # Rows the tiles read: H zero rows in front, the last tile's BNc rows (module docstring).
   num_tiles = -(-(-(-t // select_block_size)) // s)
-  np_ = max((num_tiles - 1) * s * r + bnc, halo + n)
+  # Packed, a document's tiles start at its first slot (<= N).
+  np_ = max((num_tiles - 1) * s * r + bnc + (n if documents is not None else 0), halo + n)
   inputs_16bit = q.dtype == k_cmp.dtype and q.dtype in (jnp.bfloat16, jnp.float16)
   if not inputs_16bit:
     q, k_cmp = q.astype(jnp.float32), k_cmp.astype(jnp.float32)
@@ -215,21 +315,34 @@ def nsa_select_blocks_pallas(
   k_cmp = jnp.pad(k_cmp, ((0, 0), (halo, np_ - halo - n), (0, 0), (0, dp - d)))
   # Padding queries' rows are sliced off; a zero lse keeps them finite.
   lse = jnp.pad(lse.astype(jnp.float32), ((0, 0), (0, tp - t), (0, 0)))
-  kernel = functools.partial(
-      _select_kernel, group=g, top_n=top_n, scale=scale, inputs_16bit=inputs_16bit,
-      block_length=block_length, stride=stride, select_block_size=select_block_size,
-      tiles=tiles, query_tile=bt, seq_len=t)
+  in_specs = [pl.BlockSpec((None, tp, None, g, dp), lambda i, h, bb: (bb, 0, h, 0, 0)),
+              pl.BlockSpec((None, np_, None, dp), lambda i, h, bb: (bb, 0, h, 0)),
+              pl.BlockSpec((None, tp, None, g), lambda i, h, bb: (bb, 0, h, 0))]
+  operands = [q.reshape(b, tp, hkv, g, dp), k_cmp, lse.reshape(b, tp, hkv, g)]
+  if documents is None:
+    kernel = functools.partial(
+        _select_kernel, group=g, top_n=top_n, scale=scale, inputs_16bit=inputs_16bit,
+        block_length=block_length, stride=stride, select_block_size=select_block_size,
+        tiles=tiles, query_tile=bt, seq_len=t)
+    name = "nsa_select_blocks"
+  else:
+    kernel = functools.partial(
+        _packed_select_kernel, group=g, top_n=top_n, scale=scale, inputs_16bit=inputs_16bit,
+        select_block_size=select_block_size, tiles=tiles, query_tile=bt, seq_len=t)
+    name = "nsa_select_blocks_packed"
+    # Padding queries join the row's last document (one more document would cost a pass).
+    in_specs += [pl.BlockSpec((None, tp), lambda i, h, bb: (bb, 0))] * 3
+    operands += [jnp.pad(jnp.broadcast_to(x, (b, t)).astype(jnp.int32), ((0, 0), (0, tp - t)),
+                         mode="edge") for x in documents]
   idx = call_kernel(pl.pallas_call(
       kernel,
       grid=(tp // bt, hkv, b),
-      in_specs=[pl.BlockSpec((None, tp, None, g, dp), lambda i, h, bb: (bb, 0, h, 0, 0)),
-                pl.BlockSpec((None, np_, None, dp), lambda i, h, bb: (bb, 0, h, 0)),
-                pl.BlockSpec((None, tp, None, g), lambda i, h, bb: (bb, 0, h, 0))],
+      in_specs=in_specs,
       out_specs=pl.BlockSpec((None, tp, None, kp), lambda i, h, bb: (bb, 0, h, 0)),
       out_shape=jax.ShapeDtypeStruct((b, tp, hkv, kp), jnp.int32),
       compiler_params=plt.CompilerParams(num_warps=config.num_warps,
                                          num_stages=config.num_stages),
       interpret=interpret,
-      name="nsa_select_blocks",
-  ), q.reshape(b, tp, hkv, g, dp), k_cmp, lse.reshape(b, tp, hkv, g))
+      name=name,
+  ), *operands)
   return idx[:, :t, :, :top_n]

@@ -37,15 +37,14 @@ Kernels: the compressed attention and the window are one Pallas kernel family
 (`pisa_jax.kernels.nsa`: each query attends to one contiguous range of keys, forward with the
 lse, backward under custom_vjp), the window on cuDNN's sliding window instead where it takes the
 arguments (`cudnn_takes_window`); the selected branch is `sparse_attention`'s kernel.
-The selection of rows of one document is a kernel too (`pisa_jax.kernels.nsa_select`: the
-group's probabilities of a tile of compressed blocks, Eq. 9 as a fixed count map, a running
-top-n; no `[T, N]` scores in memory); packed rows select in the reference.
+The selection is a kernel too (`pisa_jax.kernels.nsa_select`: the group's probabilities of a
+tile of compressed blocks, Eq. 9 as a fixed count map, a running top-n; no `[T, N]` scores in
+memory; packed rows one document of a query tile at a time).
 `implementation=` of `nsa_attention`: "xla" runs every branch in the reference, "pallas" the
-three attentions and the selection of unpacked rows on their kernels, the compression (and a
-packed row's selection) in jnp under XLA; None is "pallas" on a GPU, "xla" elsewhere.
-`compressed_attention` and `sliding_window_attention` take "pallas" too, `nsa_select_blocks`
-without segment_ids; `nsa_compress` registers only "xla" (None means "xla" on every platform,
-and "pallas" raises).
+three attentions and the selection on their kernels, the compression in jnp under XLA; None is
+"pallas" on a GPU, "xla" elsewhere. `compressed_attention`, `sliding_window_attention` and
+`nsa_select_blocks` take "pallas" too; `nsa_compress` registers only "xla" (None means "xla" on
+every platform, and "pallas" raises).
 """
 
 from __future__ import annotations
@@ -492,18 +491,18 @@ def nsa_select_blocks_reference(q, k_cmp, lse, segment_ids, *, block_length: int
 def nsa_select_blocks_pallas(q, k_cmp, lse, segment_ids, *, block_length: int, stride: int,
                              select_block_size: int, top_n: int, scale: float, interpret: bool,
                              config=None):
-  """Pallas twin of `nsa_select_blocks_reference` (`pisa_jax.kernels.nsa_select`) for rows of
-  one document; arguments are already validated. segment_ids must be None (packed rows select
-  in the reference: "xla")."""
+  """Pallas twin of `nsa_select_blocks_reference` (`pisa_jax.kernels.nsa_select`); arguments
+  are already validated. Packed rows pass each query's document start, first slot and end of
+  the compressed-slot layout to the kernel's packed launch."""
+  documents = None
   if segment_ids is not None:
-    raise ValueError("segment_ids must be None for nsa_select_blocks' implementation='pallas' "
-                     "(the kernel selects rows of one document): pass implementation='xla' "
-                     "for packed documents")
+    layout = _layout(segment_ids, q.shape[1], block_length=block_length, stride=stride)
+    documents = (layout.start, layout.first, layout.end)
   q, k_cmp, lse = (lax.stop_gradient(x) for x in (q, k_cmp, lse))
   return nsa_select_kernels.nsa_select_blocks_pallas(
       q, k_cmp, lse, block_length=block_length, stride=stride,
       select_block_size=select_block_size, top_n=top_n, scale=scale, interpret=interpret,
-      config=config)
+      config=config, documents=documents)
 
 
 def nsa_select_blocks(
@@ -536,8 +535,7 @@ def nsa_select_blocks(
     segment_ids: None, or int32 `[B, T]` packed documents: block numbers within each document.
     implementation: "xla" (the jnp reference: query chunks, O(T N) logits a chunk), "pallas"
       (the kernel of `pisa_jax.kernels.nsa_select`: scores and top-n fused, nothing `[T, N]` in
-      memory; rows of one document only: with segment_ids it raises) or None ("pallas" on a GPU
-      without segment_ids, else "xla").
+      memory; packed rows too) or None ("pallas" on a GPU, else "xla").
 
   Returns:
     int32 `[B, T, HKV, top_n]`, ascending, -1 padded: block indices for `sparse_attention` with
@@ -557,8 +555,7 @@ def nsa_select_blocks(
                      "compressed_attention returns)")
   _validation.check_implementation(implementation)
   if implementation is None:
-    # The kernel selects rows of one document: packed rows take the reference.
-    implementation = "pallas" if _dispatch.on_gpu() and segment_ids is None else "xla"
+    implementation = "pallas" if _dispatch.on_gpu() else "xla"
   select = _dispatch.lookup("nsa_select_blocks", implementation)
   return select(q, k_cmp, lse, segment_ids, block_length=int(block_length), stride=int(stride),
                 select_block_size=int(select_block_size), top_n=int(top_n),
@@ -764,10 +761,9 @@ def nsa_attention_pallas(q, k, v, gates, key_mlp, value_mlp, segment_ids, *, com
                          interpret: bool):
   """`nsa_attention` on the kernels: the compressed attention on the range kernel
   (`compressed_attention_pallas`, its lse feeding the selection), the selection on
-  `nsa_select_blocks_pallas` (packed rows: the reference's `_select`, which the kernel does not
-  take), the selected branch on the sparse-attention kernel, the window on
-  `sliding_window_attention_pallas` (cuDNN where it takes the arguments); the compression in the
-  jnp reference."""
+  `nsa_select_blocks_pallas` (packed rows on its packed launch), the selected branch on the
+  sparse-attention kernel, the window on `sliding_window_attention_pallas` (cuDNN where it takes
+  the arguments); the compression in the jnp reference."""
   b, t = q.shape[:2]
   layout = _layout(segment_ids, t, block_length=block_length, stride=stride)
   k_cmp, v_cmp = (_compress(x.astype(jnp.float32), layout, mlp, block_length=block_length,
@@ -776,15 +772,10 @@ def nsa_attention_pallas(q, k, v, gates, key_mlp, value_mlp, segment_ids, *, com
   ranges = _compressed_ranges(layout, segment_ids, b, t, block_length=block_length)
   out_cmp, lse = nsa_kernels.range_attention_pallas(q, k_cmp, v_cmp, *ranges, scale=scale,
                                                     interpret=interpret)
-  hkv = k.shape[2]
   # The selection scores the blocks with the very compressed keys the kernel's lse summed over.
   sizes = dict(block_length=block_length, stride=stride, select_block_size=select_block_size,
                top_n=top_n, scale=scale)
-  if segment_ids is None:
-    indices = nsa_select_blocks_pallas(q, k_cmp, lse, None, interpret=interpret, **sizes)
-  else:
-    indices = _reference_indices(q.astype(jnp.float32), lse.reshape(b, t, hkv, q.shape[2] // hkv),
-                                 k_cmp.astype(jnp.float32), layout, **sizes)
+  indices = nsa_select_blocks_pallas(q, k_cmp, lse, segment_ids, interpret=interpret, **sizes)
   out_slc = _attend(q, k, v, indices, segment_ids, block_size=select_block_size, scale=scale,
                     implementation="pallas")
   out_win = sliding_window_attention_pallas(q, k, v, segment_ids, window=window, scale=scale,
@@ -825,10 +816,10 @@ def nsa_attention(
     segment_ids: None, or int32 `[B, T]` packed documents: every branch its document's own, each
       row of the output that of its document run alone.
     implementation: "xla" (every branch in the jnp reference, float32), "pallas" (the
-      compressed attention on the range kernel, the selection on `nsa_select_blocks`' kernel
-      (packed rows: its reference), the selected branch on the sparse-attention kernel, the
-      window on cuDNN's sliding window where it takes the arguments, else the range kernel; the
-      compression in jnp under XLA) or None ("pallas" on a GPU, else "xla").
+      compressed attention on the range kernel, the selection on `nsa_select_blocks`' kernel,
+      the selected branch on the sparse-attention kernel, the window on cuDNN's sliding window
+      where it takes the arguments, else the range kernel; the compression in jnp under XLA) or
+      None ("pallas" on a GPU, else "xla").
 
   Options fix shapes or compiled code: static under `jax.jit`, as in `sparse_attention`.
 

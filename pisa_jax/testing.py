@@ -213,12 +213,32 @@ def nsa_scores64(q, k_cmp, b: int, t: int, h: int, *, block_length: int, stride:
   return p @ (np.maximum(shared, 0) / stride)
 
 
+def _nsa_document(segment_ids, b: int, t: int, *, block_length: int, stride: int):
+  """(start, first): the document start of row b's position t and the document's first
+  compressed slot in the packed layout (`pisa_jax.nsa`: each document's blocks after the
+  earlier documents'); (0, 0) without segment_ids."""
+  if segment_ids is None:
+    return 0, 0
+  ids = np.asarray(segment_ids[b])
+  starts = [0] + [int(i) for i in np.flatnonzero(ids[1:] != ids[:-1]) + 1]
+  bounds = starts + [len(ids)]
+  first = 0
+  for i, start in enumerate(starts):
+    if start <= t < bounds[i + 1]:
+      return start, first
+    first += max(0, (bounds[i + 1] - start - block_length) // stride + 1)
+  raise ValueError(f"{t=} is not a position of row {b}")
+
+
 def nsa_mismatch_margins(out, ref, q, k_cmp, *, block_length: int, stride: int,
                          select_block_size: int, top_n: int, scale: float,
-                         max_rows: int | None = None) -> list[tuple[int, int, int, float]]:
+                         max_rows: int | None = None,
+                         segment_ids=None) -> list[tuple[int, int, int, float]]:
   """`(b, t, h, margin)` of every row where NSA index arrays `out` and `ref` `[B, T, HKV, n]`
-  differ (one document a row): the relative gap, in float64 (`nsa_scores64`), between the last
-  kept and the best dropped of the scored blocks; with `max_rows`, later rows get NaN."""
+  differ: the relative gap, in float64 (`nsa_scores64`), between the last kept and the best
+  dropped of the scored blocks; with `max_rows`, later rows get NaN. segment_ids: None (one
+  document a row), or the packed rows' `[B, T]` ids (k_cmp in the packed slot layout, indices
+  document-relative): each row scored within its document."""
   out, ref = np.asarray(out), np.asarray(ref)
   if out.shape != ref.shape:
     raise ValueError(f"index arrays differ in shape: {out.shape} vs {ref.shape}")
@@ -228,8 +248,12 @@ def nsa_mismatch_margins(out, ref, q, k_cmp, *, block_length: int, stride: int,
     if max_rows is not None and n >= max_rows:
       rows.append((b, t, h, float("nan")))
       continue
-    cur = t // select_block_size
-    score = nsa_scores64(q, k_cmp, b, t, h, block_length=block_length, stride=stride,
+    start, first = _nsa_document(segment_ids, b, t, block_length=block_length, stride=stride)
+    cur = (t - start) // select_block_size
+    # The document alone: its queries from its start, its compressed blocks from its first slot
+    # (nsa_scores64 reads only the blocks complete at t - start).
+    score = nsa_scores64(q[b:b + 1, start:], k_cmp[b:b + 1, first:], 0, t - start, h,
+                         block_length=block_length, stride=stride,
                          select_block_size=select_block_size, scale=scale)
     cand = list(range(cur + 1))
     forced = [c in (0, cur - 1, cur) for c in cand]

@@ -209,16 +209,19 @@ def _nsa_range(branch, *, d=64, hq=32, hkv=2, packed=False, dtype=BF16):
   return jax.grad(loss, argnums=(0, 1, 2)), _s((1, SEQ, hq, d), dtype), kv, kv, *extra
 
 
-def _nsa_select(*, d=64, hq=32, hkv=2, block_length=64, stride=64, dtype=BF16):
-  """NSA's selection kernel (l' = 64, n = 16) given the compressed keys and the lse."""
+def _nsa_select(*, d=64, hq=32, hkv=2, block_length=64, stride=64, dtype=BF16, packed=False):
+  """NSA's selection kernel (l' = 64, n = 16) given the compressed keys and the lse (packed:
+  and the segment ids, the packed launch)."""
   from pisa_jax import nsa
 
-  n = nsa.num_compressed_slots(SEQ, block_length, stride, False)
-  select = functools.partial(nsa.nsa_select_blocks_pallas, segment_ids=None,
-                             block_length=block_length, stride=stride, select_block_size=64,
-                             top_n=16, scale=d ** -0.5, interpret=False)
-  return (select, _s((1, SEQ, hq, d), dtype), _s((1, n, hkv, d), dtype),
-          _s((1, SEQ, hq), F32))
+  n = nsa.num_compressed_slots(SEQ, block_length, stride, packed)
+  kw = dict(block_length=block_length, stride=stride, select_block_size=64, top_n=16,
+            scale=d ** -0.5, interpret=False)
+  shapes = (_s((1, SEQ, hq, d), dtype), _s((1, n, hkv, d), dtype), _s((1, SEQ, hq), F32))
+  if packed:
+    select = functools.partial(nsa.nsa_select_blocks_pallas, **kw)
+    return select, *shapes, _s((1, SEQ), jnp.int32)
+  return functools.partial(nsa.nsa_select_blocks_pallas, segment_ids=None, **kw), *shapes
 
 
 def _hils(*, d=128, top_k=32, hq=32, hkv=2, dtype=BF16, packed=False):
@@ -409,6 +412,11 @@ CASES: dict[str, Callable[[], tuple]] = {
     "nsa/select/d64g16": lambda: _nsa_select(),
     "nsa/select/d64g16/l32d16": lambda: _nsa_select(block_length=32, stride=16),
     "nsa/select/d128g3/f32": lambda: _nsa_select(d=128, hq=6, dtype=F32),
+    # ... and its packed launch (a query tile's documents one at a time).
+    "nsa/select/d64g16/packed": lambda: _nsa_select(packed=True),
+    "nsa/select/d64g16/l32d16/packed": lambda: _nsa_select(block_length=32, stride=16,
+                                                           packed=True),
+    "nsa/select/d128g3/f32/packed": lambda: _nsa_select(d=128, hq=6, dtype=F32, packed=True),
     # HiLS: its selection, attention forward and backward.
     "hils/d128k32": lambda: _hils(),
     "hils/d64k32/g3": lambda: _hils(d=64, hq=6),
@@ -463,7 +471,7 @@ CI_CASES = ("selection/d64k8/pisa", "selection/d128k32/pisa", "selection/d64k8/b
             "packed_selection/d64k8/pisa", "packed_selection/d128k32/pisa",
             "attention/d128k32", "attention/d64k8/packed", "attention/d64k8/offset",
             "decode/d128k32/b16/step", "decode/d128k32/bsa/step", "nsa/compressed/d64g16",
-            "nsa/select/d64g16",
+            "nsa/select/d64g16", "nsa/select/d64g16/packed",
             "decode/d128k32/b16/step/bf16_summaries", "selection/d128k32/bf16_summaries",
             "hils/d128k32")
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pisa_jax import nsa
+from pisa_jax import nsa, segments
 from pisa_jax.testing import nsa_mismatch_margins
 
 import tolerances as tol
@@ -161,45 +161,66 @@ def test_layer_on_the_kernels_matches_the_reference():
 # The selection kernel: (T, HQ, HKV, D, l, d, dtype), l' = 64, n = 16. fla's configuration
 # (mean compression, l = d = l' = 64) at 16K d64 and 4K d128, the paper's l = 32, d = 16 (the
 # learned compression: the Eq. 9 dot and its halo), float32 with group 3 at d48 and a T that is
-# no multiple of the tiles.
+# no multiple of the tiles; packed rows (the packed launch: documents of 200 .. 5000 tokens, each
+# row its own packing) at 16K in both geometries.
 SELECT_CASES = [
     (16384, 32, 2, 64, 64, 64, jnp.bfloat16),
     (4096, 32, 2, 128, 64, 64, jnp.bfloat16),
     (4096, 32, 2, 64, 32, 16, jnp.bfloat16),
     (3000, 6, 2, 48, 32, 16, jnp.float32),
+    (16384, 32, 2, 64, 64, 64, jnp.bfloat16, "packed"),
+    (16384, 32, 2, 64, 32, 16, jnp.bfloat16, "packed"),
 ]
 # At most this fraction of (query, KV head) rows may differ, each a proven near-tie.
 MAX_DIFFERING_ROWS = 1e-3
 
 
 def _select_case_id(case):
-  t, hq, hkv, d, length, stride, dtype = case
-  return f"T{t}-HQ{hq}-HKV{hkv}-D{d}-l{length}-d{stride}-{jnp.dtype(dtype).name}"
+  t, hq, hkv, d, length, stride, dtype, *packed = case
+  return "-".join([f"T{t}-HQ{hq}-HKV{hkv}-D{d}-l{length}-d{stride}-{jnp.dtype(dtype).name}",
+                   *packed])
+
+
+def _packed_ids(batch, seq_len, low=200, high=5000, seed=7):
+  """int32 `[B, T]` segment ids: documents of low .. high tokens (the last cut by the row's
+  end), each row its own draw."""
+  rng = np.random.default_rng(seed)
+  rows = []
+  for _ in range(batch):
+    lengths = []
+    while sum(lengths) < seq_len:
+      lengths.append(int(rng.integers(low, high + 1)))
+    rows.append(np.repeat(np.arange(len(lengths)), lengths)[:seq_len])
+  return jnp.asarray(np.stack(rows), jnp.int32)
 
 
 @pytest.mark.parametrize("case", SELECT_CASES, ids=_select_case_id)
 def test_select_kernel_matches_reference(case):
-  t, hq, hkv, d, length, stride, dtype = case
+  t, hq, hkv, d, length, stride, dtype, *packed = case
   q, k, _, _ = _inputs(t, hq, hkv, d, dtype, seed=4)
+  ids = _packed_ids(q.shape[0], t) if packed else None
   sizes = dict(block_length=length, stride=stride)
   mean = length == stride
   mlp = None if mean else nsa.init_compression_mlp(jax.random.key(5), block_length=length,
                                                      head_dim=d, dtype=dtype)
-  k_cmp = nsa.nsa_compress(k, mlp, compression="mean" if mean else "mlp", **sizes)
-  _, lse = nsa.compressed_attention_pallas(q, k_cmp, k_cmp, None, scale=d ** -0.5,
+  k_cmp = nsa.nsa_compress(k, mlp, compression="mean" if mean else "mlp", segment_ids=ids,
+                           **sizes)
+  _, lse = nsa.compressed_attention_pallas(q, k_cmp, k_cmp, ids, scale=d ** -0.5,
                                            interpret=False, **sizes)
   kw = dict(sizes, select_block_size=64, top_n=16, scale=d ** -0.5)
-  select = jax.jit(functools.partial(nsa.nsa_select_blocks_pallas, segment_ids=None,
-                                     interpret=False, **kw))
-  jax.block_until_ready(select(q, k_cmp, lse))  # compiled before the memory is poisoned
+  select = jax.jit(functools.partial(nsa.nsa_select_blocks_pallas, interpret=False, **kw))
+  jax.block_until_ready(select(q, k_cmp, lse, ids))  # compiled before the memory is poisoned
   poison(4 << 30)
-  got = np.asarray(select(q, k_cmp, lse))
+  got = np.asarray(select(q, k_cmp, lse, ids))
   want = np.asarray(nsa.nsa_select_blocks_reference(q.astype(jnp.float32),
-                                                    k_cmp.astype(jnp.float32), lse, None, **kw))
-  _assert_selection_structure(got, 64, 16)
+                                                    k_cmp.astype(jnp.float32), lse, ids, **kw))
+  rel = None
+  if packed:
+    rel = np.arange(t)[None, :] - np.asarray(segments.document_bounds(ids)[0])
+  _assert_selection_structure(got, 64, 16, rel)
   differ = np.any(got != want, axis=-1)
   assert differ.mean() <= MAX_DIFFERING_ROWS, f"{int(differ.sum())} of {differ.size} rows differ"
-  margins = nsa_mismatch_margins(got, want, q, k_cmp, **kw)
+  margins = nsa_mismatch_margins(got, want, q, k_cmp, segment_ids=ids, **kw)
   unproven = [m for m in margins if not m[3] < tol.SELECTION_NEAR_TIE_RTOL]
   assert not unproven, (f"{len(unproven)} of {len(margins)} differing rows are not near-ties "
                         f"(b, t, h, margin): {unproven[:10]}")

@@ -339,7 +339,7 @@ def test_config_rejects_bad_nsa_fields_by_name(override, match):
 @pytest.mark.parametrize("packed", [False, True])
 def test_pallas_layer_equals_xla(packed):
   """implementation="pallas": the compressed and window branches on the range kernel, the
-  selection on its kernel (packed rows: the reference's), the selected branch on the
+  selection on its kernel (packed rows on its packed launch), the selected branch on the
   sparse-attention kernel (the interpreter off a GPU): outputs and gradients equal "xla"'s."""
   args = make_inputs()
   segment_ids = (jnp.asarray((np.arange(T)[None, :] >= np.array([[20], [33]])).astype(np.int32))
@@ -546,10 +546,12 @@ def _select_inputs(case, dtype, seed=21):
   return q, k_cmp, lse, kw, config
 
 
-def _assert_selection_structure(idx, select_block_size, top_n):
-  """min(top_n, cur + 1) blocks ascending then -1, the first, previous and current among them."""
+def _assert_selection_structure(idx, select_block_size, top_n, rel=None):
+  """min(top_n, cur + 1) blocks ascending then -1, the first, previous and current among them;
+  cur = rel // l', rel `[B, T]` each query's position in its document (default t)."""
   idx = np.asarray(idx)
-  cur = (np.arange(idx.shape[1]) // select_block_size)[None, :, None]
+  rel = np.arange(idx.shape[1])[None, :] if rel is None else np.asarray(rel)
+  cur = (rel // select_block_size)[:, :, None]
   valid = idx >= 0
   assert (valid.sum(-1) == np.minimum(top_n, cur + 1)).all(), "wrong count of valid blocks"
   assert (valid[..., :-1] >= valid[..., 1:]).all(), "-1 before a valid block"
@@ -590,17 +592,102 @@ def test_float64_proof_scores_select_as_the_oracle():
                                   want[t, 0], err_msg=f"{t=}")
 
 
-def test_select_kernel_refuses_packed_documents_in_one_line(monkeypatch):
-  """"pallas" takes rows of one document; None picks it on a GPU only without segment_ids (the
-  reference selects packed rows)."""
-  q, k_cmp, lse, kw, _ = _select_inputs("T45-G4-D16-l8d8s8-n6", jnp.float32)
-  ids = jnp.zeros(q.shape[:2], jnp.int32)
-  public = {x: v for x, v in kw.items() if x != "scale"}
-  with pytest.raises(ValueError, match=r"segment_ids must be None for nsa_select_blocks' "
-                                       r"implementation='pallas'") as info:
-    nsa.nsa_select_blocks(q, k_cmp, lse, segment_ids=ids, implementation="pallas", **public)
-  assert "\n" not in str(info.value)
+def test_select_pallas_takes_packed_documents(monkeypatch):
+  """"pallas" selects packed rows on the kernel, and None picks it on a GPU for them too."""
+  q, k_cmp, lse, ids, kw = _packed_inputs("G1-l64d64s64-f32")
+  got = nsa.nsa_select_blocks(q, k_cmp, lse, segment_ids=ids, implementation="pallas", **kw)
+  np.testing.assert_array_equal(got, nsa.nsa_select_blocks_pallas(
+      q, k_cmp, lse, ids, interpret=True, **kw))
+  # Which implementation None looks up on a GPU (Triton does not run here: nothing is called).
+  picked = []
+  monkeypatch.setattr(_dispatch, "lookup",
+                      lambda op, impl: picked.append((op, impl)) or (lambda *a, **k: None))
   monkeypatch.setattr(_dispatch, "on_gpu", lambda: True)
-  got = nsa.nsa_select_blocks(q, k_cmp, lse, segment_ids=ids, **public)
-  np.testing.assert_array_equal(got, nsa.nsa_select_blocks(q, k_cmp, lse, segment_ids=ids,
-                                                           implementation="xla", **public))
+  nsa.nsa_select_blocks(q, k_cmp, lse, segment_ids=ids, **kw)
+  assert picked == [("nsa_select_blocks", "pallas")], picked
+
+
+# Packed rows: documents of every size a tile of 16 queries can meet. Row 0: three documents
+# in the first tile beside the start of a fourth (shorter than one compressed block, than the
+# tile), then documents longer than top_n l' (their compressed slots after earlier documents'),
+# shorter than one selection block, and a last one cut by the row's end; row 1 another packing
+# (a document of one token, one of exactly a tile).
+PACKED_LENGTHS = ([5, 3, 7, 100, 300, 20, 50, 155], [70, 1, 16, 33, 300, 220])
+PACKED_CASES = {  # id: (HQ, HKV, l, d, l', dtype), n = 4, D = 16
+    "G1-l64d64s64-f32": (2, 2, 64, 64, 64, jnp.float32),
+    "G4-l64d64s64-bf16": (4, 1, 64, 64, 64, jnp.bfloat16),
+    "G4-l32d16s64-f32": (4, 1, 32, 16, 64, jnp.float32),
+    "G1-l32d16s64-bf16": (2, 2, 32, 16, 64, jnp.bfloat16),
+    # l = d = l' = 4: a long document's selection blocks span several tiles of 16.
+    "G4-l4d4s4-f32": (4, 1, 4, 4, 4, jnp.float32),
+}
+
+
+def _packed_inputs(case, seed=23):
+  """q, k_cmp (packed layout), lse, segment_ids `[2, 640]` and the kernel's keywords."""
+  hq, hkv, length, stride, select, dtype = PACKED_CASES[case]
+  ids = jnp.asarray(np.stack([np.repeat(np.arange(len(row)), row) for row in PACKED_LENGTHS]),
+                    jnp.int32)
+  b, t = ids.shape
+  keys = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(keys[0], (b, t, hq, 16)).astype(dtype)
+  k = jax.random.normal(keys[1], (b, t, hkv, 16)).astype(dtype)
+  mean = length == stride
+  mlp = None if mean else nsa.init_compression_mlp(keys[2], block_length=length, head_dim=16,
+                                                     hidden=8, dtype=dtype)
+  sizes = dict(block_length=length, stride=stride)
+  k_cmp = nsa.nsa_compress(k, mlp, compression="mean" if mean else "mlp", segment_ids=ids,
+                           **sizes)
+  _, lse = nsa.compressed_attention(q, k_cmp, k_cmp, segment_ids=ids, **sizes)
+  kw = dict(sizes, select_block_size=select, top_n=4, scale=0.25)
+  return q, k_cmp, lse, ids, kw
+
+
+def _document_positions(ids):
+  """Each position's offset in its document, `[B, T]`."""
+  start = np.asarray(pisa_jax.segments.document_bounds(ids)[0])
+  return np.arange(ids.shape[1])[None, :] - start
+
+
+@pytest.mark.parametrize("case", list(PACKED_CASES))
+def test_select_kernel_on_packed_documents_matches_reference(case):
+  """Packed rows: the kernel keeps the reference's document-relative blocks, a row differing
+  only where float64 proves the decision a near-tie within the query's document."""
+  q, k_cmp, lse, ids, kw = _packed_inputs(case)
+  got = nsa.nsa_select_blocks_pallas(q, k_cmp, lse, ids, interpret=True, config=SELECT_TILES,
+                                     **kw)
+  want = nsa.nsa_select_blocks_reference(q, k_cmp, lse, ids, **kw)
+  assert got.dtype == jnp.int32 and got.shape == want.shape
+  rel, select = _document_positions(ids), kw["select_block_size"]
+  _assert_selection_structure(got, select, 4, rel)
+  margins = testing.nsa_mismatch_margins(got, want, q, k_cmp, segment_ids=ids, **kw)
+  assert all(m < SELECTION_NEAR_TIE_RTOL for *_, m in margins), margins
+  # Scores decide rows of both rows' long documents (cur - 2 > n - 3 = 1).
+  assert (rel[0] >= 4 * select).any() and (rel[1] >= 4 * select).any()
+
+
+def test_select_kernel_on_packed_documents_equals_each_document_alone():
+  """The packed launch selects, for each document, exactly what the one-document launch selects
+  on that document's queries, compressed keys and lse alone (each document a row of one batch,
+  zeros after it: later positions never change earlier rows)."""
+  q, k_cmp, lse, ids, kw = _packed_inputs("G4-l32d16s64-f32")
+  got = np.asarray(nsa.nsa_select_blocks_pallas(q, k_cmp, lse, ids, interpret=True,
+                                                config=SELECT_TILES, **kw))
+  length, stride = kw["block_length"], kw["stride"]
+  t = max(max(row) for row in PACKED_LENGTHS)
+  slots = nsa.num_compressed_slots(t, length, stride, packed=False)
+  docs, alone_inputs = [], ([], [], [])
+  for b, lengths in enumerate(PACKED_LENGTHS):
+    start = first = 0
+    for n in lengths:
+      blocks = max(0, (n - length) // stride + 1)  # the document's own slots
+      pieces = (q[b, start:start + n], k_cmp[b, first:first + blocks], lse[b, start:start + n])
+      for inputs, x, size in zip(alone_inputs, pieces, (t, slots, t)):
+        inputs.append(jnp.pad(x, [(0, size - x.shape[0])] + [(0, 0)] * (x.ndim - 1)))
+      docs.append((b, start, n))
+      start, first = start + n, first + blocks
+  alone = np.asarray(nsa.nsa_select_blocks_pallas(*(jnp.stack(x) for x in alone_inputs), None,
+                                                  interpret=True, config=SELECT_TILES, **kw))
+  for row, (b, start, n) in enumerate(docs):
+    np.testing.assert_array_equal(got[b, start:start + n], alone[row, :n],
+                                  err_msg=f"row {b}, document at {start} of {n} tokens")
