@@ -132,6 +132,33 @@ def _kept_blocks(best_i, cur, o_col, top_n: int, kp: int):
   return sorted_kept(chosen, chosen < BIG, kp)
 
 
+def _merge_tile(q_ref, lse_ref, b_k, visible, rows, i, carry, *, t0, bt: int, group: int,
+                c2: float, inputs_16bit: bool, tiles: Tiling, w_t, cur, o_s, o_col, n_best: int):
+  """Step i of both kernels: the group's probabilities of a tile's compressed blocks b_k
+  `[BNc, Dp]` where `visible` `[BT, BNc]` (Eq. 8, 10), mapped onto the tile's selection blocks
+  i S .. i S + S - 1 (Eq. 9) and merged into the running top-(top_n - 3) `carry`. rows: None, or
+  bool `[BT]`, the queries this step scores (packed: the document's); the others keep theirs."""
+  def head(g, p):
+    b_q = q_ref[pl.ds(t0, bt), g, :]
+    lse2 = lse_ref[pl.ds(t0, bt), g] * LOG2E
+    # Eq. 8 in base 2: exp(scale z - lse) = 2^(c2 z - lse log2 e).
+    z = qk_dot(b_q, b_k, inputs_16bit)
+    return p + jnp.where(visible, jnp.exp2(z * c2 - lse2[:, None]), 0.0)
+
+  # Eq. 10: the group's heads share one selection, their probabilities summed.
+  p = lax.fori_loop(0, group, head, jnp.zeros((bt, tiles.cmp_tile), jnp.float32))
+  # Eq. 9 (packed: the tiles start at document-relative block 0, so the map is the same).
+  scores = p if tiles.identity else qk_dot(p, w_t, False)  # [BT, SP]
+  blk = i * tiles.sel_tile + o_s
+  lead = None if rows is None else rows[:, None]
+  cand = blk[None, :] >= 1
+  cand = cand if lead is None else lead & cand
+  cand = cand & (blk[None, :] < cur - 1) & (o_s < tiles.sel_tile)[None, :]
+  # Ranked by `rank_key`: a NaN score above every number, as the reference's Select_K.
+  b_r = jnp.where(cand, rank_key(scores), -jnp.inf)
+  return running_top_k(*carry, b_r, blk, o_col, n_best)
+
+
 def _select_kernel(q_ref, k_ref, lse_ref, idx_ref, *, group: int, top_n: int, scale: float,
                    inputs_16bit: bool, block_length: int, stride: int, select_block_size: int,
                    tiles: Tiling, query_tile: int, seq_len: int):
@@ -158,30 +185,18 @@ def _select_kernel(q_ref, k_ref, lse_ref, idx_ref, *, group: int, top_n: int, sc
   o_s = jnp.arange(sp)
   w_t = None if tiles.identity else _count_map(tiles, o_a, o_s)
 
+  merge = functools.partial(_merge_tile, q_ref, lse_ref, t0=t0, bt=bt, group=group, c2=c2,
+                            inputs_16bit=inputs_16bit, tiles=tiles, w_t=w_t, cur=cur, o_s=o_s,
+                            o_col=o_col, n_best=n_best)
+
   def step(i, carry):
-    best_v, best_i = carry
     row0 = i * (s * r)  # the tile's first row of k_ref: compressed block row0 - H
     if tiles.identity:
       row0 = pl.multiple_of(row0, bnc)
     b_k = k_ref[pl.ds(row0, bnc), :]
     blk_c = row0 - halo + o_a
     visible = (blk_c[None, :] >= 0) & (blk_c[None, :] < end[:, None])
-
-    def head(g, p):
-      b_q = q_ref[pl.ds(t0, bt), g, :]
-      lse2 = lse_ref[pl.ds(t0, bt), g] * LOG2E
-      # Eq. 8 in base 2: exp(scale z - lse) = 2^(c2 z - lse log2 e).
-      z = qk_dot(b_q, b_k, inputs_16bit)
-      return p + jnp.where(visible, jnp.exp2(z * c2 - lse2[:, None]), 0.0)
-
-    # Eq. 10: the group's heads share one selection, their probabilities summed.
-    p = lax.fori_loop(0, group, head, jnp.zeros((bt, bnc), jnp.float32))
-    scores = p if tiles.identity else qk_dot(p, w_t, False)  # [BT, SP], Eq. 9
-    blk = i * s + o_s
-    cand = (blk[None, :] >= 1) & (blk[None, :] < cur - 1) & (o_s < s)[None, :]
-    # Ranked by `rank_key`: a NaN score above every number, as the reference's Select_K.
-    b_r = jnp.where(cand, rank_key(scores), -jnp.inf)
-    return running_top_k(best_v, best_i, b_r, blk, o_col, n_best)
+    return merge(b_k, visible, None, i, carry)
 
   best_v = jnp.full((bt, kp), -jnp.inf, jnp.float32)
   best_i = jnp.full((bt, kp), -1, jnp.int32)
@@ -213,6 +228,9 @@ def _packed_select_kernel(q_ref, k_ref, lse_ref, start_ref, first_ref, end_ref, 
   o_a = jnp.arange(bnc)
   o_s = jnp.arange(sp)
   w_t = None if tiles.identity else _count_map(tiles, o_a, o_s)
+  merge = functools.partial(_merge_tile, q_ref, lse_ref, t0=t0, bt=bt, group=group, c2=c2,
+                            inputs_16bit=inputs_16bit, tiles=tiles, w_t=w_t, cur=cur, o_s=o_s,
+                            o_col=o_col, n_best=n_best)
 
   def document(carry):
     doc, best_v, best_i = carry
@@ -223,7 +241,6 @@ def _packed_select_kernel(q_ref, k_ref, lse_ref, start_ref, first_ref, end_ref, 
     n_steps = pl.cdiv(jnp.maximum(rel_last // select_block_size - 1, 0), s)
 
     def step(i, carry):
-      best_v, best_i = carry
       # Document-relative compressed blocks i S r - H + a, slots first_doc + those: rows
       # first_doc + i S r + a of k_ref. Blocks before the document's first (the halo of tile 0,
       # the previous document's slots) and slots not complete at t are masked.
@@ -232,24 +249,8 @@ def _packed_select_kernel(q_ref, k_ref, lse_ref, start_ref, first_ref, end_ref, 
       blk_c = i * (s * r) - halo + o_a
       visible = (mine[:, None] & (blk_c[None, :] >= 0)
                  & (first_doc + blk_c[None, :] < end[:, None]))
-
-      def head(g, p):
-        b_q = q_ref[pl.ds(t0, bt), g, :]
-        lse2 = lse_ref[pl.ds(t0, bt), g] * LOG2E
-        # Eq. 8 in base 2: exp(scale z - lse) = 2^(c2 z - lse log2 e).
-        z = qk_dot(b_q, b_k, inputs_16bit)
-        return p + jnp.where(visible, jnp.exp2(z * c2 - lse2[:, None]), 0.0)
-
-      # Eq. 10: the group's heads share one selection, their probabilities summed.
-      p = lax.fori_loop(0, group, head, jnp.zeros((bt, bnc), jnp.float32))
-      # Eq. 9: the tiles start at document-relative block 0, so the count map is unchanged.
-      scores = p if tiles.identity else qk_dot(p, w_t, False)  # [BT, SP]
-      blk = i * s + o_s
-      cand = (mine[:, None] & (blk[None, :] >= 1) & (blk[None, :] < cur - 1)
-              & (o_s < s)[None, :])
       # Other documents' queries get -inf: their running sets are left as they are.
-      b_r = jnp.where(cand, rank_key(scores), -jnp.inf)
-      return running_top_k(best_v, best_i, b_r, blk, o_col, n_best)
+      return merge(b_k, visible, mine, i, carry)
 
     best_v, best_i = lax.fori_loop(0, n_steps, step, (best_v, best_i))
     # The next document of the tile: the smallest start above this one (BIG: none left).
