@@ -177,6 +177,17 @@ def plot_ppl(part: dict, path: Path) -> None:
   plt.close(fig)
 
 
+def _save_percent_plot(plt, fig, ax, path: Path, *, xlabel: str, ylabel: str, title: str) -> None:
+  """A percentage against a log2 axis: labels, grid and legend, saved to `path` and closed."""
+  ax.set_xscale("log", base=2)
+  ax.set(xlabel=xlabel, ylabel=ylabel, ylim=(-2, 102), title=title)
+  ax.grid(True, which="both", alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
 def plot_ruler(part: dict, path: Path) -> None:
   plt = _pyplot()
   fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -185,14 +196,8 @@ def plot_ruler(part: dict, path: Path) -> None:
     ax.plot(*zip(*pts), "o-", label=FAMILY_TITLES.get(family, family))
   ax.plot([r["length"] for r in part["by_length"]], [100 * r["score"] for r in part["by_length"]],
           "k--", label=f"average ({_pct(part['average'])})")
-  ax.set_xscale("log", base=2)
-  ax.set(xlabel="context length (tokens)", ylabel="accuracy (%)", ylim=(-2, 102),
-         title="RULER needle-in-a-haystack")
-  ax.grid(True, which="both", alpha=0.3)
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  _save_percent_plot(plt, fig, ax, path, xlabel="context length (tokens)",
+                     ylabel="accuracy (%)", title="RULER needle-in-a-haystack")
 
 
 def plot_mqar(part: dict, path: Path) -> None:
@@ -203,13 +208,8 @@ def plot_mqar(part: dict, path: Path) -> None:
   for length in sorted({r["length"] for r in part["rows"]}):
     pts = sorted((r["pairs"], 100 * r["accuracy"]) for r in part["rows"] if r["length"] == length)
     ax.plot(*zip(*pts), "o-", label=f"{length} tokens")
-  ax.set_xscale("log", base=2)
-  ax.set(xlabel="key-value pairs", ylabel="accuracy (%)", ylim=(-2, 102), title="MQAR")
-  ax.grid(True, which="both", alpha=0.3)
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  _save_percent_plot(plt, fig, ax, path, xlabel="key-value pairs", ylabel="accuracy (%)",
+                     title="MQAR")
 
 
 def plot_selection(part: dict, path: Path) -> None:
@@ -248,14 +248,9 @@ def plot_mixture(part: dict, path: Path) -> None:
     pts = sorted((r["length"], 100 * r["accuracy"]) for r in part["rows"]
                  if r["family"] == family)
     ax.plot(*zip(*pts), "o-", label=family.replace("_", "-"))
-  ax.set_xscale("log", base=2)
-  ax.set(xlabel="document length (tokens)", ylabel="answers retrieved (%)", ylim=(-2, 102),
-         title="Held-out needle documents (training templates)")
-  ax.grid(True, which="both", alpha=0.3)
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  _save_percent_plot(plt, fig, ax, path, xlabel="document length (tokens)",
+                     ylabel="answers retrieved (%)",
+                     title="Held-out needle documents (training templates)")
 
 
 PLOTS = {"ppl": plot_ppl, "ruler": plot_ruler, "mqar": plot_mqar, "selection": plot_selection,
