@@ -50,12 +50,15 @@ def run_mixture(model, config, *, lengths: list[int], samples: int, seed: int, b
                 progress: bool, context: int | None = None, encoding=None) -> dict:
   """Retrieval accuracy on held-out needle documents of the training families.
 
+  Args:
+    lengths: document lengths in tokens, each at most `context` (default: the run's
+      train.seq_len). samples: documents per family and length. seed: their random streams.
+
   Returns:
     rows: one per (length, family): samples, accuracy (the share of documents whose whole answer
       is the argmax at every token), answer_nll (mean over answer tokens); families: the same
       averaged over lengths; records: one per document (family, length, depths of its needles,
       retrieved).
-    context: the longest document allowed (default: the run's train.seq_len).
   """
   context = config.train.seq_len if context is None else context
   for length in lengths:
