@@ -124,33 +124,33 @@ def _dictd_reader(name: str) -> Callable[[Path], Iterator[str]]:
   return read
 
 
-def _read_linux_doc(archive: Path) -> Iterator[str]:
-  """Debian linux-doc-6.1: the kernel's Documentation/**/*.rst sources, English only."""
-  def keep(path: str) -> bool:
-    return ("/Documentation/" in path and path.endswith(".rst.gz")
-            and "/Documentation/translations/" not in path)
-  for _, raw in _deb_files(archive, keep, "Documentation/**/*.rst.gz"):
-    text = rst_text(gzip.decompress(raw).decode("utf-8", errors="replace"))
-    if text:
-      yield text
+def _deb_documents(doc: str, keep: Callable[[str], bool], what: str, to_text: Callable[[str], str],
+                   *, gzipped: bool = False) -> Callable[[Path], Iterator[str]]:
+  """A reader of a Debian documentation package: each file `keep` accepts (`what` names them)
+  becomes one document, `to_text` of its contents; a file left empty is skipped."""
+
+  def read(archive: Path) -> Iterator[str]:
+    for _, raw in _deb_files(archive, keep, what):
+      text = to_text((gzip.decompress(raw) if gzipped else raw).decode("utf-8", errors="replace"))
+      if text:
+        yield text
+
+  read.__doc__ = doc
+  return read
 
 
-def _read_python_doc(archive: Path) -> Iterator[str]:
-  """Debian python3.11-doc: the Python documentation's reStructuredText sources."""
-  keep = lambda path: "/html/_sources/" in path and path.endswith(".rst.txt")
-  for _, raw in _deb_files(archive, keep, "html/_sources/**/*.rst.txt"):
-    text = rst_text(raw.decode("utf-8", errors="replace"))
-    if text:
-      yield text
-
-
-def _read_perl_doc(archive: Path) -> Iterator[str]:
-  """Debian perl-doc: Perl's manual pages (pod/*.pod), as plain text."""
-  keep = lambda path: "/pod/" in path and path.endswith(".pod")
-  for _, raw in _deb_files(archive, keep, "pod/*.pod"):
-    text = pod_text(raw.decode("utf-8", errors="replace"))
-    if text:
-      yield text
+_read_linux_doc = _deb_documents(
+    "Debian linux-doc-6.1: the kernel's Documentation/**/*.rst sources, English only.",
+    lambda path: ("/Documentation/" in path and path.endswith(".rst.gz")
+                  and "/Documentation/translations/" not in path),
+    "Documentation/**/*.rst.gz", rst_text, gzipped=True)
+_read_python_doc = _deb_documents(
+    "Debian python3.11-doc: the Python documentation's reStructuredText sources.",
+    lambda path: "/html/_sources/" in path and path.endswith(".rst.txt"),
+    "html/_sources/**/*.rst.txt", rst_text)
+_read_perl_doc = _deb_documents(
+    "Debian perl-doc: Perl's manual pages (pod/*.pod), as plain text.",
+    lambda path: "/pod/" in path and path.endswith(".pod"), "pod/*.pod", pod_text)
 
 
 def _deb_data(deb: Path) -> bytes:
