@@ -97,7 +97,8 @@ def _read_haystack(archive: Path) -> Iterator[str]:
         yield z.read(name).decode("utf-8")
 
 
-def _deb_files(archive: Path, keep: Callable[[str], bool], what: str) -> Iterator[tuple[str, bytes]]:
+def _deb_files(archive: Path, keep: Callable[[str], bool],
+               what: str) -> Iterator[tuple[str, bytes]]:
   """(path, contents) of every file of a .deb that `keep(path)` accepts, in path order."""
   with tarfile.open(fileobj=io.BytesIO(_deb_data(archive))) as tar:
     members = sorted((m for m in tar.getmembers() if m.isfile() and keep(m.name)),
