@@ -159,13 +159,29 @@ def _merge_tile(q_ref, lse_ref, b_k, visible, rows, i, carry, *, t0, bt: int, gr
   return running_top_k(*carry, b_r, blk, o_col, n_best)
 
 
+def _program_merge(q_ref, lse_ref, idx_ref, *, t0, cur, group: int, top_n: int, scale: float,
+                   inputs_16bit: bool, tiles: Tiling, bt: int):
+  """What both kernels' programs share: `_merge_tile` bound to this program's queries, and the
+  iotas and sizes around it: (merge, o_a `[BNC]`, o_col `[KP]`, n_best, KP)."""
+  n_best = top_n - 3
+  kp = idx_ref.shape[-1]
+  o_col = jnp.arange(kp)
+  o_a = jnp.arange(tiles.cmp_tile)
+  o_s = jnp.arange(tiles.sel_padded)
+  w_t = None if tiles.identity else _count_map(tiles, o_a, o_s)
+  merge = functools.partial(_merge_tile, q_ref, lse_ref, t0=t0, bt=bt, group=group,
+                            c2=scale * LOG2E, inputs_16bit=inputs_16bit, tiles=tiles, w_t=w_t,
+                            cur=cur, o_s=o_s, o_col=o_col, n_best=n_best)
+  return merge, o_a, o_col, n_best, kp
+
+
 def _select_kernel(q_ref, k_ref, lse_ref, idx_ref, *, group: int, top_n: int, scale: float,
                    inputs_16bit: bool, block_length: int, stride: int, select_block_size: int,
                    tiles: Tiling, query_tile: int, seq_len: int):
   """One program: queries t0 .. t0 + BT - 1 of one (batch row, KV head). q_ref `[Tp, G, Dp]`,
   k_ref `[NP, Dp]` (compressed block c at row c + H: H zero rows in front), lse_ref `[Tp, G]`
   (natural log). Writes idx_ref `[Tp, KP]`: the kept selection blocks ascending, -1 past them."""
-  r, halo, bnc, s, sp = tiles
+  r, halo, bnc, s, _ = tiles
   bt = query_tile
   t0 = pl.program_id(0) * bt
   o_t = t0 + jnp.arange(bt)
@@ -177,17 +193,9 @@ def _select_kernel(q_ref, k_ref, lse_ref, idx_ref, *, group: int, top_n: int, sc
   # Scored blocks are 1 .. cur - 2 (0, cur - 1 and cur are forced): tiles up to the last
   # query's cur - 2.
   n_steps = pl.cdiv(jnp.maximum(t_last // select_block_size - 1, 0), s)
-  c2 = scale * LOG2E
-  n_best = top_n - 3
-  kp = idx_ref.shape[-1]
-  o_col = jnp.arange(kp)
-  o_a = jnp.arange(bnc)
-  o_s = jnp.arange(sp)
-  w_t = None if tiles.identity else _count_map(tiles, o_a, o_s)
-
-  merge = functools.partial(_merge_tile, q_ref, lse_ref, t0=t0, bt=bt, group=group, c2=c2,
-                            inputs_16bit=inputs_16bit, tiles=tiles, w_t=w_t, cur=cur, o_s=o_s,
-                            o_col=o_col, n_best=n_best)
+  merge, o_a, o_col, n_best, kp = _program_merge(q_ref, lse_ref, idx_ref, t0=t0, cur=cur,
+                                                 group=group, top_n=top_n, scale=scale,
+                                                 inputs_16bit=inputs_16bit, tiles=tiles, bt=bt)
 
   def step(i, carry):
     row0 = i * (s * r)  # the tile's first row of k_ref: compressed block row0 - H
@@ -211,7 +219,7 @@ def _packed_select_kernel(q_ref, k_ref, lse_ref, start_ref, first_ref, end_ref, 
   """`_select_kernel` for packed rows (module docstring): start_ref, first_ref, end_ref `[Tp]`
   int32, each query's document start, its document's first compressed slot and one past the
   last slot complete at it; k_ref's slot c at row c + H. The tile's documents one at a time."""
-  r, halo, bnc, s, sp = tiles
+  r, halo, bnc, s, _ = tiles
   bt = query_tile
   t0 = pl.program_id(0) * bt
   o_t = t0 + jnp.arange(bt)
@@ -221,16 +229,9 @@ def _packed_select_kernel(q_ref, k_ref, lse_ref, start_ref, first_ref, end_ref, 
   rel = o_t - start
   cur = (rel // select_block_size)[:, None]
   real = o_t < seq_len
-  c2 = scale * LOG2E
-  n_best = top_n - 3
-  kp = idx_ref.shape[-1]
-  o_col = jnp.arange(kp)
-  o_a = jnp.arange(bnc)
-  o_s = jnp.arange(sp)
-  w_t = None if tiles.identity else _count_map(tiles, o_a, o_s)
-  merge = functools.partial(_merge_tile, q_ref, lse_ref, t0=t0, bt=bt, group=group, c2=c2,
-                            inputs_16bit=inputs_16bit, tiles=tiles, w_t=w_t, cur=cur, o_s=o_s,
-                            o_col=o_col, n_best=n_best)
+  merge, o_a, o_col, n_best, kp = _program_merge(q_ref, lse_ref, idx_ref, t0=t0, cur=cur,
+                                                 group=group, top_n=top_n, scale=scale,
+                                                 inputs_16bit=inputs_16bit, tiles=tiles, bt=bt)
 
   def document(carry):
     doc, best_v, best_i = carry
