@@ -330,18 +330,27 @@ _JAX_END = (b"Polled an error from coordination service",
 # A collective library's end of the process when a peer vanished mid-collective (gloo on CPUs
 # can notice before the coordination service does).
 _TERMINATE = b"terminate called after throwing an instance of"
+# How long a collective's end waits to see the coordinator's port close before it blames another
+# process (one that is not process 0 leaves the port open for `failure_timeout` and more).
+COORDINATOR_GONE_S = 3.0
 
 
-def _unreachable(address: str | None) -> bool:
-  """Whether nothing accepts a connection at the coordinator's HOST:PORT (None: unknown)."""
+def _unreachable(address: str | None, within_s: float = COORDINATOR_GONE_S) -> bool:
+  """Whether the coordinator's HOST:PORT stops accepting connections within `within_s` seconds
+  (None: unknown). A killed process 0 closes its sockets only after the kernel has freed its
+  memory, so a peer's collective can fail a moment before the port does."""
   if not address:
     return False
   host, _, port = address.rpartition(":")
-  try:
-    socket.create_connection((host.strip("[]"), int(port)), timeout=2.0).close()
-  except OSError:
-    return True
-  return False
+  deadline = time.monotonic() + within_s
+  while True:
+    try:
+      socket.create_connection((host.strip("[]"), int(port)), timeout=2.0).close()
+    except OSError:
+      return True
+    if time.monotonic() >= deadline:
+      return False
+    time.sleep(0.1)
 
 
 def _lost_coordinator_line(prog: str, process_id: int, text: bytes) -> str:
