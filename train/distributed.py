@@ -23,7 +23,9 @@ at once (SIGABRT, "Terminating process because the JAX distributed service detec
 errors", then a stack trace), or by its collective library (gloo's std::terminate on a CPU). So
 that it too ends with one line, every process but 0 writes its stderr through a pipe to a small
 forked reader (`_forward_stderr`) that passes everything on until such an end begins, then
-writes our line instead and drops the rest.
+writes our line instead and drops the rest. A collective's end names process 0 when the
+coordinator's port closes within `COORDINATOR_GONE_S` (a killed process's sockets close only after
+its memory is freed), and otherwise blames another process.
 `jax.distributed.initialize` waits `INITIALIZATION_TIMEOUT_S` for every process to start.
 
 Agreement. `agree` refuses processes started with different payloads (the resolved config and
