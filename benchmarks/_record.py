@@ -84,6 +84,29 @@ def parser(doc: str) -> argparse.ArgumentParser:
   return p
 
 
+def parse_head_case(text: str, *, with_top_k: bool = False) -> tuple[int, ...]:
+  """`--case N:HQ:HKV:D` (with `with_top_k`, `N:HQ:HKV:D:K`) as ints: sequence length, query
+  heads, KV heads, head dim (and K). SystemExit naming the case otherwise."""
+  form, example = ("N:HQ:HKV:D:K", "16384:32:2:64:8") if with_top_k else ("N:HQ:HKV:D",
+                                                                         "16384:32:2:64")
+  try:
+    values = tuple(int(x) for x in text.split(":"))
+  except ValueError:
+    values = ()
+  if len(values) != len(form.split(":")):
+    raise SystemExit(f"--case {text!r} must be {form}, e.g. {example}")
+  if values[1] % values[2]:
+    raise SystemExit(f"--case {text!r}: HQ must be a multiple of HKV")
+  return values
+
+
+def head_case_name(n: int, hq: int, hkv: int, d: int, top_k: int | None = None) -> str:
+  """A case's name in rows and tables: "16K d64 g16", with K "16K d64 K8 g16"."""
+  size = f"{n // 1024}K" if n % 1024 == 0 else str(n)
+  budget = "" if top_k is None else f" K{top_k}"
+  return f"{size} d{d}{budget} g{hq // hkv}"
+
+
 def run(name: str, args: argparse.Namespace, measure: Callable[[argparse.Namespace, Recorder], None],
         settings: Callable[[argparse.Namespace], dict], plot: Callable[[dict, Path], None],
         table: Callable[[dict], str]) -> dict:

@@ -53,21 +53,6 @@ CASES = ((16384, 32, 2, 64, 8), (16384, 32, 2, 128, 32), (65536, 32, 2, 64, 8),
          (131072, 32, 2, 128, 32))
 
 
-def parse_case(text: str) -> tuple[int, int, int, int, int]:
-  try:
-    n, hq, hkv, d, k = (int(x) for x in text.split(":"))
-  except ValueError:
-    raise SystemExit(f"--case {text!r} must be N:HQ:HKV:D:K, e.g. 16384:32:2:64:8") from None
-  if hq % hkv:
-    raise SystemExit(f"--case {text!r}: HQ must be a multiple of HKV")
-  return n, hq, hkv, d, k
-
-
-def case_name(n, hq, hkv, d, k) -> str:
-  size = f"{n // 1024}K" if n % 1024 == 0 else str(n)
-  return f"{size} d{d} K{k} g{hq // hkv}"
-
-
 def inputs(n, hq, hkv, d, seed=0, dtype=jnp.bfloat16):
   keys = jax.random.split(jax.random.PRNGKey(seed), 4)
   q = jax.random.normal(keys[0], (1, n, hq, d), jnp.float32).astype(dtype)
@@ -89,6 +74,10 @@ def with_grads(fn):
 def sparse_fn(implementation: str, d: int):
   return functools.partial(pisa_jax.sparse_attention, block_size=C, scale=d ** -0.5,
                            implementation=implementation)
+
+
+# --case N:HQ:HKV:D:K (the layer benchmark's too).
+parse_case = functools.partial(_record.parse_head_case, with_top_k=True)
 
 
 def dense_fn(q, k, v):
@@ -161,7 +150,7 @@ def measure(args, rec: _record.Recorder) -> None:
       rec.note(f"real indices: {args.qk_npz} (layer {int(f['layer'])}, step {int(f['step'])}, "
                f"q {list(f['q'].shape)}, k {list(f['k'].shape)})")
   for n, hq, hkv, d, top_k in args.cases:
-    name = case_name(n, hq, hkv, d, top_k)
+    name = _record.head_case_name(n, hq, hkv, d, top_k)
     base = dict(case=name, n=n, hq=hq, hkv=hkv, d=d, top_k=top_k)
     q, k, v, do = inputs(n, hq, hkv, d)
     if args.indices == "random":

@@ -43,21 +43,6 @@ CASES = ((16384, 32, 2, 64), (16384, 32, 2, 128), (65536, 32, 2, 64), (65536, 32
 SIDES = ("hils layer", "pisa layer", "nsa layer", "cudnn dense")
 
 
-def parse_case(text: str) -> tuple[int, int, int, int]:
-  try:
-    n, hq, hkv, d = (int(x) for x in text.split(":"))
-  except ValueError:
-    raise SystemExit(f"--case {text!r} must be N:HQ:HKV:D, e.g. 16384:32:2:128") from None
-  if hq % hkv:
-    raise SystemExit(f"--case {text!r}: HQ must be a multiple of HKV")
-  return n, hq, hkv, d
-
-
-def case_name(n, hq, hkv, d) -> str:
-  size = f"{n // 1024}K" if n % 1024 == 0 else str(n)
-  return f"{size} d{d} g{hq // hkv}"
-
-
 def layers(args, n, hq, hkv, d):
   """{side: (fn, extra inputs after q, k, v, differentiated)}."""
   impl = args.implementation
@@ -93,7 +78,7 @@ def measure(args, rec: _record.Recorder) -> None:
   if jax.default_backend() != "gpu":
     rec.note("cuDNN dense needs a CUDA GPU: skipped")
   for n, hq, hkv, d in args.cases:
-    base = dict(case=case_name(n, hq, hkv, d), n=n, hq=hq, hkv=hkv, d=d)
+    base = dict(case=_record.head_case_name(n, hq, hkv, d), n=n, hq=hq, hkv=hkv, d=d)
     q, k, v, do = inputs(n, hq, hkv, d)
     times = {}
     for side, (fn, extra) in layers(args, n, hq, hkv, d).items():
@@ -171,7 +156,7 @@ def settings(args) -> dict:
 
 def main(argv=None) -> dict:
   p = _record.parser(__doc__)
-  p.add_argument("--case", dest="cases", type=parse_case, action="append",
+  p.add_argument("--case", dest="cases", type=_record.parse_head_case, action="append",
                  help="N:HQ:HKV:D, repeatable (default: the six cases of CASES)")
   p.add_argument("--pisa-top-k", type=int, default=32,
                  help="PISA's K (default 32: HiLS's chunk count, beside its window)")
@@ -182,7 +167,8 @@ def main(argv=None) -> dict:
                       "measure (a suite measured over several calls)")
   args = p.parse_args(argv)
   args.cases = args.cases or list(CASES)
-  measure_into = _record.appending(NAME, args, measure, [case_name(*c) for c in args.cases])
+  names = [_record.head_case_name(*c) for c in args.cases]
+  measure_into = _record.appending(NAME, args, measure, names)
   return _record.run(NAME, args, measure_into, settings, plot, table)
 
 

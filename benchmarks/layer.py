@@ -21,7 +21,7 @@ import numpy as np
 
 import pisa_jax
 from benchmarks import _record
-from benchmarks.attention import C, case_name, dense_fn, inputs, parse_case, with_grads
+from benchmarks.attention import C, dense_fn, inputs, parse_case, with_grads
 from benchmarks.timing import time_jax
 
 NAME = "layer"
@@ -41,7 +41,8 @@ def measure(args, rec: _record.Recorder) -> None:
   if not dense_ok:
     rec.note("cuDNN dense needs a CUDA GPU: skipped")
   for n, hq, hkv, d, top_k in args.cases:
-    base = dict(case=case_name(n, hq, hkv, d, top_k), n=n, hq=hq, hkv=hkv, d=d, top_k=top_k)
+    base = dict(case=_record.head_case_name(n, hq, hkv, d, top_k), n=n, hq=hq, hkv=hkv, d=d,
+                top_k=top_k)
     q, k, v, do = inputs(n, hq, hkv, d)
     fns = {"pisa layer": layer_fn(top_k, args.implementation)}
     if dense_ok:

@@ -48,21 +48,6 @@ SIDES = ("nsa", "fla nsa", "pisa layer", "cudnn dense")
 BRANCHES = ("compressed kernel", "window cudnn", "window kernel")
 
 
-def parse_case(text: str) -> tuple[int, int, int, int]:
-  try:
-    n, hq, hkv, d = (int(x) for x in text.split(":"))
-  except ValueError:
-    raise SystemExit(f"--case {text!r} must be N:HQ:HKV:D, e.g. 16384:32:2:64") from None
-  if hq % hkv:
-    raise SystemExit(f"--case {text!r}: HQ must be a multiple of HKV")
-  return n, hq, hkv, d
-
-
-def case_name(n, hq, hkv, d) -> str:
-  size = f"{n // 1024}K" if n % 1024 == 0 else str(n)
-  return f"{size} d{d} g{hq // hkv}"
-
-
 def nsa_fn(implementation: str, window: int):
   return functools.partial(nsa.nsa_attention, compression="mean", block_length=BLOCK,
                            stride=BLOCK, select_block_size=BLOCK, top_n=TOP_N, window=window,
@@ -120,7 +105,8 @@ def measure(args, rec: _record.Recorder) -> None:
   if not on_gpu:
     rec.note("cuDNN and the kernels' branch timings need a CUDA GPU: skipped")
   for n, hq, hkv, d in args.cases:
-    base = dict(case=case_name(n, hq, hkv, d), n=n, hq=hq, hkv=hkv, d=d, group=hq // hkv)
+    base = dict(case=_record.head_case_name(n, hq, hkv, d), n=n, hq=hq, hkv=hkv, d=d,
+                group=hq // hkv)
     q, k, v, do = inputs(n, hq, hkv, d)
     gates = jax.nn.sigmoid(jax.random.normal(jax.random.key(7), (1, n, hq, 3))).astype(q.dtype)
     fns = {"nsa": nsa_fn(args.implementation, args.window),
@@ -228,7 +214,7 @@ def settings(args) -> dict:
 
 def main(argv=None) -> dict:
   p = _record.parser(__doc__)
-  p.add_argument("--case", dest="cases", type=parse_case, action="append",
+  p.add_argument("--case", dest="cases", type=_record.parse_head_case, action="append",
                  help="N:HQ:HKV:D, repeatable (default: the nine cases of CASES)")
   p.add_argument("--window", type=int, default=WINDOW, help=f"NSA's window (default {WINDOW})")
   p.add_argument("--implementation", default="pallas", choices=("pallas", "xla"),
@@ -239,7 +225,8 @@ def main(argv=None) -> dict:
                       "measure (a suite measured over several calls)")
   args = p.parse_args(argv)
   args.cases = args.cases or list(CASES)
-  measure_into = _record.appending(NAME, args, measure, [case_name(*c) for c in args.cases])
+  names = [_record.head_case_name(*c) for c in args.cases]
+  measure_into = _record.appending(NAME, args, measure, names)
   return _record.run(NAME, args, measure_into, settings, plot, table)
 
 
