@@ -180,6 +180,42 @@ def markdown(columns: list[str], lines: list[list]) -> str:
   return "\n".join(out)
 
 
+def phase_bars(record: dict, path, sides: tuple[str, ...], title: Callable[[str], str],
+               annotate: Callable[[dict, str, str], list] | None = None,
+               note_size: int = 7) -> None:
+  """Two panels, forward and forward + backward: for every case a group of bars, the median ms
+  of each of `sides` (log scale). `title(phase)` heads a panel; `annotate(by, case, phase)`, with
+  `by` the rows by (case, side, phase), lists the (side, y, text) written above a bar (side None:
+  the group's centre)."""
+  import numpy as np
+
+  plt = pyplot()
+  by = {(r["case"], r["side"], r["phase"]): r for r in record["rows"]}
+  cases = list(dict.fromkeys(r["case"] for r in record["rows"]))
+  fig, axes = plt.subplots(1, 2, figsize=(max(10, 1.3 * len(cases) + 4), 4.8))
+  width = 0.8 / len(sides)
+  offset = {side: (j - (len(sides) - 1) / 2) * width for j, side in enumerate(sides)}
+  x = np.arange(len(cases))
+  for ax, phase in zip(axes, ("fwd", "fwd+bwd")):
+    for side in sides:
+      ms = [by.get((case, side, phase), {}).get("ms") or np.nan for case in cases]
+      ax.bar(x + offset[side], ms, width, label=side)
+    for i, case in enumerate(cases):
+      for side, y, text in (annotate(by, case, phase) if annotate else []):
+        ax.annotate(text, (i + offset.get(side, 0.0), y), textcoords="offset points",
+                    xytext=(0, 3), fontsize=note_size, ha="center")
+    ax.set_yscale("log")
+    ax.set_ylim(bottom=bar_floor(r.get("ms") for r in by.values()))
+    ax.set_xticks(x)
+    ax.set_xticklabels(cases, fontsize=7, rotation=30, ha="right")
+    ax.set_ylabel("ms (median, log)")
+    ax.set_title(title(phase), fontsize=9)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
 def bar_floor(values) -> float | None:
   """A log axis' lower limit that leaves the shortest bar visible (a third of it)."""
   ms = [v for v in values if isinstance(v, (int, float)) and v > 0]

@@ -227,32 +227,15 @@ def table(record: dict) -> str:
 
 
 def plot(record: dict, path) -> None:
-  plt = _record.pyplot()
-  by = {(r["case"], r["side"], r["phase"]): r.get("ms") for r in record["rows"]}
-  cases = list(dict.fromkeys(r["case"] for r in record["rows"]))
-  fig, axes = plt.subplots(1, 2, figsize=(max(10, 1.3 * len(cases) + 4), 4.8))
-  width = 0.8 / len(SIDES)
-  x = np.arange(len(cases))
-  for ax, phase in zip(axes, ("fwd", "fwd+bwd")):
-    for j, side in enumerate(SIDES):
-      vals = [by.get((case, side, phase)) or np.nan for case in cases]
-      ax.bar(x + (j - (len(SIDES) - 1) / 2) * width, vals, width, label=side)
-    for i, case in enumerate(cases):
-      ours, fla = by.get((case, "pisa-jax", phase)), by.get((case, "fla", phase))
-      if ours and fla:
-        ax.annotate(f"{fla / ours:.2f}x", (i, ours), textcoords="offset points", xytext=(0, 3),
-                    fontsize=7, ha="center")
-    ax.set_yscale("log")
-    ax.set_ylim(bottom=_record.bar_floor(by.values()))
-    ax.set_xticks(x)
-    ax.set_xticklabels(cases, fontsize=7, rotation=30, ha="right")
-    ax.set_ylabel("ms (median, log)")
-    ax.set_title(f"selected-block attention, {phase}, bf16, {record['settings']['indices']} "
-                 f"indices\n{record['device']} (annotations: fla / ours)", fontsize=9)
-    ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  def annotate(by, case, phase):
+    ours, fla = (by.get((case, side, phase), {}).get("ms") for side in ("pisa-jax", "fla"))
+    if ours and fla:
+      yield None, ours, f"{fla / ours:.2f}x"
+
+  _record.phase_bars(
+      record, path, SIDES, lambda phase: (
+          f"selected-block attention, {phase}, bf16, {record['settings']['indices']} indices\n"
+          f"{record['device']} (annotations: fla / ours)"), annotate)
 
 
 def settings(args) -> dict:

@@ -115,33 +115,16 @@ def table(record: dict) -> str:
 
 
 def plot(record: dict, path) -> None:
-  plt = _record.pyplot()
-  by = {(r["case"], r["side"], r["phase"]): r for r in record["rows"]}
-  cases = list(dict.fromkeys(r["case"] for r in record["rows"]))
-  fig, axes = plt.subplots(1, 2, figsize=(max(10, 1.5 * len(cases) + 4), 4.8))
-  width = 0.8 / len(SIDES)
-  x = np.arange(len(cases))
-  for ax, phase in zip(axes, ("fwd", "fwd+bwd")):
-    for j, side in enumerate(SIDES):
-      offset = (j - (len(SIDES) - 1) / 2) * width
-      vals = [by.get((case, side, phase), {}).get("ms") or np.nan for case in cases]
-      ax.bar(x + offset, vals, width, label=side)
-      for i, case in enumerate(cases):
-        row = by.get((case, side, phase), {})
-        if side != "hils layer" and row.get("x_hils"):
-          ax.annotate(f"{row['x_hils']:.2g}x", (i + offset, row["ms"]), textcoords="offset points",
-                      xytext=(0, 3), fontsize=6, ha="center")
-    ax.set_yscale("log")
-    ax.set_ylim(bottom=_record.bar_floor(r.get("ms") for r in by.values()))
-    ax.set_xticks(x)
-    ax.set_xticklabels(cases, fontsize=7, rotation=30, ha="right")
-    ax.set_ylabel("ms (median, log)")
-    ax.set_title(f"HiLS layer vs PISA, NSA and dense, {phase}, bf16\n{record['device']} "
-                 f"(annotations: side / HiLS)", fontsize=9)
-    ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  def annotate(by, case, phase):
+    for side in SIDES[1:]:
+      row = by.get((case, side, phase), {})
+      if row.get("x_hils"):
+        yield side, row["ms"], f"{row['x_hils']:.2g}x"
+
+  _record.phase_bars(
+      record, path, SIDES, lambda phase: (f"HiLS layer vs PISA, NSA and dense, {phase}, bf16\n"
+                                          f"{record['device']} (annotations: side / HiLS)"),
+      annotate, note_size=6)
 
 
 def settings(args) -> dict:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import numpy as np
 
 import pisa_jax
 from benchmarks import _record
@@ -81,34 +80,16 @@ def table(record: dict) -> str:
 
 
 def plot(record: dict, path) -> None:
-  plt = _record.pyplot()
-  by = {(r["case"], r["side"], r["phase"]): r for r in record["rows"]}
-  cases = list(dict.fromkeys(r["case"] for r in record["rows"]))
-  fig, axes = plt.subplots(1, 2, figsize=(max(10, 1.2 * len(cases) + 4), 4.8))
-  width = 0.8 / len(SIDES)
-  x = np.arange(len(cases))
-  for ax, phase in zip(axes, ("fwd", "fwd+bwd")):
-    for j, side in enumerate(SIDES):
-      vals = [by.get((case, side, phase), {}).get("ms") or np.nan for case in cases]
-      ax.bar(x + (j - (len(SIDES) - 1) / 2) * width, vals, width, label=side)
-    for i, case in enumerate(cases):
-      for j, side in enumerate(SIDES[:2]):
-        row = by.get((case, side, phase), {})
-        if row.get("speedup_vs_dense"):
-          ax.annotate(f"{row['speedup_vs_dense']:.1f}x",
-                      (i + (j - (len(SIDES) - 1) / 2) * width, row["ms"]),
-                      textcoords="offset points", xytext=(0, 3), fontsize=7, ha="center")
-    ax.set_yscale("log")
-    ax.set_ylim(bottom=_record.bar_floor(r.get("ms") for r in by.values()))
-    ax.set_xticks(x)
-    ax.set_xticklabels(cases, fontsize=7, rotation=30, ha="right")
-    ax.set_ylabel("ms (median, log)")
-    ax.set_title(f"PISA layer vs dense attention, {phase}, bf16\n{record['device']} "
-                 f"(annotations: dense / layer)", fontsize=9)
-    ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  def annotate(by, case, phase):
+    for side in SIDES[:2]:
+      row = by.get((case, side, phase), {})
+      if row.get("speedup_vs_dense"):
+        yield side, row["ms"], f"{row['speedup_vs_dense']:.1f}x"
+
+  _record.phase_bars(
+      record, path, SIDES, lambda phase: (f"PISA layer vs dense attention, {phase}, bf16\n"
+                                          f"{record['device']} (annotations: dense / layer)"),
+      annotate)
 
 
 def settings(args) -> dict:

@@ -171,36 +171,18 @@ def table(record: dict) -> str:
 
 
 def plot(record: dict, path) -> None:
-  plt = _record.pyplot()
-  by = {(r["case"], r["side"], r["phase"]): r for r in record["rows"]}
-  cases = list(dict.fromkeys(r["case"] for r in record["rows"]))
-  fig, axes = plt.subplots(1, 2, figsize=(max(10, 1.3 * len(cases) + 4), 4.8))
-  width = 0.8 / len(SIDES)
-  x = np.arange(len(cases))
-  for ax, phase in zip(axes, ("fwd", "fwd+bwd")):
-    for j, side in enumerate(SIDES):
-      vals = [by.get((case, side, phase), {}).get("ms") or np.nan for case in cases]
-      ax.bar(x + (j - (len(SIDES) - 1) / 2) * width, vals, width, label=side)
-    for i, case in enumerate(cases):
-      for j, side in enumerate(SIDES):
-        row = by.get((case, side, phase), {})
-        label = ("refused" if row.get("refused") else
-                 f"{row['x_ours']:.2f}x" if row.get("x_ours") and side == "fla nsa" else None)
-        if label:
-          top = row.get("ms") or by.get((case, "nsa", phase), {}).get("ms") or 1.0
-          ax.annotate(label, (i + (j - (len(SIDES) - 1) / 2) * width, top),
-                      textcoords="offset points", xytext=(0, 3), fontsize=6, ha="center")
-    ax.set_yscale("log")
-    ax.set_ylim(bottom=_record.bar_floor(r.get("ms") for r in by.values()))
-    ax.set_xticks(x)
-    ax.set_xticklabels(cases, fontsize=7, rotation=30, ha="right")
-    ax.set_ylabel("ms (median, log)")
-    ax.set_title(f"NSA layer vs fla's NSA, PISA and dense, {phase}, bf16\n{record['device']} "
-                 "(annotations: fla / ours)", fontsize=9)
-    ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  def annotate(by, case, phase):
+    for side in SIDES:
+      row = by.get((case, side, phase), {})
+      text = ("refused" if row.get("refused") else
+              f"{row['x_ours']:.2f}x" if row.get("x_ours") and side == "fla nsa" else None)
+      if text:
+        yield side, row.get("ms") or by.get((case, "nsa", phase), {}).get("ms") or 1.0, text
+
+  _record.phase_bars(
+      record, path, SIDES, lambda phase: (f"NSA layer vs fla's NSA, PISA and dense, {phase}, "
+                                          f"bf16\n{record['device']} (annotations: fla / ours)"),
+      annotate, note_size=6)
 
 
 def settings(args) -> dict:
