@@ -73,14 +73,19 @@ def header(record: dict) -> str:
           f"{record['commit']}, {record['date']}")
 
 
-def parser(doc: str) -> argparse.ArgumentParser:
-  """The arguments every benchmark takes: --out and --replot."""
+def parser(doc: str, *, append: bool = False) -> argparse.ArgumentParser:
+  """The arguments every benchmark takes: --out and --replot; with `append`, --append (see
+  `appending`)."""
   p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--out", type=Path, default=DEFAULT_OUT,
                  help=f"folder for <name>.json and <name>.png (default {DEFAULT_OUT})")
   p.add_argument("--replot", metavar="JSON", type=Path,
                  help="no measurement: redraw the plot of a saved result into --out and print "
                       "its table")
+  if append:
+    p.add_argument("--append", action="store_true",
+                   help="keep the rows of --out's earlier result that this call does not measure "
+                        "(a suite measured over several calls)")
   return p
 
 
@@ -214,6 +219,30 @@ def phase_bars(record: dict, path, sides: tuple[str, ...], title: Callable[[str]
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
+
+
+def phase_table(record: dict, sides: tuple[str, ...],
+                ratios: list[tuple[str, str, str]]) -> str:
+  """A markdown table of a forward / forward + backward suite: a line per case; for each phase,
+  every side's median ms ("refused" where the side refused the case), then each ratio, given as
+  (column label, side, the row's key)."""
+  by = {(r["case"], r["side"], r["phase"]): r for r in record["rows"]}
+  cases = list(dict.fromkeys(r["case"] for r in record["rows"]))
+
+  def cell(case, side, phase):
+    row = by.get((case, side, phase), {})
+    return "refused" if row.get("refused") else row.get("ms")
+
+  cols, body = ["case"], []
+  for phase in ("fwd", "fwd+bwd"):
+    cols += [f"{side} {phase} ms" for side in sides] + [f"{label} {phase}" for label, *_ in ratios]
+  for case in cases:
+    line = [case]
+    for phase in ("fwd", "fwd+bwd"):
+      line += [cell(case, side, phase) for side in sides]
+      line += [by.get((case, side, phase), {}).get(key) for _, side, key in ratios]
+    body.append(line)
+  return markdown(cols, body)
 
 
 def bar_floor(values) -> float | None:

@@ -212,18 +212,7 @@ SIDES = ("pisa-jax", "fla", "cudnn dense")
 
 
 def table(record: dict) -> str:
-  by = {(r["case"], r["side"], r["phase"]): r for r in record["rows"]}
-  cases = list(dict.fromkeys(r["case"] for r in record["rows"]))
-  cols, body = ["case"], []
-  for phase in ("fwd", "fwd+bwd"):
-    cols += [f"{side} {phase} ms" for side in SIDES] + [f"fla / ours {phase}"]
-  for case in cases:
-    line = [case]
-    for phase in ("fwd", "fwd+bwd"):
-      line += [by.get((case, side, phase), {}).get("ms") for side in SIDES]
-      line.append(by.get((case, "fla", phase), {}).get("x_ours"))
-    body.append(line)
-  return _record.markdown(cols, body)
+  return _record.phase_table(record, SIDES, [("fla / ours", "fla", "x_ours")])
 
 
 def plot(record: dict, path) -> None:

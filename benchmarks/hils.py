@@ -99,19 +99,8 @@ def measure(args, rec: _record.Recorder) -> None:
 
 
 def table(record: dict) -> str:
-  by = {(r["case"], r["side"], r["phase"]): r for r in record["rows"]}
-  cases = list(dict.fromkeys(r["case"] for r in record["rows"]))
-  cols, body = ["case"], []
-  for phase in ("fwd", "fwd+bwd"):
-    cols += [f"{side} {phase} ms" for side in SIDES]
-    cols += [f"{side.split()[0]} / hils {phase}" for side in SIDES[1:]]
-  for case in cases:
-    line = [case]
-    for phase in ("fwd", "fwd+bwd"):
-      line += [by.get((case, side, phase), {}).get("ms") for side in SIDES]
-      line += [by.get((case, side, phase), {}).get("x_hils") for side in SIDES[1:]]
-    body.append(line)
-  return _record.markdown(cols, body)
+  return _record.phase_table(record, SIDES,
+                             [(f"{side.split()[0]} / hils", side, "x_hils") for side in SIDES[1:]])
 
 
 def plot(record: dict, path) -> None:
@@ -138,16 +127,13 @@ def settings(args) -> dict:
 
 
 def main(argv=None) -> dict:
-  p = _record.parser(__doc__)
+  p = _record.parser(__doc__, append=True)
   p.add_argument("--case", dest="cases", type=_record.parse_head_case, action="append",
                  help="N:HQ:HKV:D, repeatable (default: the six cases of CASES)")
   p.add_argument("--pisa-top-k", type=int, default=32,
                  help="PISA's K (default 32: HiLS's chunk count, beside its window)")
   p.add_argument("--implementation", default="pallas", choices=("pallas", "xla"),
                  help="every layer on its kernels (default) or the jnp references (a CPU run)")
-  p.add_argument("--append", action="store_true",
-                 help="keep the rows of --out's earlier result whose cases this call does not "
-                      "measure (a suite measured over several calls)")
   args = p.parse_args(argv)
   args.cases = args.cases or list(CASES)
   names = [_record.head_case_name(*c) for c in args.cases]

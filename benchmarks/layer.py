@@ -65,18 +65,7 @@ def measure(args, rec: _record.Recorder) -> None:
 
 
 def table(record: dict) -> str:
-  by = {(r["case"], r["side"], r["phase"]): r for r in record["rows"]}
-  cases = list(dict.fromkeys(r["case"] for r in record["rows"]))
-  cols, body = ["case"], []
-  for phase in ("fwd", "fwd+bwd"):
-    cols += [f"{side} {phase} ms" for side in SIDES] + [f"dense / layer {phase}"]
-  for case in cases:
-    line = [case]
-    for phase in ("fwd", "fwd+bwd"):
-      line += [by.get((case, side, phase), {}).get("ms") for side in SIDES]
-      line.append(by.get((case, "pisa layer", phase), {}).get("speedup_vs_dense"))
-    body.append(line)
-  return _record.markdown(cols, body)
+  return _record.phase_table(record, SIDES, [("dense / layer", "pisa layer", "speedup_vs_dense")])
 
 
 def plot(record: dict, path) -> None:

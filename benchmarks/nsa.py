@@ -150,24 +150,7 @@ def measure(args, rec: _record.Recorder) -> None:
 
 
 def table(record: dict) -> str:
-  by = {(r["case"], r["side"], r["phase"]): r for r in record["rows"]}
-  cases = list(dict.fromkeys(r["case"] for r in record["rows"]))
-  sides = SIDES + BRANCHES
-
-  def cell(case, side, phase):
-    row = by.get((case, side, phase), {})
-    return "refused" if row.get("refused") else row.get("ms")
-
-  cols, body = ["case"], []
-  for phase in ("fwd", "fwd+bwd"):
-    cols += [f"{side} {phase} ms" for side in sides] + [f"fla / ours {phase}"]
-  for case in cases:
-    line = [case]
-    for phase in ("fwd", "fwd+bwd"):
-      line += [cell(case, side, phase) for side in sides]
-      line.append(by.get((case, "fla nsa", phase), {}).get("x_ours"))
-    body.append(line)
-  return _record.markdown(cols, body)
+  return _record.phase_table(record, SIDES + BRANCHES, [("fla / ours", "fla nsa", "x_ours")])
 
 
 def plot(record: dict, path) -> None:
@@ -195,16 +178,13 @@ def settings(args) -> dict:
 
 
 def main(argv=None) -> dict:
-  p = _record.parser(__doc__)
+  p = _record.parser(__doc__, append=True)
   p.add_argument("--case", dest="cases", type=_record.parse_head_case, action="append",
                  help="N:HQ:HKV:D, repeatable (default: the nine cases of CASES)")
   p.add_argument("--window", type=int, default=WINDOW, help=f"NSA's window (default {WINDOW})")
   p.add_argument("--implementation", default="pallas", choices=("pallas", "xla"),
                  help="ours: the kernels (default) or the jnp reference (a CPU smoke run)")
   p.add_argument("--no-fla", dest="fla", action="store_false", help="leave fla out")
-  p.add_argument("--append", action="store_true",
-                 help="keep the rows of --out's earlier result whose cases this call does not "
-                      "measure (a suite measured over several calls)")
   args = p.parse_args(argv)
   args.cases = args.cases or list(CASES)
   names = [_record.head_case_name(*c) for c in args.cases]

@@ -400,7 +400,7 @@ def plot(record: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-  p = _record.parser(__doc__)
+  p = _record.parser(__doc__, append=True)
   p.add_argument("--model", type=Path, default=None,
                  help="a .gguf file or Hugging Face folder (default: benchmarks.fetch_smollm2's)")
   p.add_argument("--data", type=Path, help="a pisa-prepare-data folder in the model's tokens")
@@ -422,8 +422,6 @@ def main(argv: list[str] | None = None) -> dict:
                  help="comma-separated training-free variant names, e.g. 'dense,pisa K8'")
   p.add_argument("--parts", type=_names, default=["free", "selection"],
                  help=f"comma-separated, of {PARTS} (default free,selection)")
-  p.add_argument("--append", action="store_true",
-                 help="keep the rows of --out's earlier result that this call does not measure")
   p.add_argument("--cpt-kinds", type=_names, default=["pisa", "bsa"])
   p.add_argument("--cpt-top-k", type=int, default=16)
   p.add_argument("--cpt-seq-len", type=int, default=8192)
