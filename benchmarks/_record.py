@@ -245,6 +245,16 @@ def phase_table(record: dict, sides: tuple[str, ...],
   return markdown(cols, body)
 
 
+def with_goals(record: dict, text: str) -> str:
+  """`text` followed by a table of the record's goal rows ({"goal", "value", "target", "met"}),
+  where it has any."""
+  goals = [[g["goal"], g["value"], g["target"], {True: "yes", False: "NO"}.get(g["met"], "n/a")]
+           for g in record["rows"] if "goal" in g]
+  if not goals:
+    return text
+  return text + "\n\n" + markdown(["goal", "value", "target", "met"], goals)
+
+
 def bar_floor(values) -> float | None:
   """A log axis' lower limit that leaves the shortest bar visible (a third of it)."""
   ms = [v for v in values if isinstance(v, (int, float)) and v > 0]

@@ -309,12 +309,7 @@ def table(record: dict) -> str:
            r.get("mfu"), r.get("step_s"), r.get("compiled_temp_gib"), r.get("compiled_peak_gib"),
            r.get("allocator_peak_gib"), r.get("remat"), r.get("loss_chunk"),
            (r.get("error") or r.get("skipped") or "")[:80]] for r in runs]
-  text = _record.markdown(cols, body)
-  goal_rows = [[g["goal"], g["value"], g["target"], {True: "yes", False: "NO"}.get(g["met"], "n/a")]
-               for g in record["rows"] if "goal" in g]
-  if goal_rows:
-    text += "\n\n" + _record.markdown(["goal", "value", "target", "met"], goal_rows)
-  return text
+  return _record.with_goals(record, _record.markdown(cols, body))
 
 
 def plot(record: dict, path) -> None:

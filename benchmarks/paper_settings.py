@@ -213,12 +213,7 @@ def table(record: dict) -> str:
            r.get("loss_chunk"), r.get("tokens_per_s"), r.get("mfu"), r.get("step_s"),
            r.get("compile_s"), r.get("compiled_peak_gib"), (r.get("error") or "")[:80]]
           for r in runs]
-  text = _record.markdown(cols, body)
-  goals = [[g["goal"], g["value"], g["target"], {True: "yes", False: "NO"}.get(g["met"], "n/a")]
-           for g in record["rows"] if "goal" in g]
-  if goals:
-    text += "\n\n" + _record.markdown(["goal", "value", "target", "met"], goals)
-  return text
+  return _record.with_goals(record, _record.markdown(cols, body))
 
 
 def plot(record: dict, path) -> None:
