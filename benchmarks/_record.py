@@ -89,6 +89,17 @@ def parser(doc: str, *, append: bool = False) -> argparse.ArgumentParser:
   return p
 
 
+def parse_ints(text: str) -> tuple[int, ...]:
+  """A comma-separated list of ints >= 1 (an argument's value); SystemExit naming it otherwise."""
+  try:
+    values = tuple(int(x) for x in text.split(","))
+  except ValueError:
+    raise SystemExit(f"{text!r} must be comma-separated ints") from None
+  if not values or min(values) < 1:
+    raise SystemExit(f"{text!r} must hold ints >= 1")
+  return values
+
+
 def parse_head_case(text: str, *, with_top_k: bool = False) -> tuple[int, ...]:
   """`--case N:HQ:HKV:D` (with `with_top_k`, `N:HQ:HKV:D:K`) as ints: sequence length, query
   heads, KV heads, head dim (and K). SystemExit naming the case otherwise."""

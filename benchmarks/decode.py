@@ -94,16 +94,6 @@ def parse_dtypes(text: str) -> tuple[str, ...]:
   return values
 
 
-def parse_ints(text: str) -> tuple[int, ...]:
-  try:
-    values = tuple(int(x) for x in text.split(","))
-  except ValueError:
-    raise SystemExit(f"{text!r} must be comma-separated ints") from None
-  if not values or min(values) < 1:
-    raise SystemExit(f"{text!r} must hold ints >= 1")
-  return values
-
-
 def parse_heads(text: str) -> tuple[int, int, int, int]:
   try:
     hq, hkv, d, k = (int(x) for x in text.split(":"))
@@ -531,12 +521,12 @@ def settings(args) -> dict:
 
 def main(argv=None) -> dict:
   p = _record.parser(__doc__)
-  p.add_argument("--lengths", type=parse_ints, default=LENGTHS, help="cached tokens N")
-  p.add_argument("--batches", type=parse_ints, default=BATCHES, help="rows B")
+  p.add_argument("--lengths", type=_record.parse_ints, default=LENGTHS, help="cached tokens N")
+  p.add_argument("--batches", type=_record.parse_ints, default=BATCHES, help="rows B")
   p.add_argument("--heads", type=parse_heads, action="append",
                  help="HQ:HKV:D:K, repeatable (default: 32:2:128:32 and 32:2:64:8)")
   p.add_argument("--implementation", default="pallas", choices=("pallas", "xla"))
-  p.add_argument("--select-warps", type=parse_ints, default=(),
+  p.add_argument("--select-warps", type=_record.parse_ints, default=(),
                  help="also time the selection kernel on each of these warp counts (pallas)")
   p.add_argument("--summary-dtype", type=parse_dtypes, default=SUMMARY_DTYPES,
                  help="the PISA pyramid's dtypes, comma-separated (default float32,bfloat16)")
@@ -546,7 +536,7 @@ def main(argv=None) -> dict:
   p.add_argument("--gen-batch", type=int, default=1)
   p.add_argument("--no-steps", dest="steps", action="store_false",
                  help="leave out the one-step part (generation only)")
-  p.add_argument("--gen-prompt", type=parse_ints, default=GEN_PROMPTS,
+  p.add_argument("--gen-prompt", type=_record.parse_ints, default=GEN_PROMPTS,
                  help="prompt lengths, comma-separated")
   p.add_argument("--gen-tokens", type=int, default=256)
   p.add_argument("--gen-steps-per-call", type=int, default=16,

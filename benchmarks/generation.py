@@ -401,16 +401,6 @@ def settings(args) -> dict:
               weights="random (nnx.Rngs(0)), the preset's dtypes", sampling="greedy, no stop")
 
 
-def _parse_ints(text: str) -> tuple[int, ...]:
-  try:
-    values = tuple(int(x) for x in text.split(","))
-  except ValueError:
-    raise SystemExit(f"{text!r} must be comma-separated ints") from None
-  if not values or min(values) < 1:
-    raise SystemExit(f"{text!r} must hold ints >= 1")
-  return values
-
-
 def main(argv=None) -> dict | None:
   p = _record.parser(__doc__)
   p.add_argument("--cases", default=None,
@@ -420,9 +410,9 @@ def main(argv=None) -> dict | None:
   p.add_argument("--call-seconds", type=float, default=CALL_SECONDS,
                  help="--list packs the cases into calls of at most this many seconds")
   p.add_argument("--presets", type=lambda s: tuple(s.split(",")), default=PRESETS)
-  p.add_argument("--lengths", type=_parse_ints, default=LENGTHS,
+  p.add_argument("--lengths", type=_record.parse_ints, default=LENGTHS,
                  help="cache tokens L of the longest row")
-  p.add_argument("--batches", type=_parse_ints, default=BATCHES)
+  p.add_argument("--batches", type=_record.parse_ints, default=BATCHES)
   p.add_argument("--no-long", dest="long", action="store_false",
                  help="leave out the B = 1 cases at 512K and 1M")
   p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)

@@ -37,16 +37,6 @@ NAME = "summary_dtype"
 DTYPES = ("float32", "bfloat16")
 
 
-def parse_ints(text: str) -> tuple[int, ...]:
-  try:
-    values = tuple(int(x) for x in text.split(","))
-  except ValueError:
-    raise SystemExit(f"{text!r} must be comma-separated ints") from None
-  if not values or min(values) < 1:
-    raise SystemExit(f"{text!r} must hold ints >= 1")
-  return values
-
-
 def inputs(args):
   """(label, source, q, k) for every --qk-npz file and --random length: q `[1, T, HQ, D]`, k
   `[1, T, HKV, D]`, bfloat16 (the models' compute dtype)."""
@@ -141,11 +131,11 @@ def main(argv=None) -> dict:
   p = _record.parser(__doc__)
   p.add_argument("--qk-npz", type=Path, action="append", default=[],
                  help="q/k of benchmarks.dump_qk, repeatable (one per length)")
-  p.add_argument("--random", type=parse_ints, default=(),
+  p.add_argument("--random", type=_record.parse_ints, default=(),
                  help="also random q/k of these lengths, comma-separated")
-  p.add_argument("--random-heads", type=lambda s: tuple(parse_ints(s.replace(":", ","))),
+  p.add_argument("--random-heads", type=lambda s: tuple(_record.parse_ints(s.replace(":", ","))),
                  default=(32, 2, 128), help="HQ:HKV:D of --random (default 32:2:128)")
-  p.add_argument("--top-k", type=parse_ints, default=(8, 32))
+  p.add_argument("--top-k", type=_record.parse_ints, default=(8, 32))
   p.add_argument("--block-size", type=int, default=64)
   p.add_argument("--implementation", default=None, choices=(None, "pallas", "xla"))
   args = p.parse_args(argv)
