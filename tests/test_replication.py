@@ -638,6 +638,22 @@ def test_summary_from_stand_in_results(tmp_path):
   assert readme.read_text().endswith(f"{report.README_END}\noutro\n")
 
 
+def test_the_committed_summary_and_readme_block_are_the_results(tmp_path):
+  # What `--summarize` writes from the committed run JSONs and the shipped manifest.
+  m = rep.load_manifest(rep.DEFAULT_MANIFEST)
+  folder = tmp_path / "results"
+  folder.mkdir()
+  for path in rep.DEFAULT_RESULTS.glob("*.json"):
+    (folder / path.name).write_text(path.read_text())
+  readme = tmp_path / "README.md"
+  readme.write_text((rep.REPO / "README.md").read_text())
+  report.summarize(m, folder, readme=readme)
+  stale = "rerun `python -m benchmarks.replication --summarize` and commit what it writes"
+  assert (folder / "summary.md").read_text() == (
+      rep.DEFAULT_RESULTS / "summary.md").read_text(), stale
+  assert readme.read_text() == (rep.REPO / "README.md").read_text(), stale
+
+
 def test_claims_follow_the_numbers_and_the_retrieval_gate(tmp_path):
   m = rep.load_manifest(_manifest(tmp_path, TOY.replace(
       'name = "nsa"\nseeds = [0]', 'name = "bsa"\nseeds = [0]')))
