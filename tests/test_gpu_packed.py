@@ -93,3 +93,29 @@ def test_packed_selection_matches_reference(d, top_k, selector):
                                        scale=d ** -0.5, beam=top_k, max_rows=16, **selection)
     unproven += [(b, s, *m) for m in margins if not m[3] < tol.SELECTION_NEAR_TIE_RTOL]
   assert not unproven, unproven[:8]
+
+
+def test_decoder_dense_packed_attention_on_cudnn_keeps_to_each_document():
+  """The decoder's dense kind on packed rows (cuDNN with a same-document mask and is_causal)
+  equals float32 XLA attention of each document alone, output and gradients: a cross-document
+  leak or a dropped mask would show here, not in the CPU suite (which runs the XLA path)."""
+  from pisa_jax.models.decoder import _attend_within_documents
+
+  dtype = jnp.bfloat16
+  q, k, v, do = inputs(3, sum(ROWS[0]), 8, 2, 64, dtype)
+  ids = segment_ids(ROWS)
+  cudnn = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
+  out, vjp = jax.vjp(lambda q, k, v: _attend_within_documents(cudnn, q, k, v, ids), q, k, v)
+  got = (out, *vjp(do))
+  alone = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="xla")
+  key = jnp.dtype(dtype).type
+  for b, s, n in documents(ROWS):
+    part = lambda x: x[b:b + 1, s:s + n].astype(jnp.float32)
+    with jax.default_matmul_precision("highest"):
+      ref, ref_vjp = jax.vjp(alone, part(q), part(k), part(v))
+      want = (ref, *ref_vjp(part(do)))
+    for name, g, w in zip(("o", "dq", "dk", "dv"), got, want):
+      atol = tol.OUTPUT_ATOL[key] if name == "o" else tol.GRAD_ATOL[key]
+      rtol = tol.OUTPUT_RTOL[key] if name == "o" else tol.GRAD_RTOL[key]
+      np.testing.assert_allclose(np.asarray(part(g)), np.asarray(w), atol=atol, rtol=rtol,
+                                 err_msg=f"{name}, document at row {b}, {s}..{s + n - 1}")
