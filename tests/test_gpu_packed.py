@@ -5,7 +5,9 @@ Triton, where some behaviour differs (Triton's max / min drop a NaN operand, mas
 64-bit offsets are real). Attention: the output and dq, dk, dv against the jnp reference on
 float32-upcast inputs, into NaN-poisoned memory, two runs bit-identical. Selection: the fused
 packed walk (K = 8) and the packed two-stage of wide sets (K = 32) against the reference, mismatches only at float64-proven near-ties. Rows mix documents of
-one token, shorter than a block, starting and ending mid-block, and thousands of tokens.
+one token, shorter than a block, starting and ending mid-block, and thousands of tokens. The
+decoder's dense kind on the same rows runs on cuDNN with a same-document mask: each document
+against float32 XLA attention of it alone.
 Skipped without a CUDA GPU (`-m gpu`).
 """
 
