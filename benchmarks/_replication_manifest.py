@@ -24,7 +24,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MANIFEST = Path(__file__).resolve().parent / "replication.toml"
 GPT2_VOCAB = 50_257
-EVAL_SUITES = ("ppl", "ruler", "mqar", "selection", "mixture")
+EVAL_SUITES = ("ppl", "ruler", "mqar", "induction", "selection", "mixture")
 
 
 class ManifestError(ValueError):
@@ -112,7 +112,7 @@ _STAGE_EVAL = {name: ("ints", ()) for name in EVAL_SUITES}
 _EVAL = {
     "seed": (int, 0), "batch_size": (int, 8), "ppl_samples": (int, 8), "ruler_samples": (int, 4),
     "mqar_samples": (int, 16), "mqar_pairs": ("ints", (16, 64)), "selection_samples": (int, 2),
-    "mixture_samples": (int, 16),
+    "mixture_samples": (int, 16), "induction_samples": (int, 16),
     "selection_top_k": ("ints", (8,)), "selection_beam_factors": ("floats", (1.0, 2.0)),
     "selection_methods": ("strs", ("dense",)),
 }
@@ -277,7 +277,8 @@ def _check(m: Manifest) -> None:
 
   where = str(m.path)
   e = m.eval
-  for name in ("batch_size", "ppl_samples", "ruler_samples", "mqar_samples", "selection_samples"):
+  for name in ("batch_size", "ppl_samples", "ruler_samples", "mqar_samples", "selection_samples",
+               "mixture_samples", "induction_samples"):
     if e[name] < 1:
       raise ManifestError(f"{where}: eval.{name}={e[name]} must be >= 1")
   if not e["mqar_pairs"] or not e["selection_top_k"] or not e["selection_beam_factors"]:

@@ -375,6 +375,28 @@ def mixture_table(res: Results) -> str:
                           rows)
 
 
+def induction_table(res: Results) -> str:
+  """A random sequence repeated once (`train.evaluation.induction`), after each stage that
+  measured it: the percent of the second copy predicted, and the loss it saves (nats)."""
+  m = res.manifest
+  stages = [s.name for s in m.stages if s.eval["induction"]]
+  if not any("induction" in row["eval"] for method in res.methods for s in stages
+             for row in res.stage_rows(method, s)):
+    return "No induction results yet."
+  cells = [(stage, n) for stage in stages for n in m.stage(stage).eval["induction"]]
+  rows = []
+  for method in res.methods:
+    line = [LABELS.get(method, method)]
+    for stage, n in cells:
+      get = lambda key, n=n: lambda row: next(
+          r[key] for r in row["eval"]["induction"]["rows"] if r["length"] == n)
+      copied = res.values(method, stage, get("copy_accuracy"))
+      line.append(f"{fmt(copied, 100, 1)} ({fmt(res.values(method, stage, get('score')))})"
+                  if copied else fmt(copied))
+    rows.append(line)
+  return _record.markdown(["Method"] + [f"{stage} {span(n)}" for stage, n in cells], rows)
+
+
 def _lengths(res: Results, stage: str | None, suite: str) -> list[int]:
   s = res.manifest.stage(stage)
   return list(s.eval[suite]) if s is not None else []
@@ -632,6 +654,8 @@ def summarize(manifest, folder: Path, *, readme: Path | None = None) -> Path:
       "## MQAR after CPT", mqar_table(res),
       "## Retrieval in the training templates (held-out needle documents, accuracy %)",
       mixture_table(res),
+      "## Induction: a random sequence repeated once (second copy predicted %, and the loss it "
+      "saves in nats)", induction_table(res),
   ]
   if long and manifest.stage(long) is not None and manifest.stage(long).enabled:
     sections += [f"## Beyond the paper: RULER after `{long}`", table3(res, long)]

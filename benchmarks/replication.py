@@ -343,7 +343,7 @@ def _mixture(config, global_batch: int) -> dict:
 def evaluate_stage(m: Manifest, run: Run, stage, workdir: Path, row: dict, record: Record, *,
                    progress: bool) -> None:
   """The stage's evaluations on its checkpoint, each saved into `row["eval"]` as it ends."""
-  from pisa_jax.train.evaluation import mixture, mqar, needles, perplexity, selection
+  from pisa_jax.train.evaluation import induction, mixture, mqar, needles, perplexity, selection
   from pisa_jax.train.restore import restore_model
 
   suites = {k: list(v) for k, v in stage.eval.items() if v}
@@ -375,6 +375,10 @@ def evaluate_stage(m: Manifest, run: Run, stage, workdir: Path, row: dict, recor
       pairs = [p for p in e["mqar_pairs"] if 4 * p <= lengths[-1]]
       part = mqar.run_mqar(model, config, lengths=lengths, pairs=pairs,
                            samples=e["mqar_samples"], batch_size=e["batch_size"], **kw)
+    elif suite == "induction":
+      part = induction.run_induction(model, config, lengths=lengths,
+                                     samples=e["induction_samples"], batch_size=e["batch_size"],
+                                     **kw)
     else:
       part = selection.run_on_checkpoint(
           model, config, lengths=lengths, samples=e["selection_samples"], data=None,

@@ -23,7 +23,8 @@ import pisa_jax
 from pisa_jax.configs import apply_overrides, get_config, validate
 from pisa_jax.models.decoder import Decoder
 from pisa_jax.train.data import FORMAT, mqar_examples
-from pisa_jax.train.evaluation import cli, common, needles
+from pisa_jax.train.tokenizer import EOT_TOKEN
+from pisa_jax.train.evaluation import cli, common, induction, needles, report
 
 # One dense layer, one query head per KV head, leaves of 4 tokens and K = 4: at 32 tokens the
 # queries from position 16 on have more than K eligible blocks. Trained for two steps: enough
@@ -64,8 +65,8 @@ def text(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def evaluated(tiny_run, tmp_path_factory):
-  """eval.json of ppl, mqar and selection in RUN/eval, and of ppl on text in another folder."""
-  assert cli.main(["--workdir", str(tiny_run), "--suite", "ppl,mqar,selection",
+  """eval.json of ppl, mqar, induction and selection in RUN/eval."""
+  assert cli.main(["--workdir", str(tiny_run), "--suite", "ppl,mqar,induction,selection",
                    "--mqar-pairs", "4,8,16", "--beam-factors", "1"] + COMMON) == 0
   _, model, _ = cli.restore_model(tiny_run)
   return json.loads((tiny_run / "eval" / "eval.json").read_text()), model
@@ -87,10 +88,10 @@ def test_eval_json_records_what_produced_it(evaluated, tiny_run):
   assert result["checkpoint"] == {"workdir": str(tiny_run), "step": 2}
   assert result["config"]["model"]["num_heads"] == 2 and result["device"].endswith("cpu")
   assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?|unknown.*", result["commit"])
-  assert list(result["parts"]) == ["ppl", "mqar", "selection"]
+  assert list(result["parts"]) == ["ppl", "mqar", "induction", "selection"]
   for part in result["parts"].values():
     assert part["wall_seconds"] > 0 and part["date"] == result["date"]
-  for name in ("eval.md", "ppl.png", "mqar.png", "selection.png"):
+  for name in ("eval.md", "ppl.png", "mqar.png", "induction.png", "selection.png"):
     assert (tiny_run / "eval" / name).stat().st_size > 0
   md = (tiny_run / "eval" / "eval.md").read_text()
   assert "## ppl" in md and "| selector | Recall@4 |" in md
@@ -149,6 +150,29 @@ def test_mqar_accuracy_is_a_count_of_argmax_hits_on_the_answers(evaluated):
     assert row["answers"] == answers.sum() == row["pairs"] * SAMPLES
     assert row["correct"] == (hits & answers).sum()
     assert row["accuracy"] == row["correct"] / row["answers"]
+
+
+def test_induction_scores_the_second_copy_against_the_first(evaluated):
+  result, model = evaluated
+  (row,) = result["parts"]["induction"]["rows"]
+  assert row["length"] == 32 and row["windows"] == SAMPLES
+  windows = induction.repeated_windows(np.random.default_rng(row["seed_sequence"]), SAMPLES, 32,
+                                       64)
+  inputs, targets = windows["inputs"], windows["targets"]
+  # 17 drawn tokens, then the same 17 cut to 33: targets 1..16 and 18..32 are scored, 17 not.
+  np.testing.assert_array_equal(inputs[:, 17:], inputs[:, :15])
+  assert windows["first"][0].sum() == 16 and windows["second"][0].sum() == 15
+  assert not (windows["first"] & windows["second"]).any()
+  assert (inputs != EOT_TOKEN).all() and inputs.max() < 64
+  nll = _nll(model, inputs, targets)
+  hits = np.asarray(_log_probs(model, jnp.asarray(inputs))).argmax(-1) == targets
+  np.testing.assert_allclose(row["first_loss"], nll[windows["first"]].mean(), rtol=1e-5)
+  np.testing.assert_allclose(row["second_loss"], nll[windows["second"]].mean(), rtol=1e-5)
+  np.testing.assert_allclose(row["score"], row["first_loss"] - row["second_loss"], rtol=1e-9)
+  assert row["tokens"] == 15 * SAMPLES
+  assert row["copy_accuracy"] == hits[windows["second"]].mean()
+  assert "| length | first copy | second copy | score | copied |" in (
+      report.induction_markdown(result["parts"]["induction"]))
 
 
 def _check_selection(part, *, layers, windows, length=32, top_k=4):
@@ -422,7 +446,7 @@ def test_bad_input_is_one_line_naming_it(tiny_run, text, tmp_path, capsys):
   run = ["--workdir", str(tiny_run)]
   fails(["--workdir", str(tmp_path), "--suite", "ppl"], r"--workdir: .* no config\.json")
   fails(run + ["--suite", "ppl,bleu"],
-        r"--suite: unknown suite 'bleu': known ppl, ruler, mqar, selection")
+        r"--suite: unknown suite 'bleu': known ppl, ruler, mqar, induction, selection")
   fails(run, r"--suite: required")
   fails(run + ["--suite", "ppl", "--lengths", "32,16"], r"--lengths: 32,16 must be increasing")
   fails(run + ["--suite", "ppl", "--lengths", "16,16"], r"--lengths: 16,16 must be increasing")

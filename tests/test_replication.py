@@ -69,6 +69,7 @@ log_every = 1
 ppl = [256, 512]
 ruler = [512]
 mqar = [256]
+induction = [512]
 
 [eval]
 batch_size = 8
@@ -470,7 +471,9 @@ def _fake_record(m, run: rep.Run, *, status="complete", fingerprint=None, **numb
          "eval": {"ppl": {"rows": [{"length": 256, "ppl": ppl}, {"length": 512, "ppl": ppl}]},
                   "ruler": {"families": families, "average": (single + 3 * avg) / 4,
                             "records": records},
-                  "mqar": {"rows": [{"pairs": 16, "length": 256, "accuracy": 0.5}]}}}
+                  "mqar": {"rows": [{"pairs": 16, "length": 256, "accuracy": 0.5}]},
+                  "induction": {"rows": [{"length": 512, "copy_accuracy": numbers.get("copy", 0.5),
+                                          "score": 2.0}]}}}
   return {"benchmark": "replication", "run": run.name, "method": run.method, "seed": run.seed,
           "status": status, "fingerprint": fingerprint or m.fingerprint(run.method), "commit": "abc",
           "jax": "0.11.2", "jaxlib": "0.11.2", "device": "1 x cpu", "date": "2026-12-04T00:00:00Z",
@@ -610,8 +613,8 @@ def test_summary_from_stand_in_results(tmp_path):
   folder = tmp_path / "results"
   # PISA: lower loss than dense by more than the seeds' spread; two seeds of PISA.
   _write(folder, _fake_record(m, rep.Run("dense", 0), loss=3.1, single=0.95, avg=0.7))
-  _write(folder, _fake_record(m, rep.Run("pisa", 0), loss=3.00, single=0.9, avg=0.5))
-  _write(folder, _fake_record(m, rep.Run("pisa", 1), loss=3.02, single=0.7, avg=0.5))
+  _write(folder, _fake_record(m, rep.Run("pisa", 0), loss=3.00, single=0.9, avg=0.5, copy=0.3))
+  _write(folder, _fake_record(m, rep.Run("pisa", 1), loss=3.02, single=0.7, avg=0.5, copy=0.5))
   _write(folder, _fake_record(m, rep.Run("nsa", 0), fingerprint="other"))
   readme = tmp_path / "README.md"
   readme.write_text(f"intro\n{report.README_BEGIN}\nold\n{report.README_END}\noutro\n")
@@ -621,6 +624,7 @@ def test_summary_from_stand_in_results(tmp_path):
   # Means over seeds with +- half their range; RULER cells in percent.
   assert "| PISA | 2 | 3.510 ±0.010 | 3.010 ±0.010 | 80.0 ±10.0 | 57.5 ±2.5 |" in text
   assert "| Full attention | 1 | 3.600 | 3.100 | 95.0 | 76.2 |" in text
+  assert "| PISA | 40.0 ±10.0 (2.00 ±0.00) |" in text and "| NSA | pending |" in text
   assert ("| Method | single-key 512 | multi-key 512 | multi-query 512 | multi-value 512 | Avg |"
           in text)
   assert "`nsa-s0.json` (made from other settings" in text
@@ -686,10 +690,11 @@ def test_claims_follow_the_numbers_and_the_retrieval_gate(tmp_path):
 def _smoke(text: str) -> str:
   """The toy manifest cut to what proves the pipeline's joints: two training steps, one CPT
   step from the first stage's checkpoint, perplexity after each, held-out needle documents after
-  the first."""
+  the first, the induction test after the second."""
   for old, new in [("steps = 3", "steps = 2"), ("steps = 2\npeak_lr = 3e-4", "steps = 1\n"
                                                                              "peak_lr = 3e-4"),
-                   ("selection = [256]", "mixture = [256]"), ("ruler = [512]", ""), ("mqar = [256]", ""),
+                   ("selection = [256]", "mixture = [256]"), ("ruler = [512]", ""),
+                   ("mqar = [256]\n", ""),
                    ("ppl = [256, 512]", "ppl = [512]")]:
     assert old in text
     text = text.replace(old, new, 1)
@@ -701,8 +706,10 @@ def test_toy_pipeline_smoke(toy_data, tmp_path, monkeypatch):
   path = _manifest(tmp_path, _smoke(TOY), root=toy_data)
   record = _run_toy(path, tmp_path, monkeypatch)
   pre, cpt = record["rows"]
-  assert set(pre["eval"]) == {"ppl", "mixture"} and set(cpt["eval"]) == {"ppl"}
+  assert set(pre["eval"]) == {"ppl", "mixture"} and set(cpt["eval"]) == {"ppl", "induction"}
   assert cpt["eval"]["ppl"]["rows"][0]["length"] == 512
+  (copy,) = cpt["eval"]["induction"]["rows"]
+  assert copy["length"] == 512 and copy["windows"] == 16 and 0 <= copy["copy_accuracy"] <= 1
   held_out = pre["eval"]["mixture"]
   assert [(r["length"], r["family"]) for r in held_out["rows"]] == [
       (256, f) for f in ("single_key", "multi_key", "multi_query", "multi_value")]
@@ -778,7 +785,7 @@ def test_toy_pipeline_end_to_end(toy_data, tmp_path, monkeypatch, capsys):
       1, int(matched["target_seconds"] / matched["seconds_per_step"]))
   assert long["config"]["train"]["init_from"].endswith("dense-s0/cpt")
   assert set(pre["eval"]) == {"ppl", "selection"}
-  assert set(cpt["eval"]) == {"ppl", "ruler", "mqar"}
+  assert set(cpt["eval"]) == {"ppl", "ruler", "mqar", "induction"}
   ruler = cpt["eval"]["ruler"]
   assert len(ruler["records"]) == 8 and all(r["depths"] for r in ruler["records"])
   assert [r["length"] for r in ruler["by_length"]] == [512]

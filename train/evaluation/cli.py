@@ -1,6 +1,6 @@
 """`pisa-eval`: the evaluation suite of a `pisa-train` run, any attention kind, dense included.
 
-  pisa-eval --workdir runs/s --suite ppl,ruler,mqar,selection,mixture
+  pisa-eval --workdir runs/s --suite ppl,ruler,mqar,induction,selection,mixture
   pisa-eval --workdir runs/s --suite ppl --lengths 1024,2048,4096 --samples 32 --out eval/s
   pisa-eval --compare runs/dense runs/pisa runs/bsa --out eval
   pisa-eval --npz attention.npz --out eval/arrays --block-size 64 --top-k 8
@@ -13,6 +13,8 @@ Suites (the newest checkpoint of --workdir that passes its checksums; held-out d
              multi_query and multi_value, greedy decoding; Table 3's layout (needs a model whose
              vocabulary covers GPT-2's)
   mqar       multi-query associative recall accuracy against key-value pairs and length
+  induction  a random sequence repeated once: the loss on its second copy against its first,
+             and the share of copied tokens (Olsson et al.'s induction test; no data needed)
   mixture    a run trained with the retrieval mixture (data.retrieval_fraction): held-out needle
              documents of its own templates and families (the val split of data.retrieval_path),
              answers scored by teacher forcing: does it retrieve at all, whatever RULER says
@@ -53,7 +55,7 @@ from pisa_jax.train.evaluation import arguments
 from pisa_jax.train.evaluation.arguments import EvalArgumentError
 
 PROG = "pisa-eval"
-SUITES = ("ppl", "ruler", "mqar", "selection", "mixture")
+SUITES = ("ppl", "ruler", "mqar", "induction", "selection", "mixture")
 DEFAULT_SAMPLES = 16
 DEFAULT_BATCH = 4
 # --npz without --block-size / --top-k: the paper's C and K (Table 7).
@@ -126,11 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--suite", type=_suites, help=f"comma-separated: {','.join(SUITES)}")
   parser.add_argument("--lengths", type=_lengths, help="window lengths in tokens, increasing")
   parser.add_argument("--samples", type=_positive, default=None,
-                      help=f"windows (ppl, selection), examples per cell (mqar), samples per task "
-                           f"and length (ruler); default {DEFAULT_SAMPLES}")
+                      help=f"windows (ppl, induction, selection), examples per cell (mqar), "
+                           f"samples per task and length (ruler); default {DEFAULT_SAMPLES}")
   parser.add_argument("--seed", type=_int, default=None,
-                      help="RULER samples, MQAR examples (and an MQAR run's held-out ones); "
-                           "default 0")
+                      help="RULER samples, MQAR and induction examples (and an MQAR run's "
+                           "held-out ones); default 0")
   parser.add_argument("--out", type=Path, help="default: RUN/eval (--compare: the current folder)")
   parser.add_argument("--context", type=_positive, default=None,
                       help="longest length allowed; default: the run's train.seq_len")
@@ -249,7 +251,7 @@ def restore_model(workdir: Path):
 
 
 def _evaluate(args, arrays, common, report) -> int:
-  from pisa_jax.train.evaluation import mixture, mqar, needles, perplexity, selection
+  from pisa_jax.train.evaluation import induction, mixture, mqar, needles, perplexity, selection
 
   progress = not args.no_progress
   if args.npz:
@@ -308,6 +310,7 @@ def _evaluate(args, arrays, common, report) -> int:
                                                batch_size=batch, **kw),
       "ruler": ruler_part,
       "mqar": lambda: mqar.run_mqar(model, config, pairs=pairs, batch_size=batch, **kw),
+      "induction": lambda: induction.run_induction(model, config, batch_size=batch, **kw),
       "selection": lambda: selection.run_on_checkpoint(model, config, data=args.data, **opts,
                                                        **kw),
       "mixture": lambda: mixture.run_mixture(model, config, batch_size=batch, context=context,
@@ -348,6 +351,7 @@ def _run_parts(run: dict, result: dict, out: Path, report) -> int:
       label = Path(result["checkpoint"]["workdir"]).name if result["checkpoint"] else "arrays"
       body = (report.ruler_markdown(part, label) if name == "ruler" else
               {"ppl": report.ppl_markdown, "mqar": report.mqar_markdown,
+               "induction": report.induction_markdown,
                "selection": report.selection_markdown,
                "mixture": report.mixture_markdown}[name](part))
       print(f"\n## {name} ({part['wall_seconds']:.1f} s)\n\n{body}\n", flush=True)

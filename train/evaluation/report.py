@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-PARTS = ("ppl", "ruler", "mqar", "selection", "mixture")
+PARTS = ("ppl", "ruler", "mqar", "induction", "selection", "mixture")
 FAMILY_TITLES = {"single_key": "niah_single", "multi_key": "niah_multikey",
                  "multi_query": "niah_multiquery", "multi_value": "niah_multivalue"}
 
@@ -90,6 +90,15 @@ def mqar_markdown(part: dict) -> str:
                    [[p] + [_pct(acc.get((p, n))) for n in lengths] for p in pairs]))
 
 
+def induction_markdown(part: dict) -> str:
+  return (f"A random sequence repeated once, {part['samples']} windows a length: mean NLL (nats) "
+          f"of each copy's targets after its first token, the first minus the second, and the "
+          f"percent of the second copy's tokens predicted (argmax).\n\n"
+          + _table(["length", "first copy", "second copy", "score", "copied"],
+                   [[_length(r["length"]), _num(r["first_loss"], 3), _num(r["second_loss"], 3),
+                     _num(r["score"], 3), _pct(r["copy_accuracy"])] for r in part["rows"]]))
+
+
 def mixture_markdown(part: dict) -> str:
   lengths = sorted({r["length"] for r in part["rows"]})
   families = list(dict.fromkeys(r["family"] for r in part["rows"]))
@@ -141,8 +150,8 @@ def markdown(result: dict) -> str:
     part = result["parts"].get(name)
     if part is None:
       continue
-    body = {"ppl": ppl_markdown, "mqar": mqar_markdown, "selection": selection_markdown,
-            "mixture": mixture_markdown}.get(name)
+    body = {"ppl": ppl_markdown, "mqar": mqar_markdown, "induction": induction_markdown,
+            "selection": selection_markdown, "mixture": mixture_markdown}.get(name)
     text = ruler_markdown(part, label) if name == "ruler" else body(part)
     out.append(f"## {name} ({part['wall_seconds']:.1f} s)\n\n{text}")
   return "\n\n".join(out) + "\n"
@@ -212,6 +221,18 @@ def plot_mqar(part: dict, path: Path) -> None:
                      title="MQAR")
 
 
+def plot_induction(part: dict, path: Path) -> None:
+  """Percent of the second copy predicted by length."""
+  if not part["rows"]:
+    return
+  plt = _pyplot()
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  pts = sorted((r["length"], 100 * r["copy_accuracy"]) for r in part["rows"])
+  ax.plot(*zip(*pts), "o-", label="second copy")
+  _save_percent_plot(plt, fig, ax, path, xlabel="window length (tokens)",
+                     ylabel="tokens copied (%)", title="Induction: a random sequence repeated")
+
+
 def plot_selection(part: dict, path: Path) -> None:
   """Figure 2: Recall@K and mass ratio by query position, one row of panels per (length, K)."""
   plt = _pyplot()
@@ -253,8 +274,8 @@ def plot_mixture(part: dict, path: Path) -> None:
                      title="Held-out needle documents (training templates)")
 
 
-PLOTS = {"ppl": plot_ppl, "ruler": plot_ruler, "mqar": plot_mqar, "selection": plot_selection,
-         "mixture": plot_mixture}
+PLOTS = {"ppl": plot_ppl, "ruler": plot_ruler, "mqar": plot_mqar, "induction": plot_induction,
+         "selection": plot_selection, "mixture": plot_mixture}
 
 
 def write_plots(result: dict, out: Path) -> list[Path]:
@@ -309,6 +330,13 @@ def compare(labelled: list[tuple[str, dict]]) -> str:
         ["run"] + [f"{pr} @ {_length(n)}" for pr, n in cells],
         [[label] + [_pct({(r["pairs"], r["length"]): r["accuracy"] for r in p["rows"]}.get(c))
                     for c in cells] for label, p in parts("mqar")]))
+  if parts("induction"):
+    lengths = sorted({r["length"] for _, p in parts("induction") for r in p["rows"]})
+    out.append("## Induction (second copy of a repeated random sequence: percent copied)\n\n"
+               + _table(["run"] + [_length(n) for n in lengths],
+                        [[label] + [_pct({r["length"]: r["copy_accuracy"]
+                                          for r in p["rows"]}.get(n)) for n in lengths]
+                         for label, p in parts("induction")]))
   if parts("mixture"):
     cells = sorted({(r["family"], r["length"]) for _, p in parts("mixture") for r in p["rows"]})
     out.append("## Held-out needle documents (answers retrieved, percent; family @ length)\n\n"
