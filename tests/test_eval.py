@@ -460,6 +460,8 @@ def test_bad_input_is_one_line_naming_it(tiny_run, text, tmp_path, capsys):
         r"--lengths: 256 needs 257 tokens of held-out text")
   fails(run + ["--suite", "ruler", "--lengths", "32"], r"--suite: ruler prompts are GPT-2 tokens")
   fails(run + ["--suite", "mqar", "--mqar-pairs", "32"], r"--mqar-pairs: 32 pairs need 32")
+  fails(run + ["--suite", "induction", "--lengths", "3,32"],
+        r"--lengths: 3 is too short for the induction suite")
   fails(run + ["--suite", "selection", "--top-k", "2"], r"--top-k=2 must be an int >= 3")
   fails(run + ["--suite", "selection", "--block-size", "64"], r"--block-size: 64 exceeds")
   fails(run + ["--suite", "ppl", "--top-k", "4"], r"--top-k: applies to the selection suite only")

@@ -284,6 +284,8 @@ def _evaluate(args, arrays, common, report) -> int:
     needles.load_ruler()
   if "mixture" in args.suite:
     mixture.haystack(config)
+  if "induction" in args.suite:
+    induction.check_lengths(lengths)
   if "mqar" in args.suite:
     pairs = args.mqar_pairs or mqar.default_pairs(config, lengths)
     mqar.check_pairs(pairs, config, lengths)

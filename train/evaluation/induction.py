@@ -32,12 +32,24 @@ def seed_sequence(seed: int, length: int) -> list[int]:
   return [seed, VAL, length, 2]
 
 
+MIN_LENGTH = 4
+
+
+def check_lengths(lengths: list[int]) -> None:
+  """One line naming --lengths when a length is too short for two copies with a scored token."""
+  short = [n for n in lengths if n < MIN_LENGTH]
+  if short:
+    raise common.EvalArgumentError(
+        f"--lengths: {short[0]} is too short for the induction suite: a window needs >= "
+        f"{MIN_LENGTH} tokens (a scored token in each copy)")
+
+
 def repeated_windows(rng: np.random.Generator, samples: int, length: int,
                      vocab_size: int) -> dict[str, np.ndarray]:
   """`samples` windows `[N, length]` of inputs and targets, and the boolean masks of the first
   and second copy's scored targets."""
-  if length < 4:
-    raise ValueError(f"{length=} must be >= 4: each copy needs a scored token")
+  if length < MIN_LENGTH:
+    raise ValueError(f"{length=} must be >= {MIN_LENGTH}: each copy needs a scored token")
   half = length // 2 + 1
   vocabulary = np.setdiff1d(np.arange(vocab_size), [EOT_TOKEN])
   first = rng.choice(vocabulary, size=(samples, half))
