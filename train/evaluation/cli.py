@@ -351,11 +351,7 @@ def _run_parts(run: dict, result: dict, out: Path, report) -> int:
         paths = _save(result, out, report)
         done.append(name)
       label = Path(result["checkpoint"]["workdir"]).name if result["checkpoint"] else "arrays"
-      body = (report.ruler_markdown(part, label) if name == "ruler" else
-              {"ppl": report.ppl_markdown, "mqar": report.mqar_markdown,
-               "induction": report.induction_markdown,
-               "selection": report.selection_markdown,
-               "mixture": report.mixture_markdown}[name](part))
+      body = report.part_markdown(name, part, label)
       print(f"\n## {name} ({part['wall_seconds']:.1f} s)\n\n{body}\n", flush=True)
   except KeyboardInterrupt:
     print(f"\n{_interrupted_line(list(run), done, out)}", file=sys.stderr)

@@ -138,6 +138,14 @@ def selection_markdown(part: dict) -> str:
   return "\n\n".join(out)
 
 
+def part_markdown(name: str, part: dict, label: str) -> str:
+  """One part's tables (`label`: the run's name, which RULER's table rows carry)."""
+  if name == "ruler":
+    return ruler_markdown(part, label)
+  return {"ppl": ppl_markdown, "mqar": mqar_markdown, "induction": induction_markdown,
+          "selection": selection_markdown, "mixture": mixture_markdown}[name](part)
+
+
 def markdown(result: dict) -> str:
   ckpt = result.get("checkpoint") or {}
   model = (result.get("config") or {}).get("model", {})
@@ -150,10 +158,7 @@ def markdown(result: dict) -> str:
     part = result["parts"].get(name)
     if part is None:
       continue
-    body = {"ppl": ppl_markdown, "mqar": mqar_markdown, "induction": induction_markdown,
-            "selection": selection_markdown, "mixture": mixture_markdown}.get(name)
-    text = ruler_markdown(part, label) if name == "ruler" else body(part)
-    out.append(f"## {name} ({part['wall_seconds']:.1f} s)\n\n{text}")
+    out.append(f"## {name} ({part['wall_seconds']:.1f} s)\n\n{part_markdown(name, part, label)}")
   return "\n\n".join(out) + "\n"
 
 
