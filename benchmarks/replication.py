@@ -377,8 +377,8 @@ def evaluate_stage(m: Manifest, run: Run, stage, workdir: Path, row: dict, recor
                            samples=e["mqar_samples"], batch_size=e["batch_size"], **kw)
     elif suite == "induction":
       part = induction.run_induction(model, config, lengths=lengths,
-                                     samples=e["induction_samples"], batch_size=e["batch_size"],
-                                     **kw)
+                                     samples=e["induction_samples"], data=None,
+                                     batch_size=e["batch_size"], **kw)
     else:
       part = selection.run_on_checkpoint(
           model, config, lengths=lengths, samples=e["selection_samples"], data=None,

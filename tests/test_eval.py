@@ -152,18 +152,28 @@ def test_mqar_accuracy_is_a_count_of_argmax_hits_on_the_answers(evaluated):
     assert row["accuracy"] == row["correct"] / row["answers"]
 
 
-def test_induction_scores_the_second_copy_against_the_first(evaluated):
+def test_induction_scores_the_second_copy_against_the_first(evaluated, tiny_run):
   result, model = evaluated
   (row,) = result["parts"]["induction"]["rows"]
   assert row["length"] == 32 and row["windows"] == SAMPLES
+  part = result["parts"]["induction"]
+  config, _, _ = cli.restore_model(tiny_run)
+  # The common tokens: the most frequent of 16 held-out MQAR windows of 32 tokens (the run's
+  # task), every id counted, end-of-text never.
+  held = common.held_out(config, length=32, samples=16, seed=0, data=None)
+  counts = np.bincount(held["targets"].ravel(), minlength=64)
+  vocabulary, record = induction.common_tokens(config, lengths=[32], seed=0, data=None)
+  np.testing.assert_array_equal(vocabulary, np.flatnonzero(counts))
+  assert part["vocabulary"] == record and record["tokens"] == len(vocabulary) >= 2
+  assert record["counted"] == 16 * 32 and record["data"]["source"] == "mqar"
   windows = induction.repeated_windows(np.random.default_rng(row["seed_sequence"]), SAMPLES, 32,
-                                       64)
+                                       vocabulary)
   inputs, targets = windows["inputs"], windows["targets"]
   # 17 drawn tokens, then the same 17 cut to 33: targets 1..16 and 18..32 are scored, 17 not.
   np.testing.assert_array_equal(inputs[:, 17:], inputs[:, :15])
   assert windows["first"][0].sum() == 16 and windows["second"][0].sum() == 15
   assert not (windows["first"] & windows["second"]).any()
-  assert (inputs != EOT_TOKEN).all() and inputs.max() < 64
+  assert np.isin(inputs, vocabulary).all() and (inputs != EOT_TOKEN).all()
   nll = _nll(model, inputs, targets)
   hits = np.asarray(_log_probs(model, jnp.asarray(inputs))).argmax(-1) == targets
   np.testing.assert_allclose(row["first_loss"], nll[windows["first"]].mean(), rtol=1e-5)

@@ -13,8 +13,9 @@ Suites (the newest checkpoint of --workdir that passes its checksums; held-out d
              multi_query and multi_value, greedy decoding; Table 3's layout (needs a model whose
              vocabulary covers GPT-2's)
   mqar       multi-query associative recall accuracy against key-value pairs and length
-  induction  a random sequence repeated once: the loss on its second copy against its first,
-             and the share of copied tokens (Olsson et al.'s induction test; no data needed)
+  induction  a random sequence of the held-out data's common tokens, repeated once: the loss
+             on its second copy against its first, and the share of copied tokens (Olsson et
+             al.'s induction test)
   mixture    a run trained with the retrieval mixture (data.retrieval_fraction): held-out needle
              documents of its own templates and families (the val split of data.retrieval_path),
              answers scored by teacher forcing: does it retrieve at all, whatever RULER says
@@ -273,7 +274,7 @@ def _evaluate(args, arrays, common, report) -> int:
   samples = args.samples or DEFAULT_SAMPLES
   batch = args.batch_size or DEFAULT_BATCH
   # Everything is checked before the first part runs: a mistake costs no evaluation.
-  for name in ("ppl", "selection"):
+  for name in ("ppl", "selection", "induction"):
     if name in args.suite:
       common.check_data(config, lengths=lengths, data=args.data, what=name)
   if "ruler" in args.suite:
@@ -312,7 +313,8 @@ def _evaluate(args, arrays, common, report) -> int:
                                                batch_size=batch, **kw),
       "ruler": ruler_part,
       "mqar": lambda: mqar.run_mqar(model, config, pairs=pairs, batch_size=batch, **kw),
-      "induction": lambda: induction.run_induction(model, config, batch_size=batch, **kw),
+      "induction": lambda: induction.run_induction(model, config, data=args.data,
+                                                   batch_size=batch, **kw),
       "selection": lambda: selection.run_on_checkpoint(model, config, data=args.data, **opts,
                                                        **kw),
       "mixture": lambda: mixture.run_mixture(model, config, batch_size=batch, context=context,

@@ -1,14 +1,18 @@
 """Copying a repeated random sequence: the induction test (Olsson et al., 2022).
 
-A window of `length` tokens is h = length // 2 + 1 tokens drawn uniformly from the vocabulary
-(end-of-text left out), then the same h tokens again, cut to length + 1 tokens. Nothing in the
-first copy can be predicted (about ln V nats a token for a model that learnt the language, more
-for one that did not). A token of the second copy is predicted by attending to the token after
-the earlier occurrence of the current token, h positions back: the mechanism of induction heads,
-and the one RULER's needles need once the key is found. A model that scores nothing here cannot
-retrieve; one that does and still fails RULER does not match the key. For a sparse kind each
-query of the second copy must select the block that holds its earlier occurrence, so this is also
-a test of selection that needs no data.
+A window of `length` tokens is h = length // 2 + 1 tokens drawn uniformly from the model's
+common tokens, then the same h tokens again, cut to length + 1 tokens. The common tokens are the
+4,096 most frequent ones (end-of-text left out) of the run's held-out data (`common.held_out`:
+16 windows of the longest length asked, at most 4,096 tokens, of the validation text or of the
+run's MQAR task). A model trained on tens of millions of tokens has never seen most of a 50K
+vocabulary and gives those ids ~13 nats, so ids drawn from all of it would measure the data's
+coverage rather than the copying. Nothing in the first copy can be predicted (about ln 4096 =
+8.3 nats a token for a model that learnt the language). A token of the second copy is predicted
+by attending to the token after the earlier occurrence of the current token, h positions back:
+the mechanism of induction heads, and the one RULER's needles need once the key is found. A
+model that scores nothing here cannot retrieve; one that does and still fails RULER does not
+match the key. For a sparse kind each query of the second copy must select the block that holds
+its earlier occurrence, so this is also a test of selection on sequences of no document.
 
 Per length: first_loss, the mean NLL of the first copy's targets after its first token;
 second_loss, that of the second copy's after its first token (each the repeat of a token seen
@@ -44,15 +48,41 @@ def check_lengths(lengths: list[int]) -> None:
         f"{MIN_LENGTH} tokens (a scored token in each copy)")
 
 
+# The common tokens: the most frequent ones of this many held-out windows of at most this length.
+COMMON_TOKENS = 4096
+_VOCABULARY_WINDOWS, _VOCABULARY_LENGTH = 16, 4096
+
+
+def common_tokens(config, *, lengths: list[int], seed: int,
+                  data: str | None) -> tuple[np.ndarray, dict]:
+  """The ids a window is drawn from, int `[<= COMMON_TOKENS]` ascending (the most frequent of
+  the run's held-out data, ties to the lower id; end-of-text and ids the model cannot emit left
+  out), and where they come from (for the record)."""
+  length = min(max(lengths), _VOCABULARY_LENGTH)
+  windows = common.held_out(config, length=length, samples=_VOCABULARY_WINDOWS, seed=seed,
+                            data=data)
+  counts = np.bincount(windows["targets"].ravel(), minlength=config.model.vocab_size)
+  counts = counts[:config.model.vocab_size]
+  counts[EOT_TOKEN:EOT_TOKEN + 1] = 0  # a vocabulary below GPT-2's has no end-of-text id
+  # A stable sort of -counts keeps the lower id first among equal counts.
+  order = np.argsort(-counts, kind="stable")[:COMMON_TOKENS]
+  ids = np.sort(order[counts[order] > 0])
+  if len(ids) < 2:
+    raise common.EvalArgumentError(
+        f"--data: the held-out data holds {len(ids)} distinct token(s); the induction suite "
+        f"draws its sequences from the data's common tokens and needs >= 2")
+  return ids, {"tokens": int(len(ids)), "counted": int(windows["targets"].size),
+               "data": windows["source"]}
+
+
 def repeated_windows(rng: np.random.Generator, samples: int, length: int,
-                     vocab_size: int) -> dict[str, np.ndarray]:
-  """`samples` windows `[N, length]` of inputs and targets, and the boolean masks of the first
-  and second copy's scored targets."""
+                     vocabulary: np.ndarray) -> dict[str, np.ndarray]:
+  """`samples` windows `[N, length]` of inputs and targets drawn from the ids `vocabulary`, and
+  the boolean masks of the first and second copy's scored targets."""
   if length < MIN_LENGTH:
     raise ValueError(f"{length=} must be >= {MIN_LENGTH}: each copy needs a scored token")
   half = length // 2 + 1
-  vocabulary = np.setdiff1d(np.arange(vocab_size), [EOT_TOKEN])
-  first = rng.choice(vocabulary, size=(samples, half))
+  first = rng.choice(np.asarray(vocabulary), size=(samples, half))
   tokens = np.concatenate([first, first], axis=1)[:, :length + 1].astype(np.int32)
   target_position = np.arange(1, length + 1)  # targets[:, t] is tokens[:, t + 1]
   return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
@@ -61,15 +91,17 @@ def repeated_windows(rng: np.random.Generator, samples: int, length: int,
 
 
 def run_induction(model, config, *, lengths: list[int], samples: int, seed: int,
-                  batch_size: int, progress: bool) -> dict:
-  """The `induction` part of eval.json: a row per length (module docstring)."""
+                  data: str | None, batch_size: int, progress: bool) -> dict:
+  """The `induction` part of eval.json: a row per length (module docstring), and the common
+  tokens' record (`vocabulary`). `data`: a pisa-prepare-data folder in place of the run's."""
   start = time.perf_counter()
+  vocabulary, vocabulary_record = common_tokens(config, lengths=lengths, seed=seed, data=data)
   rows = []
   bar = common.progress_bar(samples * len(lengths), "induction", progress)
   for length in lengths:
     bar.set_description(f"induction {length}")
     windows = repeated_windows(np.random.default_rng(seed_sequence(seed, length)), samples,
-                               length, config.model.vocab_size)
+                               length, vocabulary)
     nll, hit = common.token_scores(model, windows["inputs"], windows["targets"],
                                    batch_size=batch_size, bar=bar)
     first, second = windows["first"], windows["second"]
@@ -81,4 +113,5 @@ def run_induction(model, config, *, lengths: list[int], samples: int, seed: int,
                  "copy_accuracy": float(hit[second].mean(dtype=np.float64)),
                  "seed_sequence": seed_sequence(seed, length)})
   bar.close()
-  return {"samples": samples, "rows": rows, "wall_seconds": time.perf_counter() - start}
+  return {"samples": samples, "vocabulary": vocabulary_record, "rows": rows,
+          "wall_seconds": time.perf_counter() - start}
