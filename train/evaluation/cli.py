@@ -274,7 +274,7 @@ def _evaluate(args, arrays, common, report) -> int:
   samples = args.samples or DEFAULT_SAMPLES
   batch = args.batch_size or DEFAULT_BATCH
   # Everything is checked before the first part runs: a mistake costs no evaluation.
-  for name in ("ppl", "selection", "induction"):
+  for name in ("ppl", "selection"):
     if name in args.suite:
       common.check_data(config, lengths=lengths, data=args.data, what=name)
   if "ruler" in args.suite:
@@ -287,6 +287,9 @@ def _evaluate(args, arrays, common, report) -> int:
     mixture.haystack(config)
   if "induction" in args.suite:
     induction.check_lengths(lengths)
+    # Its common tokens come from held-out windows of the data (`induction.common_tokens`).
+    common.check_data(config, lengths=[induction.vocabulary_length(lengths)], data=args.data,
+                      what="induction")
   if "mqar" in args.suite:
     pairs = args.mqar_pairs or mqar.default_pairs(config, lengths)
     mqar.check_pairs(pairs, config, lengths)

@@ -53,14 +53,18 @@ COMMON_TOKENS = 4096
 _VOCABULARY_WINDOWS, _VOCABULARY_LENGTH = 16, 4096
 
 
+def vocabulary_length(lengths: list[int]) -> int:
+  """The length of the held-out windows the common tokens are counted in."""
+  return min(max(lengths), _VOCABULARY_LENGTH)
+
+
 def common_tokens(config, *, lengths: list[int], seed: int,
                   data: str | None) -> tuple[np.ndarray, dict]:
   """The ids a window is drawn from, int `[<= COMMON_TOKENS]` ascending (the most frequent of
   the run's held-out data, ties to the lower id; end-of-text and ids the model cannot emit left
   out), and where they come from (for the record)."""
-  length = min(max(lengths), _VOCABULARY_LENGTH)
-  windows = common.held_out(config, length=length, samples=_VOCABULARY_WINDOWS, seed=seed,
-                            data=data)
+  windows = common.held_out(config, length=vocabulary_length(lengths),
+                            samples=_VOCABULARY_WINDOWS, seed=seed, data=data)
   counts = np.bincount(windows["targets"].ravel(), minlength=config.model.vocab_size)
   counts = counts[:config.model.vocab_size]
   counts[EOT_TOKEN:EOT_TOKEN + 1] = 0  # a vocabulary below GPT-2's has no end-of-text id
