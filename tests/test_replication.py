@@ -239,7 +239,7 @@ def test_short_documents_fall_back_and_too_short_ones_raise(maker):
 
 
 def _ngrams(text: str, n: int = 4) -> set:
-  words = re.sub(r"\{[a-z]+\}", " slot ", text.lower())
+  words = re.sub(r"\{[a-z_]+\}", " slot ", text.lower())
   words = re.findall(r"[a-z]+", words)
   return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
 
@@ -249,8 +249,8 @@ def test_training_templates_keys_and_values_are_disjoint_from_rulers():
   from pisa_jax.train.evaluation import ruler
 
   ours = list(retrieval.NEEDLES) + list(retrieval.PREAMBLES) + [
-      t for pair in retrieval.QUESTIONS_ONE + retrieval.QUESTIONS_KEYS
-      + retrieval.QUESTIONS_VALUES for t in pair]
+      t.replace("{where}", where) for pair in retrieval.QUESTIONS_ONE + retrieval.QUESTIONS_KEYS
+      + retrieval.QUESTIONS_VALUES for t in pair for where in ("",) + retrieval.WHERES]
   ours += [a for pair in retrieval.ATTRIBUTES for a in pair]
   theirs = [ruler.NEEDLE, ruler.NOISE, ruler.TEMPLATE, ruler.ANSWER_PREFIX, ruler.TEMPLATE_ONE,
             ruler.ANSWER_PREFIX_ONE]

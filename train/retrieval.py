@@ -70,26 +70,42 @@ NEEDLES = (
     "Remember that the {attr} assigned to {key} is {value}.",
     "{key} was issued the {attr} {value}.",
     "According to the ledger, {key} has {attr} {value}.",
+    "The {attr} on file under {key} is {value}.",
+    "For {key}, the {attr} is {value}.",
+    "{key} received {value} as the {attr}.",
+    "Among the entries, {key} is listed with the {attr} {value}.",
 )
-# (question, answer prefix): one key, one value.
+# (question, answer prefix): one key, one value. {where}, in most answer prefixes, is "" or a
+# qualifier between the key and the answer (WHERES), so that the value is learnt to follow the
+# end of the prefix rather than the key itself.
 QUESTIONS_ONE = (
-    ("Which {attr} was issued to {key}?", "The {attr} issued to {key} is"),
-    ("Give the {attr} of {key}.", "The {attr} of {key} is"),
+    ("Which {attr} was issued to {key}?", "The {attr} issued to {key}{where} is"),
+    ("Give the {attr} of {key}.", "The {attr} of {key}{where} is"),
     ("Question: what {attr} does {key} have? Answer:", "{key} has the {attr}"),
-    ("Look up {key} in the text above and report its {attr}.", "The {attr} of {key} is"),
-    ("What {attr} belongs to {key}?", "The {attr} that belongs to {key} is"),
+    ("Look up {key} in the text above and report its {attr}.", "The {attr} of {key}{where} is"),
+    ("What {attr} belongs to {key}?", "The {attr} that belongs to {key}{where} is"),
+    ("What is the {attr} for {key}?", "The {attr} listed for {key}{where} is"),
+    ("Report the {attr} recorded for {key}.", "The {attr} recorded for {key}{where} is"),
 )
 # Several keys asked at once (multi_query): their values in the order the keys are asked.
 QUESTIONS_KEYS = (
-    ("Which {attrs} were issued to {keys}?", "The {attrs} issued to {keys} are"),
-    ("Give the {attrs} of {keys}, in that order.", "The {attrs} of {keys} are"),
+    ("Which {attrs} were issued to {keys}?", "The {attrs} issued to {keys}{where} are"),
+    ("Give the {attrs} of {keys}, in that order.", "The {attrs} of {keys}{where} are"),
     ("Look up {keys} in the text above and report their {attrs}.", "Their {attrs} are"),
+    ("What are the {attrs} for {keys}?", "The {attrs} for {keys}{where} are"),
 )
 # One key with several values (multi_value): all of them.
 QUESTIONS_VALUES = (
-    ("Which {attrs} were issued to {key}?", "The {attrs} issued to {key} are"),
-    ("Give every {attr} of {key}.", "The {attrs} of {key} are"),
+    ("Which {attrs} were issued to {key}?", "The {attrs} issued to {key}{where} are"),
+    ("Give every {attr} of {key}.", "The {attrs} of {key}{where} are"),
     ("{key} holds several {attrs}. List them all.", "The {attrs} of {key} are"),
+    ("Which {attrs} does {key} hold?", "The {attrs} held by {key}{where} are"),
+)
+# Half the answer prefixes with a {where} get one of these.
+WHERES = (
+    " in the text above", " according to the passage", " as recorded earlier",
+    " in this document", " given above", " that the passage records",
+    " named earlier in the text", " listed in the document above", " from the records above",
 )
 PREAMBLES = (
     "Read the passage below and keep track of the {attrs} it records.",
@@ -229,7 +245,8 @@ def _draw_text(rng: np.random.Generator, family: str, size: int, key_formats: tu
   else:
     question, prefix = _pick(rng, QUESTIONS_ONE)
     answers = [values[asked_idx[0]]]
-  fields = dict(attr=attr, attrs=attrs, key=asked[0], keys=join_items(asked))
+  where = _pick(rng, WHERES) if rng.random() < 0.5 else ""
+  fields = dict(attr=attr, attrs=attrs, key=asked[0], keys=join_items(asked), where=where)
   preamble = _pick(rng, PREAMBLES).format(**fields) if rng.random() < 0.5 else None
   ledger = family == "multi_key" and rng.random() < _LEDGER_SHARE
   return _Draw(family=family, keys=tuple(keys), asked=tuple(asked), answers=tuple(answers),
