@@ -227,6 +227,25 @@ def test_needle_documents_are_well_formed(maker, family):
 
 
 @needs_bpe
+def test_filler_haystacks_repeat_a_few_sentences(maker):
+  enc, fillers = maker.encoding, 0
+  for i in range(60):
+    doc = maker.make(np.random.default_rng([8, i]), 1000, "single_key")
+    text = enc.decode(doc.tokens[:-1].tolist())
+    # The haystack without its needle and question; the fixture's sentences are all distinct.
+    hay = text.replace(" " + doc.needles[0], "", 1)[:text.rindex(doc.question)]
+    sentences = [x for x in re.split(r"(?<=\.) ", hay.strip()) if x]
+    # The first two may be a preamble's, the last is cut short.
+    distinct = len(set(sentences[2:-1]))
+    if doc.filler:
+      fillers += 1
+      assert len(sentences) > 30 and 1 <= distinct <= 3, sentences[:6]
+    else:
+      assert distinct > 30, sentences[:6]
+  assert 3 <= fillers <= 20  # one prose haystack in six
+
+
+@needs_bpe
 def test_short_documents_fall_back_and_too_short_ones_raise(maker):
   families = set()
   for seed in range(20):

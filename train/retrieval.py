@@ -18,6 +18,10 @@ lines. Four families, as RULER's (Hsieh et al., 2024), each with its own draws:
   multi_query  2-4   1               2-all       prose
   multi_value  1     2-4             1           prose; every value answered
 
+One prose haystack in six is filler instead: one to three sentences of the haystack text repeated
+to the length (the passkey-retrieval setting of Mohtashami and Jaggi, 2023, in sentences of our
+own haystack, never RULER's noise sentences), where nothing but the needles differs.
+
 The templates, keys and values are this module's own and disjoint from `pisa-eval --suite ruler`
 (`train.evaluation.ruler`), so that the evaluation measures retrieval, not a memorised template.
 Keys are capitalised pseudo-word names ("Vorandel Kestrum"), letter-digit tags ("QX-482"),
@@ -56,6 +60,9 @@ _PARAGRAPH = 628
 # A document keeps at least this many haystack tokens around its needles.
 _MIN_HAYSTACK = 16
 _LEDGER_SHARE = 0.25
+_FILLER_SHARE = 1 / 6
+# A filler span is the sentences ending within this many tokens of its start (at most three).
+_FILLER_SPAN = 128
 
 ATTRIBUTES = (
     ("access code", "access codes"), ("locker code", "locker codes"), ("serial", "serials"),
@@ -187,6 +194,7 @@ class NeedleDocument:
   depths: tuple[float, ...]    # where each needle went, as a fraction of the haystack
   question: str
   ledger: bool
+  filler: bool = False         # the haystack is a few sentences repeated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,10 +348,11 @@ class NeedleMaker:
     n_hay = length - 1 - len(head) - len(tail) - len(answer) - sum(map(len, needles))
     if n_hay < _MIN_HAYSTACK:
       return None
+    filler = not draw.ledger and rng.random() < _FILLER_SHARE
     if draw.ledger:
       hay, spots = self._ledger(rng, draw, n_hay)
     else:
-      hay = self._prose(rng, n_hay)
+      hay = self._filler(rng, n_hay) if filler else self._prose(rng, n_hay)
       # Between sentences: after a sentence-ending token, or at either end.
       spots = np.unique(np.concatenate([[0, n_hay], np.flatnonzero(self.ends[hay]) + 1]))
     # Each needle at a uniform depth, moved to the nearest place between sentences (or records).
@@ -364,7 +373,8 @@ class NeedleMaker:
     return NeedleDocument(
         tokens=tokens, answer=(answer_start, answer_start + len(answer)), family=draw.family,
         keys=draw.keys, asked=draw.asked, answers=draw.answers, needles=draw.needles,
-        depths=tuple(float(x) / n_hay for x in at), question=draw.question, ledger=draw.ledger)
+        depths=tuple(float(x) / n_hay for x in at), question=draw.question, ledger=draw.ledger,
+        filler=filler)
 
   def _prose(self, rng, n: int) -> np.ndarray:
     """n haystack tokens from a random sentence start, end-of-text tokens as paragraph breaks."""
@@ -379,6 +389,15 @@ class NeedleMaker:
       offset += int(ends[0]) + 1
     hay = np.asarray(self.haystack[offset:offset + n], np.int32)
     return np.where(hay == EOT_TOKEN, _PARAGRAPH, hay)
+
+  def _filler(self, rng, n: int) -> np.ndarray:
+    """n tokens of one to three haystack sentences repeated (a span cut at _FILLER_SPAN tokens
+    where no sentence ends sooner)."""
+    span = self._prose(rng, min(n, _FILLER_SPAN))
+    ends = np.flatnonzero(self.ends[span]) + 1
+    if ends.size:
+      span = span[:ends[min(int(rng.integers(3)), ends.size - 1)]]
+    return np.resize(span, n)
 
   def _ledger(self, rng, draw: _Draw, n: int) -> tuple[np.ndarray, np.ndarray]:
     """n tokens of distractor records (other keys, the same attribute and formats), a prose
