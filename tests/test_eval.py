@@ -158,7 +158,7 @@ def test_induction_scores_the_second_copy_against_the_first(evaluated, tiny_run)
   assert row["length"] == 32 and row["windows"] == SAMPLES
   part = result["parts"]["induction"]
   config, _, _ = cli.restore_model(tiny_run)
-  # The common tokens: the most frequent of 16 held-out MQAR windows of 32 tokens (the run's
+  # The common tokens: the most frequent of 16 held-out MQAR examples of 32 tokens (the run's
   # task), every id counted, end-of-text never.
   held = common.held_out(config, length=32, samples=16, seed=0, data=None)
   counts = np.bincount(held["targets"].ravel(), minlength=64)
@@ -183,6 +183,21 @@ def test_induction_scores_the_second_copy_against_the_first(evaluated, tiny_run)
   assert row["copy_accuracy"] == hits[windows["second"]].mean()
   assert "| length | first copy | second copy | score | copied |" in (
       report.induction_markdown(result["parts"]["induction"]))
+
+
+def test_induction_draws_the_most_common_tokens_of_held_out_text(tiny_run, text, monkeypatch):
+  config, _, _ = cli.restore_model(tiny_run)
+  val = np.fromfile(text / "val.bin", np.uint16).astype(np.int64)
+  ids, record = induction.common_tokens(config, lengths=[32], seed=0, data=str(text))
+  np.testing.assert_array_equal(ids, np.unique(val))  # fewer than 4,096 distinct: all of them
+  assert record == {"tokens": len(ids), "counted": 200,
+                    "data": {"source": "tokens", "path": str(text), "split": "val", "first": 200}}
+  monkeypatch.setattr(induction, "COMMON_TOKENS", 5)
+  ids, _ = induction.common_tokens(config, lengths=[32], seed=0, data=str(text))
+  counts = np.bincount(val, minlength=64)
+  # The five largest counts, ties to the lower id.
+  want = sorted(sorted(range(64), key=lambda i: (-counts[i], i))[:5])
+  np.testing.assert_array_equal(ids, want)
 
 
 def _check_selection(part, *, layers, windows, length=32, top_k=4):

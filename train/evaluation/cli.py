@@ -287,9 +287,8 @@ def _evaluate(args, arrays, common, report) -> int:
     mixture.haystack(config)
   if "induction" in args.suite:
     induction.check_lengths(lengths)
-    # Its common tokens come from held-out windows of the data (`induction.common_tokens`).
-    common.check_data(config, lengths=[induction.vocabulary_length(lengths)], data=args.data,
-                      what="induction")
+    # Its common tokens come from the held-out data (`induction.common_tokens`).
+    common.check_data(config, lengths=lengths, data=args.data, what="induction")
   if "mqar" in args.suite:
     pairs = args.mqar_pairs or mqar.default_pairs(config, lengths)
     mqar.check_pairs(pairs, config, lengths)

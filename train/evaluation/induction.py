@@ -2,12 +2,12 @@
 
 A window of `length` tokens is h = length // 2 + 1 tokens drawn uniformly from the model's
 common tokens, then the same h tokens again, cut to length + 1 tokens. The common tokens are the
-4,096 most frequent ones (end-of-text left out) of the run's held-out data (`common.held_out`:
-16 windows of the longest length asked, at most 4,096 tokens, of the validation text or of the
-run's MQAR task). A model trained on tens of millions of tokens has never seen most of a 50K
-vocabulary and gives those ids ~13 nats, so ids drawn from all of it would measure the data's
-coverage rather than the copying. Nothing in the first copy can be predicted (about ln 4096 =
-8.3 nats a token for a model that learnt the language). A token of the second copy is predicted
+4,096 most frequent ones (end-of-text left out) of the run's held-out data: the first 1M tokens
+of the validation text, or examples of the run's MQAR task (`held_out_tokens`). A model trained
+on tens of millions of tokens has never seen most of a 50K vocabulary and gives those ids ~13
+nats, so ids drawn from all of it would measure the data's coverage rather than the copying.
+Nothing in the first copy can be predicted (about ln 4096 = 8.3 nats a token for a model that
+learnt the language). A token of the second copy is predicted
 by attending to the token after the earlier occurrence of the current token, h positions back:
 the mechanism of induction heads, and the one RULER's needles need once the key is found. A
 model that scores nothing here cannot retrieve; one that does and still fails RULER does not
@@ -48,14 +48,26 @@ def check_lengths(lengths: list[int]) -> None:
         f"{MIN_LENGTH} tokens (a scored token in each copy)")
 
 
-# The common tokens: the most frequent ones of this many held-out windows of at most this length.
+# The common tokens: the most frequent ones of the first COUNTED_TOKENS held-out text tokens.
 COMMON_TOKENS = 4096
-_VOCABULARY_WINDOWS, _VOCABULARY_LENGTH = 16, 4096
+COUNTED_TOKENS = 1 << 20
 
 
-def vocabulary_length(lengths: list[int]) -> int:
-  """The length of the held-out windows the common tokens are counted in."""
-  return min(max(lengths), _VOCABULARY_LENGTH)
+def held_out_tokens(config, *, lengths: list[int], seed: int,
+                    data: str | None) -> tuple[np.ndarray, dict]:
+  """The held-out tokens the common tokens are counted in, and their source: the first
+  COUNTED_TOKENS of the validation split of the run's text (or of `data`), or, for an MQAR run
+  without `data`, 16 validation examples of its task at the longest length."""
+  from pisa_jax.train.data import TokenWindows
+
+  if config.data.source == "mqar" and data is None:
+    windows = common.held_out(config, length=max(lengths), samples=16, seed=seed, data=None)
+    return windows["targets"].ravel(), windows["source"]
+  folder = data if data is not None else config.data.path
+  split = TokenWindows(folder, "val", seq_len=1, global_batch=1, accum=1, seed=0,
+                       vocab_size=config.model.vocab_size, packing=False)
+  tokens = np.asarray(split.tokens[:COUNTED_TOKENS])
+  return tokens, {"source": "tokens", "path": str(folder), "split": "val", "first": len(tokens)}
 
 
 def common_tokens(config, *, lengths: list[int], seed: int,
@@ -63,10 +75,8 @@ def common_tokens(config, *, lengths: list[int], seed: int,
   """The ids a window is drawn from, int `[<= COMMON_TOKENS]` ascending (the most frequent of
   the run's held-out data, ties to the lower id; end-of-text and ids the model cannot emit left
   out), and where they come from (for the record)."""
-  windows = common.held_out(config, length=vocabulary_length(lengths),
-                            samples=_VOCABULARY_WINDOWS, seed=seed, data=data)
-  counts = np.bincount(windows["targets"].ravel(), minlength=config.model.vocab_size)
-  counts = counts[:config.model.vocab_size]
+  tokens, source = held_out_tokens(config, lengths=lengths, seed=seed, data=data)
+  counts = np.bincount(tokens, minlength=config.model.vocab_size)[:config.model.vocab_size]
   counts[EOT_TOKEN:EOT_TOKEN + 1] = 0  # a vocabulary below GPT-2's has no end-of-text id
   # A stable sort of -counts keeps the lower id first among equal counts.
   order = np.argsort(-counts, kind="stable")[:COMMON_TOKENS]
@@ -75,8 +85,7 @@ def common_tokens(config, *, lengths: list[int], seed: int,
     raise common.EvalArgumentError(
         f"--data: the held-out data holds {len(ids)} distinct token(s); the induction suite "
         f"draws its sequences from the data's common tokens and needs >= 2")
-  return ids, {"tokens": int(len(ids)), "counted": int(windows["targets"].size),
-               "data": windows["source"]}
+  return ids, {"tokens": int(len(ids)), "counted": int(len(tokens)), "data": source}
 
 
 def repeated_windows(rng: np.random.Generator, samples: int, length: int,

@@ -91,7 +91,11 @@ def mqar_markdown(part: dict) -> str:
 
 
 def induction_markdown(part: dict) -> str:
-  return (f"A random sequence repeated once, {part['samples']} windows a length: mean NLL (nats) "
+  vocabulary = part.get("vocabulary")
+  drawn = (f" of the held-out data's {vocabulary['tokens']:,} most common tokens"
+           if vocabulary else "")
+  return (f"A random sequence{drawn} repeated once, {part['samples']} windows a length: mean NLL "
+          f"(nats) "
           f"of each copy's targets after its first token, the first minus the second, and the "
           f"percent of the second copy's tokens predicted (argmax).\n\n"
           + _table(["length", "first copy", "second copy", "score", "copied"],
