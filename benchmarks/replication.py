@@ -4,6 +4,7 @@ project's trainer, then evaluated by pisa-eval's code (Tables 2, 3, 6 and 7 at s
   python -m benchmarks.replication --prepare              # here, with registry access: the data
   python -m benchmarks.replication --list                 # every run and whether it is done
   python -m benchmarks.replication --next 1 --out DIR     # on the GPU: the next run not done
+  python -m benchmarks.replication --next 9 --time-limit 3000   # as many as fit a job's time
   python -m benchmarks.replication --run pisa-s0          # one run (or --method pisa --seed 0)
   python -m benchmarks.replication --summarize            # summary.md and plots from the JSONs
 
@@ -45,6 +46,8 @@ from benchmarks._replication_manifest import (
     stage_config)
 
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results" / "replication"
+# --time-limit's clock (a test steps it by hand).
+_clock = time.monotonic
 
 
 # ----------------------------------------------------------------------------- status
@@ -529,6 +532,10 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--readme", type=Path, default=REPO / "README.md",
                  help="--summarize rewrites the block between its replication markers")
   p.add_argument("--no-progress", action="store_true")
+  p.add_argument("--time-limit", type=float, metavar="SECONDS",
+                 help="with --next: start another run only while the time left of SECONDS "
+                      "(from this command's start) exceeds the longest run so far; exit 3 "
+                      "when runs are left")
   p.add_argument("--shared-device", type=int, default=1, metavar="N",
                  help="this run is one of N started side by side on one GPU (0.9 / N of its "
                       "memory each; not speed figures)")
@@ -536,10 +543,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+  started = _clock()
   parser = _parser()
   args = parser.parse_args(argv)
   if (args.method is None) != (args.seed is None):
     parser.error("--method and --seed go together")
+  if args.time_limit is not None and (args.next is None or args.time_limit <= 0):
+    parser.error(f"--time-limit {args.time_limit} must be > 0 and goes with --next")
   try:
     m = load_manifest(args.manifest)
     out = args.out or args.results
@@ -587,9 +597,18 @@ def main(argv: list[str] | None = None) -> int:
     from pisa_jax.train import compilation_cache
 
     compilation_cache.enable_for(parser)
+    longest = 0.0
     for run in runs:
+      left = args.time_limit - (_clock() - started) if args.time_limit else None
+      if left is not None and longest and left < longest:
+        # A run cut off by the job's end keeps only what it finished: not worth starting.
+        print(f"stopping before {run.name}: {left:.0f} s of --time-limit left, and a run here "
+              f"took {longest:.0f} s; rerun to go on")
+        return 3
+      t0 = _clock()
       run_one(m, run, out=out, workdir=args.workdir, progress=not args.no_progress, dirs=dirs,
               shared_device=args.shared_device)
+      longest = max(longest, _clock() - t0)
     return 0
   except ManifestError as e:
     print(f"replication: {e}", file=sys.stderr)

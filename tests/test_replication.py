@@ -541,6 +541,28 @@ def test_done_runs_are_skipped_and_the_next_ones_run(tmp_path, capsys, monkeypat
   assert "model.attention='nsa' is not an attention kind" in capsys.readouterr().err
 
 
+def test_a_time_limit_starts_no_run_that_would_not_fit(tmp_path, capsys, monkeypatch):
+  """--next N --time-limit S: after each run, the next starts only while more than the longest
+  run's time is left of S; exit 3 says runs are left."""
+  _without_nsa(monkeypatch)
+  path = _manifest(tmp_path)
+  # main's start, then per run: the check, its start, its end.
+  clock = iter([0.0, 0.0, 0.0, 40.0, 40.0, 40.0, 80.0, 80.0])
+  monkeypatch.setattr(rep, "_clock", lambda: next(clock, 80.0))
+  ran = []
+  monkeypatch.setattr(rep, "run_one", lambda m, run, **kw: ran.append(run.name))
+  common = ["--manifest", str(path), "--results", str(tmp_path / "results")]
+  # Start 0; dense-s0 0 -> 40 s; 60 s left >= 40: pisa-s0 40 -> 80; 20 s left < 40: stop.
+  assert rep.main(common + ["--next", "5", "--time-limit", "100"]) == 3
+  assert ran == ["dense-s0", "pisa-s0"]
+  assert "stopping before pisa-s1: 20 s of --time-limit left, and a run here took 40 s" in (
+      capsys.readouterr().out)
+  for bad in (["--next", "1", "--time-limit", "0"], ["--run", "dense-s0", "--time-limit", "9"]):
+    with pytest.raises(SystemExit):
+      rep.main(common + bad)
+    assert "--time-limit" in capsys.readouterr().err
+
+
 # A third stage whose dense steps fit the wall time pisa's took (the 64K stage's `match_wall`).
 LONG = """
 [[stage]]
