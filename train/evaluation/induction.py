@@ -7,12 +7,12 @@ of the validation text, or examples of the run's MQAR task (`held_out_tokens`). 
 on tens of millions of tokens has never seen most of a 50K vocabulary and gives those ids ~13
 nats, so ids drawn from all of it would measure the data's coverage rather than the copying.
 Nothing in the first copy can be predicted (about ln 4096 = 8.3 nats a token for a model that
-learnt the language). A token of the second copy is predicted
-by attending to the token after the earlier occurrence of the current token, h positions back:
-the mechanism of induction heads, and the one RULER's needles need once the key is found. A
-model that scores nothing here cannot retrieve; one that does and still fails RULER does not
-match the key. For a sparse kind each query of the second copy must select the block that holds
-its earlier occurrence, so this is also a test of selection on sequences of no document.
+learnt the language). A token of the second copy is predicted by attending to the token after
+the earlier occurrence of the current token, h positions back: the mechanism of induction heads,
+and the one RULER's needles need once the key is found. A model that scores nothing here cannot
+retrieve; one that does and still fails RULER does not match the key. For a sparse kind each
+query of the second copy must select the block that holds its earlier occurrence, so this is also
+a test of selection on sequences of no document.
 
 Per length: first_loss, the mean NLL of the first copy's targets after its first token;
 second_loss, that of the second copy's after its first token (each the repeat of a token seen
