@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from pisa_jax.train.provenance import environment
@@ -230,6 +230,18 @@ def phase_bars(record: dict, path, sides: tuple[str, ...], title: Callable[[str]
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
+
+
+def ratio_notes(sides: tuple[str, ...], key: str,
+                spec: str) -> Callable[[dict, str, str], Iterator]:
+  """A `phase_bars` annotate: above each of `sides`' bars, its row's `key` (where set) formatted
+  with `spec`, then "x"."""
+  def annotate(by, case, phase):
+    for side in sides:
+      row = by.get((case, side, phase), {})
+      if row.get(key):
+        yield side, row["ms"], f"{row[key]:{spec}}x"
+  return annotate
 
 
 def phase_table(record: dict, sides: tuple[str, ...],

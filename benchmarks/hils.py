@@ -104,16 +104,10 @@ def table(record: dict) -> str:
 
 
 def plot(record: dict, path) -> None:
-  def annotate(by, case, phase):
-    for side in SIDES[1:]:
-      row = by.get((case, side, phase), {})
-      if row.get("x_hils"):
-        yield side, row["ms"], f"{row['x_hils']:.2g}x"
-
   _record.phase_bars(
       record, path, SIDES, lambda phase: (f"HiLS layer vs PISA, NSA and dense, {phase}, bf16\n"
                                           f"{record['device']} (annotations: side / HiLS)"),
-      annotate, note_size=6)
+      _record.ratio_notes(SIDES[1:], "x_hils", ".2g"), note_size=6)
 
 
 def settings(args) -> dict:

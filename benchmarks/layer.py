@@ -69,16 +69,10 @@ def table(record: dict) -> str:
 
 
 def plot(record: dict, path) -> None:
-  def annotate(by, case, phase):
-    for side in SIDES[:2]:
-      row = by.get((case, side, phase), {})
-      if row.get("speedup_vs_dense"):
-        yield side, row["ms"], f"{row['speedup_vs_dense']:.1f}x"
-
   _record.phase_bars(
       record, path, SIDES, lambda phase: (f"PISA layer vs dense attention, {phase}, bf16\n"
                                           f"{record['device']} (annotations: dense / layer)"),
-      annotate)
+      _record.ratio_notes(SIDES[:2], "speedup_vs_dense", ".1f"))
 
 
 def settings(args) -> dict:
