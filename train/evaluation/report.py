@@ -95,9 +95,8 @@ def induction_markdown(part: dict) -> str:
   drawn = (f" of the held-out data's {vocabulary['tokens']:,} most common tokens"
            if vocabulary else "")
   return (f"A random sequence{drawn} repeated once, {part['samples']} windows a length: mean NLL "
-          f"(nats) "
-          f"of each copy's targets after its first token, the first minus the second, and the "
-          f"percent of the second copy's tokens predicted (argmax).\n\n"
+          f"(nats) of each copy's targets after its first token, the first minus the second, and "
+          f"the percent of the second copy's tokens predicted (argmax).\n\n"
           + _table(["length", "first copy", "second copy", "score", "copied"],
                    [[_length(r["length"]), _num(r["first_loss"], 3), _num(r["second_loss"], 3),
                      _num(r["score"], 3), _pct(r["copy_accuracy"])] for r in part["rows"]]))
