@@ -21,7 +21,7 @@ stage and every evaluation, so a run stopped early keeps what it finished.
 A run is done when `<results>/<run>.json` (or `<out>/<run>.json`) is complete and was made from
 this manifest's settings for it (`Manifest.fingerprint`); `--next` and `--run` skip done runs
 (`--force` runs again). A run folder left by an interrupted run resumes from its checkpoint.
-Methods whose attention kind this build lacks (nsa, hils) are listed as pending.
+A method without a complete run is listed as pending in every table.
 
 `--shared-device N`: this process is one of N runs started side by side on one GPU (a small
 backbone leaves most of a large GPU idle). Each takes 0.9 / N of its memory
