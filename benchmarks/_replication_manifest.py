@@ -97,6 +97,7 @@ _DATA = {
     "haystack_corpora": ("strs", ()), "tokenizer": ((str,), None), "ruler_dir": ((str,), None),
     "wheels": ((str,), None), "retrieval_fraction": (float, _REQUIRED),
     "retrieval_min_length": (int, 256), "retrieval_answer_weight": (float, 1.0),
+    "retrieval_templates": (str, "fixed"),
 }
 _STAGE = {
     "name": (str, _REQUIRED), "enabled": (bool, True), "methods": (("strs",), None),
@@ -265,8 +266,12 @@ def load_manifest(path: str | Path) -> Manifest:
 def _data_settings(data: dict) -> dict:
   """The data fields that shape a result: the corpora and the mixture (not the folders they are
   kept in, nor where the tools and wheels are)."""
-  return {k: v for k, v in data.items()
-          if k not in ("text", "haystack", "tokenizer", "ruler_dir", "wheels")}
+  out = {k: v for k, v in data.items()
+         if k not in ("text", "haystack", "tokenizer", "ruler_dir", "wheels")}
+  if out.get("retrieval_templates") == "fixed":
+    # The default, older than the field: results made before it keep their fingerprint.
+    del out["retrieval_templates"]
+  return out
 
 
 def _check(m: Manifest) -> None:
@@ -350,7 +355,8 @@ def stage_config(m: Manifest, run: Run, index: int, *, init_from: str | None, de
                     retrieval_path=str(m.resolve(d["haystack"])),
                     retrieval_min_length=d["retrieval_min_length"],
                     retrieval_max_length=stage.retrieval_max_length,
-                    retrieval_answer_weight=d["retrieval_answer_weight"])
+                    retrieval_answer_weight=d["retrieval_answer_weight"],
+                    retrieval_templates=d["retrieval_templates"])
   train = TrainConfig(
       seq_len=stage.seq_len, per_device_batch=stage.batch // devices,
       grad_accum=stage.grad_accum, steps=stage.steps, peak_lr=stage.peak_lr,

@@ -52,12 +52,14 @@ class DataConfig:
   # its answer) instead of windows of data.path. The haystack is the train split of
   # retrieval_path, a pisa-prepare-data folder; documents are retrieval_min_length tokens to
   # retrieval_max_length (None: the row) long; the loss on answer tokens is weighted
-  # retrieval_answer_weight. Needs packing.
+  # retrieval_answer_weight. Needs packing. retrieval_templates: "fixed" (a few lists of
+  # sentences) or "composed" (sentences built from parts: thousands of forms).
   retrieval_fraction: float = 0.0
   retrieval_path: str | None = None
   retrieval_min_length: int = 256
   retrieval_max_length: int | None = None
   retrieval_answer_weight: float = 1.0
+  retrieval_templates: str = "fixed"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,6 +325,9 @@ def _validate_retrieval(d: DataConfig, m: ModelConfig, t: TrainConfig) -> None:
   """The retrieval mixture's fields (`pisa_jax.train.retrieval`)."""
   if not 0 <= d.retrieval_fraction <= 1:
     raise ValueError(f"data.retrieval_fraction={d.retrieval_fraction} must be in [0, 1]")
+  if d.retrieval_templates not in ("fixed", "composed"):
+    raise ValueError(f"data.retrieval_templates={d.retrieval_templates!r}: expected 'fixed' or "
+                     f"'composed'")
   if not d.retrieval_fraction:
     return
   if d.source != "tokens" or not d.packing:

@@ -166,6 +166,8 @@ def test_the_shipped_manifest_gives_every_method_the_same_config_but_attention()
     (("seeds = [0, 1]", "seeds = []"), "method[1].seeds is empty"),
     (("seeds = [0, 1]", "seeds = [-1]"), "method[1].seeds=[-1] must be a list of integers >= 0"),
     (("retrieval_fraction = 0.5", "retrieval_fraction = 1.5"), "retrieval_fraction=1.5 must be"),
+    (("retrieval_fraction = 0.5", 'retrieval_fraction = 0.5\nretrieval_templates = "mixed"'),
+     "data.retrieval_templates='mixed': expected 'fixed' or 'composed'"),
     (("mqar_pairs = [16]", "mqar_pairs = [128]"), "no eval.mqar_pairs fits"),
     (("[summary]", "[sumary]"), "unknown section 'sumary'"),
 ])
@@ -181,8 +183,8 @@ def test_bad_manifest_fields_are_one_line_errors(tmp_path, capsys, edit, message
 # ----------------------------------------------------------------------------- the mixture
 
 
-@pytest.fixture(scope="module")
-def maker():
+@pytest.fixture(scope="module", params=["fixed", "composed"])
+def maker(request):
   from pisa_jax.train.retrieval import NeedleMaker
   from pisa_jax.train.tokenizer import gpt2_encoding
 
@@ -191,7 +193,7 @@ def maker():
   encoding = gpt2_encoding()
   sentences = " ".join(f"Sentence {i} tells of the {_WORDS[i % len(_WORDS)]}." for i in range(3000))
   tokens = np.array(encoding.encode_ordinary(sentences) + [EOT_TOKEN] * 3, np.uint16)
-  return NeedleMaker(np.tile(tokens, 2), encoding)
+  return NeedleMaker(np.tile(tokens, 2), encoding, templates=request.param)
 
 
 @needs_bpe
@@ -233,8 +235,8 @@ def test_filler_haystacks_repeat_a_few_sentences(maker):
     doc = maker.make(np.random.default_rng([8, i]), 1000, "single_key")
     text = enc.decode(doc.tokens[:-1].tolist())
     # The haystack without its needle and question; the fixture's sentences are all distinct.
-    hay = text.replace(" " + doc.needles[0], "", 1)[:text.rindex(doc.question)]
-    sentences = [x for x in re.split(r"(?<=\.) ", hay.strip()) if x]
+    hay = text[:text.rindex(doc.question)].replace(" " + doc.needles[0], "", 1)
+    sentences = [x for x in re.split(r"(?<=\.)\s+", hay.strip()) if x]
     # The first two may be a preamble's, the last is cut short.
     distinct = len(set(sentences[2:-1]))
     if doc.filler:
@@ -263,22 +265,56 @@ def _ngrams(text: str, n: int = 4) -> set:
   return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
 
 
+_TELLING = {"special", "magic", "memorize", "quiz", "mentioned", "provided", "hidden", "uuid",
+            "uuids", "number", "numbers", "afterwards"}
+
+
+def _assert_disjoint_from_rulers(ours: list[str]) -> None:
+  """No four-word sequence of RULER's texts (slots read as one word) and none of its telling
+  words in any of `ours`."""
+  from pisa_jax.train.evaluation import ruler
+
+  theirs = [ruler.NEEDLE, ruler.NOISE, ruler.TEMPLATE, ruler.ANSWER_PREFIX, ruler.TEMPLATE_ONE,
+            ruler.ANSWER_PREFIX_ONE]
+  rulers = set().union(*map(_ngrams, theirs))
+  for template in ours:
+    assert not _ngrams(template) & rulers, (template, _ngrams(template) & rulers)
+    assert not _TELLING & set(re.findall(r"[a-z]+", template.lower())), template
+
+
+def test_composed_templates_are_disjoint_from_rulers():
+  from pisa_jax.train import retrieval
+
+  t = retrieval.template_set("composed")
+  rng = np.random.default_rng(0)
+  ours, needles, questions = [], set(), set()
+  for _ in range(4000):
+    # The attribute as a slot too, as RULER's "special magic {type_v}" is one: the frames alone.
+    needle = t.needle(rng, "{attr}")
+    family = retrieval.FAMILIES[int(rng.integers(4))]
+    question, prefix = t.question(rng, family)
+    where = t.where(rng)
+    ours += [needle, t.preamble(rng), question.replace("{where}", where),
+             prefix.replace("{where}", where), *t.attribute(rng)]
+    needles.add(needle)
+    questions.add((question, prefix))
+  _assert_disjoint_from_rulers(ours)
+  # The point of composing: far more frames than the fixed lists' 10 needles and 15 questions,
+  # each with any of 37 x 30 attribute phrases.
+  assert len(needles) > 800 and len(questions) > 300, (len(needles), len(questions))
+  assert len({a for pair in retrieval.ATTRIBUTE_HEADS for a in pair}) == 60
+  with pytest.raises(ValueError, match="data.retrieval_templates='mixed'"):
+    retrieval.template_set("mixed")
+
+
 def test_training_templates_keys_and_values_are_disjoint_from_rulers():
   from pisa_jax.train import retrieval
-  from pisa_jax.train.evaluation import ruler
 
   ours = list(retrieval.NEEDLES) + list(retrieval.PREAMBLES) + [
       t.replace("{where}", where) for pair in retrieval.QUESTIONS_ONE + retrieval.QUESTIONS_KEYS
       + retrieval.QUESTIONS_VALUES for t in pair for where in ("",) + retrieval.WHERES]
   ours += [a for pair in retrieval.ATTRIBUTES for a in pair]
-  theirs = [ruler.NEEDLE, ruler.NOISE, ruler.TEMPLATE, ruler.ANSWER_PREFIX, ruler.TEMPLATE_ONE,
-            ruler.ANSWER_PREFIX_ONE]
-  shared = set().union(*map(_ngrams, ours)) & set().union(*map(_ngrams, theirs))
-  assert not shared, shared
-  telling = {"special", "magic", "memorize", "quiz", "mentioned", "provided", "hidden", "uuid",
-             "uuids", "number", "numbers", "afterwards"}
-  for template in ours:
-    assert not telling & set(re.findall(r"[a-z]+", template.lower())), template
+  _assert_disjoint_from_rulers(ours)
   rng = np.random.default_rng(0)
   uuid = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
   for _ in range(500):
@@ -384,6 +420,32 @@ def test_mixture_batches(toy_data):
   np.testing.assert_array_equal(np.concatenate([h["inputs"] for h in halves], axis=1),
                                 b["inputs"])
   assert not np.array_equal(mixture().batch(8)["inputs"], b["inputs"])
+  assert mix.describe()["templates"] == "fixed"
+
+
+def test_the_config_chooses_the_template_set(toy_data):
+  """data.retrieval_templates reaches the training batches and the held-out mixture alike."""
+  from pisa_jax.configs import Config, DataConfig, ModelConfig, TrainConfig, validate
+  from pisa_jax.train import data as train_data
+
+  def config(templates):
+    return Config(
+        model=ModelConfig(vocab_size=50_257),
+        data=DataConfig(source="tokens", path=str(toy_data / "text"), packing=True,
+                        retrieval_fraction=0.5, retrieval_path=str(toy_data / "haystack"),
+                        retrieval_min_length=128, retrieval_templates=templates),
+        train=TrainConfig(seq_len=512, per_device_batch=2, grad_accum=1))
+
+  questions = {}
+  for templates in ("fixed", "composed"):
+    cfg = config(templates)
+    validate(cfg)
+    windows = train_data.make_batches(cfg, "train", global_batch=2, accum=1)
+    assert windows.describe()["templates"] == templates
+    questions[templates] = {d.question for step in range(4) for row in windows.chosen_rows(step)
+                            for d in windows.documents(step, int(row))}
+  assert questions["fixed"] and questions["composed"]
+  assert not questions["fixed"] & questions["composed"]
 
 
 @needs_bpe
@@ -593,6 +655,13 @@ def test_a_stage_for_some_methods_leaves_the_others_results_done(tmp_path):
       m.fingerprint("pisa"))
   assert rep.load_manifest(_manifest(tmp_path / "z", TOY.replace(
       "peak_lr = 1e-3", "peak_lr = 2e-3"))).fingerprint("pisa") != m.fingerprint("pisa")
+  # The templates: the default "fixed" spelt out keeps the fingerprint, "composed" changes it.
+  for name, same in (("fixed", True), ("composed", False)):
+    edited = TOY.replace("retrieval_fraction = 0.5",
+                         f'retrieval_fraction = 0.5\nretrieval_templates = "{name}"', 1)
+    assert edited != TOY
+    other = rep.load_manifest(_manifest(tmp_path / name, edited))
+    assert (other.fingerprint("pisa") == m.fingerprint("pisa")) == same, name
 
 
 def test_a_run_matching_another_runs_wall_time_waits_for_it(tmp_path, capsys, monkeypatch):
@@ -789,13 +858,17 @@ def test_held_out_needles_score_exactly_the_answer_tokens(monkeypatch):
     return made
 
   monkeypatch.setattr(mixture, "haystack", fake_haystack)
-  monkeypatch.setattr(mixture, "NeedleMaker", lambda tokens, encoding=None: maker)
+  monkeypatch.setattr(mixture, "NeedleMaker",
+                      lambda tokens, encoding=None, templates="fixed": maker)
   monkeypatch.setattr(mixture, "documents", fake_documents)
   monkeypatch.setattr(common, "token_scores", fake_scores)
 
   class Config:
     class train:
       seq_len = 512
+
+    class data:
+      retrieval_templates = "fixed"
 
   kw = dict(lengths=[300], samples=4, seed=0, batch_size=2, progress=False)
   right = mixture.run_mixture("right", Config, **kw)

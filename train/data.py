@@ -233,4 +233,5 @@ def make_batches(config, split: str, *, global_batch: int, accum: int, process_i
   return RetrievalMixture(windows, d.retrieval_path, fraction=d.retrieval_fraction,
                           min_length=d.retrieval_min_length,
                           max_length=d.retrieval_max_length,
-                          answer_weight=d.retrieval_answer_weight)
+                          answer_weight=d.retrieval_answer_weight,
+                          templates=d.retrieval_templates)

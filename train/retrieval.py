@@ -22,6 +22,12 @@ One prose haystack in six is filler instead: one to three sentences of the hayst
 to the length (the passkey-retrieval setting of Mohtashami and Jaggi, 2023, in sentences of our
 own haystack, never RULER's noise sentences), where nothing but the needles differs.
 
+Two template sets (`data.retrieval_templates`): "fixed", ten needle sentences, ten attributes and
+fifteen questions; "composed", sentences built from parts (an intro, a frame, a link, a copula, a
+qualifier of where the value was read), about a thousand needle frames, 1,110 attribute phrases
+and several hundred questions, so that a model cannot lean on a few memorised frames and has to
+learn the skill itself: find the asked key, copy what follows it.
+
 The templates, keys and values are this module's own and disjoint from `pisa-eval --suite ruler`
 (`train.evaluation.ruler`), so that the evaluation measures retrieval, not a memorised template.
 Keys are capitalised pseudo-word names ("Vorandel Kestrum"), letter-digit tags ("QX-482"),
@@ -119,6 +125,95 @@ PREAMBLES = (
     "The following document lists some {attrs} among other things. A question comes at the end.",
     "Below is a long text with a few {attrs} scattered through it.",
 )
+# data.retrieval_templates="composed" (the module docstring). Every part keeps to the rules of the
+# fixed lists (tests/test_replication.py draws thousands of sentences and checks them).
+ATTRIBUTE_HEADS = (
+    ("code", "codes"), ("key", "keys"), ("pin", "pins"), ("serial", "serials"),
+    ("password", "passwords"), ("passphrase", "passphrases"), ("token", "tokens"),
+    ("id", "ids"), ("tag", "tags"), ("label", "labels"), ("ticket", "tickets"),
+    ("badge", "badges"), ("mark", "marks"), ("reference", "references"),
+    ("identifier", "identifiers"), ("figure", "figures"), ("value", "values"),
+    ("entry", "entries"), ("cipher", "ciphers"), ("combination", "combinations"),
+    ("codeword", "codewords"), ("designation", "designations"), ("handle", "handles"),
+    ("callsign", "callsigns"), ("stamp", "stamps"), ("voucher", "vouchers"),
+    ("permit", "permits"), ("locator", "locators"), ("checksum", "checksums"),
+    ("signature", "signatures"),
+)
+ATTRIBUTE_MODIFIERS = (
+    "", "", "", "", "secret", "private", "personal", "backup", "spare", "reserve", "primary",
+    "master", "official", "temporary", "current", "registered", "confidential", "unique", "daily",
+    "access", "locker", "room", "account", "vault", "gate", "door", "safe", "server", "network",
+    "parking", "library", "membership", "shipping", "billing", "tracking", "booking", "staff",
+    "storage", "archive", "login",
+)
+# "the {attr} <link> {key}"
+LINKS = ("of", "for", "issued to", "assigned to", "belonging to", "recorded for", "listed for",
+         "given to", "linked to", "kept for", "registered to", "on file for", "held by",
+         "tied to", "set for", "attached to")
+COPULAS = ("is", "reads", "equals", "was set to", "has been recorded as", "stands at",
+           "was listed as", "is now", "remains", "was given as")
+HAS = ("has", "holds", "keeps", "uses", "was given", "received", "carries", "was issued", "got",
+       "owns")
+INTROS = ("", "", "", "", "Note that ", "For the record, ", "Incidentally, ", "Please note: ",
+          "As it happens, ", "Keep in mind that ", "One detail: ", "By the way, ",
+          "It is worth knowing that ", "Also, ")
+NEEDLE_FRAMES = (
+    "the {attr} {link} {key} {copula} {value}.",
+    "{key} {has} the {attr} {value}.",
+    "{key} {has} {value} as {det} {attr}.",
+    "for {key}, the {attr} {copula} {value}.",
+    "{key}'s {attr} {copula} {value}.",
+    "{Attr} {link} {key}: {value}.",
+    "the {attr} {value} belongs to {key}.",
+    "the {attr} {value} goes with {key}.",
+    "entry for {key}: {attr} {value}.",
+)
+# Where the value was read, between the key and the answer: participle, place, and what follows.
+WHERE_PARTICIPLES = ("stated", "cited", "recorded", "named", "listed", "noted", "written", "given",
+                     "found", "shown", "reported", "quoted", "included", "set down", "referred to")
+WHERE_PLACES = ("text", "passage", "document", "notes", "records", "material", "article",
+                "report", "excerpt", "context", "pages", "story", "input", "lines")
+WHERE_DETERMINERS = ("the", "this", "that", "the above", "the earlier", "the preceding",
+                     "the given", "the long")
+WHERE_TAILS = ("", "", "", " above", " earlier", " you just read", " before this question")
+# (question, answer prefix), the single value of one key; {link}, {copula}, {where} are drawn.
+COMPOSED_ONE = (
+    ("What is the {attr} {link} {key}?", "The {attr} {link} {key}{where} {copula}"),
+    ("Which {attr} was {linkp} {key}?", "The {attr} {linkp} {key}{where} {copula}"),
+    ("Give the {attr} {link} {key}.", "The {attr} {link} {key}{where} {copula}"),
+    ("Report the {attr} {link} {key}.", "The {attr} {link} {key}{where} {copula}"),
+    ("Tell me the {attr} {link} {key}.", "The {attr} {link} {key}{where} {copula}"),
+    ("What is {key}'s {attr}?", "{key}'s {attr}{where} {copula}"),
+    ("Look up {key} and give its {attr}.", "The {attr} of {key}{where} {copula}"),
+    ("Find the {attr} {link} {key}.", "Answer: the {attr} {link} {key}{where} {copula}"),
+    ("Question: what {attr} does {key} have? Answer:", "{key} has the {attr}"),
+    ("Which {attr} does {key} hold?", "{key}{where} holds the {attr}"),
+    ("Name the {attr} {link} {key}.", "The {attr}{where} {copula}"),
+)
+COMPOSED_KEYS = (
+    ("What are the {attrs} {link} {keys}?", "The {attrs} {link} {keys}{where} are"),
+    ("Give the {attrs} {link} {keys}, in that order.", "The {attrs} {link} {keys}{where} are"),
+    ("Report the {attrs} of {keys}.", "In order, the {attrs}{where} are"),
+    ("Look up {keys} and give their {attrs}.", "Their {attrs}{where} are"),
+)
+COMPOSED_VALUES = (
+    ("List each of the {attrs} {link} {key}.", "The {attrs} {link} {key}{where} are"),
+    ("Give every {attr} {link} {key}.", "Every {attr} {link} {key}{where}:"),
+    ("{key} has several {attrs}. List them all.", "The {attrs} of {key}{where} are"),
+    ("Which {attrs} does {key} hold?", "{key}{where} holds the {attrs}"),
+)
+# Participles for "Which {attr} was {linkp} {key}?" (the links that read as one).
+LINKS_PARTICIPLE = ("issued to", "assigned to", "recorded for", "listed for", "given to",
+                    "registered to", "kept for", "set for")
+COMPOSED_PREAMBLES = (
+    "{read} the {place} below and keep track of the {attrs} it records.",
+    "{read} the {place} below, noting every {attr} in it.",
+    "{read} the {place} below; a few {attrs} are scattered through it.",
+    "{read} the {place} below carefully. A question about one of its {attrs} follows.",
+    "The {place} below lists some {attrs} among other things. Answer the question after it.",
+)
+PREAMBLE_VERBS = ("Read", "Go through", "Study", "Look over", "Scan")
+TEMPLATE_SETS = ("fixed", "composed")
 KEY_FORMATS = ("name", "tag", "word", "words")
 # "words" keys are drawn only from a haystack that offers at least this many key words.
 MIN_KEY_WORDS = 100
@@ -173,6 +268,94 @@ def draw_value(rng: np.random.Generator, kind: str) -> str:
   raise ValueError(f"value kind {kind!r}: expected one of {VALUE_FORMATS}")
 
 
+class FixedTemplates:
+  """The fixed lists above: 10 attributes, 10 needle sentences, 7 + 4 + 4 questions."""
+
+  name = "fixed"
+
+  def attribute(self, rng) -> tuple[str, str]:
+    return _pick(rng, ATTRIBUTES)
+
+  def needle(self, rng, attr: str) -> str:
+    """A needle sentence with {key} and {value} left to fill."""
+    return _pick(rng, NEEDLES).replace("{attr}", attr)
+
+  def question(self, rng, family: str) -> tuple[str, str]:
+    """(question, answer prefix) with {attr}, {attrs}, {key}, {keys} and {where} left to fill."""
+    return _pick(rng, {"multi_query": QUESTIONS_KEYS, "multi_value": QUESTIONS_VALUES}
+                 .get(family, QUESTIONS_ONE))
+
+  def where(self, rng) -> str:
+    return _pick(rng, WHERES) if rng.random() < 0.5 else ""
+
+  def preamble(self, rng) -> str:
+    return _pick(rng, PREAMBLES)
+
+
+def _link_copula(rng) -> tuple[str, str]:
+  """A link and a copula that never read "... for {key} is {value}" (RULER's needle)."""
+  link, copula = _pick(rng, LINKS), _pick(rng, COPULAS)
+  if link.endswith("for") and copula.split()[0] == "is":
+    copula = "reads"
+  return link, copula
+
+
+class ComposedTemplates(FixedTemplates):
+  """Sentences composed from the parts above (the block after PREAMBLES)."""
+
+  name = "composed"
+
+  def attribute(self, rng) -> tuple[str, str]:
+    modifier = _pick(rng, ATTRIBUTE_MODIFIERS)
+    head, heads = _pick(rng, ATTRIBUTE_HEADS)
+    lead = modifier + " " if modifier else ""
+    return lead + head, lead + heads
+
+  def needle(self, rng, attr: str) -> str:
+    link, copula = _link_copula(rng)
+    frame = _pick(rng, NEEDLE_FRAMES)
+    intro = _pick(rng, INTROS)
+    if frame.startswith(("entry", "{Attr}")) and not intro.endswith(": "):
+      intro = ""  # a record reads "Entry for X: ..." or "Note: entry for X: ...", no more
+    text = frame.format(attr=attr, Attr=attr[0].upper() + attr[1:], link=link, copula=copula,
+                        has=_pick(rng, HAS), det=_pick(rng, ("the", "its")),
+                        key="{key}", value="{value}")
+    if not intro or intro.endswith(": "):
+      text = text[0].upper() + text[1:]
+    return intro + text
+
+  def question(self, rng, family: str) -> tuple[str, str]:
+    pairs = {"multi_query": COMPOSED_KEYS, "multi_value": COMPOSED_VALUES}.get(family,
+                                                                               COMPOSED_ONE)
+    question, prefix = _pick(rng, pairs)
+    link, copula = _link_copula(rng)
+    fill = dict(link=link, copula=copula, linkp=_pick(rng, LINKS_PARTICIPLE))
+    keep = {name: "{" + name + "}" for name in ("attr", "attrs", "key", "keys", "where")}
+    return question.format(**fill, **keep), prefix.format(**fill, **keep)
+
+  def where(self, rng) -> str:
+    if rng.random() < 0.4:
+      return ""
+    tail = _pick(rng, WHERE_TAILS)
+    return (f" {_pick(rng, WHERE_PARTICIPLES)} in {_pick(rng, WHERE_DETERMINERS)} "
+            f"{_pick(rng, WHERE_PLACES)}{tail}")
+
+  def preamble(self, rng) -> str:
+    frame = _pick(rng, COMPOSED_PREAMBLES)
+    return frame.format(read=_pick(rng, PREAMBLE_VERBS), place=_pick(rng, WHERE_PLACES),
+                        attr="{attr}", attrs="{attrs}")
+
+
+TEMPLATES = {t.name: t for t in (FixedTemplates(), ComposedTemplates())}
+
+
+def template_set(name: str) -> FixedTemplates:
+  """The template set `name` (data.retrieval_templates)."""
+  if name not in TEMPLATES:
+    raise ValueError(f"data.retrieval_templates={name!r}: expected one of {TEMPLATE_SETS}")
+  return TEMPLATES[name]
+
+
 def join_items(items) -> str:
   """"a", "a and b", "a, b and c"."""
   items = list(items)
@@ -212,6 +395,7 @@ class _Draw:
   attr: str
   key_kind: str
   value_kind: str
+  templates: str = "fixed"
 
 
 def _distinct(rng, draw, kind, n: int, avoid=(), **kw) -> list[str]:
@@ -224,17 +408,17 @@ def _distinct(rng, draw, kind, n: int, avoid=(), **kw) -> list[str]:
 
 
 def _draw_text(rng: np.random.Generator, family: str, size: int, key_formats: tuple[str, ...],
-               words: tuple[str, ...]) -> _Draw:
+               words: tuple[str, ...], t: FixedTemplates = TEMPLATES["fixed"]) -> _Draw:
   """The keys, values and sentences of one document; `size` is its number of keys (multi_key,
   multi_query) or values (multi_value), ignored for single_key."""
-  attr, attrs = _pick(rng, ATTRIBUTES)
+  attr, attrs = t.attribute(rng)
   key_kind, value_kind = _pick(rng, key_formats), _pick(rng, VALUE_FORMATS)
   n_keys = size if family in ("multi_key", "multi_query") else 1
   n_values = size if family == "multi_value" else 1
   keys = _distinct(rng, draw_key, key_kind, n_keys, words=words)
   values = _distinct(rng, draw_value, value_kind, n_keys * n_values)
   pairs = [(keys[i // n_values], values[i]) for i in range(len(values))]
-  needles = [_pick(rng, NEEDLES).format(attr=attr, key=k, value=v) for k, v in pairs]
+  needles = [t.needle(rng, attr).format(key=k, value=v) for k, v in pairs]
   order = rng.permutation(len(needles))
   needles = [needles[i] for i in order]
   if family == "multi_query":
@@ -244,24 +428,22 @@ def _draw_text(rng: np.random.Generator, family: str, size: int, key_formats: tu
   else:
     asked_idx = [int(rng.integers(n_keys))]
   asked = [keys[i] for i in asked_idx]
+  question, prefix = t.question(rng, family)
   if family == "multi_query":
-    question, prefix = _pick(rng, QUESTIONS_KEYS)
     answers = [values[i] for i in asked_idx]
   elif family == "multi_value":
-    question, prefix = _pick(rng, QUESTIONS_VALUES)
     answers = list(values)
   else:
-    question, prefix = _pick(rng, QUESTIONS_ONE)
     answers = [values[asked_idx[0]]]
-  where = _pick(rng, WHERES) if rng.random() < 0.5 else ""
+  where = t.where(rng)
   fields = dict(attr=attr, attrs=attrs, key=asked[0], keys=join_items(asked), where=where)
-  preamble = _pick(rng, PREAMBLES).format(**fields) if rng.random() < 0.5 else None
+  preamble = t.preamble(rng).format(**fields) if rng.random() < 0.5 else None
   ledger = family == "multi_key" and rng.random() < _LEDGER_SHARE
   return _Draw(family=family, keys=tuple(keys), asked=tuple(asked), answers=tuple(answers),
                needles=tuple(needles),
                question=question.format(**fields) + " " + prefix.format(**fields),
                answer=" " + join_items(answers) + ".", preamble=preamble, ledger=ledger,
-               attr=attr, key_kind=key_kind, value_kind=value_kind)
+               attr=attr, key_kind=key_kind, value_kind=value_kind, templates=t.name)
 
 
 _SIZES = {"single_key": (1, 1), "multi_key": (2, 8), "multi_query": (2, 4), "multi_value": (2, 4)}
@@ -304,7 +486,8 @@ class NeedleMaker:
   as long as the longest document asked for.
   """
 
-  def __init__(self, haystack: np.ndarray, encoding=None):
+  def __init__(self, haystack: np.ndarray, encoding=None, *, templates: str = "fixed"):
+    self.templates = template_set(templates)
     if encoding is None:
       from pisa_jax.train.tokenizer import gpt2_encoding
       encoding = gpt2_encoding()
@@ -330,7 +513,7 @@ class NeedleMaker:
     size = int(rng.integers(low, high + 1))
     tries = [(family, s) for s in range(size, low - 1, -1)] + [("single_key", 1)]
     for fam, s in tries:
-      draw = _draw_text(rng, fam, s, self.key_formats, self.key_words)
+      draw = _draw_text(rng, fam, s, self.key_formats, self.key_words, self.templates)
       for preamble in dict.fromkeys((draw.preamble, None)):
         draw = dataclasses.replace(draw, preamble=preamble)
         doc = self._build(rng, draw, length)
@@ -408,8 +591,8 @@ class NeedleMaker:
     while True:
       key = _distinct(rng, draw_key, draw.key_kind, 1, avoid=used, words=self.key_words)[0]
       used.add(key)
-      line = self.encode("\n" + _pick(rng, NEEDLES).format(
-          attr=draw.attr, key=key, value=draw_value(rng, draw.value_kind)))
+      line = self.encode("\n" + self.templates.needle(rng, draw.attr).format(
+          key=key, value=draw_value(rng, draw.value_kind)))
       if total + len(line) > n:
         break
       lines.append(line)
@@ -426,7 +609,7 @@ class RetrievalMixture:
 
   def __init__(self, text: TokenWindows, haystack_path: str, *, fraction: float,
                min_length: int, answer_weight: float, max_length: int | None = None,
-               encoding=None):
+               encoding=None, templates: str = "fixed"):
     if not text.packing:
       raise ValueError("the retrieval mixture needs packed text windows (data.packing=true)")
     if not 0 < fraction <= 1:
@@ -434,7 +617,7 @@ class RetrievalMixture:
     haystack = TokenWindows(haystack_path, "train", seq_len=text.seq_len, global_batch=1,
                             accum=1, seed=0, vocab_size=EOT_TOKEN + 1, packing=True)
     self.text = text
-    self.maker = NeedleMaker(haystack.tokens, encoding)
+    self.maker = NeedleMaker(haystack.tokens, encoding, templates=templates)
     self.haystack_tokens = len(haystack.tokens)
     row = text.seq_len + 1
     if max_length is not None and not 2 * min_length <= max_length <= row:
@@ -495,6 +678,6 @@ class RetrievalMixture:
     """What the mixture is, for a run's record."""
     return {"rows_per_step": self.rows_per_step, "token_fraction": self.token_fraction,
             "min_length": self.min_length, "max_length": self.max_length,
-            "answer_weight": self.answer_weight,
+            "answer_weight": self.answer_weight, "templates": self.maker.templates.name,
             "haystack_tokens": self.haystack_tokens, "families": list(FAMILIES),
             "key_formats": list(self.maker.key_formats), "key_words": len(self.maker.key_words)}

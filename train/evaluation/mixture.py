@@ -67,7 +67,7 @@ def run_mixture(model, config, *, lengths: list[int], samples: int, seed: int, b
           f"--lengths: {length} exceeds the context {context} (default: the run's "
           f"train.seq_len; a mixture document is one row)")
   start = time.perf_counter()
-  maker = NeedleMaker(haystack(config), encoding)
+  maker = NeedleMaker(haystack(config), encoding, templates=config.data.retrieval_templates)
   bar = common.progress_bar(samples * len(lengths) * len(FAMILIES), "mixture", progress)
   rows, records = [], []
   for length in lengths:
