@@ -113,6 +113,36 @@ class Results:
         out.append(float(value))
     return out
 
+  def by_seed(self, method: str, stage: str | None, get) -> dict[int, float]:
+    """`get(row)` of each seed's row of `stage`, keyed by seed, where it is not None."""
+    out = {}
+    for record in self.by_method.get(method, []):
+      for row in record["rows"]:
+        if row["stage"] != stage:
+          continue
+        try:
+          value = get(row)
+        except (KeyError, StopIteration, TypeError):
+          value = None
+        if value is not None:
+          out[record["seed"]] = float(value)
+    return out
+
+  def paired_noise(self, stage: str | None, get) -> float | None:
+    """The largest range over seeds of one method's value less another's on the same seed, over
+    the pairs of methods that share two or more seeds; None where no pair does. A seed fixes the
+    data order and the initialisation, which differ between seeds and not between methods: the
+    noise of a same-seed difference is far below that of a single method's value."""
+    values = {m: self.by_seed(m, stage, get) for m in self.methods}
+    spreads = []
+    for i, a in enumerate(self.methods):
+      for b in self.methods[i + 1:]:
+        common = sorted(set(values[a]) & set(values[b]))
+        if len(common) > 1:
+          diffs = [values[a][s] - values[b][s] for s in common]
+          spreads.append(max(diffs) - min(diffs))
+    return max(spreads) if spreads else None
+
   def noise(self, stage: str | None, get) -> float | None:
     """The largest range over seeds of `get` among the methods with two or more seeds."""
     spreads = [max(v) - min(v) for v in (self.values(m, stage, get) for m in self.methods)
@@ -404,25 +434,36 @@ def _lengths(res: Results, stage: str | None, suite: str) -> list[int]:
 
 
 def _compare(res, stage, get, a: str, others: list[str], *, lower: bool, what: str):
-  """Whether `a` beats each of `others` on `get` by more than the seed noise."""
+  """Whether `a` beats each of `others` on `get` by more than the noise. Where two methods share
+  seeds, the gain is their mean same-seed difference and the noise the spread of same-seed
+  differences (`Results.paired_noise`), once any pair of methods has two seeds in common; else the
+  gain is the difference of means and the noise the spread of one method's seeds."""
   va = res.values(a, stage, get)
   missing = [x for x in [a] + others if not res.values(x, stage, get)]
   if missing:
     return PENDING, f"needs {', '.join(missing)}"
-  noise = res.noise(stage, get)
-  mine = mean(va)
-  verdicts, parts = [], [f"{LABELS[a]} {mine:.4g}"]
+  mine = res.by_seed(a, stage, get)
+  gains, parts = [], [f"{LABELS[a]} {mean(va):.4g}"]
   for other in others:
-    theirs = mean(res.values(other, stage, get))
-    gain = (theirs - mine) if lower else (mine - theirs)
-    parts.append(f"{LABELS[other]} {theirs:.4g}")
-    # True: better by more than the noise; False: worse by more; None: within it.
-    if noise is None:
-      verdicts.append(gain > 0)
+    theirs = res.by_seed(other, stage, get)
+    common = sorted(set(mine) & set(theirs))
+    if common:
+      diff = mean([mine[s] - theirs[s] for s in common])
     else:
-      verdicts.append(True if gain > noise else False if gain < -noise else None)
-  spread = (f"seed spread {noise:.3g}" if noise is not None
-            else "one seed each: the spread is unknown")
+      diff = mean(list(mine.values())) - mean(list(theirs.values()))
+    gains.append((-diff if lower else diff, bool(common)))
+    parts.append(f"{LABELS[other]} {mean(list(theirs.values())):.4g}")
+  paired = res.paired_noise(stage, get)
+  if paired is not None and all(same_seed for _, same_seed in gains):
+    noise, spread = paired, f"same-seed differences, spread over seeds {paired:.3g}"
+  else:
+    noise = res.noise(stage, get)
+    spread = (f"seed spread {noise:.3g}" if noise is not None
+              else "one seed each: the spread is unknown")
+  # True: better by more than the noise; False: worse by more; None: within it.
+  verdicts = [gain > 0 if noise is None else
+              True if gain > noise else False if gain < -noise else None
+              for gain, _ in gains]
   evidence = f"{what}: " + ", ".join(parts) + f" ({spread})"
   if all(v is True for v in verdicts):
     return REPRODUCED, evidence

@@ -794,6 +794,34 @@ def test_claims_follow_the_numbers_and_the_retrieval_gate(tmp_path):
   assert status == "not reproduced" and "within the seed spread" in evidence, evidence
 
 
+def test_methods_are_compared_seed_by_seed(tmp_path):
+  """A seed sets the data order and the initialisation for every method alike: PISA 0.1 below
+  dense on each of two seeds whose losses differ by 0.4 is a difference, read against the spread
+  of same-seed differences (0 here), not against the spread of one method's seeds."""
+  m = rep.load_manifest(_manifest(tmp_path, TOY.replace(
+      'name = "nsa"\nseeds = [0]', 'name = "bsa"\nseeds = [0]').replace(
+      'name = "dense"\nseeds = [0]', 'name = "dense"\nseeds = [0, 1]')))
+  folder = tmp_path / "results"
+  losses = {("dense", 0): 3.0, ("dense", 1): 3.4, ("pisa", 0): 2.9, ("pisa", 1): 3.3,
+            ("bsa", 0): 3.0}
+  for run in m.runs:
+    _write(folder, _fake_record(m, run, loss=losses[run.method, run.seed]))
+  res = report.Results(m, folder)
+  assert res.noise("cpt", report.final_loss) == pytest.approx(0.4)
+  assert res.paired_noise("cpt", report.final_loss) == pytest.approx(0.0)
+  status, evidence = report._compare(res, "cpt", report.final_loss, "pisa", ["bsa", "dense"],
+                                     lower=True, what="loss")
+  assert status == "reproduced" and "same-seed differences" in evidence, evidence
+  # Seed 1 reversed (PISA 0.1 above dense): the same-seed differences spread 0.2, and the gain
+  # over BSA on seed 0 (0.1) is within it.
+  _write(folder, _fake_record(m, rep.Run("pisa", 1), loss=3.5))
+  res = report.Results(m, folder)
+  assert res.paired_noise("cpt", report.final_loss) == pytest.approx(0.2)
+  status, evidence = report._compare(res, "cpt", report.final_loss, "pisa", ["bsa"],
+                                     lower=True, what="loss")
+  assert status == "not reproduced" and "within the seed spread" in evidence, evidence
+
+
 # ----------------------------------------------------------------------------- end to end
 
 
