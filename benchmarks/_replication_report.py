@@ -447,12 +447,16 @@ def _compare(res, stage, get, a: str, others: list[str], *, lower: bool, what: s
   for other in others:
     theirs = res.by_seed(other, stage, get)
     common = sorted(set(mine) & set(theirs))
+    part = f"{LABELS[other]} {mean(list(theirs.values())):.4g}"
     if common:
+      # The verdict reads the same-seed difference: say it, where the means could mislead.
       diff = mean([mine[s] - theirs[s] for s in common])
+      seeds = ", ".join(map(str, common))
+      part += f" ({LABELS[a]} {diff:+.3g} on seed{'s' * (len(common) > 1)} {seeds})"
     else:
       diff = mean(list(mine.values())) - mean(list(theirs.values()))
     gains.append((-diff if lower else diff, bool(common)))
-    parts.append(f"{LABELS[other]} {mean(list(theirs.values())):.4g}")
+    parts.append(part)
   paired = res.paired_noise(stage, get)
   if paired is not None and all(same_seed for _, same_seed in gains):
     noise, spread = paired, f"same-seed differences, spread over seeds {paired:.3g}"

@@ -24,9 +24,9 @@ own haystack, never RULER's noise sentences), where nothing but the needles diff
 
 Two template sets (`data.retrieval_templates`): "fixed", ten needle sentences, ten attributes and
 fifteen questions; "composed", sentences built from parts (an intro, a frame, a link, a copula, a
-qualifier of where the value was read), about a thousand needle frames, 1,110 attribute phrases
-and several hundred questions, so that a model cannot lean on a few memorised frames and has to
-learn the skill itself: find the asked key, copy what follows it.
+qualifier of where the value was read), over two thousand needle sentence forms, 1,110 attribute
+phrases and several thousand questions with their answer prefixes, so that a model cannot lean on
+a few memorised frames and has to learn the skill itself: find the asked key, copy its value.
 
 The templates, keys and values are this module's own and disjoint from `pisa-eval --suite ruler`
 (`train.evaluation.ruler`), so that the evaluation measures retrieval, not a memorised template.
@@ -150,7 +150,7 @@ ATTRIBUTE_MODIFIERS = (
 LINKS = ("of", "for", "issued to", "assigned to", "belonging to", "recorded for", "listed for",
          "given to", "linked to", "kept for", "registered to", "on file for", "held by",
          "tied to", "set for", "attached to")
-COPULAS = ("is", "reads", "equals", "was set to", "has been recorded as", "stands at",
+COPULAS = ("is", "reads", "equals", "was set to", "has been recorded as",
            "was listed as", "is now", "remains", "was given as")
 HAS = ("has", "holds", "keeps", "uses", "was given", "received", "carries", "was issued", "got",
        "owns")
@@ -171,10 +171,13 @@ NEEDLE_FRAMES = (
 # Where the value was read, between the key and the answer: participle, place, and what follows.
 WHERE_PARTICIPLES = ("stated", "cited", "recorded", "named", "listed", "noted", "written", "given",
                      "found", "shown", "reported", "quoted", "included", "set down", "referred to")
-WHERE_PLACES = ("text", "passage", "document", "notes", "records", "material", "article",
-                "report", "excerpt", "context", "pages", "story", "input", "lines")
-WHERE_DETERMINERS = ("the", "this", "that", "the above", "the earlier", "the preceding",
-                     "the given", "the long")
+# Places read as one thing (the preambles take only these) and as several.
+PLACES_ONE = ("text", "passage", "document", "material", "article", "report", "excerpt",
+              "context", "story", "input")
+PLACES_MANY = ("notes", "records", "pages", "lines")
+WHERE_DETERMINERS = ("the", "the given", "the long")
+# These already say where: no tail after them.
+WHERE_DETERMINERS_PLACED = ("the above", "the earlier", "the preceding")
 WHERE_TAILS = ("", "", "", " above", " earlier", " you just read", " before this question")
 # (question, answer prefix), the single value of one key; {link}, {copula}, {where} are drawn.
 COMPOSED_ONE = (
@@ -316,7 +319,7 @@ class ComposedTemplates(FixedTemplates):
     frame = _pick(rng, NEEDLE_FRAMES)
     intro = _pick(rng, INTROS)
     if frame.startswith(("entry", "{Attr}")) and not intro.endswith(": "):
-      intro = ""  # a record reads "Entry for X: ..." or "Note: entry for X: ...", no more
+      intro = ""  # a record reads "Entry for X: ..." or "Please note: Entry for X: ...", no more
     text = frame.format(attr=attr, Attr=attr[0].upper() + attr[1:], link=link, copula=copula,
                         has=_pick(rng, HAS), det=_pick(rng, ("the", "its")),
                         key="{key}", value="{value}")
@@ -336,13 +339,17 @@ class ComposedTemplates(FixedTemplates):
   def where(self, rng) -> str:
     if rng.random() < 0.4:
       return ""
-    tail = _pick(rng, WHERE_TAILS)
-    return (f" {_pick(rng, WHERE_PARTICIPLES)} in {_pick(rng, WHERE_DETERMINERS)} "
-            f"{_pick(rng, WHERE_PLACES)}{tail}")
+    participle = _pick(rng, WHERE_PARTICIPLES)
+    many = rng.random() < 0.25
+    place = _pick(rng, PLACES_MANY if many else PLACES_ONE)
+    this = ("these", "those") if many else ("this", "that")
+    determiner = _pick(rng, WHERE_DETERMINERS + this + WHERE_DETERMINERS_PLACED)
+    tail = "" if determiner in WHERE_DETERMINERS_PLACED else _pick(rng, WHERE_TAILS)
+    return f" {participle} in {determiner} {place}{tail}"
 
   def preamble(self, rng) -> str:
     frame = _pick(rng, COMPOSED_PREAMBLES)
-    return frame.format(read=_pick(rng, PREAMBLE_VERBS), place=_pick(rng, WHERE_PLACES),
+    return frame.format(read=_pick(rng, PREAMBLE_VERBS), place=_pick(rng, PLACES_ONE),
                         attr="{attr}", attrs="{attrs}")
 
 
