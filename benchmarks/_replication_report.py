@@ -102,16 +102,8 @@ class Results:
             if row["stage"] == stage]
 
   def values(self, method: str, stage: str | None, get) -> list[float]:
-    """`get(row)` for each seed's row of `stage` where it is not None."""
-    out = []
-    for row in self.stage_rows(method, stage):
-      try:
-        value = get(row)
-      except (KeyError, StopIteration, TypeError):
-        value = None
-      if value is not None:
-        out.append(float(value))
-    return out
+    """`get(row)` for each seed's row of `stage` where it is not None, in seed order."""
+    return list(self.by_seed(method, stage, get).values())
 
   def by_seed(self, method: str, stage: str | None, get) -> dict[int, float]:
     """`get(row)` of each seed's row of `stage`, keyed by seed, where it is not None."""
@@ -152,6 +144,11 @@ class Results:
 
 def final_loss(row):
   return row["final_loss"]
+
+
+def mixture_accuracy(family: str, length: int):
+  return lambda row: next(r["accuracy"] for r in row["eval"]["mixture"]["rows"]
+                          if r["family"] == family and r["length"] == length)
 
 
 def ppl_at(length):
@@ -438,12 +435,11 @@ def _compare(res, stage, get, a: str, others: list[str], *, lower: bool, what: s
   seeds, the gain is their mean same-seed difference and the noise the spread of same-seed
   differences (`Results.paired_noise`), once any pair of methods has two seeds in common; else the
   gain is the difference of means and the noise the spread of one method's seeds."""
-  va = res.values(a, stage, get)
-  missing = [x for x in [a] + others if not res.values(x, stage, get)]
+  missing = [x for x in [a] + others if not res.by_seed(x, stage, get)]
   if missing:
     return PENDING, f"needs {', '.join(missing)}"
   mine = res.by_seed(a, stage, get)
-  gains, parts = [], [f"{LABELS[a]} {mean(va):.4g}"]
+  gains, parts = [], [f"{LABELS[a]} {mean(list(mine.values())):.4g}"]
   for other in others:
     theirs = res.by_seed(other, stage, get)
     common = sorted(set(mine) & set(theirs))
@@ -657,11 +653,6 @@ def plot_niah(res: Results, path: Path) -> bool:
 
 
 # ----------------------------------------------------------------------------- summary
-
-
-def mixture_accuracy(family: str, length: int):
-  return lambda row: next(r["accuracy"] for r in row["eval"]["mixture"]["rows"]
-                          if r["family"] == family and r["length"] == length)
 
 
 def headline(res: Results) -> str:

@@ -216,7 +216,6 @@ COMPOSED_PREAMBLES = (
     "The {place} below lists some {attrs} among other things. Answer the question after it.",
 )
 PREAMBLE_VERBS = ("Read", "Go through", "Study", "Look over", "Scan")
-TEMPLATE_SETS = ("fixed", "composed")
 KEY_FORMATS = ("name", "tag", "word", "words")
 # "words" keys are drawn only from a haystack that offers at least this many key words.
 MIN_KEY_WORDS = 100
@@ -354,6 +353,7 @@ class ComposedTemplates(FixedTemplates):
 
 
 TEMPLATES = {t.name: t for t in (FixedTemplates(), ComposedTemplates())}
+TEMPLATE_SETS = tuple(TEMPLATES)
 
 
 def template_set(name: str) -> FixedTemplates:
@@ -402,7 +402,6 @@ class _Draw:
   attr: str
   key_kind: str
   value_kind: str
-  templates: str = "fixed"
 
 
 def _distinct(rng, draw, kind, n: int, avoid=(), **kw) -> list[str]:
@@ -450,7 +449,7 @@ def _draw_text(rng: np.random.Generator, family: str, size: int, key_formats: tu
                needles=tuple(needles),
                question=question.format(**fields) + " " + prefix.format(**fields),
                answer=" " + join_items(answers) + ".", preamble=preamble, ledger=ledger,
-               attr=attr, key_kind=key_kind, value_kind=value_kind, templates=t.name)
+               attr=attr, key_kind=key_kind, value_kind=value_kind)
 
 
 _SIZES = {"single_key": (1, 1), "multi_key": (2, 8), "multi_query": (2, 4), "multi_value": (2, 4)}

@@ -62,6 +62,16 @@ def position_buckets(length: int, first: int = 16) -> list[tuple[int, int]]:
 # ----------------------------------------------------------------------------- held-out windows
 
 
+def val_split(config, data: str | None):
+  """The validation split of the run's text (data.path), or of the pisa-prepare-data folder
+  `data`: (its `TokenWindows`, the folder)."""
+  from pisa_jax.train.data import TokenWindows
+
+  folder = data if data is not None else config.data.path
+  return TokenWindows(folder, "val", seq_len=1, global_batch=1, accum=1, seed=0,
+                      vocab_size=config.model.vocab_size, packing=config.data.packing), folder
+
+
 def held_out(config, *, length: int, samples: int, seed: int, data: str | None) -> dict:
   """`samples` validation windows of `length` tokens: inputs, targets int32 `[N, T]`, weights
   float32 `[N, T]` (1 where the loss counts), and `source`, what the windows are (for the record
@@ -75,7 +85,7 @@ def held_out(config, *, length: int, samples: int, seed: int, data: str | None) 
   `data`: the examples of the run's task at this length from
   `np.random.default_rng([seed, 1, length])` (1: the validation split's id in `train.data`).
   """
-  from pisa_jax.train.data import VAL, TokenWindows, document_layout, mqar_examples
+  from pisa_jax.train.data import VAL, document_layout, mqar_examples
 
   d, m = config.data, config.model
   if d.source == "mqar" and data is None:
@@ -87,9 +97,7 @@ def held_out(config, *, length: int, samples: int, seed: int, data: str | None) 
               "power_a": d.mqar_power_a, "random_filler": d.mqar_random_filler,
               "seed_sequence": sequence}
     return {**ex, "source": source}
-  folder = data if data is not None else d.path
-  windows = TokenWindows(folder, "val", seq_len=1, global_batch=1, accum=1, seed=0,
-                         vocab_size=m.vocab_size, packing=d.packing)
+  windows, folder = val_split(config, data)
   tokens = windows.tokens
   last = len(tokens) - length - 1
   starts = np.linspace(0, max(last, 0), samples).round().astype(np.int64)

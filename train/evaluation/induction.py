@@ -58,14 +58,10 @@ def held_out_tokens(config, *, lengths: list[int], seed: int,
   """The held-out tokens the common tokens are counted in, and their source: the first
   COUNTED_TOKENS of the validation split of the run's text (or of `data`), or, for an MQAR run
   without `data`, 16 validation examples of its task at the longest length."""
-  from pisa_jax.train.data import TokenWindows
-
   if config.data.source == "mqar" and data is None:
     windows = common.held_out(config, length=max(lengths), samples=16, seed=seed, data=None)
     return windows["targets"].ravel(), windows["source"]
-  folder = data if data is not None else config.data.path
-  split = TokenWindows(folder, "val", seq_len=1, global_batch=1, accum=1, seed=0,
-                       vocab_size=config.model.vocab_size, packing=False)
+  split, folder = common.val_split(config, data)
   tokens = np.asarray(split.tokens[:COUNTED_TOKENS])
   return tokens, {"source": "tokens", "path": str(folder), "split": "val", "first": len(tokens)}
 
