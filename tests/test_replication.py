@@ -255,6 +255,14 @@ def test_short_documents_fall_back_and_too_short_ones_raise(maker):
     assert len(doc.tokens) == 128 and len(doc.asked) == len(doc.answers)
     families.add(doc.family)
   assert "multi_query" in families
+  # Below the shortest length a run may set (128), every family still fits: composed
+  # sentences vary in length, and a long draw is redrawn.
+  from pisa_jax.train.retrieval import FAMILIES
+
+  rng = np.random.default_rng(1)
+  for family in FAMILIES:
+    for _ in range(200):
+      assert len(maker.make(rng, 112, family).tokens) == 112
   with pytest.raises(ValueError, match="length=40 is too short"):
     maker.make(np.random.default_rng(0), 40, "single_key")
 

@@ -485,6 +485,12 @@ def sentence_ends(encoding) -> np.ndarray:
   return ends
 
 
+# Last-resort single_key draws before a length counts as too short: about 1% of composed
+# single_key draws need more than 112 tokens, so eight fresh draws all fail at 128 tokens with
+# odds near 1e-16.
+_SINGLE_KEY_DRAWS = 8
+
+
 class NeedleMaker:
   """Needle documents over one haystack: `make(rng, length, family)`.
 
@@ -512,12 +518,14 @@ class NeedleMaker:
   def make(self, rng: np.random.Generator, length: int, family: str) -> NeedleDocument:
     """A document of exactly `length` tokens. When the family's draw leaves fewer than 16
     haystack tokens, it retries with fewer keys or values, then without its preamble, then as
-    single_key; a length too short even for that raises ValueError."""
+    up to `_SINGLE_KEY_DRAWS` fresh single_key draws (composed sentences vary in length); a
+    length too short even for those raises ValueError."""
     if family not in FAMILIES:
       raise ValueError(f"family={family!r}: expected one of {FAMILIES}")
     low, high = _SIZES[family]
     size = int(rng.integers(low, high + 1))
-    tries = [(family, s) for s in range(size, low - 1, -1)] + [("single_key", 1)]
+    tries = ([(family, s) for s in range(size, low - 1, -1)]
+             + [("single_key", 1)] * _SINGLE_KEY_DRAWS)
     for fam, s in tries:
       draw = _draw_text(rng, fam, s, self.key_formats, self.key_words, self.templates)
       for preamble in dict.fromkeys((draw.preamble, None)):
