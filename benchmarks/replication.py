@@ -286,6 +286,12 @@ def train_stage(m: Manifest, run: Run, index: int, workdir: Path, init_from: Pat
       raise ManifestError(f"--workdir: {workdir} holds stage {stage.name} trained with other "
                           f"settings; remove it or give another --workdir")
     record.note(f"stage {stage.name}: trained earlier in {workdir}; its timing is reused")
+    # Its tokens/s were measured beside other runs when that stage was: the record says so.
+    shared = timing.get("shared_device", 1)
+    if shared > record.record["shared_device"]:
+      record.record["shared_device"] = shared
+      record.note(f"stage {stage.name} trained beside {shared - 1} other run(s) on the same "
+                  f"GPU: tokens/s and wall times are not speed figures")
   else:
     t0 = time.perf_counter()
     trainer = build_trainer(config)
@@ -301,7 +307,8 @@ def train_stage(m: Manifest, run: Run, index: int, workdir: Path, init_from: Pat
               "final_loss": float(sum(tail) / len(tail)) if tail else None,
               "tokens_per_step": trainer.tokens_per_step,
               "mixture": _mixture(config, trainer.global_batch),
-              "config": json.loads(config.to_json()), "matched_wall": matched}
+              "config": json.loads(config.to_json()), "matched_wall": matched,
+              "shared_device": record.record["shared_device"]}
     done_file.write_text(json.dumps(timing) + "\n")
     del trainer
   rows = _metrics(workdir)

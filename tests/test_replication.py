@@ -1010,3 +1010,26 @@ def test_data_prepared_from_other_corpora_is_prepared_again_and_never_trained_on
   err = capsys.readouterr().err.strip()
   assert "data.text_corpora = ['gcide'], but" in err and "--prepare` again" in err
   assert len(err.splitlines()) == 1 and not (tmp_path / "r").exists()
+
+
+def test_a_stage_trained_beside_other_runs_says_so_when_reused(tmp_path, monkeypatch):
+  """A stage found trained in --workdir (a resumed run) brings its --shared-device with it: a
+  run finished alone still says its tokens/s were measured beside other runs."""
+  import jax
+
+  _without_nsa(monkeypatch)
+  m = rep.load_manifest(_manifest(tmp_path))
+  run = rep.Run("pisa", 0)
+  record = rep.Record(m, run, tmp_path / "out")
+  record.record["shared_device"] = 1
+  record.record["data"] |= {"text_train_tokens": 1000, "haystack_train_tokens": 1000}
+  folder = tmp_path / "w" / run.name / m.stages[0].name
+  folder.mkdir(parents=True)
+  config = rep.stage_config(m, run, 0, init_from=None, devices=jax.device_count())
+  timing = {"compile_seconds": 1.0, "train_seconds": 2.0, "end_step": 3, "truncated": False,
+            "final_loss": 4.0, "tokens_per_step": 10, "mixture": {"token_fraction": 0.5},
+            "config": json.loads(config.to_json()), "matched_wall": None, "shared_device": 2}
+  (folder / "stage.json").write_text(json.dumps(timing))
+  row = rep.train_stage(m, run, 0, folder, None, record, progress=False, dirs=[])
+  assert row["train_seconds"] == 2.0 and record.record["shared_device"] == 2
+  assert any("trained beside 1 other run(s)" in n for n in record.record["notes"])
