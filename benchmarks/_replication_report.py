@@ -251,8 +251,10 @@ def runs_section(res: Results) -> str:
           for row in r["rows"])
       shared = r.get("shared_device", 1)
       device = r["device"] + (f" (shared by {shared} runs)" if shared > 1 else "")
+      # A run resumed from stages trained by an earlier process: its wall time is this one's.
+      resumed = any("trained earlier in" in n for n in r.get("notes", []))
       rows.append([r["run"], device, r["date"][:10], r["commit"][:10],
-                   r["wall_seconds"], stages])
+                   f"{r['wall_seconds']} (resumed)" if resumed else r["wall_seconds"], stages])
   text = _record.markdown(["run", "device", "date", "commit", "wall s", "stages"], rows) \
       if rows else "No run is complete yet."
   if res.aside:

@@ -732,7 +732,9 @@ def test_summary_from_stand_in_results(tmp_path):
   # PISA: lower loss than dense by more than the seeds' spread; two seeds of PISA.
   _write(folder, _fake_record(m, rep.Run("dense", 0), loss=3.1, single=0.95, avg=0.7))
   _write(folder, _fake_record(m, rep.Run("pisa", 0), loss=3.00, single=0.9, avg=0.5, copy=0.3))
-  _write(folder, _fake_record(m, rep.Run("pisa", 1), loss=3.02, single=0.7, avg=0.5, copy=0.5))
+  resumed = _fake_record(m, rep.Run("pisa", 1), loss=3.02, single=0.7, avg=0.5, copy=0.5)
+  resumed["notes"] = ["stage pretrain: trained earlier in /tmp/w; its timing is reused"]
+  _write(folder, resumed)
   _write(folder, _fake_record(m, rep.Run("nsa", 0), fingerprint="other"))
   readme = tmp_path / "README.md"
   readme.write_text(f"intro\n{report.README_BEGIN}\nold\n{report.README_END}\noutro\n")
@@ -746,6 +748,9 @@ def test_summary_from_stand_in_results(tmp_path):
   assert ("| Method | single-key 512 | multi-key 512 | multi-query 512 | multi-value 512 | Avg |"
           in text)
   assert "`nsa-s0.json` (made from other settings" in text
+  # A resumed run's wall time is its last process's, and the table says so.
+  assert re.search(r"\| pisa-s1 \| [^|]+ \| [^|]+ \| [^|]+ \| [\d.]+ \(resumed\) \|", text)
+  assert not re.search(r"\| pisa-s0 \|[^\n]*\(resumed\)", text)
   claims = {c[1]: (c[2], c[3]) for c in report.claims(report.Results(m, folder))}
   assert claims["Full attention has the highest RULER average after CPT"][0] == "reproduced"
   assert claims["PISA's RULER average is above BSA's"][0] == "pending"
