@@ -264,14 +264,15 @@ def load_manifest(path: str | Path) -> Manifest:
 
 
 def _data_settings(data: dict) -> dict:
-  """The data fields that shape a result: the corpora and the mixture (not the folders they are
-  kept in, nor where the tools and wheels are)."""
+  """The data fields that shape a result: the corpora, the mixture and the version of the code
+  that makes its needle documents (not the folders they are kept in, nor where the tools and
+  wheels are)."""
+  from pisa_jax.train.retrieval import NEEDLE_GENERATOR
+
   out = {k: v for k, v in data.items()
          if k not in ("text", "haystack", "tokenizer", "ruler_dir", "wheels")}
-  if out.get("retrieval_templates") == "fixed":
-    # The default, older than the field: results made before it keep their fingerprint.
-    del out["retrieval_templates"]
-  return out
+  # The needle documents change with the code that makes them, not only with these settings.
+  return out | {"needle_generator": NEEDLE_GENERATOR}
 
 
 def _check(m: Manifest) -> None:
@@ -322,6 +323,9 @@ def _check(m: Manifest) -> None:
     if stage.eval["selection"] and stage.eval["selection"][0] < m.backbone["block_size"]:
       raise ManifestError(f"{at}: eval.selection length {stage.eval['selection'][0]} is below "
                           f"backbone.block_size={m.backbone['block_size']}")
+    if stage.eval["mixture"] and stage.eval["mixture"][0] < 128:
+      raise ManifestError(f"{at}: eval.mixture length {stage.eval['mixture'][0]} must be >= 128, "
+                          f"the shortest needle document (data.retrieval_min_length's floor)")
     if stage.eval["mqar"] and not [p for p in e["mqar_pairs"] if 4 * p <= stage.eval["mqar"][-1]]:
       raise ManifestError(f"{at}: no eval.mqar_pairs fits eval.mqar's longest length "
                           f"{stage.eval['mqar'][-1]} (4 tokens a pair)")

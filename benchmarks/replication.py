@@ -61,7 +61,10 @@ def read_result(path: Path) -> dict | None:
 
 
 def status(m: Manifest, run: Run, dirs: list[Path]) -> tuple[str, Path | None]:
-  """("done" | "stale" | "incomplete" | "pending" | "unavailable", the result file found)."""
+  """("done" | "truncated" | "stale" | "incomplete" | "pending" | "unavailable", the result file
+  found). "truncated": complete, but a stage stopped at its max_seconds before its last step, so
+  the summary sets it aside; `--next` leaves it (its run folder would give the same), `--run
+  ... --force` with a fresh --workdir trains it again."""
   from pisa_jax.models.config import ATTENTION_KINDS
 
   found = []
@@ -71,7 +74,8 @@ def status(m: Manifest, run: Run, dirs: list[Path]) -> tuple[str, Path | None]:
       continue
     current = record.get("fingerprint") == m.fingerprint(run.method)
     if record.get("status") == "complete" and current:
-      return "done", folder / f"{run.name}.json"
+      truncated = any(row.get("truncated") for row in record.get("rows", []))
+      return ("truncated" if truncated else "done"), folder / f"{run.name}.json"
     found.append((current, folder / f"{run.name}.json"))
   if run.method not in ATTENTION_KINDS:
     return "unavailable", None
@@ -575,6 +579,8 @@ def main(argv: list[str] | None = None) -> int:
       prepare(m)
       return 0
     if args.next is not None:
+      if args.next < 1:
+        raise ManifestError(f"--next {args.next} must be >= 1")
       runs = [r for r in m.runs if status(m, r, dirs)[0] in ("pending", "stale", "incomplete")]
       for r in [r for r in runs if waits_for(m, r, dirs)]:
         print(f"{r.name} waits for {waits_for(m, r, dirs).name}: later")
@@ -586,8 +592,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
       run = m.run(args.run) if args.run else m.run(Run(args.method, args.seed).name)
       state, path = status(m, run, dirs)
-      if state == "done" and not args.force:
-        print(f"{run.name}: done ({path}); --force runs it again")
+      if state in ("done", "truncated") and not args.force:
+        print(f"{run.name}: {state} ({path}); --force runs it again")
         return 0
       if state == "unavailable":
         raise ManifestError(_unavailable(run))

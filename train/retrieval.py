@@ -58,6 +58,10 @@ from pisa_jax.train.data import TRAIN, TokenWindows, document_layout
 from pisa_jax.train.tokenizer import EOT_TOKEN
 
 FAMILIES = ("single_key", "multi_key", "multi_query", "multi_value")
+# The version of the documents this module makes from a given seed and settings: raised with
+# every change to what they hold, so that a result records which documents it trained on (the
+# replication manifest's fingerprint includes it). 2: multi_value answers in document order.
+NEEDLE_GENERATOR = 2
 # The random stream of the mixture within a step (the text windows use the bare [seed, split,
 # step]).
 _STREAM = 1
@@ -97,8 +101,8 @@ QUESTIONS_ONE = (
     ("Question: what {attr} does {key} have? Answer:", "{key} has the {attr}"),
     ("Look up {key} in the text above and report its {attr}.", "The {attr} of {key}{where} is"),
     ("What {attr} belongs to {key}?", "The {attr} that belongs to {key}{where} is"),
-    ("What is the {attr} for {key}?", "The {attr} listed for {key}{where} is"),
-    ("Report the {attr} recorded for {key}.", "The {attr} recorded for {key}{where} is"),
+    ("What is the {attr} for {key}?", "The {attr} listed for {key}{where} reads"),
+    ("Report the {attr} recorded for {key}.", "The {attr} recorded for {key}{where} reads"),
 )
 # Several keys asked at once (multi_query): their values in the order the keys are asked.
 QUESTIONS_KEYS = (
@@ -294,9 +298,9 @@ class FixedTemplates:
     return _pick(rng, PREAMBLES)
 
 
-def _link_copula(rng) -> tuple[str, str]:
+def _link_copula(rng, links: tuple[str, ...] = LINKS) -> tuple[str, str]:
   """A link and a copula that never read "... for {key} is {value}" (RULER's needle)."""
-  link, copula = _pick(rng, LINKS), _pick(rng, COPULAS)
+  link, copula = _pick(rng, links), _pick(rng, COPULAS)
   if link.endswith("for") and copula.split()[0] == "is":
     copula = "reads"
   return link, copula
@@ -330,8 +334,9 @@ class ComposedTemplates(FixedTemplates):
     pairs = {"multi_query": COMPOSED_KEYS, "multi_value": COMPOSED_VALUES}.get(family,
                                                                                COMPOSED_ONE)
     question, prefix = _pick(rng, pairs)
-    link, copula = _link_copula(rng)
-    fill = dict(link=link, copula=copula, linkp=_pick(rng, LINKS_PARTICIPLE))
+    # The prefix holds a link or a participle before its copula, each kept off RULER's needle.
+    link, copula = _link_copula(rng, LINKS_PARTICIPLE if "{linkp}" in prefix else LINKS)
+    fill = dict(link=link, linkp=link, copula=copula)
     keep = {name: "{" + name + "}" for name in ("attr", "attrs", "key", "keys", "where")}
     return question.format(**fill, **keep), prefix.format(**fill, **keep)
 
@@ -438,7 +443,8 @@ def _draw_text(rng: np.random.Generator, family: str, size: int, key_formats: tu
   if family == "multi_query":
     answers = [values[i] for i in asked_idx]
   elif family == "multi_value":
-    answers = list(values)
+    # In the order the needles stand in the document (one key: needle i holds value i).
+    answers = [values[i] for i in order]
   else:
     answers = [values[asked_idx[0]]]
   where = t.where(rng)
