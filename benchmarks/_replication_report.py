@@ -163,6 +163,13 @@ def ruler_cell(family, length):
                           if r["family"] == family and r["length"] == length)
 
 
+def ruler_answer_hit(family, length):
+  """The share of `family`'s samples at `length` whose answer the model ranks first token by
+  token after RULER's answer prefix (None for runs evaluated without answer scores)."""
+  return lambda row: next((r["hit"] for r in row["eval"]["ruler"].get("answer_scores", ())
+                           if r["family"] == family and r["length"] == length), None)
+
+
 def ruler_average(row):
   return row["eval"]["ruler"]["average"]
 
@@ -313,6 +320,25 @@ def table3(res: Results, stage: str | None) -> str:
           f"greedy decoding; a family averages its tasks; Avg over families and lengths). The "
           f"paper's rows: its 2.67B models after 10B tokens of CPT at 16K (Avg over 1K-16K)."
           f"\n\n" + _record.markdown(cols, rows))
+
+
+def ruler_answers_table(res: Results, stage: str | None) -> str:
+  """The one-answer families' answers teacher-forced after RULER's answer prefix."""
+  lengths = _lengths(res, stage, "ruler")
+  families = ("single_key", "multi_key")
+  rows = []
+  for method in LABELS:
+    cells = [res.values(method, stage, ruler_answer_hit(f, n)) for f in families
+             for n in lengths]
+    if method in res.methods and any(cells):
+      rows.append([LABELS[method]] + [fmt(c, 100, 1) for c in cells])
+  if not rows:
+    return "No answer scores yet."
+  cols = ["Method"] + [f"{f.replace('_', '-')} {span(n)}" for f in families for n in lengths]
+  return (f"After stage `{stage}`: the share of samples (%) whose answer the model ranks first, "
+          f"token by token, when it follows RULER's prompt and answer prefix (teacher-forced). "
+          f"Above the greedy accuracy, the model finds the needle but does not write it.\n\n"
+          + _record.markdown(cols, rows))
 
 
 def table6(res: Results) -> str:
@@ -709,6 +735,7 @@ def summarize(manifest, folder: Path, *, readme: Path | None = None) -> Path:
       "## Runs", runs_section(res),
       "## Table 2: pretraining", table2(res),
       "## Table 3: RULER needle-in-a-haystack after CPT", table3(res, manifest.summary["cpt"]),
+      "## RULER's answers, teacher-forced", ruler_answers_table(res, manifest.summary["cpt"]),
       "## Table 6: after CPT", table6(res),
       "## Table 7: block selection on the dense model's q and k", table7(res),
       "## MQAR after CPT", mqar_table(res),

@@ -377,9 +377,9 @@ def evaluate_stage(m: Manifest, run: Run, stage, workdir: Path, row: dict, recor
     elif suite == "ruler":
       part, records = needles.run_ruler(model, config, lengths=lengths,
                                         samples=e["ruler_samples"], batch_size=e["batch_size"],
-                                        **kw)
+                                        answer_scores=True, **kw)
       part["records"] = [{k: r[k] for k in ("task", "family", "length", "index", "score",
-                                            "depths", "new_tokens")}
+                                            "depths", "new_tokens", "answer_hit") if k in r}
                          | {"prediction": r["prediction"][:80]} for r in records]
     elif suite == "mixture":
       part = mixture.run_mixture(model, config, lengths=lengths, samples=e["mixture_samples"],

@@ -371,8 +371,11 @@ def test_ruler_through_a_stand_in_module(gpt2_model, tmp_path, monkeypatch):
   monkeypatch.setattr(cli, "restore_model", lambda workdir: (config, model, 7))
   (tmp_path / "config.json").write_text(config.to_json())  # a run folder, as the CLI checks
   assert cli.main(["--workdir", str(tmp_path), "--suite", "ruler", "--lengths", "32,64",
-                   "--samples", "2", "--batch-size", "2", "--no-progress"]) == 0
+                   "--samples", "2", "--batch-size", "2", "--no-progress",
+                   "--ruler-answers"]) == 0
   part = json.loads((tmp_path / "eval" / "eval.json").read_text())["parts"]["ruler"]
+  assert {(a["family"], a["length"]) for a in part["answer_scores"]} <= {
+      (f, n) for f in fake.FAMILIES for n in (32, 64)} and part["answer_scores"]
   encoding = gpt2_encoding()
   # Each prediction is the greedy continuation of its prompt alone (a batch of two copies).
   records = [json.loads(line) for line in (tmp_path / "eval" / part["predictions"]).open()]
@@ -414,6 +417,26 @@ def test_ruler_with_the_real_task_module(gpt2_model):
     assert r["prompt_tokens"] + 128 <= 256 and r["new_tokens"] <= 128
     assert r["score"] == ruler.score(r["prediction"], r["answers"])
   assert part["average"] == pytest.approx(np.mean([r["score"] for r in records]))
+  assert "answer_scores" not in part and "answer_hit" not in records[0]
+  # The answer teacher-forced after the prompt: its tokens' NLL and whether each is the argmax.
+  from pisa_jax.train.tokenizer import gpt2_encoding
+
+  part, records = needles.run_ruler(model, config, lengths=[256], samples=1, seed=0,
+                                    batch_size=1, progress=False, ruler=subset, haystack="",
+                                    answer_scores=True)
+  encoding = gpt2_encoding()
+  for r in records:
+    (sample,) = ruler.make_samples(r["task"], length=256, num_samples=1, seed=0,
+                                   tokenizer=encoding, haystack="")
+    answer = encoding.encode(" " + r["answers"][0])
+    tokens = np.array(sample.prompt_tokens + answer)
+    logp = np.asarray(_log_probs(model, jnp.asarray(tokens[None, :-1])), np.float64)[0]
+    span = np.arange(len(sample.prompt_tokens) - 1, len(tokens) - 1)
+    np.testing.assert_allclose(r["answer_nll"], -logp[span, tokens[span + 1]].mean(), rtol=2e-4)
+    assert r["answer_hit"] == bool((logp[span].argmax(-1) == tokens[span + 1]).all())
+  assert [(a["family"], a["samples"]) for a in part["answer_scores"]] == [
+      ("single_key", 1), ("multi_key", 1)]
+  assert part["answer_scores"][0]["nll"] == pytest.approx(records[0]["answer_nll"])
 
 
 def test_ppl_of_a_packed_run_scores_each_document_alone(evaluated, tmp_path):
@@ -490,6 +513,8 @@ def test_bad_input_is_one_line_naming_it(tiny_run, text, tmp_path, capsys):
   fails(run + ["--suite", "selection", "--top-k", "2"], r"--top-k=2 must be an int >= 3")
   fails(run + ["--suite", "selection", "--block-size", "64"], r"--block-size: 64 exceeds")
   fails(run + ["--suite", "ppl", "--top-k", "4"], r"--top-k: applies to the selection suite only")
+  fails(run + ["--suite", "ppl", "--ruler-answers"],
+        r"--ruler-answers: applies to the ruler suite only")
   fails(run + ["--suite", "mqar", "--data", str(text)],
         r"--data: applies to the ppl and selection suites only")
   fails(["--compare", str(tmp_path)], r"--compare: .* has no eval\.json")

@@ -590,7 +590,10 @@ def _fake_record(m, run: rep.Run, *, status="complete", fingerprint=None, **numb
          "passes": {"text": 0.1, "haystack": 0.2}, "loss_curve": [[1, 9.0], [2, loss]],
          "eval": {"ppl": {"rows": [{"length": 256, "ppl": ppl}, {"length": 512, "ppl": ppl}]},
                   "ruler": {"families": families, "average": (single + 3 * avg) / 4,
-                            "records": records},
+                            "records": records, "answer_scores": [
+                                {"family": f, "length": n, "samples": 2, "nll": 1.0,
+                                 "hit": numbers.get("hit", 0.5)}
+                                for f in ("single_key", "multi_key") for n in (256, 512)]},
                   "mqar": {"rows": [{"pairs": 16, "length": 256, "accuracy": 0.5}]},
                   "induction": {"rows": [{"length": 512, "copy_accuracy": numbers.get("copy", 0.5),
                                           "score": 2.0}]}}}
@@ -785,6 +788,8 @@ def test_summary_from_stand_in_results(tmp_path):
   assert "| PISA | 2 | 3.510 ±0.010 | 3.010 ±0.010 | 80.0 ±10.0 | 57.5 ±2.5 |" in text
   assert "| Full attention | 1 | 3.600 | 3.100 | 95.0 | 76.2 |" in text
   assert "| PISA | 40.0 ±10.0 (2.00 ±0.00) |" in text and "| NSA | pending |" in text
+  assert "| Method | single-key 512 | multi-key 512 |\n|---|---|---|\n| Full attention | 50.0 |" in (
+      text)
   assert ("| Method | single-key 512 | multi-key 512 | multi-query 512 | multi-value 512 | Avg |"
           in text)
   assert "`nsa-s0.json` (made from other settings" in text

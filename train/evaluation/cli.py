@@ -65,7 +65,7 @@ DEFAULT_BEAM_FACTORS = (1.0, 2.0)
 # The suites that read each suite-specific option: given without any of them, it is a mistake.
 OPTION_SUITES = {"data": ("ppl", "selection"), "mqar_pairs": ("mqar",),
                  "top_k": ("selection",), "block_size": ("selection",),
-                 "beam_factors": ("selection",)}
+                 "beam_factors": ("selection",), "ruler_answers": ("ruler",)}
 
 
 def _ints(text: str, *, increasing: bool = False) -> list[int]:
@@ -154,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--beam-factors", type=_floats, default=None,
                       help="selection: pisa beams as multiples of K; default "
                            f"{','.join(f'{f:g}' for f in DEFAULT_BEAM_FACTORS)}")
+  parser.add_argument("--ruler-answers", action="store_const", const=True, default=None,
+                      help="ruler: also score each one-answer sample's answer teacher-forced "
+                           "after its answer prefix (a forward pass a sample): finds the needle "
+                           "but does not write it, or does not find it")
   parser.add_argument("--no-progress", action="store_true", help="no progress bars")
   return parser
 
@@ -161,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _only_with(parser, args, mode: str, allowed: set[str]) -> None:
   """An option that the mode does not read is a mistake, not something to ignore."""
   fields = ("suite", "lengths", "samples", "seed", "context", "data", "batch_size",
-            "mqar_pairs", "top_k", "block_size", "beam_factors")
+            "mqar_pairs", "top_k", "block_size", "beam_factors", "ruler_answers")
   for field in fields:
     if field not in allowed and getattr(args, field) is not None:
       parser.error(f"--{field.replace('_', '-')}: does not apply to {mode}")
@@ -304,7 +308,7 @@ def _evaluate(args, arrays, common, report) -> int:
 
   def ruler_part():
     part, records = needles.run_ruler(model, config, batch_size=batch, encoding=encoding,
-                                      stop=stop, **kw)
+                                      stop=stop, answer_scores=bool(args.ruler_answers), **kw)
     out.mkdir(parents=True, exist_ok=True)
     with deferred_interrupt():
       _write_whole(out / part["predictions"], "".join(json.dumps(r) + "\n" for r in records))

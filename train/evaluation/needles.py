@@ -77,13 +77,18 @@ def greedy(model, prompts: list[list[int]], max_new_tokens: list[int], *, batch_
 
 def run_ruler(model, config, *, lengths: list[int], samples: int, seed: int, batch_size: int,
               progress: bool, ruler=None, haystack: str | None = None,
-              encoding=None, stop: tuple[int, ...] = (EOT_TOKEN,)) -> tuple[dict, list[dict]]:
+              encoding=None, stop: tuple[int, ...] = (EOT_TOKEN,),
+              answer_scores: bool = False) -> tuple[dict, list[dict]]:
   """Every RULER task of `ruler.FAMILIES` at each length, `samples` samples each.
 
   Returns the `ruler` part of eval.json (scores are fractions in [0, 1]: tasks, families,
   by_length and the paper's average) and one record per sample (task, length, index, prompt
   length, answers, prediction, score, needle depths) for ruler_predictions.jsonl. encoding: the
   run's tokenizer (None: GPT-2's), stop: the tokens that end a generation.
+
+  answer_scores: also score each one-answer sample's answer teacher-forced after its answer
+  prefix (one forward pass a sample; `answer_scores`), which tells a model that finds the needle
+  but does not write it (greedy decoding drifts into prose) from one that does not find it.
   """
   from pisa_jax.train.tokenizer import gpt2_encoding
 
@@ -128,11 +133,55 @@ def run_ruler(model, config, *, lengths: list[int], samples: int, seed: int, bat
                       "score": float(ruler.score(prediction, sample.answers)),
                       # A stand-in task module may not say where its needles are.
                       "depths": list(getattr(sample, "depths", ()))})
+    if answer_scores:
+      _score_answers(model, [(records[len(records) - len(drawn) + i], s)
+                             for i, (*_, s) in enumerate(drawn)], encoding, length, batch_size)
   bar.close()
   part = aggregate(records, families, lengths)
+  if answer_scores:
+    part["answer_scores"] = answer_score_rows(records, lengths)
   part.update(samples=samples, seed=seed, predictions="ruler_predictions.jsonl",
               wall_seconds=time.perf_counter() - start)
   return part, records
+
+
+def _score_answers(model, pairs: list[tuple[dict, object]], encoding, length: int,
+                   batch_size: int) -> None:
+  """Adds `answer_hit` (every token of the answer is the model's argmax after its answer prefix
+  and the answer tokens before it) and `answer_nll` (their mean NLL) to each record of a sample
+  with one answer; samples with several (multi-query, multi-value: any order counts) get none."""
+  one = [(record, sample) for record, sample in pairs if len(sample.answers) == 1]
+  if not one:
+    return
+  rows = np.full((len(one), length), EOT_TOKEN, np.int32)
+  spans = []
+  for i, (_, sample) in enumerate(one):
+    answer = list(encoding.encode(" " + sample.answers[0]))
+    tokens = list(sample.prompt_tokens) + answer
+    # make_samples leaves max_new_tokens (> any answer) after the prompt within `length`.
+    rows[i, :len(tokens)] = tokens
+    spans.append((len(sample.prompt_tokens), len(tokens)))
+  nll, hit = common.token_scores(model, rows[:, :-1], rows[:, 1:], batch_size=batch_size)
+  for (record, _), (a, b), n, h in zip(one, spans, nll, hit):
+    # The token at position p is the target of input position p - 1.
+    record["answer_hit"] = bool(h[a - 1:b - 1].all())
+    record["answer_nll"] = float(n[a - 1:b - 1].mean())
+
+
+def answer_score_rows(records: list[dict], lengths: list[int]) -> list[dict]:
+  """Per (family, length) of the one-answer tasks: the share of samples whose answer the model
+  ranks first token by token after the answer prefix, and its mean NLL."""
+  out = []
+  for length in lengths:
+    by_family = defaultdict(list)
+    for r in records:
+      if r["length"] == length and "answer_hit" in r:
+        by_family[r["family"]].append(r)
+    for family, rs in by_family.items():
+      out.append({"family": family, "length": length, "samples": len(rs),
+                  "hit": float(np.mean([r["answer_hit"] for r in rs])),
+                  "nll": float(np.mean([r["answer_nll"] for r in rs]))})
+  return out
 
 
 def aggregate(records: list[dict], families: dict[str, tuple[str, ...]],
