@@ -17,13 +17,17 @@ rest run. Every row records the remat policy (`model.remat`) and the loss chunk
 MFU, counted the same way for both sides: model FLOPs per token (`decoder.flops_per_token`) x
 tokens/s / the device's dense bf16 peak. Model FLOPs per token = 6 x (parameters - input
 embedding) + 3 x 4 x HQ x D x (attended keys) per layer: dense causal attention attends
-(T + 1) / 2 keys on average, PISA the keys of its K selected blocks (min((T + 1) / 2, K x C)).
+(T + 1) / 2 keys on average, PISA the keys of its K selected blocks, the current one up to the
+query (`decoder.sparse_attended_keys`: 452.5 at 4K with K = 8, 1,892.5 at 16K with K = 32).
 Not counted, on either side: remat's recomputation and PISA's block selection (the work a
 side does beyond its model's math lowers its MFU rather than raising it).
 
 The goals (rows with "goal"): PISA / dense tokens/s at least 1.1 at 4K, 1.5 at 16K, 4 at 64K.
 
   python -m benchmarks.paper_settings                     # one H200: every setting, ~8 minutes
+  python -m benchmarks.paper_settings --only cpt-418m@65536,cpt-1.47b@16384 --append
+                                                          # into the result in --out: its other
+                                                          # settings' rows kept
   python -m benchmarks.paper_settings --only cpt-418m@16384 --remat full_save_attention
   python -m benchmarks.paper_settings --replot benchmarks/results/paper_settings.json
   python -m benchmarks.paper_settings --toy --out /tmp/ps   # any CPU: the tiny model, 2 steps
@@ -103,7 +107,8 @@ def run_one(args, setting: Setting, attention: str) -> dict:
 
   config = config_for(args, setting, attention)
   m, t = config.model, config.train
-  row = dict(setting=setting.key, preset=setting.preset, attention=attention, seq_len=t.seq_len,
+  row = dict(case=setting.key, setting=setting.key, preset=setting.preset, attention=attention,
+             seq_len=t.seq_len,
              top_k=None if attention == "dense" else m.top_k, batch=t.per_device_batch,
              remat=m.remat, loss_chunk=t.loss_chunk)
   t0 = time.perf_counter()
@@ -147,7 +152,8 @@ def goal_row(setting: Setting, rows: list[dict]) -> dict | None:
   tok = {r["attention"]: r.get("tokens_per_s") for r in rows if r.get("setting") == setting.key}
   value = (round(tok["pisa"] / tok["dense"], 3) if tok.get("pisa") and tok.get("dense")
            else None)
-  return dict(goal=f"PISA / dense tokens/s, {setting.key}", setting=setting.key, value=value,
+  return dict(goal=f"PISA / dense tokens/s, {setting.key}", case=setting.key,
+              setting=setting.key, value=value,
               target=target, met=None if value is None else value >= target)
 
 
@@ -184,18 +190,24 @@ def measure(args, rec) -> None:
   args.data_overrides = data_overrides(args, rec, settings)
   rec.note("MFU = decoder.flops_per_token x tokens/s / dense bf16 peak, both sides: 6 x "
            "(parameters - input embedding) + 12 x HQ x D x attended keys per layer and token, "
-           "attended = (T + 1) / 2 for dense causal, min((T + 1) / 2, K x C) for PISA; remat "
-           "recomputation and block selection not counted")
+           "attended = (T + 1) / 2 for dense causal, for PISA the mean over queries of its K "
+           "blocks' keys up to the query (decoder.sparse_attended_keys); remat recomputation "
+           "and block selection not counted")
   for setting in settings:
     for attention in args.attention:
       print(f"== {attention}, {setting.key}", flush=True)
       try:
         row = run_one(args, setting, attention)
       except Exception as e:  # out of memory at run time, a failed compile: recorded
-        row = dict(setting=setting.key, preset=setting.preset, attention=attention,
-                   seq_len=setting.seq_len, remat=args.remat or setting.remat,
-                   loss_chunk=setting.loss_chunk if args.loss_chunk is None else args.loss_chunk,
-                   error=f"{type(e).__name__}: {str(e)[:400]}")
+        # What it ran with, --set included (a config that does not validate: the setting's).
+        try:
+          config = config_for(args, setting, attention)
+          remat, loss_chunk = config.model.remat, config.train.loss_chunk
+        except Exception:
+          remat, loss_chunk = setting.remat, setting.loss_chunk
+        row = dict(case=setting.key, setting=setting.key, preset=setting.preset,
+                   attention=attention, seq_len=setting.seq_len, remat=remat,
+                   loss_chunk=loss_chunk, error=f"{type(e).__name__}: {str(e)[:400]}")
       # Free this run's state and compiled step before the next model is built.
       gc.collect()
       rec.add(**row)
@@ -261,7 +273,7 @@ def _csv(s: str) -> list[str]:
 
 
 def main(argv=None) -> dict:
-  p = _record.parser(__doc__)
+  p = _record.parser(__doc__, append=True)
   p.add_argument("--only", type=_csv, default=None,
                  help="comma-separated settings, e.g. cpt-418m@16384 (default: all)")
   p.add_argument("--attention", type=_csv, default=["pisa", "dense"],
@@ -286,7 +298,10 @@ def main(argv=None) -> dict:
     args.steps, args.warmup = min(args.steps, 1), min(args.warmup, 1)
   if args.steps < 1 or args.warmup < 0:
     p.error(f"--steps={args.steps} must be >= 1 and --warmup={args.warmup} >= 0")
-  return _record.run(NAME, args, measure, settings, plot, table)
+  measured = [s.key for s in (TOY if args.toy else SETTINGS)
+              if args.only is None or s.key in args.only]
+  measure_into = _record.appending(NAME, args, measure, measured)
+  return _record.run(NAME, args, measure_into, settings, plot, table)
 
 
 if __name__ == "__main__":

@@ -142,8 +142,8 @@ def measure(args, rec: _record.Recorder) -> None:
       k8 = [row for row in rec.rows if (row["n"], row["d"], row["top_k"]) == (n, d, args.top_k)
             and row["side"] == "pisa-jax" and row["selector"] == "pisa" and "ms" in row
             and row["beam"] == args.top_k]
-      for row in same:
-        if k8 and "ms" in row and row["side"] == "pisa-jax":
+      for row in same:  # PISA against PISA: BSA's rows have their own K = 8 time
+        if k8 and "ms" in row and row["side"] == "pisa-jax" and row["selector"] == "pisa":
           row["x_k8"] = round(row["ms"] / k8[0]["ms"], 3)
           print(f"{label(row)} at N={n}: {row['ms']} ms, K{args.top_k} {k8[0]['ms']} ms, "
                 f"x_k8 {row['x_k8']}", flush=True)

@@ -871,20 +871,33 @@ def count_params(cfg: ModelConfig) -> int:
   return cfg.num_layers * per_layer + embeddings + e
 
 
+def sparse_attended_keys(seq_len: int, top_k: int, block_size: int) -> float:
+  """The mean number of keys a query attends over positions 0 .. T-1 under top-k block-sparse
+  attention (Eq. 6): t + 1 while its causal past has at most K blocks, else K - 1 complete blocks
+  and the current block up to t, (K - 1) C + (t mod C) + 1."""
+  t, c = seq_len, block_size
+  dense = min(t, top_k * c)  # queries t < K C attend all t + 1 keys
+  total = dense * (dense + 1) // 2
+  rest = t - dense  # the others start at a block boundary: t mod C runs 0 .. C-1 again and again
+  cycles, tail = divmod(rest, c)
+  total += rest * ((top_k - 1) * c + 1) + cycles * c * (c - 1) // 2 + tail * (tail - 1) // 2
+  return total / t
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
   """Training FLOPs per token (forward + backward = 3x forward), for MFU.
 
   Matmuls: 6 x (parameters - input embedding). Attention: QK^T and PV cost 2 * 2 * HQ * D per
   attended key in the forward pass; dense causal attends (T+1)/2 keys on average, the sparse kinds
-  at most top_k * block_size, HiLS its window and top_k chunks. Block selection and HiLS's chunk
-  scores are not counted.
+  `sparse_attended_keys` (their K blocks, the current one up to t), HiLS its window and top_k
+  chunks. Block selection and HiLS's chunk scores are not counted.
   """
   # The input embedding is a lookup; a tied one is also the output projection's matmul.
   matmul_params = count_params(cfg) - (0 if cfg.tie_embeddings
                                        else cfg.padded_vocab_size * cfg.d_model)
   attended = (seq_len + 1) / 2
   if cfg.attention in SPARSE_ATTENTION_KINDS:
-    attended = min(attended, cfg.top_k * cfg.block_size)
+    attended = sparse_attended_keys(seq_len, cfg.top_k, cfg.block_size)
   elif cfg.attention == "nsa":
     # Its three branches: the compressed blocks complete at t, the selected blocks' keys and the
     # window's (each at most the causal (T+1)/2 on average).

@@ -222,6 +222,7 @@ def test_selection_runs_on_the_reference(tmp_path):
   # The wide budget's cost over K = 8 at the same N and d.
   wide, narrow = rows[1024, 16, "pisa", 16], rows[1024, 8, "pisa", 8]
   assert wide["x_k8"] == round(wide["ms"] / narrow["ms"], 3)
+  assert "x_k8" not in rows[1024, 16, "bsa", None]  # not over PISA's K = 8 time
   assert record["notes"] == ["fla left out (--no-fla)"]
   assert (tmp_path / "selection.png").exists()
   assert json.loads((tmp_path / "selection.json").read_text())["rows"] == record["rows"]
@@ -682,6 +683,28 @@ def test_paper_settings_goals_and_table():
   assert [(s.key, s.top_k) for s in paper_settings.SETTINGS] == [
       ("418m@4096", 8), ("cpt-418m@16384", 32), ("cpt-418m@65536", 32), ("cpt-1.47b@16384", 32)]
   assert all(s.seq_len in paper_settings.GOALS for s in paper_settings.SETTINGS)
+
+
+def test_paper_settings_append_keeps_the_other_settings(tmp_path, monkeypatch):
+  """Settings measured in separate calls gather in one result with --append; without it a call
+  writes only its own."""
+  from benchmarks import paper_settings
+
+  def fake(args, setting, attention):
+    return dict(case=setting.key, setting=setting.key, preset=setting.preset,
+                attention=attention, seq_len=setting.seq_len, remat=setting.remat,
+                loss_chunk=setting.loss_chunk, tokens_per_s=200.0 if attention == "pisa" else 100.0)
+
+  monkeypatch.setattr(paper_settings, "run_one", fake)
+  out = ["--out", str(tmp_path), "--data", str(tmp_path / "no-data")]
+  paper_settings.main(["--only", "418m@4096"] + out)
+  record = paper_settings.main(["--only", "cpt-418m@16384", "--append"] + out)
+  assert {(r["case"], "goal" in r) for r in record["rows"]} == {
+      ("418m@4096", False), ("418m@4096", True), ("cpt-418m@16384", False),
+      ("cpt-418m@16384", True)}
+  assert any("rows kept from the result of" in n for n in record["notes"])
+  record = paper_settings.main(["--only", "cpt-418m@16384"] + out)
+  assert {r["case"] for r in record["rows"]} == {"cpt-418m@16384"}
 
 
 @pytest.mark.slow  # ~25 s of CPU: two toy trainings

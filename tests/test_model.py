@@ -178,3 +178,15 @@ def test_models_import_neither_configs_nor_train():
 def test_a_token_array_of_the_wrong_rank_is_a_clear_error():
   with pytest.raises(AssertionError, match="rank"):
     _model()(jnp.zeros((72,), jnp.int32))
+
+
+def test_sparse_attended_keys_count_each_querys_blocks():
+  """MFU's attention term for the sparse kinds: the mean over positions of the keys a query
+  attends (its K - 1 other blocks and the current block up to t), against a direct count."""
+  from pisa_jax.models.decoder import sparse_attended_keys
+
+  for seq_len, top_k, block_size in [(4096, 8, 64), (16384, 32, 64), (100, 3, 16), (5, 8, 64),
+                                      (1000, 4, 7), (64, 1, 64)]:
+    t = np.arange(seq_len)
+    keys = np.minimum(t + 1, (top_k - 1) * block_size + t % block_size + 1)
+    assert sparse_attended_keys(seq_len, top_k, block_size) == pytest.approx(keys.mean())
