@@ -60,6 +60,10 @@ MILLION = 1 << 20  # at B = 1: in chunks of CHUNK, and in one pass
 CHUNK = 65536
 # Tokens a prefill pass holds activations for: past it, a batch reads its prompts in chunks.
 PASS_TOKENS = 1 << 20
+# Cases of more cache tokens than this (B = 32 at 128K) are left out: a chunked prefill stacks
+# every layer's cache for its scan over the layers and splits it after (`Decoder.prefill_chunk`),
+# about twice the cache in scratch beside it: ~100 GiB for `small` at 32 x 128K.
+MAX_BATCH_TOKENS = 1 << 21
 NEW_TOKENS = 256
 CALL_SECONDS = 450
 
@@ -111,14 +115,17 @@ def _tokens(text: str) -> int:
 
 
 def grid(presets=PRESETS, lengths=LENGTHS, batches=BATCHES, long: bool = True) -> list[Case]:
-  """Every case: each preset and attention at each B and L; at B = 1 also 512K, and 1M in chunks
-  and (PISA, and dense as the baseline) in one pass. Dense attention is not read in chunks at
-  1M: its chunks' jnp attention would take ~10 minutes (`dense_chunk_attention`)."""
+  """Every case: each preset and attention at each B and L up to MAX_BATCH_TOKENS; at B = 1 also
+  512K, and 1M in chunks and (PISA, and dense as the baseline) in one pass. Dense attention is
+  not read in chunks at 1M: its chunks' jnp attention would take ~10 minutes
+  (`dense_chunk_attention`)."""
   cases = []
   for preset in presets:
     for attention in ATTENTIONS:
       for length in lengths:
         for batch in batches:
+          if batch * length > MAX_BATCH_TOKENS:
+            continue
           chunk = None if batch * length <= PASS_TOKENS else PASS_TOKENS // batch
           cases.append(Case(preset, attention, batch, length, chunk))
       if long:
@@ -237,8 +244,18 @@ def run_case(case: Case, *, new_tokens: int, steps_per_call: int, implementation
   return row
 
 
+# The parent only names the device and collects rows: it must not take the GPU's memory from the
+# workers (jax preallocates 75% of it in the first process that touches it). Its own value, if
+# the user set one, goes back to the workers.
+_PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
+_USER_PREALLOCATE = os.environ.get(_PREALLOCATE)
+
+
 def _worker_env(cache_dir: str | None) -> dict:
   env = dict(os.environ)
+  env.pop(_PREALLOCATE, None)
+  if _USER_PREALLOCATE is not None:
+    env[_PREALLOCATE] = _USER_PREALLOCATE
   env.pop("JAX_COMPILATION_CACHE_DIR", None)
   env["PISA_COMPILATION_CACHE"] = cache_dir or "off"
   return env
@@ -292,16 +309,21 @@ def measure(args, rec: _record.Recorder) -> None:
   from pisa_jax.train.provenance import environment
 
   cases = selected(args)
-  kept = [r for r in args.earlier_rows if r["case"] not in {c.name for c in cases}]
+  env = environment()
+  # One device a result: rows of earlier calls on another device (or not saying) are dropped.
+  earlier = [r for r in args.earlier_rows if r["case"] not in {c.name for c in cases}]
+  kept = [r for r in earlier if r.get("device") == env["device"]]
   for row in kept:
     rec.add(**row)
   if kept:
     rec.note(f"{len(kept)} rows of earlier runs kept (their own date and commit)")
-  env = environment()
+  if len(kept) < len(earlier):
+    rec.note(f"{len(earlier) - len(kept)} rows of earlier runs dropped: measured on another "
+             f"device than {env['device']}")
   for case in cases:
     base = dict(case=case.name, preset=case.preset, attention=case.attention, batch=case.batch,
                 length=case.length, prefill_chunk=case.chunk, date=env["date"],
-                commit=env["commit"])
+                commit=env["commit"], device=env["device"])
     if args.in_process:
       try:
         row = run_case(case, new_tokens=args.new_tokens, steps_per_call=args.steps_per_call,
@@ -341,8 +363,11 @@ def _compare_chunked(rec: _record.Recorder) -> None:
       one = by_name.get(row["case"].rsplit("-chunk", 1)[0], {})
       if "first_tokens" in one:
         same = one["first_tokens"] == row["first_tokens"]
+        # Random weights give near-flat logits, where bf16 rounding alone can move the argmax;
+        # tests/test_gpu_decode.py compares the chunked prefill's logits in float32.
         rec.note(f"{row['case']}: first token {'equals' if same else 'DIFFERS from'} the one "
-                 f"pass's ({row['first_tokens']} vs {one['first_tokens']})")
+                 f"pass's ({row['first_tokens']} vs {one['first_tokens']})"
+                 + ("" if same else "; random weights: near-flat logits, likely rounding"))
 
 
 def table(record: dict) -> str:
@@ -439,6 +464,8 @@ def main(argv=None) -> dict | None:
       print(f"# ~{total:.0f} s\npython -m benchmarks.generation --cases "
             f"'{','.join(c.name for c in calls)}'")
     return None
+  if not args.in_process:
+    os.environ[_PREALLOCATE] = "false"  # before this process first touches the device
   args.earlier_rows = [] if args.replot else _earlier_rows(args.out / f"{NAME}.json")
   return _record.run(NAME, args, measure, settings, plot, table)
 

@@ -6,7 +6,8 @@ For each q/k file and top_k, both pyramids select (`pisa_jax.select_blocks`, sel
 --block-size), and each selection is scored against full attention (`selection_quality`: Recall@K,
 Eq. 35; captured mass, Eq. 57; mass ratio, Eq. 36; O(T^2) in float32, chunked). Rows: one per
 (file, K, summary dtype); the bfloat16 row adds identical_rows, the share of (query, KV head)
-rows whose indices equal the float32 pyramid's, and recall_delta_points, its Recall@K minus the
+rows whose indices equal the float32 pyramid's (among the rows that choose: more than K blocks
+up to the query), and recall_delta_points, its Recall@K minus the
 float32 one in percentage points (goal: within 0.5). The decode step's speed with either pyramid
 is `benchmarks.decode --summary-dtype float32,bfloat16`.
 
@@ -76,8 +77,12 @@ def measure(args, rec: _record.Recorder) -> None:
                    mass_ratio=round(float(quality.mass_ratio), 5),
                    rows_scored=int(quality.num_rows))
         if dtype != DTYPES[0]:
-          same = jnp.all(indices[dtype] == indices[DTYPES[0]], axis=-1)
-          row.update(identical_rows=round(float(jnp.mean(same)), 5),
+          same = jnp.all(indices[dtype] == indices[DTYPES[0]], axis=-1)  # [B, T, HKV]
+          # Only rows that choose: a query with at most K blocks up to it keeps them all.
+          scored = jnp.broadcast_to(
+              (jnp.arange(t) // args.block_size + 1 > top_k)[None, :, None], same.shape)
+          row.update(identical_rows=round(float(jnp.sum(same & scored)
+                                                / max(int(jnp.sum(scored)), 1)), 5),
                      recall_delta_points=round(100 * (recall[dtype] - recall[DTYPES[0]]), 3))
         rec.add(**row)
       print(table(rec.record), flush=True)

@@ -971,7 +971,9 @@ def dense_decode_attention(q: Float[Array, "B 1 HQ D"], k: Float[Array, "B 1 HKV
                            cache: KVCache) -> tuple[Float[Array, "B 1 HQ D"], KVCache]:
   """Appends each row's key and value at its length, then attends causally over the row's
   keys 0 .. length (its own included): softmax statistics in float32. A row with no room left
-  (only possible under `jit`) drops its token and outputs NaN."""
+  (only possible under `jit`) drops its token and outputs NaN. On a GPU with a 16-bit cache, as
+  the prefill: cuDNN's fused attention over each row's first length + 1 keys; else float32 jnp
+  (a whole-cache float32 copy a step, several times cuDNN's time at 128K)."""
   b, n, hkv, d = cache.k.shape
   hq = q.shape[2]
   positions = cache.lengths
@@ -979,6 +981,14 @@ def dense_decode_attention(q: Float[Array, "B 1 HQ D"], k: Float[Array, "B 1 HKV
   write = jnp.where(positions < n, positions, n)  # out of bounds: dropped
   k_cache = cache.k.at[rows, write].set(k[:, 0].astype(cache.k.dtype), mode="drop")
   v_cache = cache.v.at[rows, write].set(v[:, 0].astype(cache.v.dtype), mode="drop")
+  full = positions >= n
+  if jax.default_backend() == "gpu" and k_cache.dtype in (jnp.bfloat16, jnp.float16):
+    out = jax.nn.dot_product_attention(
+        q.astype(k_cache.dtype), k_cache, v_cache,
+        key_value_seq_lengths=jnp.minimum(positions + 1, n).astype(jnp.int32),
+        implementation="cudnn")
+    out = jnp.where(full[:, None, None, None], jnp.nan, out)
+    return out.astype(q.dtype), KVCache(k=k_cache, v=v_cache, lengths=positions + 1)
   # Query head h reads KV head h // (HQ / HKV), as jax.nn.dot_product_attention does.
   qg = q[:, 0].astype(jnp.float32).reshape(b, hkv, hq // hkv, d)
   logits = jnp.einsum("bhgd,bnhd->bhgn", qg, k_cache.astype(jnp.float32),
@@ -987,7 +997,7 @@ def dense_decode_attention(q: Float[Array, "B 1 HQ D"], k: Float[Array, "B 1 HKV
   p = jax.nn.softmax(jnp.where(visible, logits, -jnp.inf), axis=-1)
   out = jnp.einsum("bhgn,bnhd->bhgd", p, v_cache.astype(jnp.float32),
                    precision=jax.lax.Precision.HIGHEST).reshape(b, 1, hq, d)
-  out = jnp.where((positions >= n)[:, None, None, None], jnp.nan, out)
+  out = jnp.where(full[:, None, None, None], jnp.nan, out)
   return out.astype(q.dtype), KVCache(k=k_cache, v=v_cache, lengths=positions + 1)
 
 

@@ -337,14 +337,23 @@ def test_decode_select_sweeps_time_the_kernel_at_each_setting(tmp_path):
   assert "w1 " in table and "w2 " in table
 
 
-def test_generation_cases_names_and_calls():
+def test_generation_cases_names_and_calls(monkeypatch):
   from benchmarks import generation
+
+  # The parent leaves the GPU's memory to its workers, which get the user's own setting back.
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  monkeypatch.setattr(generation, "_USER_PREALLOCATE", None)
+  assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in generation._worker_env(None)
+  monkeypatch.setattr(generation, "_USER_PREALLOCATE", "true")
+  assert generation._worker_env(None)["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
 
   cases = generation.grid()
   names = [c.name for c in cases]
   assert len(set(names)) == len(names)
   assert all(generation.Case.parse(c.name) == c for c in cases)
-  assert "small-pisa-B1-1M-chunk64K" in names and "418m-dense-B32-128K-chunk32K" in names
+  assert "small-pisa-B1-1M-chunk64K" in names and "418m-dense-B8-128K" in names
+  # B = 32 at 128K: a chunked prefill's stacked caches take about twice the cache in scratch.
+  assert "418m-dense-B32-128K-chunk32K" not in names and "418m-dense-B32-32K" in names
   assert "small-dense-B1-1M-chunk64K" not in names  # dense chunks at 1M: minutes of jnp
   # Ragged rows: the longest fills L with its new tokens, the shortest about half of it.
   assert generation.Case("small", "pisa", 8, 32768).prompt_lengths(256) == [
@@ -368,11 +377,17 @@ def test_generation_runs_cases_in_fresh_processes(tmp_path):
     assert "error" not in row, row
     assert row["tokens_per_s"] > 0 and row["prefill_warm_s"] < row["first_token_cold_s"]
     assert row["prompt_tokens"] == 248 + 184 and len(row["first_tokens"]) == 2
-  # A second run of one case keeps the other's row.
+  assert all(row["device"] == record["device"] for row in rows.values())
+  # A second run of one case keeps the other's row; a row of another device is dropped.
+  result = tmp_path / "generation.json"
+  stored = json.loads(result.read_text())
+  stored["rows"].append({**stored["rows"][0], "case": "tiny-pisa-B4-256", "device": "elsewhere"})
+  result.write_text(json.dumps(stored))
   again = generation.main(["--presets", "tiny", "--lengths", "256", "--batches", "2",
                            "--no-long", "--new-tokens", "8", "--implementation", "xla",
                            "--cases", "tiny-dense-*", "--in-process", "--out", str(tmp_path)])
   assert {r["case"] for r in again["rows"]} == set(rows)
+  assert any("measured on another device" in n for n in again["notes"])
 
 
 @pytest.mark.slow  # ~80 s of CPU; generation itself is tested in test_generate.py

@@ -75,3 +75,29 @@ def test_chunked_prefill_on_the_kernels_gives_the_one_pass_first_token(attention
   chunked = pisa_jax.generate(model, prompts, prefill_chunk=4096, **kw)
   np.testing.assert_array_equal(chunked.tokens, one.tokens)
   np.testing.assert_allclose(chunked.logits, one.logits, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_dense_decode_on_cudnn_equals_the_float32_step(d):
+  # A bf16 cache takes cuDNN's fused attention over each row's first length + 1 keys; the same
+  # cache in float32 takes the jnp step: rows at position 0, mid-cache, the last slot, and one
+  # with no room left (NaN, its token dropped).
+  from pisa_jax.models.decoder import KVCache, dense_decode_attention
+
+  capacity, batch = 1 << 14, 4
+  keys = jax.random.split(jax.random.key(d), 5)
+  k = jax.random.normal(keys[0], (batch, capacity, HKV, d), jnp.bfloat16)
+  v = jax.random.normal(keys[1], (batch, capacity, HKV, d), jnp.bfloat16)
+  q = jax.random.normal(keys[2], (batch, 1, HQ, d), jnp.bfloat16)
+  k1 = jax.random.normal(keys[3], (batch, 1, HKV, d), jnp.bfloat16)
+  v1 = jax.random.normal(keys[4], (batch, 1, HKV, d), jnp.bfloat16)
+  lengths = jnp.asarray([0, 5000, capacity - 1, capacity], jnp.int32)
+  step = jax.jit(dense_decode_attention)
+  got, cache = step(q, k1, v1, KVCache(k=k, v=v, lengths=lengths))
+  want, _ = step(q.astype(jnp.float32), k1.astype(jnp.float32), v1.astype(jnp.float32),
+                 KVCache(k=k.astype(jnp.float32), v=v.astype(jnp.float32), lengths=lengths))
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  assert np.isnan(got[3]).all() and np.isnan(want[3]).all()
+  np.testing.assert_allclose(got[:3], want[:3], atol=2e-2, rtol=2e-2)
+  np.testing.assert_array_equal(np.asarray(cache.lengths), np.asarray(lengths) + 1)
+  np.testing.assert_array_equal(np.asarray(cache.k[2, capacity - 1]), np.asarray(k1[2, 0]))
