@@ -175,7 +175,8 @@ def ruler_average(row):
 
 
 def single_key_short(row):
-  """Single-key accuracy averaged over the evaluated lengths up to 4K (the issue's bar)."""
+  """Single-key accuracy averaged over the evaluated lengths up to 4K (the 80% bar of
+  `_retrieval_gate`)."""
   cells = [r["score"] for r in row["eval"]["ruler"]["families"]
            if r["family"] == "single_key" and r["length"] <= 4096]
   return sum(cells) / len(cells) if cells else None
@@ -262,7 +263,8 @@ def runs_section(res: Results) -> str:
       shared = r.get("shared_device", 1)
       device = r["device"] + (f" (shared by {shared} runs)" if shared > 1 else "")
       # A run resumed from stages trained by an earlier process: its wall time is this one's.
-      resumed = any("trained earlier in" in n for n in r.get("notes", []))
+      resumed = any("trained earlier in" in n or "resumed at step" in n
+                    for n in r.get("notes", []))
       rows.append([r["run"], device, r["date"][:10], r["commit"][:10],
                    f"{r['wall_seconds']} (resumed)" if resumed else r["wall_seconds"], stages])
   text = _record.markdown(["run", "device", "date", "commit", "wall s", "stages"], rows) \
@@ -336,8 +338,9 @@ def ruler_answers_table(res: Results, stage: str | None) -> str:
     return "No answer scores yet."
   cols = ["Method"] + [f"{f.replace('_', '-')} {span(n)}" for f in families for n in lengths]
   return (f"After stage `{stage}`: the share of samples (%) whose answer the model ranks first, "
-          f"token by token, when it follows RULER's prompt and answer prefix (teacher-forced). "
-          f"Above the greedy accuracy, the model finds the needle but does not write it.\n\n"
+          f"token by token, when it follows RULER's prompt and answer prefix as \" {{value}}\" "
+          f"(teacher-forced). Where this is above the greedy accuracy, the model finds the "
+          f"needle but does not write it.\n\n"
           + _record.markdown(cols, rows))
 
 
@@ -491,7 +494,7 @@ def _compare(res, stage, get, a: str, others: list[str], *, lower: bool, what: s
     noise = res.noise(stage, get)
     spread = (f"seed spread {noise:.3g}" if noise is not None
               else "one seed each: the spread is unknown")
-  if noise == 0:
+  if noise is not None and noise < 1e-9:
     # Seeds that agree exactly (a coarse metric: few samples) say nothing about the spread.
     noise, spread = None, spread + ", which bounds nothing: the spread is unknown"
   # True: better by more than the noise; False: worse by more; None: within it.

@@ -107,8 +107,8 @@ def run_one(args, setting: Setting, attention: str) -> dict:
 
   config = config_for(args, setting, attention)
   m, t = config.model, config.train
-  row = dict(case=setting.key, setting=setting.key, preset=setting.preset, attention=attention,
-             seq_len=t.seq_len,
+  row = dict(case=f"{setting.key}:{attention}", setting=setting.key, preset=setting.preset,
+             attention=attention, seq_len=t.seq_len,
              top_k=None if attention == "dense" else m.top_k, batch=t.per_device_batch,
              remat=m.remat, loss_chunk=t.loss_chunk)
   t0 = time.perf_counter()
@@ -152,7 +152,7 @@ def goal_row(setting: Setting, rows: list[dict]) -> dict | None:
   tok = {r["attention"]: r.get("tokens_per_s") for r in rows if r.get("setting") == setting.key}
   value = (round(tok["pisa"] / tok["dense"], 3) if tok.get("pisa") and tok.get("dense")
            else None)
-  return dict(goal=f"PISA / dense tokens/s, {setting.key}", case=setting.key,
+  return dict(goal=f"PISA / dense tokens/s, {setting.key}", case=f"{setting.key}:goal",
               setting=setting.key, value=value,
               target=target, met=None if value is None else value >= target)
 
@@ -205,7 +205,7 @@ def measure(args, rec) -> None:
           remat, loss_chunk = config.model.remat, config.train.loss_chunk
         except Exception:
           remat, loss_chunk = setting.remat, setting.loss_chunk
-        row = dict(case=setting.key, setting=setting.key, preset=setting.preset,
+        row = dict(case=f"{setting.key}:{attention}", setting=setting.key, preset=setting.preset,
                    attention=attention, seq_len=setting.seq_len, remat=remat,
                    loss_chunk=loss_chunk, error=f"{type(e).__name__}: {str(e)[:400]}")
       # Free this run's state and compiled step before the next model is built.
@@ -298,8 +298,10 @@ def main(argv=None) -> dict:
     args.steps, args.warmup = min(args.steps, 1), min(args.warmup, 1)
   if args.steps < 1 or args.warmup < 0:
     p.error(f"--steps={args.steps} must be >= 1 and --warmup={args.warmup} >= 0")
-  measured = [s.key for s in (TOY if args.toy else SETTINGS)
-              if args.only is None or s.key in args.only]
+  # Rows are named SETTING:ATTENTION and SETTING:goal (the goal is worked out again from the
+  # rows a setting has after this call).
+  measured = [f"{s.key}:{name}" for s in (TOY if args.toy else SETTINGS)
+              if args.only is None or s.key in args.only for name in [*args.attention, "goal"]]
   measure_into = _record.appending(NAME, args, measure, measured)
   return _record.run(NAME, args, measure_into, settings, plot, table)
 

@@ -261,8 +261,10 @@ def matched_steps(m: Manifest, run: Run, stage: Stage, config, dirs: list[Path])
 
 
 def train_stage(m: Manifest, run: Run, index: int, workdir: Path, init_from: Path | None,
-                record: Record, *, progress: bool, dirs: list[Path]) -> dict:
-  """Trains one stage (or finds it trained in `workdir`) and returns its row."""
+                record: Record, *, progress: bool, dirs: list[Path],
+                shared_device: int = 1) -> dict:
+  """Trains one stage (or finds it trained in `workdir`) and returns its row. shared_device:
+  the runs this process trains beside (its stage.json keeps it for a later reuse)."""
   import jax
 
   from pisa_jax.configs import validate
@@ -303,6 +305,9 @@ def train_stage(m: Manifest, run: Run, index: int, workdir: Path, init_from: Pat
     t1 = time.perf_counter()
     result = train(config, workdir, max_seconds=stage.max_seconds, progress=progress,
                    print_config=False, trainer=trainer)
+    if result.start_step > 0:
+      record.note(f"stage {stage.name}: resumed at step {result.start_step} from a checkpoint "
+                  f"in {workdir}; its train_seconds count this process's steps only")
     losses = [result.losses[s] for s in sorted(result.losses)]
     tail = losses[-max(1, len(losses) // 20):]
     timing = {"compile_seconds": round(compile_s, 1),
@@ -312,7 +317,7 @@ def train_stage(m: Manifest, run: Run, index: int, workdir: Path, init_from: Pat
               "tokens_per_step": trainer.tokens_per_step,
               "mixture": _mixture(config, trainer.global_batch),
               "config": json.loads(config.to_json()), "matched_wall": matched,
-              "shared_device": record.record["shared_device"]}
+              "shared_device": shared_device}
     done_file.write_text(json.dumps(timing) + "\n")
     del trainer
   rows = _metrics(workdir)
@@ -429,7 +434,7 @@ def run_one(m: Manifest, run: Run, *, out: Path, workdir: Path, progress: bool,
     for index, stage in m.stages_of(run.method):
       folder = workdir / run.name / stage.name
       row = train_stage(m, run, index, folder, previous, record, progress=progress,
-                        dirs=[*dirs, out])
+                        dirs=[*dirs, out], shared_device=shared_device)
       r["rows"].append(row)
       record.save()
       evaluate_stage(m, run, stage, folder, row, record, progress=progress)
@@ -583,7 +588,12 @@ def main(argv: list[str] | None = None) -> int:
         raise ManifestError(f"--next {args.next} must be >= 1")
       runs = [r for r in m.runs if status(m, r, dirs)[0] in ("pending", "stale", "incomplete")]
       for r in [r for r in runs if waits_for(m, r, dirs)]:
-        print(f"{r.name} waits for {waits_for(m, r, dirs).name}: later")
+        other = waits_for(m, r, dirs)
+        if status(m, other, dirs)[0] == "truncated":
+          print(f"{r.name} waits for {other.name}, which stopped at its max_seconds: raise it "
+                f"and run `--run {other.name} --force` with a fresh --workdir")
+        else:
+          print(f"{r.name} waits for {other.name}: later")
         runs.remove(r)
       runs = runs[:args.next]
       if not runs:

@@ -227,8 +227,10 @@ def summary_dtype(r: dict) -> tuple[str, str]:
       continue
     f32 = one(r, "summary_dtype", qk=x["qk"], source=x["source"], seq_len=x["seq_len"],
               top_k=x["top_k"], summary_dtype="float32")
+    same = ("n/a (no row chooses)" if x["identical_rows"] is None
+            else f"{100 * x['identical_rows']:.1f}%")
     cases.append(f"{x['qk']} {length(x['seq_len'])} K{x['top_k']}: identical rows "
-                 f"{100 * x['identical_rows']:.1f}%, Recall@K {100 * f32['recall']:.1f} / "
+                 f"{same}, Recall@K {100 * f32['recall']:.1f} / "
                  f"{100 * x['recall']:.1f} ({x['recall_delta_points']:+.2f} points), captured "
                  f"mass {100 * f32['captured_mass']:.1f} / {100 * x['captured_mass']:.1f}")
   sources = ", ".join(dict.fromkeys(x["source"] for x in r["rows"]))

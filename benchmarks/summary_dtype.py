@@ -81,8 +81,9 @@ def measure(args, rec: _record.Recorder) -> None:
           # Only rows that choose: a query with at most K blocks up to it keeps them all.
           scored = jnp.broadcast_to(
               (jnp.arange(t) // args.block_size + 1 > top_k)[None, :, None], same.shape)
-          row.update(identical_rows=round(float(jnp.sum(same & scored)
-                                                / max(int(jnp.sum(scored)), 1)), 5),
+          chosen = int(jnp.sum(scored))  # None where no row chooses (T <= K C)
+          row.update(identical_rows=round(float(jnp.sum(same & scored)) / chosen, 5)
+                     if chosen else None,
                      recall_delta_points=round(100 * (recall[dtype] - recall[DTYPES[0]]), 3))
         rec.add(**row)
       print(table(rec.record), flush=True)
@@ -109,7 +110,8 @@ def plot(record: dict, path) -> None:
   labels = [f"{r['qk']} {r['seq_len'] // 1024}K K{r['top_k']}" for r in rows]
   fig, axes = plt.subplots(1, 2, figsize=(10, 4))
   x = np.arange(len(rows))
-  axes[0].bar(x, [100 * r["identical_rows"] for r in rows])
+  axes[0].bar(x, [np.nan if r["identical_rows"] is None else 100 * r["identical_rows"]
+                  for r in rows])
   axes[0].set_ylabel("% of (query, KV head) rows: indices identical")
   axes[1].bar(x, [r["recall_delta_points"] for r in rows])
   axes[1].axhline(-0.5, color="gray", linestyle=":", label="goal: within 0.5 points")

@@ -706,7 +706,7 @@ def test_paper_settings_append_keeps_the_other_settings(tmp_path, monkeypatch):
   from benchmarks import paper_settings
 
   def fake(args, setting, attention):
-    return dict(case=setting.key, setting=setting.key, preset=setting.preset,
+    return dict(case=f"{setting.key}:{attention}", setting=setting.key, preset=setting.preset,
                 attention=attention, seq_len=setting.seq_len, remat=setting.remat,
                 loss_chunk=setting.loss_chunk, tokens_per_s=200.0 if attention == "pisa" else 100.0)
 
@@ -714,12 +714,19 @@ def test_paper_settings_append_keeps_the_other_settings(tmp_path, monkeypatch):
   out = ["--out", str(tmp_path), "--data", str(tmp_path / "no-data")]
   paper_settings.main(["--only", "418m@4096"] + out)
   record = paper_settings.main(["--only", "cpt-418m@16384", "--append"] + out)
-  assert {(r["case"], "goal" in r) for r in record["rows"]} == {
-      ("418m@4096", False), ("418m@4096", True), ("cpt-418m@16384", False),
-      ("cpt-418m@16384", True)}
+  assert {r["case"] for r in record["rows"]} == {
+      f"{key}:{name}" for key in ("418m@4096", "cpt-418m@16384") for name in ("pisa", "dense",
+                                                                              "goal")}
   assert any("rows kept from the result of" in n for n in record["notes"])
+  # One side again: the other side's row stays, and the goal is worked out from both.
+  record = paper_settings.main(["--only", "cpt-418m@16384", "--attention", "pisa", "--append"]
+                               + out)
+  cpt = [r for r in record["rows"] if r["setting"] == "cpt-418m@16384"]
+  assert sorted(r["case"] for r in cpt) == [f"cpt-418m@16384:{n}" for n in ("dense", "goal",
+                                                                           "pisa")]
+  assert next(r for r in cpt if "goal" in r)["value"] == 2.0
   record = paper_settings.main(["--only", "cpt-418m@16384"] + out)
-  assert {r["case"] for r in record["rows"]} == {"cpt-418m@16384"}
+  assert {r["setting"] for r in record["rows"]} == {"cpt-418m@16384"}
 
 
 @pytest.mark.slow  # ~25 s of CPU: two toy trainings

@@ -149,7 +149,7 @@ def test_every_kernel_top_k_ranks_nan_as_the_reference(variant, topk_impl):
 
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
 def test_pisa_attention_nan_key_reaches_every_later_query(implementation):
-  # The example end to end: a NaN key makes exactly the outputs of the queries that can
+  # End to end: a NaN key makes exactly the outputs of the queries that can
   # see it NaN (its group's heads, t >= j0), as dense causal attention would.
   q, k, v = make_qkv(3)
   j0, h0 = 53, 1

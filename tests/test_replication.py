@@ -728,6 +728,16 @@ def test_a_run_matching_another_runs_wall_time_waits_for_it(tmp_path, capsys, mo
   assert "dense-s0 waits for pisa-s0" in capsys.readouterr().out
   assert rep.main(common + ["--run", "dense-s0"]) == 2
   assert "matches a stage's wall time to pisa-s0" in capsys.readouterr().err
+  # pisa-s0 stopped at its max_seconds: --next leaves it, and says how to free dense-s0.
+  truncated = _fake_record(m, rep.Run("pisa", 0))
+  truncated["rows"][0]["truncated"] = True
+  _write(tmp_path / "results", truncated)
+  assert rep.main(common + ["--list"]) == 0
+  assert re.search(r"pisa-s0 +truncated", capsys.readouterr().out)
+  assert rep.main(common + ["--next", "1"]) == 0
+  assert ran[-1] == "pisa-s1"
+  assert ("dense-s0 waits for pisa-s0, which stopped at its max_seconds: raise it and run "
+          "`--run pisa-s0 --force`") in capsys.readouterr().out
   _write(tmp_path / "results", _fake_record(m, rep.Run("pisa", 0)))
   assert rep.main(common + ["--next", "1"]) == 0
   assert ran[-1] == "dense-s0"

@@ -86,8 +86,8 @@ def run_ruler(model, config, *, lengths: list[int], samples: int, seed: int, bat
   length, answers, prediction, score, needle depths) for ruler_predictions.jsonl. encoding: the
   run's tokenizer (None: GPT-2's), stop: the tokens that end a generation.
 
-  answer_scores: also score each one-answer sample's answer teacher-forced after its answer
-  prefix (one forward pass a sample; `answer_scores`), which tells a model that finds the needle
+  answer_scores: also score each one-answer sample's answer, as " {value}", teacher-forced after
+  its answer prefix (one forward pass a sample; `answer_scores`), which tells a model that finds the needle
   but does not write it (greedy decoding drifts into prose) from one that does not find it.
   """
   from pisa_jax.train.tokenizer import gpt2_encoding
