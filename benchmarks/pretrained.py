@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -227,8 +228,9 @@ def continued_pretraining(args, rec: _record.Recorder, kind: str, encoding, stop
   from pisa_jax.train.import_cli import import_checkpoint
   from pisa_jax.train.restore import restore_model
 
-  args.cpt_dir.mkdir(parents=True, exist_ok=True)
-  run = Path(tempfile.mkdtemp(prefix=f"{kind}-", dir=args.cpt_dir))
+  if args.cpt_dir is not None:
+    args.cpt_dir.mkdir(parents=True, exist_ok=True)
+  run = Path(tempfile.mkdtemp(prefix=f"pisa-cpt-{kind}-", dir=args.cpt_dir))
   start = time.perf_counter()
   config = import_checkpoint(args.model, run, cpt_overrides(args, kind))
   head = {"variant": f"{kind} K{args.cpt_top_k}", "attention": kind, "top_k": args.cpt_top_k}
@@ -260,6 +262,27 @@ def continued_pretraining(args, rec: _record.Recorder, kind: str, encoding, stop
   print(f"cpt {kind}: {done} steps, loss {losses[0] if losses else None} -> "
         f"{losses[-1] if losses else None} ({seconds:.0f} s)", flush=True)
   measure_run("after")
+  if args.cpt_dir is None:  # a temporary run (GBs of checkpoints): measured, so removed
+    shutil.rmtree(run, ignore_errors=True)
+
+
+# The settings every row of one result shares: an --append call must match them.
+SHARED_SETTINGS = ("model", "data", "ppl_lengths", "ruler_lengths", "block_size", "ppl_samples",
+                   "ruler_samples", "compute_dtype", "implementation")
+
+
+def append_mismatch(args, earlier: dict) -> str | None:
+  """What differs between an earlier result and this call (device, shared settings), or None."""
+  from pisa_jax.train.provenance import environment
+
+  device = environment()["device"]
+  if earlier.get("device") != device:
+    return f"device {earlier.get('device')!r}, this call runs on {device!r}"
+  mine = settings(args)
+  for key in SHARED_SETTINGS:
+    if earlier.get("settings", {}).get(key) != mine[key]:
+      return f"{key}={earlier.get('settings', {}).get(key)!r}, this call {mine[key]!r}"
+  return None
 
 
 def kept_rows(args, record: dict) -> list[dict]:
@@ -426,13 +449,15 @@ def main(argv: list[str] | None = None) -> dict:
   p.add_argument("--cpt-top-k", type=int, default=16)
   p.add_argument("--cpt-seq-len", type=int, default=8192)
   p.add_argument("--cpt-batch", type=int, default=4, help="sequences a step")
-  p.add_argument("--cpt-steps", type=int, default=600, help="the schedule's length")
+  p.add_argument("--cpt-steps", type=int, default=150,
+                 help="the schedule's length (at ~1 s a step on one GPU, it fits --cpt-seconds)")
   p.add_argument("--cpt-seconds", type=float, default=240.0,
                  help="training stops here at the latest (compilation excluded)")
   p.add_argument("--cpt-set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                  help="more config overrides of the CPT runs (repeatable)")
-  p.add_argument("--cpt-dir", type=Path, default=Path("runs") / "pretrained-cpt",
-                 help="where the CPT run folders go (a new folder each)")
+  p.add_argument("--cpt-dir", type=Path, default=None,
+                 help="keep the CPT run folders here (a new folder each); default: a temporary "
+                      "folder, removed once the run is measured")
   args = p.parse_args(argv)
   unknown = [x for x in args.parts if x not in PARTS]
   if unknown:
@@ -445,9 +470,19 @@ def main(argv: list[str] | None = None) -> dict:
     if args.data is None:
       p.error("--data: give a pisa-prepare-data folder tokenized with the model's tokenizer "
               "(pisa-prepare-data --tokenizer RUN)")
+  if not args.replot:
+    for attention, top_k, _ in chosen_variants(args) + [(k, args.cpt_top_k, 0)
+                                                        for k in args.cpt_kinds]:
+      if attention != "dense" and top_k < 3:
+        p.error(f"top_k={top_k} ({attention}) must be >= 3: the first, previous and current "
+                f"blocks are forced")
   measure_into = measure
   if args.append and not args.replot and (args.out / f"{NAME}.json").is_file():
     earlier = _record.load(args.out / f"{NAME}.json")
+    mismatch = append_mismatch(args, earlier)
+    if mismatch:
+      p.error(f"--append: {args.out / f'{NAME}.json'} was measured with {mismatch}: rows of "
+              f"both would not compare; give another --out")
     kept = kept_rows(args, earlier)
 
     def measure_into(args, rec):

@@ -1104,3 +1104,23 @@ def test_fetch_smollm2_splits_and_joins_checked_parts(tmp_path, monkeypatch):
   assert not list(tmp_path.glob("bad.gguf*"))
   with pytest.raises(ValueError, match=r"--split: 2 parts of .* MiB cannot hold"):
     fetch_smollm2.split(tmp_path / "model.gguf", [tmp_path / "c", tmp_path / "d"], 10)
+
+
+def test_pretrained_append_refuses_a_result_of_other_settings(tmp_path, monkeypatch, capsys):
+  """--append adds rows only to a result of the same device and shared settings; a K below 3 is
+  refused before anything runs."""
+  from benchmarks import pretrained
+
+  monkeypatch.setattr(pretrained, "measure", lambda args, rec: None)
+  monkeypatch.setattr(pretrained, "plot", lambda record, path: path.write_bytes(b""))
+  monkeypatch.setattr(pretrained, "table", lambda record: "")
+  common = ["--model", str(tmp_path / "m.gguf"), "--data", str(tmp_path / "d"), "--out",
+            str(tmp_path), "--ruler-samples", "5"]
+  pretrained.main(common)
+  pretrained.main(common + ["--append", "--only", "dense"])  # the same settings: fine
+  with pytest.raises(SystemExit):
+    pretrained.main(common + ["--append", "--ppl-samples", "3"])
+  assert "--append: " in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    pretrained.main(common + ["--top-ks", "2"])
+  assert "top_k=2 (pisa) must be >= 3" in capsys.readouterr().err
