@@ -279,6 +279,7 @@ def _check(m: Manifest) -> None:
   """Every stage's config through `configs.validate` (for a dense and a sparse method), the
   evaluation lengths against the stage, the summary's stage names."""
   from pisa_jax.configs import validate
+  from pisa_jax.configs.base import MIN_NEEDLE_DOCUMENT
   from pisa_jax.models.config import SPARSE_ATTENTION_KINDS
 
   where = str(m.path)
@@ -323,9 +324,10 @@ def _check(m: Manifest) -> None:
     if stage.eval["selection"] and stage.eval["selection"][0] < m.backbone["block_size"]:
       raise ManifestError(f"{at}: eval.selection length {stage.eval['selection'][0]} is below "
                           f"backbone.block_size={m.backbone['block_size']}")
-    if stage.eval["mixture"] and stage.eval["mixture"][0] < 128:
-      raise ManifestError(f"{at}: eval.mixture length {stage.eval['mixture'][0]} must be >= 128, "
-                          f"the shortest needle document (data.retrieval_min_length's floor)")
+    if stage.eval["mixture"] and stage.eval["mixture"][0] < MIN_NEEDLE_DOCUMENT:
+      raise ManifestError(f"{at}: eval.mixture length {stage.eval['mixture'][0]} must be >= "
+                          f"{MIN_NEEDLE_DOCUMENT}, the shortest needle document "
+                          f"(data.retrieval_min_length's floor)")
     if stage.eval["mqar"] and not [p for p in e["mqar_pairs"] if 4 * p <= stage.eval["mqar"][-1]]:
       raise ManifestError(f"{at}: no eval.mqar_pairs fits eval.mqar's longest length "
                           f"{stage.eval['mqar'][-1]} (4 tokens a pair)")

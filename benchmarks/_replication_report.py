@@ -66,6 +66,11 @@ PAPER_T7 = {"bsa": (85.91, 85.67, 98.42), "pisa1": (84.75, 85.50, 98.22),
 # ----------------------------------------------------------------------------- results
 
 
+def truncated_stages(record: dict) -> list[str]:
+  """The stages of a run's record that stopped at their max_seconds before their last step."""
+  return [row["stage"] for row in record.get("rows", []) if row.get("truncated")]
+
+
 class Results:
   """The complete results made from this manifest's settings, by method; the rest aside."""
 
@@ -86,7 +91,7 @@ class Results:
       elif record.get("status") != "complete":
         self.aside.append((path.name, f"status {record.get('status')}: "
                                       f"{'; '.join(record.get('notes', []))[:200]}"))
-      elif truncated := [row["stage"] for row in record["rows"] if row.get("truncated")]:
+      elif truncated := truncated_stages(record):
         self.aside.append((path.name, f"stage {', '.join(truncated)} stopped at its max_seconds "
                                       f"before its last step: not comparable"))
       else:

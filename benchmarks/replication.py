@@ -44,6 +44,7 @@ from pathlib import Path
 from benchmarks._replication_manifest import (
     DEFAULT_MANIFEST, GPT2_VOCAB, REPO, Manifest, ManifestError, Run, Stage, load_manifest,
     stage_config)
+from benchmarks import _replication_report
 
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results" / "replication"
 # --time-limit's clock (a test steps it by hand).
@@ -74,8 +75,8 @@ def status(m: Manifest, run: Run, dirs: list[Path]) -> tuple[str, Path | None]:
       continue
     current = record.get("fingerprint") == m.fingerprint(run.method)
     if record.get("status") == "complete" and current:
-      truncated = any(row.get("truncated") for row in record.get("rows", []))
-      return ("truncated" if truncated else "done"), folder / f"{run.name}.json"
+      state = "truncated" if _replication_report.truncated_stages(record) else "done"
+      return state, folder / f"{run.name}.json"
     found.append((current, folder / f"{run.name}.json"))
   if run.method not in ATTENTION_KINDS:
     return "unavailable", None
@@ -571,8 +572,6 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or args.results
     dirs = [args.results] + ([out] if out != args.results else [])
     if args.summarize:
-      from benchmarks import _replication_report
-
       _replication_report.summarize(m, args.results, readme=args.readme)
       return 0
     if args.list:
@@ -587,8 +586,8 @@ def main(argv: list[str] | None = None) -> int:
       if args.next < 1:
         raise ManifestError(f"--next {args.next} must be >= 1")
       runs = [r for r in m.runs if status(m, r, dirs)[0] in ("pending", "stale", "incomplete")]
-      for r in [r for r in runs if waits_for(m, r, dirs)]:
-        other = waits_for(m, r, dirs)
+      waiting = {r: other for r in runs if (other := waits_for(m, r, dirs)) is not None}
+      for r, other in waiting.items():
         if status(m, other, dirs)[0] == "truncated":
           print(f"{r.name} waits for {other.name}, which stopped at its max_seconds: raise it "
                 f"and run `--run {other.name} --force` with a fresh --workdir")

@@ -30,6 +30,10 @@ DATA_SOURCES = ("mqar", "tokens")
 LR_SCHEDULES = ("wsd_sqrt", "cosine", "constant")
 
 
+# The shortest needle document (data.retrieval_min_length, and any evaluation of them).
+MIN_NEEDLE_DOCUMENT = 128
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
   """Where batches come from: MQAR generated on the fly, or packed token files (uint16 / uint32)."""
@@ -340,9 +344,10 @@ def _validate_retrieval(d: DataConfig, m: ModelConfig, t: TrainConfig) -> None:
   if m.vocab_size < 50_257:
     raise ValueError(f"model.vocab_size={m.vocab_size} must be >= 50257 when "
                      f"data.retrieval_fraction > 0: needle documents are GPT-2 text")
-  if not 128 <= d.retrieval_min_length <= t.seq_len:
-    raise ValueError(f"data.retrieval_min_length={d.retrieval_min_length} must be in [128, "
-                     f"train.seq_len={t.seq_len}]: a needle document needs room for its question")
+  if not MIN_NEEDLE_DOCUMENT <= d.retrieval_min_length <= t.seq_len:
+    raise ValueError(f"data.retrieval_min_length={d.retrieval_min_length} must be in "
+                     f"[{MIN_NEEDLE_DOCUMENT}, train.seq_len={t.seq_len}]: a needle document "
+                     f"needs room for its question")
   if d.retrieval_max_length is not None and not (
       2 * d.retrieval_min_length <= d.retrieval_max_length <= t.seq_len):
     raise ValueError(f"data.retrieval_max_length={d.retrieval_max_length} must be None or in "

@@ -87,8 +87,9 @@ def run_ruler(model, config, *, lengths: list[int], samples: int, seed: int, bat
   run's tokenizer (None: GPT-2's), stop: the tokens that end a generation.
 
   answer_scores: also score each one-answer sample's answer, as " {value}", teacher-forced after
-  its answer prefix (one forward pass a sample; `answer_scores`), which tells a model that finds the needle
-  but does not write it (greedy decoding drifts into prose) from one that does not find it.
+  its answer prefix (one forward pass a sample; the part's `answer_scores`), which tells a model
+  that finds the needle but does not write it (greedy decoding drifts into prose) from one that
+  does not find it.
   """
   from pisa_jax.train.tokenizer import gpt2_encoding
 
@@ -133,9 +134,9 @@ def run_ruler(model, config, *, lengths: list[int], samples: int, seed: int, bat
                       "score": float(ruler.score(prediction, sample.answers)),
                       # A stand-in task module may not say where its needles are.
                       "depths": list(getattr(sample, "depths", ()))})
-    if answer_scores:
-      _score_answers(model, [(records[len(records) - len(drawn) + i], s)
-                             for i, (*_, s) in enumerate(drawn)], encoding, length, batch_size)
+    if answer_scores:  # this length's records, in the order drawn
+      _score_answers(model, list(zip(records[-len(drawn):], (s for *_, s in drawn))), encoding,
+                     length, batch_size)
   bar.close()
   part = aggregate(records, families, lengths)
   if answer_scores:
