@@ -332,6 +332,27 @@ def test_composed_templates_are_disjoint_from_rulers():
     retrieval.template_set("mixed")
 
 
+@pytest.mark.parametrize("name", ["fixed", "composed"])
+def test_the_word_after_an_answer_prefix_is_always_the_value(name):
+  """No answer prefix is another one cut short ("... is" / "... is now"): a model that has seen
+  both answers a prefix ending in "is" with " now" half the time, and RULER's prefix ends so."""
+  from pisa_jax.train import retrieval
+
+  t = retrieval.template_set(name)
+  rng = np.random.default_rng(0)
+  prefixes = set()
+  for _ in range(20000):
+    family = retrieval.FAMILIES[int(rng.integers(4))]
+    _, prefix = t.question(rng, family)
+    prefixes.add(prefix.format(attr="A", attrs="As", key="K", keys="K and L",
+                               where=t.where(rng)))
+  cut_short = {(p[:i], p) for p in prefixes for i, c in enumerate(p) if c == " "
+               and p[:i] in prefixes}
+  assert not cut_short, sorted(cut_short)[:5]
+  if name == "composed":
+    assert len(prefixes) > 300, len(prefixes)
+
+
 def test_training_templates_keys_and_values_are_disjoint_from_rulers():
   from pisa_jax.train import retrieval
 

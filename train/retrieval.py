@@ -61,7 +61,8 @@ FAMILIES = ("single_key", "multi_key", "multi_query", "multi_value")
 # The version of the documents this module makes from a given seed and settings: raised with
 # every change to what they hold, so that a result records which documents it trained on (the
 # replication manifest's fingerprint includes it). 2: multi_value answers in document order.
-NEEDLE_GENERATOR = 2
+# 3: no copula extends another ("is now" taught " now" after an answer prefix's "is").
+NEEDLE_GENERATOR = 3
 # The random stream of the mixture within a step (the text windows use the bare [seed, split,
 # step]).
 _STREAM = 1
@@ -154,8 +155,11 @@ ATTRIBUTE_MODIFIERS = (
 LINKS = ("of", "for", "issued to", "assigned to", "belonging to", "recorded for", "listed for",
          "given to", "linked to", "kept for", "registered to", "on file for", "held by",
          "tied to", "set for", "attached to")
+# No copula extends another ("is" / "is now"): an answer prefix ends with one, and the word
+# after it must be the value. With "is now" drawn as often as "is", a model trained here answered
+# RULER's "... is" with " now" in nearly every sample (teacher-forced hits 0%).
 COPULAS = ("is", "reads", "equals", "was set to", "has been recorded as",
-           "was listed as", "is now", "remains", "was given as")
+           "was listed as", "stands at", "remains", "was given as")
 HAS = ("has", "holds", "keeps", "uses", "was given", "received", "carries", "was issued", "got",
        "owns")
 INTROS = ("", "", "", "", "Note that ", "For the record, ", "Incidentally, ", "Please note: ",
