@@ -56,8 +56,9 @@ def test_step_kernels_equal_the_reference_step(d, top_k, batch):
 @pytest.mark.parametrize("attention", ["pisa", "dense"])
 def test_chunked_prefill_on_the_kernels_gives_the_one_pass_first_token(attention):
   # A 4-layer float32 decoder (C64, K8) on the GPU's kernels (the offset selection and attention
-  # of `pisa_attention_at`), rows of 12,000 and 5,000 tokens read in chunks of 4,096 (the last
-  # chunk's row 1 reads nothing): the first token and logits of one pass.
+  # of `pisa_attention_at`), rows of 7,000 and 3,000 tokens read in chunks of 2,048 (32 blocks,
+  # four times K; the last two chunks' row 1 reads nothing): the first token and logits of one
+  # pass. The prompts pad to 8,192: dense's float32 one pass holds [2, 2, 8192, 8, 8192] scores.
   import dataclasses
 
   from flax import nnx
@@ -69,10 +70,10 @@ def test_chunked_prefill_on_the_kernels_gives_the_one_pass_first_token(attention
                                compute_dtype="float32", attention_implementation="pallas")
   model = Decoder(config, rngs=nnx.Rngs(0))
   rng = np.random.default_rng(0)
-  prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (12000, 5000)]
+  prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (7000, 3000)]
   kw = dict(max_new_tokens=4, return_logits=True)
   one = pisa_jax.generate(model, prompts, **kw)
-  chunked = pisa_jax.generate(model, prompts, prefill_chunk=4096, **kw)
+  chunked = pisa_jax.generate(model, prompts, prefill_chunk=2048, **kw)
   np.testing.assert_array_equal(chunked.tokens, one.tokens)
   np.testing.assert_allclose(chunked.logits, one.logits, atol=2e-3, rtol=2e-3)
 
