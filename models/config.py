@@ -75,6 +75,8 @@ class ModelConfig:
   # alike: "float32" or "bfloat16" (half the pyramid's memory and the decode walk's loads; each
   # mean computed in float32 and rounded once). Not with packed documents (data.packing).
   summary_dtype: str = "float32"
+  # The kernels of the forward and backward passes and of the prefill: "xla", "pallas", or None
+  # (pallas on a GPU). NSA's and HiLS's decode steps have the jnp step only, under any value.
   attention_implementation: str | None = None
   param_dtype: str = "float32"
   # "auto": bfloat16 on a GPU, float32 elsewhere (CPU matmuls in bf16 are slow and emulated).

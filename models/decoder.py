@@ -53,6 +53,11 @@ from pisa_jax.segments import document_bounds
 # Attention kinds whose decoder reads a prompt in chunks (`Decoder.prefill_chunk`).
 CHUNKED_PREFILL_KINDS = ("dense",) + tuple(SPARSE_ATTENTION_KINDS)
 
+# NSA's and HiLS's decode steps have one implementation, the jnp step (one query a row: gathers
+# and small dots, `pisa_jax._ops`), whatever model.attention_implementation picks for the
+# prefill's and training's kernels.
+_ONE_STEP = "xla"
+
 # Logit given to the padding rows of the output embedding: they never win and carry no mass.
 _PAD_LOGIT = -1e9
 
@@ -458,8 +463,8 @@ class Attention(nnx.Module):
                             value_mlp=value_mlp, segment_ids=segment_ids))
     if self.cfg.attention == "hils":
       # The cache pools the landmarks of the prompt's complete chunks with the landmark queries.
-      q = apply_rope(jnp.einsum("bte,ehd->bthd", x, self.wq[...].astype(x.dtype)), cos, sin)
-      landmark_q = q + apply_rope(self._landmark_correction(x), cos, sin)
+      q = self._finish_q(jnp.einsum("bte,ehd->bthd", x, self.wq[...].astype(x.dtype)))
+      landmark_q = apply_rope(q, cos, sin) + apply_rope(self._landmark_correction(x), cos, sin)
       return (self(x, cos, sin, segment_ids),
               cache.prefill(apply_rope(k, cos, sin), v, landmark_q, lengths,
                             segment_ids=segment_ids))
@@ -517,12 +522,11 @@ class Attention(nnx.Module):
       out, cache = nsa_decode_step(
           q, k, v, self._nsa_gates(x), cache, key_mlp=key_mlp, value_mlp=value_mlp,
           select_block_size=cfg.nsa_select_block_size, top_n=cfg.nsa_top_n,
-          window=cfg.nsa_window, implementation=cfg.attention_implementation)
+          window=cfg.nsa_window, implementation=_ONE_STEP)
     elif cfg.attention == "hils":
       landmark_q = q + rope(self._landmark_correction(x), cos, sin)
       out, cache = hils_decode_step(q, k, v, landmark_q, cache, top_k=cfg.hils_top_k,
-                                    window=cfg.hils_window,
-                                    implementation=cfg.attention_implementation)
+                                    window=cfg.hils_window, implementation=_ONE_STEP)
     else:
       out, cache = decode_step(q, k, v, cache, top_k=cfg.top_k, selector=cfg.attention,
                                beam=cfg.beam, implementation=cfg.attention_implementation)

@@ -223,6 +223,19 @@ def test_each_row_of_a_ragged_batch_is_the_row_generated_alone(kind):
                                rtol=OUTPUT_RTOL[jnp.float32], err_msg=f"row {b}")
 
 
+@pytest.mark.parametrize("kind", ["nsa", "hils"])
+def test_kinds_trained_on_kernels_generate_as_on_the_reference(kind):
+  # model.attention_implementation="pallas" (a run trained on the kernels): the prompt is read
+  # on the kernels (interpret mode here), the steps on the decode step's one implementation.
+  fields = dict(KINDS[kind])
+  attention = fields.pop("attention")
+  kw = dict(max_new_tokens=4, initial_capacity=64, return_logits=True, steps_per_call=4)
+  kernels = pisa_jax.generate(_model(attention, "pallas", **fields), PROMPTS, **kw)
+  reference = pisa_jax.generate(_model(attention, "xla", **fields), PROMPTS, **kw)
+  np.testing.assert_array_equal(kernels.tokens, reference.tokens)
+  np.testing.assert_allclose(kernels.logits, reference.logits, atol=1e-4, rtol=1e-4)
+
+
 def test_a_sampled_row_is_the_row_sampled_alone_with_its_key():
   model = _model("dense")
   kw = dict(max_new_tokens=NEW_TOKENS, initial_capacity=64, temperature=1.5, top_p=0.9)

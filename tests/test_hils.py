@@ -245,7 +245,7 @@ def test_bad_arguments_raise_one_line(kwargs, error, needle):
   assert needle in message and "\n" not in message, message
 
 
-def _hils_decoder():
+def _hils_decoder(**fields):
   """One layer, chunks of 4, a window of 4 and top-2: from 12 tokens on, selection decides."""
   from flax import nnx
 
@@ -254,8 +254,14 @@ def _hils_decoder():
   cfg = ModelConfig(vocab_size=64, vocab_pad_multiple=64, num_layers=1, d_model=64, mlp_dim=128,
                     num_heads=4, num_kv_heads=2, head_dim=16, attention="hils",
                     hils_chunk_size=4, hils_top_k=2, hils_window=4, hils_landmark_rank=4,
-                    init_std=0.1, param_dtype="float32", compute_dtype="float32")
-  return Decoder(cfg, rngs=nnx.Rngs(0))
+                    init_std=0.1, param_dtype="float32", compute_dtype="float32", **fields)
+  model = Decoder(cfg, rngs=nnx.Rngs(0))
+  if cfg.qkv_bias:  # biases start at zero: give them values, so that leaving one out shows
+    for i, block in enumerate(model.blocks):
+      for name in ("bq", "bk", "bv"):
+        bias = getattr(block.attn, name)
+        bias[...] = 0.5 * jax.random.normal(jax.random.key(100 + i), bias.shape, bias.dtype)
+  return model
 
 
 def test_decoder_kind_trains_the_landmark_projection():
@@ -344,10 +350,13 @@ def test_decode_steps_equal_the_forward_rows():
   np.testing.assert_allclose(cache.landmark_bias[0, :want_k.shape[1]], want_b[0], atol=1e-5)
 
 
-def test_decoder_generation_equals_the_full_forward():
+@pytest.mark.parametrize("fields", [{}, dict(qk_norm=True), dict(qkv_bias=True)],
+                         ids=["plain", "qk_norm", "qkv_bias"])
+def test_decoder_generation_equals_the_full_forward(fields):
   """`pisa_jax.generate` with a HiLS decoder (prefill, cached landmarks, steps, a cache growth):
-  every step's logits are the full forward pass's at that position, float32 rounding apart."""
-  model = _hils_decoder()
+  every step's logits are the full forward pass's at that position, float32 rounding apart;
+  with the query's bias or RMSNorm (Qwen2, Qwen3) in the cached landmarks' queries too."""
+  model = _hils_decoder(**fields)
   prompts = [[(7 * i + 3) % 64 for i in range(27)], [5, 9, 1], [(11 * i) % 64 for i in range(12)]]
   new = 6  # 27 + 6 tokens: the cache grows from 32 to 64
   out = pisa_jax.generate(model, prompts, max_new_tokens=new, initial_capacity=32,
