@@ -7,6 +7,7 @@ sections into a run's `Config` and validates the whole.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 ATTENTION_KINDS = ("dense", "pisa", "pisa1", "pisa2", "bsa", "nsa", "hils")
 # The sparse kinds are `pisa_jax.pisa_attention` selectors (not "exact": the O(T^2) oracle);
@@ -49,6 +50,12 @@ class ModelConfig:
   # (j, j + R/2) at the R/2 highest frequencies of a full RoPE over the head, base^(-2j/D):
   # 0.5 is the paper's high-frequency half (Appendix C.1), 1.0 a full RoPE (Llama, Qwen).
   rope_fraction: float = 0.5
+  # HoPE's cut (the public HiLS code's in-range RoPE): of the pairs rope_fraction rotates, only
+  # those whose period 2 pi base^(2j/D) (before rope_scaling) is at most rope_max_period tokens,
+  # and always the first; 0: no cut. rope_fraction=1.0 with rope_max_period=4096 is HiLS's public
+  # setting (a training length of 8,192 over its period multiplier 2): 23 of 32 pairs at D = 64
+  # and base 10,000, the same rotated set as rope_fraction=0.71875.
+  rope_max_period: float = 0.0
   # One of ROPE_SCALINGS. "linear" divides every frequency by rope_scaling_factor; "llama3"
   # divides the frequencies whose wavelength exceeds rope_original_context / rope_low_freq_factor
   # by it, keeps those shorter than rope_original_context / rope_high_freq_factor, and
@@ -114,8 +121,15 @@ class ModelConfig:
 
   @property
   def rotary_dims(self) -> int:
-    """R: the leading dims of each head that RoPE rotates (`rope_fraction * head_dim`)."""
-    return int(round(self.rope_fraction * self.head_dim))
+    """R: the leading dims of each head that RoPE rotates (`rope_fraction * head_dim`, less the
+    pairs whose period exceeds `rope_max_period`)."""
+    pairs = int(round(self.rope_fraction * self.head_dim)) // 2
+    if self.rope_max_period > 0:
+      # Pair j turns at base^(-2j/D) radians a token: kept while 2 pi / that <= the cut.
+      pairs = max(1, sum(1 for j in range(pairs) if
+                         2 * math.pi * self.rope_base ** (2 * j / self.head_dim)
+                         <= self.rope_max_period))
+    return 2 * pairs
 
 
 def check_architecture(m: ModelConfig) -> None:
@@ -129,6 +143,8 @@ def check_architecture(m: ModelConfig) -> None:
     raise ValueError(f"model.rope_fraction={m.rope_fraction} must be in (0, 1] and make "
                      f"rope_fraction * head_dim (head_dim={m.head_dim}) an even number of dims: "
                      f"RoPE rotates pairs")
+  if not m.rope_max_period >= 0:
+    raise ValueError(f"model.rope_max_period={m.rope_max_period} must be >= 0 (0: no cut)")
   if m.rope_scaling not in ROPE_SCALINGS:
     raise ValueError(f"model.rope_scaling={m.rope_scaling!r} must be one of {ROPE_SCALINGS}")
   if m.rope_scaling != "none" and not m.rope_scaling_factor >= 1:

@@ -869,6 +869,9 @@ def export_config(cfg: ModelConfig, *, context_length: int,
     raise ValueError(f"model.rope_fraction={cfg.rope_fraction}: Llama-family models rotate every "
                      f"dim of a head (1.0); this decoder's own RoPE on part of the head has no "
                      f"Hugging Face equivalent")
+  if cfg.rope_max_period:
+    raise ValueError(f"model.rope_max_period={cfg.rope_max_period}: Llama-family models rotate "
+                     f"every pair of a head; a HoPE cut has no Hugging Face equivalent")
   if cfg.qk_norm:
     model_type = "qwen3"
   elif cfg.qkv_bias and not cfg.out_bias:

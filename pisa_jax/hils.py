@@ -38,9 +38,11 @@ published 345M configuration: chunk 64, top-k 32, window 512, landmark rank 64):
     scores (not q_i itself). Landmarks are per query head; GQA groups share the selection.
   - RoPE is applied to keys before pooling: k'_c is a weighted mean of rotated keys and gets no
     rotation of its own. Its positions are HoPE (standard RoPE frequencies, the pairs whose
-    period exceeds half the training length set to zero). The decoder's RoPE on the
-    high-frequency half of each head (Appendix C) is the same idea with another cut; we keep
-    ours.
+    period exceeds half the training length set to zero). The decoder's RoPE keeps the
+    highest-frequency pairs of a full RoPE as well: `model.rope_fraction=1.0` with
+    `model.rope_max_period=4096` is the public setting score for score (tests/test_model.py);
+    the presets keep the paper's half of each head (Appendix C) for every kind, so that kinds
+    compare on one backbone.
   - No chunk is forced into the top-k: the current and recent chunks are the window's, whose
     exact log-sum-exp competes with the chunk scores in one softmax, with a zero logit
     (`enable_softmax1`, on by default) as a sink. The selection score is the group maximum of
@@ -52,8 +54,10 @@ Where we differ:
     entry whose key is masked everywhere, whose query is mu_c). We insert nothing: mu_c is the
     landmark query of the chunk's last text token, whose key is an ordinary key of its chunk
     (pooled, attended in the window and in the chunk). Chunks hold C text tokens.
-  - The public q, k and landmark query pass through per-head RMSNorm (QK-norm); ours are the
-    decoder's raw projections, as for every other attention kind here.
+  - The public q, k and landmark query pass through per-head RMSNorm (QK-norm). Ours are the
+    decoder's projections, as for every other kind: raw by default; with `model.qk_norm` the
+    query and key are normed and the landmark query is the normed query plus the rank-r
+    correction, which is not normed.
   - Packed documents (`segment_ids`): each document has its own chunk grid from its first token
     and is computed exactly as if alone (the public kernels accept only chunk-aligned documents).
 

@@ -120,6 +120,43 @@ def test_rope_scores_depend_on_relative_position_only():
   np.testing.assert_allclose(score(10, 3), score(37, 30), rtol=1e-4)
 
 
+@pytest.mark.parametrize("head_dim,base,kept", [(64, 1e4, 23), (128, 1e4, 46), (64, 8e4, 19)])
+def test_a_hope_cut_scores_as_the_public_hils_rope(head_dim, base, kept):
+  """rope_fraction=1.0, rope_max_period=4096 (HiLS's public in-range RoPE: L = 8192, m = 2): the
+  q.k scores at any two positions equal those of a full rotate-half RoPE over the head whose
+  frequencies below 2 pi / 4096 are zeroed (the first always kept), once the dims are laid out
+  as ours: kept pairs (j, j + D/2) -> (j, j + R/2), the rest after R."""
+  from pisa_jax.models.config import ModelConfig
+  from pisa_jax.models.decoder import RopeSpec
+
+  cfg = ModelConfig(head_dim=head_dim, rope_base=base, rope_fraction=1.0, rope_max_period=4096)
+  half = head_dim // 2
+  inv = base ** (-2.0 * np.arange(half) / head_dim)
+  keep = inv >= 2 * np.pi / 4096
+  keep[0] = True
+  assert keep.sum() == kept and cfg.rotary_dims == 2 * kept
+
+  def public(x, pos):  # [D] at one position, float64
+    angle = pos * np.where(keep, inv, 0.0)
+    cos, sin = np.cos(np.concatenate([angle, angle])), np.sin(np.concatenate([angle, angle]))
+    return x * cos + np.concatenate([-x[half:], x[:half]]) * sin
+
+  rest = [i for j in range(kept, half) for i in (j, j + half)]
+  ours_from_public = np.array(list(range(kept)) + [j + half for j in range(kept)] + rest)
+  rng = np.random.default_rng(0)
+  q, k = rng.normal(size=(2, head_dim))
+  positions = jnp.asarray([0, 1, 777, 4095, 9000], jnp.int32)
+  cos, sin = RopeSpec.of(cfg).at(positions)
+  rotate = lambda x: np.asarray(apply_rope(
+      jnp.broadcast_to(jnp.asarray(x[ours_from_public], jnp.float32), (1, 5, 1, head_dim)),
+      cos, sin)[0, :, 0], np.float64)
+  ours_q, ours_k = rotate(q), rotate(k)
+  for a, m in enumerate(positions.tolist()):
+    for b, n in enumerate(positions.tolist()):
+      np.testing.assert_allclose(ours_q[a] @ ours_k[b], public(q, m) @ public(k, n),
+                                 rtol=1e-4, atol=1e-4, err_msg=f"positions {m}, {n}")
+
+
 @pytest.mark.parametrize("attention", ATTENTION_KINDS)
 def test_causality(attention):
   """Changing a future token leaves every earlier logit unchanged, for every attention kind."""
