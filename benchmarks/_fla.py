@@ -23,6 +23,20 @@ def missing() -> str | None:
   return None
 
 
+def versions() -> dict[str, str | None]:
+  """The installed versions of the peer's packages (None where one is missing), for a result's
+  settings: fla's kernels change between releases."""
+  from importlib import metadata
+
+  out = {}
+  for package in ("fla-core", "flash-linear-attention", "torch", "triton", "flash-attn"):
+    try:
+      out[package] = metadata.version(package)
+    except metadata.PackageNotFoundError:
+      out[package] = None
+  return out
+
+
 def nsa_window_substitute() -> str | None:
   """fla's `parallel_nsa` runs its window branch on flash-attn's `flash_attn_func`; where
   flash-attn is not installed, hand that branch to fla's own `parallel_attn`, whose `window_size`

@@ -231,7 +231,7 @@ def settings(args) -> dict:
   return dict(batch=1, block_size=C, dtype="bfloat16", seed=0, indices=args.indices,
               qk_npz=args.qk_npz,
               cases=[dict(zip(("n", "hq", "hkv", "d", "top_k"), c)) for c in args.cases],
-              implementation=args.implementation,
+              implementation=args.implementation, peers=_fla.versions(),
               timing="median of 7 batches of back-to-back calls (benchmarks/timing.py)")
 
 

@@ -173,7 +173,7 @@ def settings(args) -> dict:
               select_block_size=BLOCK, top_n=TOP_N, window=args.window, dtype="bfloat16",
               pisa_block_size=BLOCK, pisa_top_k=TOP_N, seed=0,
               cases=[dict(zip(("n", "hq", "hkv", "d"), c)) for c in args.cases],
-              implementation=args.implementation,
+              implementation=args.implementation, peers=_fla.versions(),
               timing="median of 7 batches of back-to-back calls (benchmarks/timing.py)")
 
 

@@ -12,8 +12,9 @@ Public API (shapes follow `jax.nn.dot_product_attention`: q `[B, T, HQ, D]`, k/v
                      sliding-window branches, gated; its pieces nsa_compress,
                      compressed_attention, nsa_select_blocks, sliding_window_attention
                      (`pisa_jax.nsa`)
-Each takes `implementation="xla" | "pallas" | None` (selection_quality and the NSA pieces but
-nsa_attention have only "xla": "pallas" raises, None means "xla").
+Each takes `implementation="xla" | "pallas" | None`; selection_quality, nsa_compress and NSA's
+decode step have only "xla" ("pallas" raises, None means "xla"), compressed_attention,
+nsa_select_blocks and sliding_window_attention have Pallas kernels as nsa_attention does.
 
 HiLS (learned-landmark chunk routing with a two-level softmax, `pisa_jax.hils`), with
 `segment_ids`; hils_attention and hils_select_chunks on Pallas kernels too, the others and the
