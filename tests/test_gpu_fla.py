@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import pisa_jax
-from pisa_jax.testing import bsa_scores64, rel_gap
+from pisa_jax.testing import bsa_scores64, nsa_mismatch_margins, rel_gap
 
 pytestmark = pytest.mark.gpu
 
@@ -82,3 +82,74 @@ def test_bsa_matches_fla_nsa_topk(fla, n):
       failures.append(listing[-1])
   print(f"N={n}: {len(rows)} of {ours.shape[1] * HKV} rows differ", *listing, sep="\n  ")
   assert not failures, f"{len(failures)} differing rows are not near-ties:\n" + "\n".join(failures)
+
+
+# ----------------------------------------------------------------------------- fla's NSA
+# fla's own NSA (`parallel_nsa`: mean compression, l = d = l' = C) against ours in its
+# configuration, float32 inputs. fla takes GQA groups that are powers of two of at least 16.
+NSA_TOP_N, NSA_WINDOW = 16, 256
+
+
+@pytest.fixture(scope="module")
+def fla_nsa(fla):
+  torch = fla[0]
+  parallel = pytest.importorskip("fla.ops.nsa.parallel")
+  compression = pytest.importorskip("fla.ops.nsa.compression")
+  from benchmarks import _fla
+  _fla.nsa_window_substitute()  # fla's window branch on its own kernel where flash-attn is absent
+  return torch, parallel, compression.parallel_nsa_compression, fla[2]
+
+
+def _nsa_inputs(n: int):
+  kq, kk, kv, kg = jax.random.split(jax.random.PRNGKey(5), 4)
+  q = jax.random.normal(kq, (1, n, HQ, D), jnp.float32)
+  k = jax.random.normal(kk, (1, n, HKV, D), jnp.float32)
+  v = jax.random.normal(kv, (1, n, HKV, D), jnp.float32)
+  gates = jax.nn.sigmoid(jax.random.normal(kg, (1, n, HQ, 3), jnp.float32))
+  return q, k, v, gates
+
+
+@pytest.mark.parametrize("n", [4096])
+def test_nsa_matches_fla_parallel_nsa(fla_nsa, n):
+  """Selection: fla's `parallel_nsa_topk` on the log-sum-exp of its compressed attention against
+  our `nsa_select_blocks` on ours, the same blocks but at near-ties (fla's TF32 dots). Output:
+  `nsa_attention` against `parallel_nsa` with the same gates, on the rows whose selections
+  agree, within TF32's rounding."""
+  torch, parallel, parallel_nsa_compression, mean_pooling = fla_nsa
+  q, k, v, gates = _nsa_inputs(n)
+  scale = D ** -0.5
+  opts = dict(block_length=C, stride=C)
+  k_cmp, v_cmp = (pisa_jax.nsa_compress(x, compression="mean", **opts) for x in (k, v))
+  _, lse = pisa_jax.compressed_attention(q, k_cmp, v_cmp, implementation="pallas", **opts)
+  ours = np.asarray(pisa_jax.nsa_select_blocks(q, k_cmp, lse, select_block_size=C,
+                                               top_n=NSA_TOP_N, implementation="pallas", **opts))
+  qt, kt, vt = (torch.from_numpy(np.array(x)).cuda() for x in (q, k, v))
+  gt = [torch.from_numpy(np.array(gates[..., i])).cuda() for i in range(3)]
+  kct, vct = mean_pooling(kt, C), mean_pooling(vt, C)
+  _, lse_t = parallel_nsa_compression(q=qt, k=kct, v=vct, TK=n, block_size=C, scale=scale)
+  theirs = parallel.parallel_nsa_topk(q=qt, k=kct, lse=lse_t, TK=n, block_counts=NSA_TOP_N,
+                                      block_size=C, scale=scale).cpu().numpy()
+
+  def sets(idx):
+    idx = np.where(idx >= 0, idx, np.iinfo(np.int32).max)
+    idx = np.sort(idx, axis=-1)[..., :NSA_TOP_N]
+    return np.where(idx == np.iinfo(np.int32).max, -1, idx).astype(np.int32)
+
+  ours, theirs = sets(ours), sets(theirs)
+  margins = nsa_mismatch_margins(ours, theirs, q, k_cmp, select_block_size=C, top_n=NSA_TOP_N,
+                                 scale=scale, **opts)
+  far = [m for m in margins if not m[3] < FLA_NEAR_TIE_RTOL]
+  print(f"N={n}: {len(margins)} of {n * HKV} rows select other blocks, {len(far)} beyond ties")
+  assert not far, far[:10]
+
+  got = np.asarray(pisa_jax.nsa_attention(q, k, v, gates, compression="mean",
+                                          select_block_size=C, top_n=NSA_TOP_N,
+                                          window=NSA_WINDOW, implementation="pallas", **opts))
+  with torch.no_grad():
+    want = parallel.parallel_nsa(qt, kt, vt, *gt, block_counts=NSA_TOP_N, block_size=C,
+                                 window_size=NSA_WINDOW, scale=scale).float().cpu().numpy()
+  same = np.ones(got.shape[:2], bool)  # [B, T]: positions where every KV head agrees
+  for b, t, _, _ in margins:
+    same[b, t] = False
+  assert same.mean() > 0.9, same.mean()
+  np.testing.assert_allclose(got[same], want[same], atol=2e-2, rtol=2e-2)
