@@ -158,11 +158,14 @@ def test_gradients_match_oracle_finite_differences():
     np.testing.assert_allclose(got, want, rtol=2e-4, err_msg=name)
 
 
-def test_causal():
-  """Changing anything at positions after t0 leaves every output up to t0 as it was."""
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_causal(implementation):
+  """Changing anything at positions after t0 leaves every output up to t0 as it was, on the
+  reference and on the kernels (interpret mode here) alike."""
   case = CASES[0]
   b, t, hq, hkv, d, _, _, _ = case
   opts, _ = options(case)
+  opts = dict(opts, implementation=implementation)
   q, k, v, lq = make_inputs(b, t, hq, hkv, d, seed=5)
   q2, k2, v2, lq2 = make_inputs(b, t, hq, hkv, d, seed=6)
   t0 = 30
