@@ -41,7 +41,7 @@ import pisa_jax
 from pisa_jax import _validation, checkpoint_names
 from pisa_jax.decode import DecodeCache, bucket_capacity, decode_step
 from pisa_jax.decode_cache import last_document
-from pisa_jax.hils_decode import HiLSCache, hils_decode_step
+from pisa_jax.hils_decode import HiLSCache, hils_decode_step, hils_prefill_chunk
 from pisa_jax.context_parallel import pisa_attention_at
 from pisa_jax.models.config import SPARSE_ATTENTION_KINDS, ModelConfig
 from pisa_jax.models.context_parallel import sequence_axis, sequence_sharded_attention
@@ -51,7 +51,7 @@ from pisa_jax.nsa_decode import NSACache, nsa_decode_step
 from pisa_jax.segments import document_bounds
 
 # Attention kinds whose decoder reads a prompt in chunks (`Decoder.prefill_chunk`).
-CHUNKED_PREFILL_KINDS = ("dense",) + tuple(SPARSE_ATTENTION_KINDS)
+CHUNKED_PREFILL_KINDS = ("dense", "hils") + tuple(SPARSE_ATTENTION_KINDS)
 
 # NSA's and HiLS's decode steps have one implementation, the jnp step (one query a row: gathers
 # and small dots, `pisa_jax._ops`), whatever model.attention_implementation picks for the
@@ -479,7 +479,8 @@ class Attention(nnx.Module):
     row b's first lengths[b] of them are appended to the cache (rows with lengths[b] > 0 hold
     exactly offset tokens; the cache has room for offset + S), and the chunk's queries attend
     over the cache's keys up to each query (the pyramid of all of them: `pisa_attention_at`;
-    dense: every earlier key). Rows with lengths[b] == 0 keep their cache."""
+    dense: every earlier key; HiLS: `hils_prefill_chunk`, the landmarks of the chunks it
+    completes appended). Rows with lengths[b] == 0 keep their cache."""
     cfg, cdt = self.cfg, x.dtype
     if cfg.attention not in CHUNKED_PREFILL_KINDS:
       raise ValueError(f"model.attention={cfg.attention!r} has no chunked prefill (kinds "
@@ -488,6 +489,13 @@ class Attention(nnx.Module):
     q = self._finish_q(jnp.einsum("bte,ehd->bthd", x, self.wq[...].astype(cdt)))
     k, v = self._project_kv(x)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if cfg.attention == "hils":
+      # The landmarks of the chunks this one completes join the cache's (jnp, as the step).
+      landmark_q = q + apply_rope(self._landmark_correction(x), cos, sin)
+      out, cache = hils_prefill_chunk(q, k, v, landmark_q, cache, lengths, offset,
+                                      top_k=cfg.hils_top_k, window=cfg.hils_window)
+      return self._out_bias(jnp.einsum("bthd,hde->bte", out.astype(cdt),
+                                       self.wo[...].astype(cdt))), cache
     # The chunk's padding is never written: past a row's length the cache stays zero.
     keep = (jnp.arange(x.shape[1])[None, :] < lengths[:, None])[:, :, None, None]
     k_all, v_all = (jax.lax.dynamic_update_slice_in_dim(

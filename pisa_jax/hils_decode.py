@@ -23,10 +23,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from pisa_jax import _dispatch, _validation
+from pisa_jax import _chunking, _dispatch, _validation
 from pisa_jax.decode import bucket_capacity
 from pisa_jax.decode_cache import last_document
-from pisa_jax.hils import _attend_rows, _check_options, _landmarks, _priors
+from pisa_jax.hils import _attend_rows, _check_options, _landmarks, _priors, _query_chunk
 
 
 @functools.partial(
@@ -182,4 +182,58 @@ def hils_decode_step_reference(q, k, v, landmark_q, cache: HiLSCache, *, top_k: 
   out = jnp.where((pos >= n)[:, None, None, None], jnp.nan, out)
   return out.astype(q.dtype), HiLSCache(k=k_cache, v=v_cache, landmark_k=landmark_k,
                                         landmark_bias=landmark_bias, lengths=pos + 1,
+                                        chunk_size=c)
+
+
+def hils_prefill_chunk(q, k, v, landmark_q, cache: HiLSCache, lengths, offset, *,
+                       top_k: int = 32, window: int = 512, scale: float | None = None):
+  """A chunk of a prompt read after `offset` tokens (chunked prefill), jnp.
+
+  q, landmark_q `[B, S, HQ, D]` and k, v `[B, S, HKV, D]` (RoPE applied) are the tokens at
+  positions offset .. offset + S - 1; row b's first lengths[b] of them are real (rows with
+  lengths[b] > 0 hold exactly offset tokens; the cache has room for offset + S). Their keys and
+  values are appended, and so is the landmark of every chunk that one of them completes (pooled
+  by the completing token's landmark query, as `prefill` and the step do); each query then
+  attends as row offset + s of `hils_attention` over the whole prompt. Rows with lengths[b] == 0
+  keep their cache (their outputs are meaningless).
+
+  Returns:
+    The outputs `[B, S, HQ, D]` in q's dtype and the cache.
+  """
+  b, s, hq, d = q.shape
+  hkv = k.shape[2]
+  c = cache.chunk_size
+  scale = _validation.resolve_scale(scale, d)
+  lengths = lengths.astype(jnp.int32)
+  offset = jnp.asarray(offset, jnp.int32)
+  real = jnp.arange(s)[None, :] < lengths[:, None]  # [B, S]
+  k_all, v_all = (jax.lax.dynamic_update_slice_in_dim(
+      old, jnp.where(real[:, :, None, None], new, jnp.zeros((), new.dtype)).astype(old.dtype),
+      offset, axis=1) for old, new in ((cache.k, k), (cache.v, v)))
+  # The chunks that end inside this one: slots offset // C .. (offset + S) // C, each valid where
+  # its last token is a real one of the row.
+  slots = offset // c + jnp.arange(s // c + 1, dtype=jnp.int32)  # [M]
+  ends = slots * c + c - 1
+  valid = (ends[None, :] >= offset) & (ends[None, :] < offset + lengths[:, None])  # [B, M]
+  local = jnp.clip(ends - offset, 0, s - 1)
+  prior = landmark_q.astype(jnp.float32)[:, local]  # [B, M, HQ, D]
+  new_k, new_bias = _landmarks(k_all, prior, jnp.broadcast_to(ends, (b, ends.shape[0])), valid,
+                               chunk_size=c, scale=scale)
+  num_slots = cache.landmark_k.shape[1]
+  write = jnp.where(valid, slots[None, :], num_slots)  # out of range: dropped
+  rows = jnp.arange(b)[:, None]
+  landmark_k = cache.landmark_k.at[rows, write].set(new_k, mode="drop")
+  landmark_bias = cache.landmark_bias.at[rows, write].set(new_bias, mode="drop")
+
+  rel = jnp.broadcast_to(offset + jnp.arange(s, dtype=jnp.int32), (b, s))
+  zeros = jnp.zeros((b, s), jnp.int32)
+  attend = functools.partial(_attend_rows, chunk_size=c, top_k=top_k, window=window, scale=scale)
+  chunk = _query_chunk(b, s, hq, hkv, d, num_slots, chunk_size=c, top_k=top_k, window=window)
+  out, _ = _chunking.map_query_chunks(
+      lambda _, *args: attend(*args), chunk,
+      (rel, zeros, zeros, q.astype(jnp.float32), landmark_q.astype(jnp.float32), None),
+      (k_all, v_all, landmark_k, landmark_bias))
+  held = jnp.where(lengths > 0, offset + lengths, cache.lengths).astype(jnp.int32)
+  return out.astype(q.dtype), HiLSCache(k=k_all, v=v_all, landmark_k=landmark_k,
+                                        landmark_bias=landmark_bias, lengths=held,
                                         chunk_size=c)

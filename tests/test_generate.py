@@ -262,13 +262,15 @@ def _padded(prompts) -> tuple[np.ndarray, np.ndarray]:
   return tokens, np.array([len(p) for p in prompts], np.int32)
 
 
-@pytest.mark.parametrize("attention", ["pisa", "dense"])
+@pytest.mark.parametrize("attention", ["pisa", "dense", "hils"])
 def test_chunked_prefill_gives_the_first_token_and_cache_of_one_pass(attention):
   # Prompts of 1,200, 700 and 5 tokens in 3 chunks of 512 (row 1 ends in the second, row 2 in
-  # the first, reading nothing after): 300 leaf blocks of 4, selection over a 9-level pyramid.
+  # the first, reading nothing after): 300 leaf blocks of 4, selection over a 9-level pyramid
+  # (HiLS: 300 chunks of 4, each chunk's landmark pooled in the prefill chunk it ends in).
   from pisa_jax import generation
 
-  model = _model(attention)
+  fields = dict(KINDS[attention])
+  model = _model(fields.pop("attention"), **fields)
   rng = np.random.default_rng(0)
   prompts = [rng.integers(0, 64, n).tolist() for n in (1200, 700, 5)]
   tokens, lengths = _padded(prompts)
@@ -299,10 +301,12 @@ def test_chunked_prefill_gives_the_first_token_and_cache_of_one_pass(attention):
     np.testing.assert_array_equal(chunked.lengths, lengths)
 
 
-@pytest.mark.parametrize("attention", ["pisa", "dense"])
+@pytest.mark.parametrize("attention", ["pisa", "dense", "hils"])
 def test_generation_with_chunks_of_any_size_equals_one_pass(attention):
-  # Chunks of 7 (leaf blocks of 4 cut anywhere) and one chunk covering every prompt.
-  model = _model(attention)
+  # Chunks of 7 (leaf blocks or HiLS chunks of 4 cut anywhere) and one chunk covering every
+  # prompt.
+  fields = dict(KINDS[attention])
+  model = _model(fields.pop("attention"), **fields)
   kw = dict(max_new_tokens=12, initial_capacity=64, return_logits=True)
   one = pisa_jax.generate(model, PROMPTS, **kw)
   for chunk in (7, 64):
