@@ -204,9 +204,7 @@ def validate(config: Config) -> Config:
     raise ValueError(
         f"model.num_heads={m.num_heads} must be divisible by model.num_kv_heads={m.num_kv_heads} (GQA)"
     )
-  if m.head_dim % 4:
-    # RoPE rotates the first half of each head in rotate-half pairs: head_dim / 2 must be even.
-    raise ValueError(f"model.head_dim={m.head_dim} must be a multiple of 4 (RoPE on half the dims)")
+  # RoPE's rotated dims (rope_fraction of head_dim) must pair up: `check_architecture` below.
   if m.rope_base <= 1:
     raise ValueError(f"model.rope_base={m.rope_base} must be > 1")
   check_architecture(m)

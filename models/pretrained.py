@@ -62,11 +62,18 @@ _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 # config.json's record of a sparse attention (`export_config`): the decoder's attention fields,
 # which transformers ignores and `load_pretrained` restores.
 PISA_ATTENTION_KEY = "pisa_attention"
-PISA_ATTENTION_FIELDS = ("attention", "block_size", "top_k", "branching", "beam")
+PISA_ATTENTION_FIELDS = ("attention", "block_size", "top_k", "branching", "beam",
+                         "summary_dtype")
 
 
 class UnsupportedModelError(ValueError):
   """The file is not a model this loader supports; the message names the field, in one line."""
+
+
+def _first_line(error: BaseException) -> str:
+  """An underlying library's error as one short line."""
+  text = str(error).strip().splitlines()
+  return f"{type(error).__name__}: {text[0][:200] if text else ''}"
 
 
 @dataclasses.dataclass
@@ -182,6 +189,10 @@ def check_options(cfg: ModelConfig) -> None:
   """The attention and compute fields of `cfg`, each error naming the field (configs' rules)."""
   if cfg.attention not in ATTENTION_KINDS:
     raise ValueError(f"attention={cfg.attention!r} is unknown: expected one of {ATTENTION_KINDS}")
+  if cfg.attention in ("nsa", "hils"):
+    raise ValueError(f"attention={cfg.attention!r}: a Llama-family checkpoint holds no weights "
+                     f"for NSA's gates and compression or HiLS's landmark projection; import it "
+                     f"as dense or a PISA kind {tuple(SPARSE_ATTENTION_KINDS)}")
   if cfg.compute_dtype not in COMPUTE_DTYPES:
     raise ValueError(f"compute_dtype={cfg.compute_dtype!r} must be one of {COMPUTE_DTYPES}")
   if cfg.remat not in REMAT_POLICIES:
@@ -193,6 +204,9 @@ def check_options(cfg: ModelConfig) -> None:
     _checks.check_beam(cfg.beam, cfg.top_k, cfg.attention, selector_name="attention")
     _checks.check_implementation(cfg.attention_implementation,
                                  name="attention_implementation")
+    if cfg.summary_dtype not in _checks.SUMMARY_DTYPES:
+      raise ValueError(f"summary_dtype={cfg.summary_dtype!r} must be one of "
+                       f"{_checks.SUMMARY_DTYPES}")
   elif cfg.attention_implementation is not None:
     raise ValueError(f"attention_implementation={cfg.attention_implementation!r} applies to "
                      f"sparse attention only; attention={cfg.attention!r}")
@@ -237,7 +251,11 @@ class _SafetensorsFolder(_Tensors):
     for name in files:
       if not (folder / name).is_file():
         raise UnsupportedModelError(f"{index}: names {name}, which is missing")
-      handle = safe_open(str(folder / name), framework="numpy")
+      try:
+        handle = safe_open(str(folder / name), framework="numpy")
+      except Exception as e:  # a truncated or foreign file: safetensors' own error type
+        raise UnsupportedModelError(f"{folder / name}: not a readable safetensors file "
+                                    f"({_first_line(e)})") from None
       self._handles[name] = handle
       for key in handle.keys():
         if weight_map is None or weight_map.get(key) == name:
@@ -298,6 +316,7 @@ class _GGUFFile(_Tensors):
             f"{where}: tensor {tensor.name!r} is not supported: a {arch} model has no such "
             f"tensor in this decoder")
     self._arch, self._heads, self._kv_heads = arch, heads, kv_heads
+    self._file = where
 
   def names(self) -> set[str]:
     return set(self._tensors)
@@ -308,7 +327,12 @@ class _GGUFFile(_Tensors):
     tensor = self._tensors[name]
     # GGUF lists dims innermost first; numpy's order is Hugging Face's.
     shape = tuple(reversed([int(d) for d in tensor.shape]))
-    w = np.asarray(dequantize(tensor.data, tensor.tensor_type), np.float32).reshape(shape)
+    try:
+      w = np.asarray(dequantize(tensor.data, tensor.tensor_type), np.float32).reshape(shape)
+    except (NotImplementedError, ValueError) as e:  # a type gguf cannot dequantize, short data
+      raise UnsupportedModelError(f"{self._file}: tensor {name} of type "
+                                  f"{tensor.tensor_type.name} cannot be read "
+                                  f"({_first_line(e)})") from None
     if self._arch == "llama" and re.search(r"\.(q|k)_proj\.", name):
       w = _unpermute(w, self._heads if ".q_proj." in name else self._kv_heads)
     return w
@@ -643,8 +667,12 @@ def read_pretrained(path: str | Path) -> Pretrained:
 
     generation = path / "generation_config.json"
     eos = (json.loads(generation.read_text()) if generation.is_file() else hf).get("eos_token_id")
-    return Pretrained(config=cfg, context_length=context,
-                      tokenizer=Tokenizer.from_file(str(tokenizer_file)),
+    try:
+      tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    except Exception as e:  # tokenizers raises its own Exception for a malformed file
+      raise UnsupportedModelError(f"{tokenizer_file}: not a readable tokenizer.json "
+                                  f"({_first_line(e)})") from None
+    return Pretrained(config=cfg, context_length=context, tokenizer=tokenizer,
                       tensors=_SafetensorsFolder(path), source="config.json",
                       eos_token_ids=_ids(eos))
   if not path.is_file():
@@ -657,7 +685,10 @@ def read_pretrained(path: str | Path) -> Pretrained:
                                 f"Hugging Face model folder")
   from gguf import GGUFReader
 
-  reader = GGUFReader(str(path))
+  try:
+    reader = GGUFReader(str(path))
+  except Exception as e:  # a truncated file fails inside numpy's memory map
+    raise UnsupportedModelError(f"{path}: not a readable GGUF file ({_first_line(e)})") from None
   cfg, context = config_from_gguf(reader, path)
   tensors = _GGUFFile(reader, where=path.name, arch=_gguf_value(reader, "general.architecture"),
                       heads=cfg.num_heads, kv_heads=cfg.num_kv_heads)
@@ -700,7 +731,9 @@ def _bias_in(which: str) -> Layout:
 
 
 def _padded(w, cfg):
-  """`[V, E]`, zero rows appended up to the padded vocabulary."""
+  """`[V, E]`, zero rows appended up to the padded vocabulary; V must be the config's."""
+  if w.shape[0] != cfg.vocab_size:
+    raise ValueError(f"it has {w.shape[0]} rows, vocab_size={cfg.vocab_size}")
   return np.pad(w, ((0, cfg.padded_vocab_size - w.shape[0]), (0, 0)))
 
 
@@ -817,8 +850,9 @@ def build_decoder(cfg: ModelConfig, tensors: _Tensors, *, mesh=None, where: str 
                                   f"{'/'.join(map(str, path))})")
     used.add(name)
     shape, dtype = tuple(var.get_value().shape), var.get_value().dtype
+    tensor = tensors.get(name)  # a file that cannot be read raises UnsupportedModelError here
     try:
-      host = np.ascontiguousarray(layout.to_ours(tensors.get(name), cfg), dtype=dtype)
+      host = np.ascontiguousarray(layout.to_ours(tensor, cfg), dtype=dtype)
     except ValueError as e:
       raise UnsupportedModelError(f"{where}: tensor {name} does not fit parameter "
                                   f"{'/'.join(map(str, path))} {shape}: {e}") from None

@@ -551,6 +551,34 @@ def test_bad_options_and_files_are_refused(tmp_path):
     load_pretrained(folder)
 
 
+def test_damaged_files_and_other_kinds_are_refused_in_one_line(tmp_path):
+  """A truncated safetensors or GGUF file, an unreadable tokenizer.json, an embedding of another
+  vocabulary size, and the kinds whose weights no checkpoint holds: one line naming the file or
+  the field (never a library's traceback)."""
+  hf, w = random_checkpoint("llama")
+
+  def one_line(match, *args, **kw):
+    with pytest.raises(UnsupportedModelError if "attention" not in kw else ValueError) as info:
+      load_pretrained(*args, **kw)
+    assert re.search(match, str(info.value)) and "\n" not in str(info.value), str(info.value)
+
+  folder = write_hf_folder(tmp_path / "a", hf, w)
+  data = (folder / "model.safetensors").read_bytes()
+  (folder / "model.safetensors").write_bytes(data[:len(data) // 2])
+  one_line(r"model\.safetensors: not a readable safetensors file", folder)
+  folder = write_hf_folder(tmp_path / "b", hf, w)
+  (folder / "tokenizer.json").write_text("{not json")
+  one_line(r"tokenizer\.json: not a readable tokenizer\.json", folder)
+  gguf = write_gguf(tmp_path / "c.gguf", hf, w)
+  gguf.write_bytes(gguf.read_bytes()[:gguf.stat().st_size // 2])
+  one_line(r"c\.gguf: not a readable GGUF file", gguf)
+  wider = dict(hf, vocab_size=hf["vocab_size"] + 1)
+  one_line(r"vocab_size=", write_hf_folder(tmp_path / "d", wider, w))
+  for kind in ("nsa", "hils"):
+    one_line(rf"attention='{kind}': a Llama-family checkpoint holds no weights",
+             write_hf_folder(tmp_path / f"e{kind}", hf, w), attention=kind)
+
+
 def test_unsupported_gguf_metadata_is_refused_naming_the_key(tmp_path):
   hf, w = random_checkpoint("llama")
   with pytest.raises(UnsupportedModelError, match="tokenizer.ggml.pre='falcon' is not supported"):
@@ -705,7 +733,8 @@ def test_import_export_round_trip_keeps_weights_and_attention(tmp_path):
     np.testing.assert_array_equal(tensors[name], w[name], err_msg=name)
   exported = json.loads((tmp_path / "exported" / "config.json").read_text())
   assert exported["pisa_attention"] == {"attention": "pisa", "block_size": 4, "top_k": 4,
-                                        "branching": 2, "beam": None}
+                                        "branching": 2, "beam": None,
+                                        "summary_dtype": "float32"}
   assert (exported["rope_theta"], exported["rope_scaling"]) == (80_000.0, hf["rope_scaling"])
   assert exported["eos_token_id"] == [2, 0]
   again, again_cfg, tokenizer = load_pretrained(tmp_path / "exported", compute_dtype="float32")
