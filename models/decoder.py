@@ -47,11 +47,8 @@ from pisa_jax.models.config import SPARSE_ATTENTION_KINDS, ModelConfig
 from pisa_jax.models.context_parallel import sequence_axis, sequence_sharded_attention
 from pisa_jax.models.sharding import axes_size, batch_axes_of, constrain_batch
 from pisa_jax.nsa import CompressionMLP
-from pisa_jax.nsa_decode import NSACache, nsa_decode_step
+from pisa_jax.nsa_decode import NSACache, nsa_decode_step, nsa_prefill_chunk
 from pisa_jax.segments import document_bounds
-
-# Attention kinds whose decoder reads a prompt in chunks (`Decoder.prefill_chunk`).
-CHUNKED_PREFILL_KINDS = ("dense", "hils") + tuple(SPARSE_ATTENTION_KINDS)
 
 # NSA's and HiLS's decode steps have one implementation, the jnp step (one query a row: gathers
 # and small dots, `pisa_jax._ops`), whatever model.attention_implementation picks for the
@@ -480,12 +477,9 @@ class Attention(nnx.Module):
     exactly offset tokens; the cache has room for offset + S), and the chunk's queries attend
     over the cache's keys up to each query (the pyramid of all of them: `pisa_attention_at`;
     dense: every earlier key; HiLS: `hils_prefill_chunk`, the landmarks of the chunks it
-    completes appended). Rows with lengths[b] == 0 keep their cache."""
+    completes appended; NSA: `nsa_prefill_chunk`). Rows with lengths[b] == 0 keep their
+    cache."""
     cfg, cdt = self.cfg, x.dtype
-    if cfg.attention not in CHUNKED_PREFILL_KINDS:
-      raise ValueError(f"model.attention={cfg.attention!r} has no chunked prefill (kinds "
-                       f"{CHUNKED_PREFILL_KINDS}): read the prompt in one pass "
-                       "(prefill_chunk=None)")
     q = self._finish_q(jnp.einsum("bte,ehd->bthd", x, self.wq[...].astype(cdt)))
     k, v = self._project_kv(x)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -494,6 +488,15 @@ class Attention(nnx.Module):
       landmark_q = q + apply_rope(self._landmark_correction(x), cos, sin)
       out, cache = hils_prefill_chunk(q, k, v, landmark_q, cache, lengths, offset,
                                       top_k=cfg.hils_top_k, window=cfg.hils_window)
+      return self._out_bias(jnp.einsum("bthd,hde->bte", out.astype(cdt),
+                                       self.wo[...].astype(cdt))), cache
+    if cfg.attention == "nsa":
+      # The compressed blocks are rebuilt over every key held (jnp, as the step).
+      key_mlp, value_mlp = self._nsa_mlps()
+      out, cache = nsa_prefill_chunk(
+          q, k, v, self._nsa_gates(x), cache, lengths, offset, key_mlp=key_mlp,
+          value_mlp=value_mlp, select_block_size=cfg.nsa_select_block_size, top_n=cfg.nsa_top_n,
+          window=cfg.nsa_window)
       return self._out_bias(jnp.einsum("bthd,hde->bte", out.astype(cdt),
                                        self.wo[...].astype(cdt))), cache
     # The chunk's padding is never written: past a row's length the cache stays zero.

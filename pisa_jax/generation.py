@@ -155,8 +155,8 @@ def generate(model: DecodeModel, prompt_tokens, *, max_new_tokens: int, temperat
       chunk c (positions c S .. c S + S - 1 of every row) is appended to the cache, its queries
       selecting over everything before it, so the first token and the cache equal one pass's
       (float32 rounding apart) while the activations of one pass are those of S tokens. Needs a
-      model with `prefill_chunk` (`pisa_jax.models.Decoder` with dense attention, a PISA kind
-      or HiLS); not with prompt_segment_ids. A multiple of the model's block size keeps the
+      model with `prefill_chunk` (`pisa_jax.models.Decoder` has it for every attention kind);
+      not with prompt_segment_ids. A multiple of the model's block size keeps the
       kernels' tiles whole.
     initial_capacity: tokens per row the cache is first allocated for (default: the longest
       prompt plus max_new_tokens, so it never grows). A smaller one bounds the memory of rows that

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from pisa_jax import _validation, nsa
+from pisa_jax import _chunking, _validation, nsa
 from pisa_jax.attention import attend_selected
 from pisa_jax.decode_cache import last_document
 
@@ -144,59 +144,102 @@ def _append(cache: NSACache, k, v, key_mlp, value_mlp):
       v_cmp=compress(v_all, value_mlp, cache.v_cmp), lengths=t + 1)
 
 
-def _gather_keys(k, v, positions, visible):
-  """Rows' keys and values at positions `[B, HKV, K, C]` -> `[B, 1, HKV, K, C, D]` float32,
+def _gather_rows(x, positions, visible):
+  """x `[B, N, HKV, D]` at positions `[B, Tq, HKV, K, C]` -> `[B, Tq, HKV, K, C, D]` float32,
   zeros where not visible."""
-  b, capacity, hkv, _ = k.shape
-  b_idx = jnp.arange(b)[:, None, None, None]
-  h_idx = jnp.arange(hkv)[None, :, None, None]
+  b, capacity, hkv, _ = x.shape
+  b_idx = jnp.arange(b)[:, None, None, None, None]
+  h_idx = jnp.arange(hkv)[None, None, :, None, None]
   pos = jnp.clip(positions, 0, capacity - 1)
-
-  def take(x):
-    return jnp.where(visible[..., None], x[b_idx, pos, h_idx].astype(jnp.float32), 0.0)[:, None]
-
-  return take(k), take(v)
+  return jnp.where(visible[..., None], x[b_idx, pos, h_idx].astype(jnp.float32), 0.0)
 
 
-@functools.partial(jax.jit, static_argnames=("select_block_size", "top_n", "window", "scale"))
-def nsa_decode_step_reference(q, k, v, gates, cache: NSACache, key_mlp, value_mlp, *,
-                              select_block_size: int, top_n: int, window: int, scale: float):
-  """jnp reference of `nsa_decode_step`; arguments are already validated."""
-  b, _, hq, d = q.shape
-  hkv = k.shape[2]
+def _attend_queries(q32, gates, t, cache: NSACache, *, select_block_size: int, top_n: int,
+                    window: int, scale: float):
+  """The three branches of float32 queries `[B, Tq, HQ, D]` at positions t `[B, Tq]` of rows
+  whose cache holds every key up to each (one document from position 0), with the prefill's own
+  per-chunk functions: `[B, Tq, HQ, D]` float32."""
+  b, tq, hq, d = q32.shape
+  hkv = cache.k.shape[2]
   group = hq // hkv
-  t = cache.lengths  # [B]: each row's query position
-  full = t >= cache.capacity
-  cache = _append(cache, k, v, key_mlp, value_mlp)
-  q32 = q.astype(jnp.float32)
-  # Compressed attention and selection: the prefill's per-chunk functions on a chunk of one
-  # query per row, at the row's position (`first` 0: one document from position 0).
-  ended = t[:, None] + 1 - cache.block_length
+  # Compressed attention and selection (`first` 0: one document from position 0).
+  ended = t + 1 - cache.block_length
   end = jnp.where(ended >= 0, ended // cache.stride + 1, 0)
   first = jnp.zeros_like(end)
   out_cmp, lse = nsa._compressed_chunk(None, q32, first, end, cache.k_cmp, cache.v_cmp,
                                        scale=scale)
   num_blocks = -(-cache.capacity // select_block_size)
   indices = nsa._select_chunk(
-      None, q32, lse, first, end, t[:, None], cache.k_cmp, block_length=cache.block_length,
+      None, q32, lse, first, end, t, cache.k_cmp, block_length=cache.block_length,
       stride=cache.stride, select_block_size=select_block_size, top_n=top_n, scale=scale,
-      num_doc_blocks=cache.k_cmp.shape[1], num_blocks=num_blocks)[:, 0]  # [B, HKV, n]
+      num_doc_blocks=cache.k_cmp.shape[1], num_blocks=num_blocks)  # [B, Tq, HKV, n]
   # Selected branch (Eq. 6 over the chosen blocks' keys at or before t).
-  qg = q32.reshape(b, 1, hkv, group, d)
+  qg = q32.reshape(b, tq, hkv, group, d)
   key_pos = jnp.maximum(indices, 0)[..., None] * select_block_size + jnp.arange(select_block_size)
-  visible = (indices >= 0)[..., None] & (key_pos <= t[:, None, None, None])
-  k_sel, v_sel = _gather_keys(cache.k, cache.v, key_pos, visible)
-  out_slc, _ = attend_selected(qg, k_sel, v_sel, visible[:, None], scale=scale)
+  visible = (indices >= 0)[..., None] & (key_pos <= t[:, :, None, None, None])
+  out_slc, _ = attend_selected(qg, _gather_rows(cache.k, key_pos, visible),
+                               _gather_rows(cache.v, key_pos, visible), visible, scale=scale)
   # Window branch: keys t - w < j <= t, as one selected "block" of w keys.
-  win_pos = jnp.broadcast_to((t[:, None] - window + 1 + jnp.arange(window))[:, None, None, :],
-                             (b, hkv, 1, window))
+  win_pos = jnp.broadcast_to(
+      (t[..., None] - window + 1 + jnp.arange(window))[:, :, None, None, :],
+      (b, tq, hkv, 1, window))
   win_visible = win_pos >= 0
-  k_win, v_win = _gather_keys(cache.k, cache.v, win_pos, win_visible)
-  out_win, _ = attend_selected(qg, k_win, v_win, win_visible[:, None], scale=scale)
-  g = gates.astype(jnp.float32)[..., None]  # [B, 1, HQ, 3, 1]
-  out = (g[:, :, :, 0] * out_cmp + g[:, :, :, 1] * out_slc.reshape(b, 1, hq, d)
-         + g[:, :, :, 2] * out_win.reshape(b, 1, hq, d))
+  out_win, _ = attend_selected(qg, _gather_rows(cache.k, win_pos, win_visible),
+                               _gather_rows(cache.v, win_pos, win_visible), win_visible,
+                               scale=scale)
+  g = gates.astype(jnp.float32)[..., None]  # [B, Tq, HQ, 3, 1]
+  return (g[:, :, :, 0] * out_cmp + g[:, :, :, 1] * out_slc.reshape(b, tq, hq, d)
+          + g[:, :, :, 2] * out_win.reshape(b, tq, hq, d))
+
+
+@functools.partial(jax.jit, static_argnames=("select_block_size", "top_n", "window", "scale"))
+def nsa_decode_step_reference(q, k, v, gates, cache: NSACache, key_mlp, value_mlp, *,
+                              select_block_size: int, top_n: int, window: int, scale: float):
+  """jnp reference of `nsa_decode_step`; arguments are already validated."""
+  t = cache.lengths  # [B]: each row's query position
+  full = t >= cache.capacity
+  cache = _append(cache, k, v, key_mlp, value_mlp)
+  out = _attend_queries(q.astype(jnp.float32), gates, t[:, None], cache,
+                        select_block_size=select_block_size, top_n=top_n, window=window,
+                        scale=scale)
   out = jnp.where(full[:, None, None, None], jnp.nan, out)
+  return out.astype(q.dtype), cache
+
+
+def nsa_prefill_chunk(q, k, v, gates, cache: NSACache, lengths, offset, *,
+                      key_mlp: nsa.CompressionMLP | None = None,
+                      value_mlp: nsa.CompressionMLP | None = None, select_block_size: int = 64,
+                      top_n: int = 16, window: int = 512, scale: float | None = None):
+  """A chunk of a prompt read after `offset` tokens (chunked prefill), jnp.
+
+  q, gates `[B, S, HQ, ...]` and k, v `[B, S, HKV, D]` (RoPE applied) are the tokens at
+  positions offset .. offset + S - 1; row b's first lengths[b] of them are real (rows with
+  lengths[b] > 0 hold exactly offset tokens; the cache has room for offset + S). Their keys and
+  values are appended, the compressed blocks rebuilt over everything held (as `prefill`), and
+  each query attends as row offset + s of `nsa_attention` over the whole prompt. Rows with
+  lengths[b] == 0 keep their cache (their outputs are meaningless).
+
+  Returns:
+    The outputs `[B, S, HQ, D]` in q's dtype and the cache.
+  """
+  b, s, hq, d = q.shape
+  hkv = k.shape[2]
+  scale = _validation.resolve_scale(scale, d)
+  lengths = lengths.astype(jnp.int32)
+  real = (jnp.arange(s)[None, :] < lengths[:, None])[:, :, None, None]
+  k_all, v_all = (jax.lax.dynamic_update_slice_in_dim(
+      old, jnp.where(real, new, jnp.zeros((), new.dtype)).astype(old.dtype), offset, axis=1)
+      for old, new in ((cache.k, k), (cache.v, v)))
+  held = jnp.where(lengths > 0, offset + lengths, cache.lengths).astype(jnp.int32)
+  cache = cache.prefill(k_all, v_all, held, key_mlp=key_mlp, value_mlp=value_mlp)
+  t = jnp.broadcast_to(offset + jnp.arange(s, dtype=jnp.int32), (b, s))
+  keys = top_n * select_block_size + window
+  per_query = b * (2 * hkv * keys * d + hq * keys * 2 + hq * cache.k_cmp.shape[1] * 3)
+  attend = functools.partial(_attend_queries, cache=cache, select_block_size=select_block_size,
+                             top_n=top_n, window=window, scale=scale)
+  out = _chunking.map_query_chunks(lambda _, q, g, t: attend(q, g, t),
+                                   _chunking.query_chunk_size(s, per_query),
+                                   (q.astype(jnp.float32), gates, t))
   return out.astype(q.dtype), cache
 
 

@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
 def _generate(args) -> int:
   # Imported once the arguments are known good: a mistake costs no JAX start-up.
   from pisa_jax.generation import generate, generate_stream
-  from pisa_jax.models.decoder import CHUNKED_PREFILL_KINDS, count_params
+  from pisa_jax.models.decoder import count_params
   from pisa_jax.train.tokenizer import gpt2_encoding, run_encoding
 
   encoding, stop = run_encoding(args.workdir)
@@ -206,10 +206,6 @@ def _generate(args) -> int:
                            f"{len(ids)} tokens {ids}")
     stop.append(ids[0])
   stop = tuple(dict.fromkeys(stop))
-  if args.prefill_chunk is not None and config.model.attention not in CHUNKED_PREFILL_KINDS:
-    raise _ArgumentError(f"--prefill-chunk: the run's model.attention="
-                         f"{config.model.attention!r} has no chunked prefill (kinds "
-                         f"{', '.join(CHUNKED_PREFILL_KINDS)})")
   print(f"{PROG}: step {step} of {args.workdir} ({config.model.attention} attention, "
         f"{count_params(config.model):,} parameters): {len(rows)} prompt(s) of up to {longest} "
         f"tokens, up to {new_tokens} new", file=sys.stderr)
