@@ -202,6 +202,7 @@ KINDS = {
                 nsa_top_n=4, nsa_window=6),
     "hils": dict(attention="hils", hils_chunk_size=4, hils_top_k=2, hils_window=4,
                  hils_landmark_rank=4),
+    "pisa-bf16-pyramid": dict(attention="pisa", summary_dtype="bfloat16"),
 }
 
 
@@ -236,8 +237,11 @@ def test_kinds_trained_on_kernels_generate_as_on_the_reference(kind):
   np.testing.assert_allclose(kernels.logits, reference.logits, atol=1e-4, rtol=1e-4)
 
 
-def test_a_sampled_row_is_the_row_sampled_alone_with_its_key():
-  model = _model("dense")
+@pytest.mark.parametrize("attention,fields", [("dense", {}), ("pisa", {}),
+                                              ("pisa", dict(summary_dtype="bfloat16"))],
+                         ids=["dense", "pisa", "pisa-bf16-pyramid"])
+def test_a_sampled_row_is_the_row_sampled_alone_with_its_key(attention, fields):
+  model = _model(attention, **fields)
   kw = dict(max_new_tokens=NEW_TOKENS, initial_capacity=64, temperature=1.5, top_p=0.9)
   keys = jax.random.split(jax.random.key(8), 3)
   batch = pisa_jax.generate(model, PROMPTS, key=keys, **kw)
@@ -302,10 +306,10 @@ def test_chunked_prefill_gives_the_first_token_and_cache_of_one_pass(attention):
     np.testing.assert_array_equal(chunked.lengths, lengths)
 
 
-@pytest.mark.parametrize("attention", ["pisa", "dense", "hils", "nsa"])
+@pytest.mark.parametrize("attention", ["pisa", "dense", "hils", "nsa", "pisa-bf16-pyramid"])
 def test_generation_with_chunks_of_any_size_equals_one_pass(attention):
   # Chunks of 7 (leaf blocks or HiLS chunks of 4 cut anywhere) and one chunk covering every
-  # prompt.
+  # prompt; the PISA pyramid in float32 and in bfloat16.
   fields = dict(KINDS[attention])
   model = _model(fields.pop("attention"), **fields)
   kw = dict(max_new_tokens=12, initial_capacity=64, return_logits=True)
