@@ -53,12 +53,14 @@ def test_step_kernels_equal_the_reference_step(d, top_k, batch):
   np.testing.assert_allclose(np.asarray(got[2]), np.asarray(ref[2]), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("attention", ["pisa", "dense"])
+@pytest.mark.parametrize("attention", ["pisa", "dense", "nsa", "hils"])
 def test_chunked_prefill_on_the_kernels_gives_the_one_pass_first_token(attention):
   # A 4-layer float32 decoder (C64, K8) on the GPU's kernels (the offset selection and attention
   # of `pisa_attention_at`), rows of 7,000 and 3,000 tokens read in chunks of 2,048 (32 blocks,
   # four times K; the last two chunks' row 1 reads nothing): the first token and logits of one
   # pass. The prompts pad to 8,192: dense's float32 one pass holds [2, 2, 8192, 8, 8192] scores.
+  # NSA and HiLS (their defaults: l 32, d 16, l' 64, n 16, w 512; C 64, K 32, w 512): the one
+  # pass on their kernels, the chunks and the steps on the jnp of their decode steps.
   import dataclasses
 
   from flax import nnx
