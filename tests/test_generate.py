@@ -506,6 +506,30 @@ def test_cli_mistakes_are_one_line_naming_the_argument(tiny_run, tmp_path, capsy
   fails(run + ["--prompt-file", str(long)],
         r"--prompt-file: prompt 2: 40 tokens exceed the model's context of 32")
   fails(["--prompt", "1"], "--workdir")
+  fails(run + ["--prompt", "1", "--summary-dtype", "bfloat16"],
+        r"--summary-dtype='bfloat16': the run's model.attention='dense' has no PISA pyramid")
+  fails(run + ["--prompt", "1", "--summary-dtype", "float16"], "argument --summary-dtype")
+
+
+def test_a_pisa_run_restores_with_a_bfloat16_pyramid(tmp_path):
+  """restore_model(summary_dtype=...): the run's parameters, the pyramid's dtype chosen for
+  inference; its generation reads the pyramid in that dtype."""
+  from pisa_jax.train import restore
+  from pisa_jax.train.trainer import train
+
+  config = validate(apply_overrides(get_config("tiny"), TINY_RUN + ["model.attention=pisa"]))
+  train(config, tmp_path, progress=False, quiet=True)
+  _, f32, _ = restore.restore_model(tmp_path)
+  cfg, bf16, _ = restore.restore_model(tmp_path, summary_dtype="bfloat16")
+  assert f32.cfg.summary_dtype == "float32" and cfg.model.summary_dtype == "bfloat16"
+  assert bf16.cfg.summary_dtype == "bfloat16"
+  for a, b in zip(jax.tree.leaves(nnx.state(f32, nnx.Param)),
+                  jax.tree.leaves(nnx.state(bf16, nnx.Param)), strict=True):
+    np.testing.assert_array_equal(a, b)
+  state = bf16.init_decode_state(1, 64)
+  assert {x.summaries.dtype for x in state} == {jnp.dtype(jnp.bfloat16)}
+  out = pisa_jax.generate(bf16, [[1, 2, 3, 4, 5]], max_new_tokens=3)
+  assert out.tokens.shape == (1, 3)
 
 
 @needs_bpe

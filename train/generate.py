@@ -19,7 +19,8 @@ line per prompt, in order: {"prompt", "completion", "new_tokens", "stopped"}. Ro
 from the key fold_in(key(--seed), b).
 --prefill-chunk N reads the prompts N tokens at a time (each chunk appended to the cache, its
 queries selecting over everything before): the same first token as one pass, with the
-activations of N tokens. The prompt and the new tokens must fit in the context the run was
+activations of N tokens. --summary-dtype bfloat16 stores a PISA run's pyramid in bfloat16 for
+this generation. The prompt and the new tokens must fit in the context the run was
 trained with (train.seq_len) unless --context says otherwise.
 
 A mistake ends in one line on stderr: exit status 2 for a bad argument (one that names it), 1 for
@@ -61,10 +62,10 @@ def _number(kind, check, requirement: str):
   return parse
 
 
-def restore_model(workdir: str | Path):
+def restore_model(workdir: str | Path, *, summary_dtype: str | None = None):
   """`pisa_jax.train.restore.restore_model`, its missing-run error as a bad --workdir."""
   try:
-    return restore.restore_model(workdir)
+    return restore.restore_model(workdir, summary_dtype=summary_dtype)
   except restore.NoCheckpointError as e:
     raise _ArgumentError(f"--{e}") from None
 
@@ -133,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--context", type=_number(int, lambda n: n >= 1, ">= 1"), default=None,
                       help="tokens (prompt and new ones) the model may see; default: the run's "
                            "train.seq_len")
+  parser.add_argument("--summary-dtype", choices=("float32", "bfloat16"), default=None,
+                      help="the PISA pyramid's dtype for this generation (default: the run's): "
+                           "bfloat16 halves the cache's pyramid and the walk's loads")
   parser.add_argument("--steps-per-call", type=_number(int, lambda n: n >= 1, ">= 1"),
                       default=16, help="tokens each device call generates before they print "
                                        "(1: each token as soon as it exists, slower)")
@@ -146,9 +150,14 @@ def main(argv: list[str] | None = None) -> int:
   except _ArgumentError as e:
     parser.error(str(e))
   try:
-    restore.read_run_config(args.workdir)  # a folder that is no run fails before jax loads
+    saved = restore.read_run_config(args.workdir)  # a folder that is no run fails before jax
   except restore.NoCheckpointError as e:
     parser.error(f"--{e}")
+  if args.summary_dtype is not None:
+    try:
+      restore.with_summary_dtype(saved, args.summary_dtype)
+    except ValueError as e:
+      parser.error(f"--{str(e).replace('_', '-', 1)}")
   compilation_cache.enable_for(parser)
 
   try:
@@ -172,7 +181,7 @@ def _generate(args) -> int:
 
   encoding, stop = run_encoding(args.workdir)
   encoding = encoding or gpt2_encoding()
-  config, model, step = restore_model(args.workdir)
+  config, model, step = restore_model(args.workdir, summary_dtype=args.summary_dtype)
   vocab = config.model.vocab_size
   context = config.train.seq_len if args.context is None else args.context
   where = "train.seq_len of the run; --context raises it" if args.context is None else "--context"

@@ -8,6 +8,7 @@ their --workdir before anything else is loaded.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -20,6 +21,20 @@ class NoCheckpointError(FileNotFoundError):
 
 def _hint(workdir: Path) -> str:
   return f"train one first (pisa-train --workdir {workdir})"
+
+
+def with_summary_dtype(config: Config, summary_dtype: str) -> Config:
+  """config with model.summary_dtype replaced; ValueError naming it where nothing reads it."""
+  from pisa_jax import _checks
+  from pisa_jax.models.config import SPARSE_ATTENTION_KINDS
+
+  if summary_dtype not in _checks.SUMMARY_DTYPES:
+    raise ValueError(f"summary_dtype={summary_dtype!r} must be one of {_checks.SUMMARY_DTYPES}")
+  if config.model.attention not in SPARSE_ATTENTION_KINDS:
+    raise ValueError(f"summary_dtype={summary_dtype!r}: the run's model.attention="
+                     f"{config.model.attention!r} has no PISA pyramid")
+  return dataclasses.replace(
+      config, model=dataclasses.replace(config.model, summary_dtype=summary_dtype))
 
 
 def read_run_config(workdir: str | Path) -> Config:
@@ -40,9 +55,13 @@ def read_run_config(workdir: str | Path) -> Config:
     raise NoCheckpointError(f"workdir: {workdir}/config.json is unreadable ({e})") from None
 
 
-def restore_model(workdir: str | Path):
+def restore_model(workdir: str | Path, *, summary_dtype: str | None = None):
   """(config, model, step): the newest checkpoint of the run `workdir` that passes its checksums,
   as a `pisa_jax.models.Decoder` with the config it was trained with.
+
+  summary_dtype: the PISA pyramid's dtype for this model ("float32" or "bfloat16"; an inference
+  choice, the parameters are the same), None the run's. ValueError naming it for a run without
+  a pyramid (dense, NSA, HiLS).
 
   Raises NoCheckpointError (its message starts with "workdir") when `workdir` is not a run
   folder or holds no checkpoint, and the checkpoint module's
@@ -74,6 +93,8 @@ def restore_model(workdir: str | Path):
   if point is None:
     raise NoCheckpointError(f"workdir: {directory} holds no checkpoint; {_hint(workdir)}")
   config = Config.from_dict(point.meta["config"])
+  if summary_dtype is not None:
+    config = with_summary_dtype(config, summary_dtype)
 
   abstract = nnx.eval_shape(lambda: Decoder(config.model, rngs=nnx.Rngs(0)))
   graphdef, params = nnx.split(abstract, nnx.Param)
