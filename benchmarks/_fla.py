@@ -37,19 +37,20 @@ def versions() -> dict[str, str | None]:
   return out
 
 
-def nsa_window_substitute() -> str | None:
+def nsa_window_substitute(*, force: bool = False) -> str | None:
   """fla's `parallel_nsa` runs its window branch on flash-attn's `flash_attn_func`; where
-  flash-attn is not installed, hand that branch to fla's own `parallel_attn`, whose `window_size`
-  w is the same window (keys i - w < j <= i, flash-attn's `window_size=(w - 1, 0)`) on fla's
-  Triton kernel, which skips blocks outside it. Returns a note saying so, None when flash-attn is
-  there and nothing was changed."""
+  flash-attn is not installed (or with `force`: flash-attn takes only 16-bit inputs), hand that
+  branch to fla's own `parallel_attn`, whose `window_size` w is the same window (keys
+  i - w < j <= i, flash-attn's `window_size=(w - 1, 0)`) on fla's Triton kernel, which skips
+  blocks outside it. Returns a note saying so, None when flash-attn is there and nothing was
+  changed."""
   from fla.ops.attn.parallel import parallel_attn
   from fla.ops.nsa import parallel as nsa_parallel
   note = ("flash-attn is not installed: fla's NSA window branch runs on fla's own parallel_attn "
           "(window_size w, the same keys), everything else is fla's parallel_nsa")
   if getattr(nsa_parallel.flash_attn_func, "substitute", False):  # installed by an earlier call
     return note
-  if nsa_parallel.flash_attn_func is not None:
+  if nsa_parallel.flash_attn_func is not None and not force:
     return None
 
   def window_attention(q, k, v, causal, window_size):

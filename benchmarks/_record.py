@@ -169,9 +169,11 @@ def appending(name: str, args: argparse.Namespace,
   def measure_after_earlier(args, rec: Recorder) -> None:
     kept = [r for r in earlier["rows"] if r.get("case") not in cases]
     rec.record["rows"] = kept
+    peers = earlier["settings"].get("peers")
     rec.record["notes"] = earlier["notes"] + [
         f"{len(kept)} rows kept from the result of {earlier['date']} (commit "
-        f"{earlier['commit']}), cases {sorted({r['case'] for r in kept})}"]
+        f"{earlier['commit']}), cases {sorted({r['case'] for r in kept})}"
+        + (f", peers {peers}" if peers and peers != rec.record["settings"].get("peers") else "")]
     # The earlier settings list the cases it meant to run; keep those it has rows of.
     old = [c for c in earlier["settings"].get("cases", [])
            if any(all(r.get(k) == v for k, v in c.items()) for r in kept)]

@@ -261,7 +261,7 @@ def settings(args) -> dict:
   return dict(batch=1, total=args.total, min_doc=args.min_doc, max_doc=args.max_doc,
               hq=args.hq, hkv=args.hkv, block_size=C, dtype="bfloat16", seed=0,
               cases=[dict(d=d, top_k=k) for d, k in args.cases], selector="pisa",
-              implementation=args.implementation,
+              implementation=args.implementation, peers=_fla.versions(),
               timing="median of 7 batches of back-to-back calls (benchmarks/timing.py)")
 
 

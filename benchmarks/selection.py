@@ -217,7 +217,7 @@ def settings(args) -> dict:
               budget_sizes=args.budget_sizes,
               budget_cases=[f"d{d} K{k}" for d, k in args.budget_cases],
               implementation=args.implementation, selectors=args.selectors,
-              timing="median of 7 batches of back-to-back calls (benchmarks/timing.py)")
+              peers=_fla.versions(), timing="median of 7 batches of back-to-back calls (benchmarks/timing.py)")
 
 
 def ints(text: str) -> list[int]:

@@ -739,8 +739,8 @@ class Decoder(nnx.Module):
     tokens[b, :lengths[b]] at positions offset .. offset + lengths[b] - 1 to every layer's cache
     (rows with lengths[b] > 0 hold exactly offset tokens, rows with 0 keep theirs; each cache has
     room for offset + S tokens). The chunk's queries attend over everything before them, so chunk
-    after chunk gives the caches and last-token logits of `prefill` over the whole prompts. Dense
-    and the PISA kinds; offset may be traced (one compiled chunk for every chunk). Returns the
+    after chunk gives the caches and last-token logits of `prefill` over the whole prompts. Every
+    attention kind; offset may be traced (one compiled chunk for every chunk). Returns the
     float32 logits of each row's last appended token (stale where lengths[b] == 0)."""
     cfg = self.cfg
     chex.assert_rank(tokens, 2)  # [B, S]

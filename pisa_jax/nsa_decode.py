@@ -215,9 +215,10 @@ def nsa_prefill_chunk(q, k, v, gates, cache: NSACache, lengths, offset, *,
   q, gates `[B, S, HQ, ...]` and k, v `[B, S, HKV, D]` (RoPE applied) are the tokens at
   positions offset .. offset + S - 1; row b's first lengths[b] of them are real (rows with
   lengths[b] > 0 hold exactly offset tokens; the cache has room for offset + S). Their keys and
-  values are appended, the compressed blocks rebuilt over everything held (as `prefill`), and
-  each query attends as row offset + s of `nsa_attention` over the whole prompt. Rows with
-  lengths[b] == 0 keep their cache (their outputs are meaningless).
+  values are appended, and so is every compressed block whose last token is one of them (Eq. 7,
+  as `_append` does a token at a time); each query then attends as row offset + s of
+  `nsa_attention` over the whole prompt. Rows with lengths[b] == 0 keep their cache (their
+  outputs are meaningless).
 
   Returns:
     The outputs `[B, S, HQ, D]` in q's dtype and the cache.
@@ -231,7 +232,26 @@ def nsa_prefill_chunk(q, k, v, gates, cache: NSACache, lengths, offset, *,
       old, jnp.where(real, new, jnp.zeros((), new.dtype)).astype(old.dtype), offset, axis=1)
       for old, new in ((cache.k, k), (cache.v, v)))
   held = jnp.where(lengths > 0, offset + lengths, cache.lengths).astype(jnp.int32)
-  cache = cache.prefill(k_all, v_all, held, key_mlp=key_mlp, value_mlp=value_mlp)
+  # Block i covers [i d, i d + l): the blocks ending in [offset, offset + S) are at most
+  # S // d + 1 slots from the first one.
+  l, stride, num_slots = cache.block_length, cache.stride, cache.k_cmp.shape[1]
+  first = jnp.maximum(-((l - 1 - offset) // stride), 0)  # ceil((offset - l + 1) / d), >= 0
+  slots = first + jnp.arange(s // stride + 2, dtype=jnp.int32)  # [M]
+  ends = slots * stride + l - 1
+  valid = ((ends[None, :] >= offset) & (ends[None, :] < offset + lengths[:, None])
+           & (slots[None, :] < num_slots))  # [B, M]
+  layout = nsa._Layout(slot_start=jnp.broadcast_to(slots * stride, valid.shape),
+                       slot_valid=valid, first=None, end=None, start=None, rel=None)
+  write = jnp.where(valid, slots[None, :], num_slots)  # out of range: dropped
+  rows = jnp.arange(b)[:, None]
+
+  def compress(x, mlp, store):
+    blocks = nsa._compress(x.astype(jnp.float32), layout, mlp, block_length=l,
+                           compression=cache.compression)  # [B, M, HKV, D]
+    return store.at[rows, write].set(blocks, mode="drop")
+
+  cache = dataclasses.replace(cache, k=k_all, v=v_all, k_cmp=compress(k_all, key_mlp, cache.k_cmp),
+                              v_cmp=compress(v_all, value_mlp, cache.v_cmp), lengths=held)
   t = jnp.broadcast_to(offset + jnp.arange(s, dtype=jnp.int32), (b, s))
   keys = top_n * select_block_size + window
   per_query = b * (2 * hkv * keys * d + hq * keys * 2 + hq * cache.k_cmp.shape[1] * 3)

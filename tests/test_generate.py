@@ -507,7 +507,8 @@ def test_cli_mistakes_are_one_line_naming_the_argument(tiny_run, tmp_path, capsy
         r"--prompt-file: prompt 2: 40 tokens exceed the model's context of 32")
   fails(["--prompt", "1"], "--workdir")
   fails(run + ["--prompt", "1", "--summary-dtype", "bfloat16"],
-        r"--summary-dtype='bfloat16': the run's model.attention='dense' has no PISA pyramid")
+        r"--summary-dtype: summary_dtype='bfloat16': the run's model.attention='dense' has no "
+        r"PISA pyramid")
   fails(run + ["--prompt", "1", "--summary-dtype", "float16"], "argument --summary-dtype")
 
 

@@ -96,7 +96,8 @@ def fla_nsa(fla):
   parallel = pytest.importorskip("fla.ops.nsa.parallel")
   compression = pytest.importorskip("fla.ops.nsa.compression")
   from benchmarks import _fla
-  _fla.nsa_window_substitute()  # fla's window branch on its own kernel where flash-attn is absent
+  # fla's window branch on its own kernel: flash-attn, where installed, takes no float32.
+  _fla.nsa_window_substitute(force=True)
   return torch, parallel, compression.parallel_nsa_compression, fla[2]
 
 

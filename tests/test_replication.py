@@ -349,6 +349,10 @@ def test_the_word_after_an_answer_prefix_is_always_the_value(name):
   cut_short = {(p[:i], p) for p in prefixes for i, c in enumerate(p) if c == " "
                and p[:i] in prefixes}
   assert not cut_short, sorted(cut_short)[:5]
+  # The root of it: no copula extends another, and in a needle the value follows the copula.
+  assert not [(a, b) for a in retrieval.COPULAS for b in retrieval.COPULAS
+              if b.startswith(a + " ")]
+  assert all("{copula} {value}" in f for f in retrieval.NEEDLE_FRAMES if "{copula}" in f)
   if name == "composed":
     assert len(prefixes) > 300, len(prefixes)
 

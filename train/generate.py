@@ -150,14 +150,10 @@ def main(argv: list[str] | None = None) -> int:
   except _ArgumentError as e:
     parser.error(str(e))
   try:
-    saved = restore.read_run_config(args.workdir)  # a folder that is no run fails before jax
+    restore.read_run_config(args.workdir)  # a folder that is no run fails before jax loads
   except restore.NoCheckpointError as e:
     parser.error(f"--{e}")
-  if args.summary_dtype is not None:
-    try:
-      restore.with_summary_dtype(saved, args.summary_dtype)
-    except ValueError as e:
-      parser.error(f"--{str(e).replace('_', '-', 1)}")
+
   compilation_cache.enable_for(parser)
 
   try:
@@ -181,7 +177,11 @@ def _generate(args) -> int:
 
   encoding, stop = run_encoding(args.workdir)
   encoding = encoding or gpt2_encoding()
-  config, model, step = restore_model(args.workdir, summary_dtype=args.summary_dtype)
+  try:
+    # The newest checkpoint's attention decides (a run may have changed it on a resume).
+    config, model, step = restore_model(args.workdir, summary_dtype=args.summary_dtype)
+  except restore.SummaryDtypeError as e:
+    raise _ArgumentError(f"--summary-dtype: {e}") from None
   vocab = config.model.vocab_size
   context = config.train.seq_len if args.context is None else args.context
   where = "train.seq_len of the run; --context raises it" if args.context is None else "--context"

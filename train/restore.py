@@ -23,16 +23,22 @@ def _hint(workdir: Path) -> str:
   return f"train one first (pisa-train --workdir {workdir})"
 
 
+class SummaryDtypeError(ValueError):
+  """A summary_dtype that the run's model cannot take."""
+
+
 def with_summary_dtype(config: Config, summary_dtype: str) -> Config:
-  """config with model.summary_dtype replaced; ValueError naming it where nothing reads it."""
+  """config with model.summary_dtype replaced; SummaryDtypeError naming it where nothing reads
+  it."""
   from pisa_jax import _checks
   from pisa_jax.models.config import SPARSE_ATTENTION_KINDS
 
   if summary_dtype not in _checks.SUMMARY_DTYPES:
-    raise ValueError(f"summary_dtype={summary_dtype!r} must be one of {_checks.SUMMARY_DTYPES}")
+    raise SummaryDtypeError(f"summary_dtype={summary_dtype!r} must be one of "
+                            f"{_checks.SUMMARY_DTYPES}")
   if config.model.attention not in SPARSE_ATTENTION_KINDS:
-    raise ValueError(f"summary_dtype={summary_dtype!r}: the run's model.attention="
-                     f"{config.model.attention!r} has no PISA pyramid")
+    raise SummaryDtypeError(f"summary_dtype={summary_dtype!r}: the run's model.attention="
+                            f"{config.model.attention!r} has no PISA pyramid")
   return dataclasses.replace(
       config, model=dataclasses.replace(config.model, summary_dtype=summary_dtype))
 
