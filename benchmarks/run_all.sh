@@ -13,7 +13,9 @@
 #   --gpu-tests    first run the GPU correctness tests (pytest -m gpu), stop if they fail
 #   --multi-gpu    also run benchmarks.multi_gpu over every local GPU
 #   --only A,B     run only these steps, of: selection attention packed layer nsa hils training evals
-#                  decode generation summary_dtype long_context ceilings (evals: pisa-eval's suite on the dense
+#                  decode generation summary_dtype long_context ceilings, and pretrained (not run
+#                  by default: SmolLM2 fetched, imported, measured free and after CPT; needs a
+#                  package index) (evals: pisa-eval's suite on the dense
 #                  and PISA `small` runs that the training step keeps in <out>/runs, written to
 #                  <out>/evals/<run>; summary_dtype: the bfloat16 pyramid's selections on the PISA
 #                  run's q/k at 32K and 128K, random q/k where its data is too short)
@@ -42,7 +44,7 @@ while [ $# -gt 0 ]; do
 done
 for step in $(echo "$ONLY" | tr ',' ' '); do
   case $step in
-    selection|attention|packed|layer|nsa|hils|training|evals|decode|generation|summary_dtype|long_context|ceilings) ;;
+    selection|attention|packed|layer|nsa|hils|training|evals|decode|generation|summary_dtype|long_context|ceilings|pretrained) ;;
     *) echo "run_all.sh: --only: unknown step $step" >&2; exit 2 ;;
   esac
 done
@@ -93,6 +95,19 @@ if want summary_dtype; then
 fi
 if want long_context; then "$PY" -m benchmarks.long_context --out "$OUT"; fi
 if want ceilings; then "$PY" -m benchmarks.ceilings --out "$OUT"; fi
+# Not in the default list (it fetches ~94 MB of model and trains twice): --only pretrained.
+if want pretrained; then
+  SMOL="$OUT/runs/smollm2"
+  "$PY" -m benchmarks.fetch_smollm2
+  GGUF=${PISA_SMOLLM2_GGUF:-${PISA_DATA_DIR:-$HOME/.cache/pisa_jax}/pretrained/SmolLM2-135M-Instruct.Q4_1.gguf}
+  [ -d "$SMOL" ] || "$PY" -m pisa_jax.train.import_cli "$GGUF" --out "$SMOL"
+  [ -f data/smol/meta.json ] || "$PY" -m pisa_jax.train.prepare_data --tokenizer "$SMOL" \
+    --corpus wiki-offline --corpus sotu --out data/smol
+  "$PY" -m benchmarks.pretrained --data data/smol --parts free,selection --out "$OUT"
+  for kind in pisa bsa; do
+    "$PY" -m benchmarks.pretrained --data data/smol --parts cpt --cpt-kinds $kind --append --out "$OUT"
+  done
+fi
 if [ "$MULTI" = 1 ]; then
   data=()
   [ -f data/corpus/meta.json ] && data=(--set data.source=tokens --set data.path=data/corpus)
