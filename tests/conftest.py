@@ -1,5 +1,6 @@
 """Test configuration: float32 matmuls at full precision, and the slow / gpu markers."""
 
+import gc
 import os
 
 import jax
@@ -25,6 +26,17 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(skip_slow)
     if "gpu" in item.keywords and not on_gpu:
       item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+  """Drops jax's compiled programs after each test module. Every XLA CPU executable holds a few
+  memory maps of JIT code; a worker that runs half the suite in one process would otherwise pass
+  the kernel's limit (vm.max_map_count, 65,530 by default), where LLVM's JIT cannot map code and
+  the worker dies of a segmentation fault inside a compile."""
+  yield
+  jax.clear_caches()
+  gc.collect()
 
 
 @pytest.fixture
