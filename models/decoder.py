@@ -40,7 +40,7 @@ from jaxtyping import Array, Float, Int
 import pisa_jax
 from pisa_jax import _validation, checkpoint_names
 from pisa_jax.decode import DecodeCache, bucket_capacity, decode_step
-from pisa_jax.decode_cache import last_document
+from pisa_jax.decode_cache import append_chunk, last_document
 from pisa_jax.hils_decode import HiLSCache, hils_decode_step, hils_prefill_chunk
 from pisa_jax.context_parallel import pisa_attention_at
 from pisa_jax.models.config import SPARSE_ATTENTION_KINDS, ModelConfig
@@ -354,6 +354,10 @@ class Attention(nnx.Module):
   def _out_bias(self, y: Float[Array, "B T E"]) -> Float[Array, "B T E"]:
     return y + self.bo[...].astype(y.dtype) if self.cfg.out_bias else y
 
+  def _project_out(self, out: Float[Array, "B T HQ D"], cdt) -> Float[Array, "B T E"]:
+    """The output projection (and its bias) of the decode paths, in the compute dtype."""
+    return self._out_bias(jnp.einsum("bthd,hde->bte", out.astype(cdt), self.wo[...].astype(cdt)))
+
   def rotated_qk(self, x: Float[Array, "B T E"], cos: Array,
                  sin: Array) -> tuple[Float[Array, "B T HQ D"], Float[Array, "B T HKV D"]]:
     """The queries and keys this layer attends with for its normed input x: projections,
@@ -488,22 +492,17 @@ class Attention(nnx.Module):
       landmark_q = q + apply_rope(self._landmark_correction(x), cos, sin)
       out, cache = hils_prefill_chunk(q, k, v, landmark_q, cache, lengths, offset,
                                       top_k=cfg.hils_top_k, window=cfg.hils_window)
-      return self._out_bias(jnp.einsum("bthd,hde->bte", out.astype(cdt),
-                                       self.wo[...].astype(cdt))), cache
+      return self._project_out(out, cdt), cache
     if cfg.attention == "nsa":
-      # The compressed blocks are rebuilt over every key held (jnp, as the step).
+      # The compressed blocks this chunk completes join the cache's (jnp, as the step).
       key_mlp, value_mlp = self._nsa_mlps()
       out, cache = nsa_prefill_chunk(
           q, k, v, self._nsa_gates(x), cache, lengths, offset, key_mlp=key_mlp,
           value_mlp=value_mlp, select_block_size=cfg.nsa_select_block_size, top_n=cfg.nsa_top_n,
           window=cfg.nsa_window)
-      return self._out_bias(jnp.einsum("bthd,hde->bte", out.astype(cdt),
-                                       self.wo[...].astype(cdt))), cache
+      return self._project_out(out, cdt), cache
     # The chunk's padding is never written: past a row's length the cache stays zero.
-    keep = (jnp.arange(x.shape[1])[None, :] < lengths[:, None])[:, :, None, None]
-    k_all, v_all = (jax.lax.dynamic_update_slice_in_dim(
-        old, jnp.where(keep, new, jnp.zeros((), new.dtype)).astype(old.dtype), offset, axis=1)
-        for old, new in ((cache.k, k), (cache.v, v)))
+    k_all, v_all, lengths = append_chunk(cache.k, cache.v, k, v, cache.lengths, lengths, offset)
     if cfg.attention == "dense":
       out = dense_chunk_attention(q, k_all, v_all, offset)
     else:
@@ -511,11 +510,8 @@ class Attention(nnx.Module):
                               top_k=cfg.top_k, branching=cfg.branching, selector=cfg.attention,
                               beam=cfg.beam, summary_dtype=cfg.summary_dtype,
                               implementation=cfg.attention_implementation)
-    lengths = jnp.where(lengths > 0, offset + lengths, cache.lengths).astype(jnp.int32)
     # The pyramid of every key held, as one prefill would build it.
-    cache = cache.prefill(k_all, v_all, lengths)
-    return self._out_bias(jnp.einsum("bthd,hde->bte", out.astype(cdt),
-                                     self.wo[...].astype(cdt))), cache
+    return self._project_out(out, cdt), cache.prefill(k_all, v_all, lengths)
 
   def decode(self, x: Float[Array, "B 1 E"], cos: Array, sin: Array,
              cache: DecodeCache | KVCache) -> tuple[Float[Array, "B 1 E"], DecodeCache | KVCache]:
@@ -541,8 +537,7 @@ class Attention(nnx.Module):
     else:
       out, cache = decode_step(q, k, v, cache, top_k=cfg.top_k, selector=cfg.attention,
                                beam=cfg.beam, implementation=cfg.attention_implementation)
-    return self._out_bias(jnp.einsum("bthd,hde->bte", out.astype(cdt),
-                                     self.wo[...].astype(cdt))), cache
+    return self._project_out(out, cdt), cache
 
 
 def _attend_within_documents(attend, q, k, v, segment_ids):

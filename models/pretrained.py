@@ -204,9 +204,7 @@ def check_options(cfg: ModelConfig) -> None:
     _checks.check_beam(cfg.beam, cfg.top_k, cfg.attention, selector_name="attention")
     _checks.check_implementation(cfg.attention_implementation,
                                  name="attention_implementation")
-    if cfg.summary_dtype not in _checks.SUMMARY_DTYPES:
-      raise ValueError(f"summary_dtype={cfg.summary_dtype!r} must be one of "
-                       f"{_checks.SUMMARY_DTYPES}")
+    _checks.summary_dtype_name(cfg.summary_dtype)
   elif cfg.attention_implementation is not None:
     raise ValueError(f"attention_implementation={cfg.attention_implementation!r} applies to "
                      f"sparse attention only; attention={cfg.attention!r}")

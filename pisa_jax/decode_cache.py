@@ -251,6 +251,20 @@ class DecodeCache:
 # ----------------------------------------------------------------------------- prefill and growth
 
 
+def append_chunk(cache_k: Float[Array, "B N H D"], cache_v: Float[Array, "B N H D"],
+                 k: Float[Array, "B S H D"], v: Float[Array, "B S H D"],
+                 cache_lengths: Int[Array, "B"], lengths: Int[Array, "B"], offset):
+  """A chunked prefill's write (`generate(..., prefill_chunk=S)`): row b's first lengths[b] keys
+  and values of the chunk at positions offset .. offset + lengths[b] - 1 (the chunk's padding
+  stays zero), and each row's new length: offset + lengths[b], or its old one where
+  lengths[b] == 0. offset may be traced. Returns (k, v, lengths int32)."""
+  real = (jnp.arange(k.shape[1])[None, :] < lengths[:, None])[:, :, None, None]
+  k_all, v_all = (jax.lax.dynamic_update_slice_in_dim(
+      old, jnp.where(real, new, jnp.zeros((), new.dtype)).astype(old.dtype), offset, axis=1)
+      for old, new in ((cache_k, k), (cache_v, v)))
+  return k_all, v_all, jnp.where(lengths > 0, offset + lengths, cache_lengths).astype(jnp.int32)
+
+
 @jax.jit
 def last_document(k: Float[Array, "B T H D"], v: Float[Array, "B T H D"], lengths: Int[Array, "B"],
                   segment_ids: Int[Array, "B T"]):

@@ -25,7 +25,7 @@ from jaxtyping import Array, Float, Int
 
 from pisa_jax import _chunking, _dispatch, _validation
 from pisa_jax.decode import bucket_capacity
-from pisa_jax.decode_cache import last_document
+from pisa_jax.decode_cache import append_chunk, last_document
 from pisa_jax.hils import _attend_rows, _check_options, _landmarks, _priors, _query_chunk
 
 
@@ -206,10 +206,7 @@ def hils_prefill_chunk(q, k, v, landmark_q, cache: HiLSCache, lengths, offset, *
   scale = _validation.resolve_scale(scale, d)
   lengths = lengths.astype(jnp.int32)
   offset = jnp.asarray(offset, jnp.int32)
-  real = jnp.arange(s)[None, :] < lengths[:, None]  # [B, S]
-  k_all, v_all = (jax.lax.dynamic_update_slice_in_dim(
-      old, jnp.where(real[:, :, None, None], new, jnp.zeros((), new.dtype)).astype(old.dtype),
-      offset, axis=1) for old, new in ((cache.k, k), (cache.v, v)))
+  k_all, v_all, held = append_chunk(cache.k, cache.v, k, v, cache.lengths, lengths, offset)
   # The chunks that end inside this one: slots offset // C .. (offset + S) // C, each valid where
   # its last token is a real one of the row.
   slots = offset // c + jnp.arange(s // c + 1, dtype=jnp.int32)  # [M]
@@ -233,7 +230,6 @@ def hils_prefill_chunk(q, k, v, landmark_q, cache: HiLSCache, lengths, offset, *
       lambda _, *args: attend(*args), chunk,
       (rel, zeros, zeros, q.astype(jnp.float32), landmark_q.astype(jnp.float32), None),
       (k_all, v_all, landmark_k, landmark_bias))
-  held = jnp.where(lengths > 0, offset + lengths, cache.lengths).astype(jnp.int32)
   return out.astype(q.dtype), HiLSCache(k=k_all, v=v_all, landmark_k=landmark_k,
                                         landmark_bias=landmark_bias, lengths=held,
                                         chunk_size=c)

@@ -21,7 +21,7 @@ from jaxtyping import Array, Float, Int
 
 from pisa_jax import _chunking, _validation, nsa
 from pisa_jax.attention import attend_selected
-from pisa_jax.decode_cache import last_document
+from pisa_jax.decode_cache import append_chunk, last_document
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -227,11 +227,7 @@ def nsa_prefill_chunk(q, k, v, gates, cache: NSACache, lengths, offset, *,
   hkv = k.shape[2]
   scale = _validation.resolve_scale(scale, d)
   lengths = lengths.astype(jnp.int32)
-  real = (jnp.arange(s)[None, :] < lengths[:, None])[:, :, None, None]
-  k_all, v_all = (jax.lax.dynamic_update_slice_in_dim(
-      old, jnp.where(real, new, jnp.zeros((), new.dtype)).astype(old.dtype), offset, axis=1)
-      for old, new in ((cache.k, k), (cache.v, v)))
-  held = jnp.where(lengths > 0, offset + lengths, cache.lengths).astype(jnp.int32)
+  k_all, v_all, held = append_chunk(cache.k, cache.v, k, v, cache.lengths, lengths, offset)
   # Block i covers [i d, i d + l): the blocks ending in [offset, offset + S) are at most
   # S // d + 1 slots from the first one.
   l, stride, num_slots = cache.block_length, cache.stride, cache.k_cmp.shape[1]

@@ -33,9 +33,10 @@ def with_summary_dtype(config: Config, summary_dtype: str) -> Config:
   from pisa_jax import _checks
   from pisa_jax.models.config import SPARSE_ATTENTION_KINDS
 
-  if summary_dtype not in _checks.SUMMARY_DTYPES:
-    raise SummaryDtypeError(f"summary_dtype={summary_dtype!r} must be one of "
-                            f"{_checks.SUMMARY_DTYPES}")
+  try:
+    _checks.summary_dtype_name(summary_dtype)
+  except ValueError as e:
+    raise SummaryDtypeError(str(e)) from None
   if config.model.attention not in SPARSE_ATTENTION_KINDS:
     raise SummaryDtypeError(f"summary_dtype={summary_dtype!r}: the run's model.attention="
                             f"{config.model.attention!r} has no PISA pyramid")
