@@ -474,12 +474,20 @@ def test_ppl_of_a_packed_run_scores_each_document_alone(evaluated, tmp_path):
   np.testing.assert_allclose(row["loss"], total / count, rtol=1e-5)
 
 
-def test_ruler_refuses_a_vocabulary_wider_than_the_tokenizer():
-  """Checked before generating: an id past GPT-2's 50,257 would have no text to score."""
+def test_ruler_reads_ids_past_the_tokenizer_as_nothing(monkeypatch):
+  """A model's table may hold more rows than its tokenizer has ids (Qwen pads 151,665 tokens to
+  151,936): RULER runs, and a generated id past the tokenizer's has no text."""
+  from pisa_jax.train.tokenizer import gpt2_encoding
+
+  encoding = gpt2_encoding()
   config = types.SimpleNamespace(model=types.SimpleNamespace(vocab_size=50304))
-  with pytest.raises(common.EvalArgumentError, match=r"model\.vocab_size=50304 exceeds"):
-    needles.run_ruler(None, config, lengths=[256], samples=1, seed=0, batch_size=1,
-                      progress=False, ruler=types.SimpleNamespace(), haystack="")
+  answer = encoding.encode_ordinary(" yes")
+  monkeypatch.setattr(needles, "greedy", lambda model, prompts, budgets, **kw: [
+      [50300, *answer, 50303] for _ in prompts])
+  part, records = needles.run_ruler(None, config, lengths=[32], samples=1, seed=0,
+                                    batch_size=1, progress=False, ruler=_fake_ruler(),
+                                    haystack="the essays")
+  assert records and {r["prediction"] for r in records} == {" yes"}
 
 
 def test_bad_input_is_one_line_naming_it(tiny_run, text, tmp_path, capsys):

@@ -688,17 +688,21 @@ def test_default_fields_keep_the_paper_decoder():
 # ----------------------------------------------------------------------------- run folders
 
 
-def _corpus(folder: Path, n: int = 4096, seed: int = 0) -> Path:
-  """A pisa-prepare-data folder of random tokens below VOCAB."""
+def _corpus(folder: Path, n: int = 4096, seed: int = 0, run: Path | None = None) -> Path:
+  """A pisa-prepare-data folder of random tokens below VOCAB, of `run`'s tokenizer (recorded as
+  pisa-prepare-data --tokenizer RUN records it; None: no tokenizer's)."""
   from pisa_jax.train.data import FORMAT
+  from pisa_jax.train.tokenizer import tokenizer_digest
 
   folder.mkdir(parents=True)
   rng = np.random.default_rng(seed)
   for split in ("train", "val"):
     rng.integers(0, 300, n).astype(np.uint16).tofile(folder / f"{split}.bin")
-  (folder / "meta.json").write_text(json.dumps({
-      "format": FORMAT, "dtype": "uint16", "tokenizer": "test", "vocab_size": 300, "eot": 0,
-      "train_tokens": n, "val_tokens": n}))
+  meta = {"format": FORMAT, "dtype": "uint16", "tokenizer": "test", "vocab_size": 300, "eot": 0,
+          "train_tokens": n, "val_tokens": n}
+  if run is not None:
+    meta["tokenizer_sha256"] = tokenizer_digest(run)
+  (folder / "meta.json").write_text(json.dumps(meta))
   return folder
 
 
@@ -771,11 +775,12 @@ def test_pisa_train_continues_an_imported_model(tmp_path, capsys):
   from pisa_jax.train.restore import read_run_config
 
   hf, w = random_checkpoint("qwen2", seed=5)
-  corpus = _corpus(tmp_path / "corpus")
+  corpus = tmp_path / "corpus"
   run = tmp_path / "run"
   import_checkpoint(write_hf_folder(tmp_path / "hf", hf, w), run, SPARSE + [
       f"data.path={corpus}", "train.seq_len=16", "train.per_device_batch=2", "train.steps=2",
       "train.eval_batches=0", "train.checkpoint_every=2", "train.async_checkpointing=false"])
+  _corpus(corpus, run=run)
   # pisa-train without --config takes the run folder's own config.
   assert cli.main(["--workdir", str(run), "--print-config"]) == 0
   config = read_run_config(run)
@@ -792,6 +797,48 @@ def test_pisa_train_continues_an_imported_model(tmp_path, capsys):
   want = -np.take_along_axis(logp, batch["targets"][0][..., None], -1).mean()
   assert result.losses[0] == pytest.approx(want, rel=1e-5)
   assert result.losses[1] != result.losses[0]
+
+
+def test_an_imported_run_reads_only_a_corpus_of_its_own_tokenizer(tmp_path):
+  """A corpus of GPT-2's or another model's tokens would train on meaningless ids: refused
+  naming data.path, as is the needle mixture (written in GPT-2's BPE)."""
+  from pisa_jax.train import prepare_data, trainer
+  from pisa_jax.train.import_cli import import_checkpoint
+  from pisa_jax.train.restore import read_run_config
+
+  hf, w = random_checkpoint("llama", seed=7)
+  folder = write_hf_folder(tmp_path / "hf", hf, w)
+  run = tmp_path / "run"
+  gpt2, other = tmp_path / "gpt2", tmp_path / "other"
+  import_checkpoint(folder, run, ["model.compute_dtype=float32", f"data.path={gpt2}",
+                                  "train.seq_len=16", "train.per_device_batch=2",
+                                  "train.steps=1", "train.eval_batches=0"])
+  _corpus(gpt2)
+  with pytest.raises(ValueError, match=r"data\.path=.*gpt2.* was tokenized by test, not by this "
+                                       r"run's .*tokenizer\.json: prepare it with"):
+    trainer.train(read_run_config(run), run, progress=False, quiet=True)
+  # Another tokenizer's corpus (a second import's, its tokenizer retrained on other text).
+  (tmp_path / "run2").mkdir()
+  tokenizer = tiny_tokenizer()
+  tokenizer.add_special_tokens(["<extra>"])
+  tokenizer.save(str(tmp_path / "run2" / "tokenizer.json"))
+  _corpus(other, run=tmp_path / "run2")
+  config = read_run_config(run)
+  config = dataclasses.replace(config, data=dataclasses.replace(config.data, path=str(other)))
+  with pytest.raises(ValueError, match=r"not by this run's"):
+    trainer.train(config, run, progress=False, quiet=True)
+  # The run's own corpus trains; pisa-prepare-data --tokenizer RUN records the digest.
+  docs = tmp_path / "docs"
+  docs.mkdir()
+  for i, text in enumerate(TEXTS[:4]):
+    (docs / f"{i}.txt").write_text(text * 8)
+  prepare_data.main(["--files", str(docs), "--out", str(tmp_path / "own"), "--tokenizer",
+                     str(run), "--val-fraction", "0.5", "--seed", "3"])
+  config = dataclasses.replace(config, data=dataclasses.replace(config.data, path=str(tmp_path / "own")))
+  assert trainer.train(config, run, progress=False, quiet=True).end_step == 1
+  mixture = dataclasses.replace(config, data=dataclasses.replace(config.data, retrieval_fraction=0.5))
+  with pytest.raises(ValueError, match=r"data\.retrieval_fraction=0\.5: the needle mixture"):
+    trainer.train(mixture, run, progress=False, quiet=True)
 
 
 def test_run_tokenizer_bytes_rebuild_the_text():
@@ -824,6 +871,32 @@ def test_pisa_generate_uses_the_imported_tokenizer(tmp_path, capsys):
   for i in range(n, n + 4):
     padded[i] = int(np.argmax(_logits(model, padded)[i - 1]))
   assert capsys.readouterr().out == tokenizer.decode(padded[n:]) + "\n"
+
+
+def test_bos_starts_a_prompt_and_never_a_piece(tmp_path, capsys):
+  """A SentencePiece GGUF adds BOS: a prompt starts with it, a stop text and a RULER answer (a
+  piece inside a text) carry none, so `--stop the` is one token."""
+  from pisa_jax.train import generate
+  from pisa_jax.train.import_cli import import_checkpoint
+  from pisa_jax.train.tokenizer import encode_text, run_encoding
+
+  hf, w = random_checkpoint("llama", seed=11)
+  path = write_gguf(tmp_path / "m.gguf", hf, w, sentencepiece={})
+  run = tmp_path / "run"
+  import_checkpoint(path, run, ["model.compute_dtype=float32", "train.seq_len=16"])
+  encoding, _ = run_encoding(run)
+  assert encode_text(encoding, "the cat") == [1, 261, 264]  # <s> ▁the ▁cat
+  assert encoding.encode_ordinary("the") == [261]
+  assert generate.main(["--workdir", str(run), "--prompt", "the cat", "--stop", "the",
+                        "--max-new-tokens", "3"]) == 0
+  model, _, tokenizer = load_pretrained(path, compute_dtype="float32")
+  tokens = [1, 261, 264]
+  for _ in range(3):
+    token = int(np.argmax(_logits(model, tokens)[-1]))
+    if token in (2, 261):
+      break
+    tokens.append(token)
+  assert capsys.readouterr().out == tokenizer.decode(tokens[3:]) + "\n"
 
 
 def test_lm_eval_reads_an_imported_run_with_its_own_tokenizer(tmp_path):
@@ -1084,10 +1157,16 @@ def test_report_row_of_the_pretrained_benchmark(tmp_path):
 def test_pretrained_benchmark_end_to_end(tmp_path):
   from benchmarks import pretrained
 
+  from pisa_jax.train.import_cli import import_checkpoint
+
   hf, w = random_checkpoint("llama", seed=1)
+  gguf_path = write_gguf(tmp_path / "m.gguf", hf, w)
+  # A corpus of the model's tokenizer, as pisa-prepare-data --tokenizer RUN writes it.
+  import_checkpoint(gguf_path, tmp_path / "tokenizer-run", [])
   record = pretrained.main([
-      "--model", str(write_gguf(tmp_path / "m.gguf", hf, w)), "--data",
-      str(_corpus(tmp_path / "corpus", n=20_000)), "--ppl-lengths", "64,128", "--ruler-lengths",
+      "--model", str(gguf_path), "--data",
+      str(_corpus(tmp_path / "corpus", n=20_000, run=tmp_path / "tokenizer-run")),
+      "--ppl-lengths", "64,128", "--ruler-lengths",
       "1024", "--top-ks", "4", "--block-size", "8", "--ppl-samples", "2", "--ruler-samples", "1",
       "--selection-length", "64", "--selection-samples", "1", "--batch-size", "2", "--out",
       str(tmp_path / "out"), "--only", "dense,pisa K4", "--compute-dtype", "float32"])

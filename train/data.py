@@ -208,10 +208,30 @@ class MQARBatches:
     }
 
 
+def check_tokenizer(meta: dict, folder, workdir) -> None:
+  """A run reads only a corpus of its own tokenizer: a run with a tokenizer.json (`pisa-import`)
+  one that `pisa-prepare-data --tokenizer RUN` wrote (its SHA-256 in meta.json), any other run
+  one of GPT-2's BPE (no SHA-256 recorded)."""
+  from pisa_jax.train.tokenizer import tokenizer_digest
+
+  digest, recorded = tokenizer_digest(workdir), meta.get("tokenizer_sha256")
+  if digest == recorded:
+    return
+  source = meta.get("tokenizer", "gpt2")
+  if digest is None:
+    raise ValueError(f"data.path={str(folder)!r} was tokenized by {source} and this run reads "
+                     f"GPT-2's BPE ({workdir} has no tokenizer.json)")
+  raise ValueError(f"data.path={str(folder)!r} was tokenized by {source}, not by this run's "
+                   f"{workdir}/tokenizer.json: prepare it with `pisa-prepare-data --tokenizer "
+                   f"{workdir} --out DIR`")
+
+
 def make_batches(config, split: str, *, global_batch: int, accum: int, process_index: int = 0,
-                 process_count: int = 1):
+                 process_count: int = 1, workdir=None):
   """The train or val batch source named by `config.data` (`TokenWindows` or `MQARBatches`;
-  training windows with `data.retrieval_fraction` > 0: `pisa_jax.train.retrieval.RetrievalMixture`)."""
+  training windows with `data.retrieval_fraction` > 0: `pisa_jax.train.retrieval.RetrievalMixture`).
+  workdir: the run folder whose tokenizer the corpus must be of (`check_tokenizer`); None skips
+  the check (benchmarks on GPT-2 corpora)."""
   d, t, m = config.data, config.train, config.model
   if d.source == "mqar":
     return MQARBatches(
@@ -225,8 +245,14 @@ def make_batches(config, split: str, *, global_batch: int, accum: int, process_i
       vocab_size=m.vocab_size, process_index=process_index, process_count=process_count,
       packing=d.packing,
   )
+  if workdir is not None:
+    check_tokenizer(windows.meta, d.path, workdir)
   if split != "train" or not d.retrieval_fraction:
     return windows
+  if workdir is not None and (Path(workdir) / "tokenizer.json").is_file():
+    raise ValueError(f"data.retrieval_fraction={d.retrieval_fraction}: the needle mixture is "
+                     f"written in GPT-2's BPE and this run reads its own {workdir}/tokenizer.json; "
+                     f"set data.retrieval_fraction=0")
   # Training batches mix in needle documents; held-out batches stay text.
   from pisa_jax.train.retrieval import RetrievalMixture
 

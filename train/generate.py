@@ -173,7 +173,7 @@ def _generate(args) -> int:
   # Imported once the arguments are known good: a mistake costs no JAX start-up.
   from pisa_jax.generation import generate, generate_stream
   from pisa_jax.models.decoder import count_params
-  from pisa_jax.train.tokenizer import gpt2_encoding, run_encoding
+  from pisa_jax.train.tokenizer import encode_text, gpt2_encoding, run_encoding
 
   encoding, stop = run_encoding(args.workdir)
   encoding = encoding or gpt2_encoding()
@@ -189,7 +189,7 @@ def _generate(args) -> int:
   rows = []
   for line, prompt in enumerate(args.prompts, start=1):
     which = name if args.prompt_file is None else f"{name}: prompt {line}"
-    tokens = encoding.encode_ordinary(prompt)
+    tokens = encode_text(encoding, prompt)
     if len(tokens) >= context:
       raise _ArgumentError(f"{which}: {len(tokens)} tokens exceed the model's context of "
                            f"{context} ({where}) or leave no room for a new one")

@@ -386,6 +386,7 @@ def write_tokens(documents: Iterator[str], folder: Path, *, val_fraction: float,
       os.fsync(f.fileno())
   meta = {"format": FORMAT, "dtype": dtype,
           "tokenizer": "gpt2" if tokenizer is None else tokenizer.name,
+          **({} if tokenizer is None else {"tokenizer_sha256": tokenizer.digest}),
           "vocab_size": vocab_size,
           "eot": eot, "train_tokens": counts["train"], "val_tokens": counts["val"],
           "train_documents": docs["train"], "val_documents": docs["val"], "sources": sources,
@@ -592,7 +593,7 @@ class RunVocabulary:
   that closes each document and a `name` for meta.json."""
 
   def __init__(self, run: Path):
-    from pisa_jax.train.tokenizer import run_encoding
+    from pisa_jax.train.tokenizer import run_encoding, tokenizer_digest
 
     encoding, stop = run_encoding(run)
     if encoding is None:
@@ -609,6 +610,7 @@ class RunVocabulary:
                          f"end-of-sequence token (pretrained.json) to close documents with", 2)
     self.eot = int(stop[0] if endoftext is None else endoftext)
     self.name = f"{run}/tokenizer.json"
+    self.digest = tokenizer_digest(run)
 
   def encode_ordinary_batch(self, texts: list[str]) -> list[list[int]]:
     return [e.ids for e in self.encoding.tokenizer.encode_batch(texts)]

@@ -91,8 +91,9 @@ def _byte_of_char() -> dict[str, int]:
 
 class RunTokenizer:
   """A run's own `tokenizers.Tokenizer` with what the tools use of a tiktoken Encoding:
-  `encode` / `encode_ordinary` (the model's convention: a BOS token where its tokenizer adds
-  one), `decode`, `decode_single_token_bytes`, `n_vocab`."""
+  `encode` (a text as the model reads it from its start: a BOS token where its tokenizer adds
+  one), `encode_ordinary` (a piece inside a text: no special tokens), `decode`,
+  `decode_single_token_bytes`, `n_vocab`."""
 
   def __init__(self, tokenizer):
     self.tokenizer = tokenizer
@@ -109,7 +110,8 @@ class RunTokenizer:
   def encode(self, text: str) -> list[int]:
     return self.tokenizer.encode(text).ids
 
-  encode_ordinary = encode
+  def encode_ordinary(self, text: str) -> list[int]:
+    return self.tokenizer.encode(text, add_special_tokens=False).ids
 
   def decode(self, ids) -> str:
     return self.tokenizer.decode(list(ids))
@@ -127,6 +129,32 @@ class RunTokenizer:
     if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
       return bytes([int(piece[3:5], 16)])
     return piece.replace("\u2581", " ").encode()
+
+
+def tokenizer_digest(workdir) -> str | None:
+  """The SHA-256 of a run's own tokenizer's vocabulary (`pisa-import`; every token and its id,
+  added tokens included: unlike the file's bytes, the same whichever `tokenizers` version wrote
+  it), None for a run of GPT-2's BPE. `pisa-prepare-data --tokenizer RUN` records it, and a
+  run reads only a corpus of its own."""
+  import hashlib
+  import json
+
+  path = Path(workdir) / RUN_TOKENIZER
+  if not path.is_file():
+    return None
+  from tokenizers import Tokenizer
+
+  vocabulary = sorted(Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True).items(),
+                      key=lambda item: item[1])
+  return hashlib.sha256(json.dumps(vocabulary).encode()).hexdigest()
+
+
+def encode_text(encoding, text: str) -> list[int]:
+  """`text` as the model reads it from its start: a run tokenizer's `encode` (with the BOS token
+  its tokenizer adds); GPT-2's BPE adds none and reads special-token text as plain text."""
+  if isinstance(encoding, RunTokenizer):
+    return encoding.encode(text)
+  return encoding.encode_ordinary(text)
 
 
 def run_encoding(workdir) -> tuple[object, tuple[int, ...]]:

@@ -454,11 +454,13 @@ def _set_up(cfg: Config, checkpoint_dir: Path, *, mesh, trainer, say, warn, prin
   global_batch = t.per_device_batch * batch_ways(mesh, t.context_parallel)
   # The data first: a missing or unprepared corpus fails before anything compiles.
   pi, pc = jax.process_index(), jax.process_count()
+  workdir = checkpoint_dir.parent
   train_batches = make_batches(cfg, "train", global_batch=global_batch, accum=t.grad_accum,
-                               process_index=pi, process_count=pc)
+                               process_index=pi, process_count=pc, workdir=workdir)
   # No evaluation, no validation windows: a run longer than the validation split still trains.
   val_batches = None if t.eval_batches == 0 else make_batches(
-      cfg, "val", global_batch=global_batch, accum=1, process_index=pi, process_count=pc)
+      cfg, "val", global_batch=global_batch, accum=1, process_index=pi, process_count=pc,
+      workdir=workdir)
 
   point = ckpt_lib.find_resume_point(checkpoint_dir, cfg.model,
                                      allow_attention_change=allow_attention_change)
