@@ -31,7 +31,7 @@ build one result (each row has its own date and commit).
   python -m benchmarks.generation --list                    # cases, estimates, one command a call
   python -m benchmarks.generation --cases 'small-*-32K'     # one call's cases
   python -m benchmarks.generation --presets tiny --lengths 256 --batches 2 --new-tokens 8 \\
-      --implementation xla --out /tmp/g                     # any CPU, a smoke run
+      --no-long --implementation xla --out /tmp/g           # any CPU, a smoke run
 """
 
 from __future__ import annotations
@@ -60,10 +60,13 @@ MILLION = 1 << 20  # at B = 1: in chunks of CHUNK, and in one pass
 CHUNK = 65536
 # Tokens a prefill pass holds activations for: past it, a batch reads its prompts in chunks.
 PASS_TOKENS = 1 << 20
-# Cases of more cache tokens than this (B = 32 at 128K) are left out: a chunked prefill stacks
-# every layer's cache for its scan over the layers and splits it after (`Decoder.prefill_chunk`),
-# about twice the cache in scratch beside it: ~100 GiB for `small` at 32 x 128K.
+# Cases of more cache tokens than this (B = 32 at 128K) are not run, and their rows say so: a
+# chunked prefill stacks every layer's cache for its scan over the layers and splits it after
+# (`Decoder.prefill_chunk`), about twice the cache in scratch beside it: ~100 GiB for `small` at
+# 32 x 128K.
 MAX_BATCH_TOKENS = 1 << 21
+LEFT_OUT = (f"not run: more than {MAX_BATCH_TOKENS:,} cache tokens, where the chunked prefill's "
+            f"stacked caches (about twice the cache) outgrow one GPU's memory")
 NEW_TOKENS = 256
 CALL_SECONDS = 450
 
@@ -112,6 +115,14 @@ def _size(n: int) -> str:
 def _tokens(text: str) -> int:
   units = {"K": 1 << 10, "M": 1 << 20}
   return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+
+
+def left_out(presets=PRESETS, lengths=LENGTHS, batches=BATCHES) -> list[Case]:
+  """The cases of the grid's presets, lengths and batches past MAX_BATCH_TOKENS: each gets a row
+  saying why it was not run (LEFT_OUT)."""
+  return [Case(preset, attention, batch, length) for preset in presets
+          for attention in ATTENTIONS for length in lengths for batch in batches
+          if batch * length > MAX_BATCH_TOKENS]
 
 
 def grid(presets=PRESETS, lengths=LENGTHS, batches=BATCHES, long: bool = True) -> list[Case]:
@@ -295,12 +306,16 @@ def _worker(args) -> None:
 # ----------------------------------------------------------------------------- the benchmark
 
 
-def selected(args) -> list[Case]:
-  cases = grid(args.presets, args.lengths, args.batches, long=args.long)
+def selected(args, *, run: bool = True) -> list[Case]:
+  """The cases --cases selects of the grid (run=True), or of those `left_out` (run=False)."""
+  if run:
+    cases = grid(args.presets, args.lengths, args.batches, long=args.long)
+  else:
+    cases = left_out(args.presets, args.lengths, args.batches)
   if args.cases:
     patterns = args.cases.split(",")
     cases = [c for c in cases if any(fnmatch.fnmatch(c.name, p) for p in patterns)]
-    if not cases:
+    if run and not cases and not selected(args, run=False):
       raise SystemExit(f"--cases {args.cases!r} matches no case (--list shows them)")
   return cases
 
@@ -308,10 +323,11 @@ def selected(args) -> list[Case]:
 def measure(args, rec: _record.Recorder) -> None:
   from pisa_jax.train.provenance import environment
 
-  cases = selected(args)
+  cases, not_run = selected(args), selected(args, run=False)
   env = environment()
   # One device a result: rows of earlier calls on another device (or not saying) are dropped.
-  earlier = [r for r in args.earlier_rows if r["case"] not in {c.name for c in cases}]
+  earlier = [r for r in args.earlier_rows
+             if r["case"] not in {c.name for c in cases + not_run}]
   kept = [r for r in earlier if r.get("device") == env["device"]]
   for row in kept:
     rec.add(**row)
@@ -339,6 +355,10 @@ def measure(args, rec: _record.Recorder) -> None:
       row = _spawn(case, args, None)
     rec.add(**base, **row)
     print(table({"rows": [r for r in rec.rows if r["case"] == case.name]}), flush=True)
+  for case in not_run:
+    rec.add(case=case.name, preset=case.preset, attention=case.attention, batch=case.batch,
+            length=case.length, prefill_chunk=None, date=env["date"], commit=env["commit"],
+            device=env["device"], error=LEFT_OUT)
   _compare_chunked(rec)
 
 
@@ -459,6 +479,8 @@ def main(argv=None) -> dict | None:
     cases = selected(args)
     for case in cases:
       print(f"{case.name:36s} ~{estimate_s(case, args.new_tokens, args.cached):6.0f} s")
+    for case in selected(args, run=False):
+      print(f"{case.name:36s} {LEFT_OUT}")
     for calls in plan(cases, args.call_seconds, args.new_tokens, args.cached):
       total = sum(estimate_s(c, args.new_tokens, args.cached) for c in calls)
       print(f"# ~{total:.0f} s\npython -m benchmarks.generation --cases "

@@ -214,6 +214,13 @@ def validate(config: Config) -> Config:
     raise ValueError(f"model.compute_dtype={m.compute_dtype!r} must be one of {COMPUTE_DTYPES}")
   if m.remat not in REMAT_POLICIES:
     raise ValueError(f"model.remat={m.remat!r} must be one of {REMAT_POLICIES}")
+  if m.summary_dtype not in _checks.SUMMARY_DTYPES:
+    raise ValueError(f"model.summary_dtype={m.summary_dtype!r} must be one of "
+                     f"{_checks.SUMMARY_DTYPES}")
+  if m.summary_dtype != "float32" and m.attention not in SPARSE_ATTENTION_KINDS:
+    raise ValueError(f"model.summary_dtype={m.summary_dtype!r} is the pyramid's, and "
+                     f"model.attention={m.attention!r} has none: float32, or one of "
+                     f"{SPARSE_ATTENTION_KINDS}")
   if m.attention in SPARSE_ATTENTION_KINDS:
     # The library's own argument checks (jax-free: a tool reports a bad field before importing
     # jax), naming the config fields.
@@ -224,9 +231,6 @@ def validate(config: Config) -> Config:
                            top_k_name="model.top_k", selector_name="model.attention")
     _checks.check_implementation(m.attention_implementation,
                                      name="model.attention_implementation")
-    if m.summary_dtype not in _checks.SUMMARY_DTYPES:
-      raise ValueError(f"model.summary_dtype={m.summary_dtype!r} must be one of "
-                       f"{_checks.SUMMARY_DTYPES}")
     if m.block_size > t.seq_len:
       raise ValueError(
           f"model.block_size={m.block_size} must be <= train.seq_len={t.seq_len}"

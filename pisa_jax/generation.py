@@ -171,6 +171,8 @@ def generate(model: DecodeModel, prompt_tokens, *, max_new_tokens: int, temperat
   Returns:
     A `Generation`: tokens `[B, S]`, per-row lengths, whether each row stopped (and the logits).
   """
+  if not _is_int(stop_tokens) and not isinstance(stop_tokens, (str, bytes)):
+    stop_tokens = tuple(stop_tokens)  # an iterator or a set: read once here, checked below
   steps = list(generate_stream(
       model, prompt_tokens, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
       stop_tokens=stop_tokens, key=key, seed=seed, prompt_lengths=prompt_lengths,
@@ -233,7 +235,8 @@ def _stream(model, tokens: np.ndarray, lengths: np.ndarray, segments: np.ndarray
   batch, longest = tokens.shape[0], int(lengths.max())
   if prefill_chunk is None:
     width = _bucket(longest)
-  else:  # whole chunks: the last one padded like the others
+  else:  # whole chunks: the last one padded like the others; none wider than one pass's width
+    prefill_chunk = min(prefill_chunk, _bucket(longest))
     width = -(-longest // prefill_chunk) * prefill_chunk
   padded = np.zeros((batch, width), np.int32)
   cols = min(tokens.shape[1], width)
@@ -325,7 +328,8 @@ def _empty_state(model_def, model_leaves, *, batch: int, capacity: int):
 @functools.partial(jax.jit, static_argnames=("model_def",), donate_argnames=("state",))
 def _prefill_chunk(model_def, model_leaves, tokens, lengths, offset, state):
   model = jax.tree.unflatten(model_def, model_leaves)
-  return model.prefill_chunk(tokens, lengths, state, offset)
+  logits, state = model.prefill_chunk(tokens, lengths, state, offset)
+  return _real_ids(logits, model), state
 
 
 @jax.jit
@@ -348,6 +352,7 @@ def _prefill(model_def, model_leaves, tokens, lengths, segments, row_keys, tempe
     logits, state = model.prefill(tokens, lengths, state)
   else:
     logits, state = model.prefill(tokens, lengths, state, segment_ids=segments)
+  logits = _real_ids(logits, model)
   token = _sample(logits, row_keys, 0, temperature, top_p, greedy=greedy)
   return token, jnp.isin(token, stop), state, logits
 
@@ -365,6 +370,7 @@ def _steps(model_def, model_leaves, token, done, state, first, count, row_keys, 
 
   def one(i, token, done, state):
     logits, state = model.decode(token, state)
+    logits = _real_ids(logits, model)
     new = _sample(logits, row_keys, first + i, temperature, top_p, greedy=greedy)
     # A stopped row keeps feeding its stop token: its cache advances with the batch, unread.
     new = jnp.where(done, token, new)
@@ -389,6 +395,12 @@ def _steps(model_def, model_leaves, token, done, state, first, count, row_keys, 
            logits_out)
   ran, token, done, state, tokens_out, logits_out = jax.lax.while_loop(more, body, carry)
   return token, done, state, tokens_out, logits_out, ran
+
+
+def _real_ids(logits, model):
+  """The logits of the model's `vocab_size` ids: a table padded past them (the decoder's rows
+  of 64) is never sampled, whatever the temperature, nor returned."""
+  return logits[..., :model.vocab_size]
 
 
 def _sample(logits: Float[Array, "B V"], row_keys, step, temperature, top_p, *,

@@ -354,6 +354,9 @@ def test_generation_cases_names_and_calls(monkeypatch):
   assert "small-pisa-B1-1M-chunk64K" in names and "418m-dense-B8-128K" in names
   # B = 32 at 128K: a chunked prefill's stacked caches take about twice the cache in scratch.
   assert "418m-dense-B32-128K-chunk32K" not in names and "418m-dense-B32-32K" in names
+  # ... and are rows that say so.
+  assert {c.name for c in generation.left_out()} == {
+      f"{p}-{a}-B32-128K" for p in ("small", "418m") for a in ("pisa", "dense")}
   assert "small-dense-B1-1M-chunk64K" not in names  # dense chunks at 1M: minutes of jnp
   # Ragged rows: the longest fills L with its new tokens, the shortest about half of it.
   assert generation.Case("small", "pisa", 8, 32768).prompt_lengths(256) == [
@@ -368,10 +371,13 @@ def test_generation_cases_names_and_calls(monkeypatch):
 def test_generation_runs_cases_in_fresh_processes(tmp_path):
   from benchmarks import generation
 
-  record = generation.main(["--presets", "tiny", "--lengths", "256", "--batches", "2",
+  record = generation.main(["--presets", "tiny", "--lengths", "256", "--batches", "2,16384",
                             "--no-long", "--new-tokens", "8", "--implementation", "xla",
                             "--out", str(tmp_path)])
   rows = {r["case"]: r for r in record["rows"]}
+  # B = 16384 at 256: past MAX_BATCH_TOKENS, a row that says it was not run.
+  for name in ("tiny-pisa-B16384-256", "tiny-dense-B16384-256"):
+    assert rows.pop(name)["error"] == generation.LEFT_OUT
   assert set(rows) == {"tiny-pisa-B2-256", "tiny-dense-B2-256"}, rows
   for row in rows.values():
     assert "error" not in row, row
@@ -386,7 +392,8 @@ def test_generation_runs_cases_in_fresh_processes(tmp_path):
   again = generation.main(["--presets", "tiny", "--lengths", "256", "--batches", "2",
                            "--no-long", "--new-tokens", "8", "--implementation", "xla",
                            "--cases", "tiny-dense-*", "--in-process", "--out", str(tmp_path)])
-  assert {r["case"] for r in again["rows"]} == set(rows)
+  assert {r["case"] for r in again["rows"]} == set(rows) | {"tiny-pisa-B16384-256",
+                                                             "tiny-dense-B16384-256"}
   assert any("measured on another device" in n for n in again["notes"])
 
 

@@ -321,6 +321,56 @@ def test_generation_with_chunks_of_any_size_equals_one_pass(attention):
                                rtol=OUTPUT_RTOL[jnp.float32], err_msg=f"chunk {chunk}")
 
 
+def test_a_chunk_wider_than_every_prompt_is_cut_to_one_pass_width(monkeypatch):
+  """prefill_chunk=4096 for prompts of up to 27 tokens: one chunk of one pass's width (32), not
+  4,096 padded tokens and a cache of 4,096."""
+  from pisa_jax import generation
+
+  seen = []
+  chunk_call, empty_state = generation._prefill_chunk, generation._empty_state
+
+  def spy_chunk(model_def, model_leaves, tokens, *rest):
+    seen.append(("chunk", tokens.shape[1]))
+    return chunk_call(model_def, model_leaves, tokens, *rest)
+
+  def spy_state(model_def, model_leaves, *, batch, capacity):
+    seen.append(("capacity", capacity))
+    return empty_state(model_def, model_leaves, batch=batch, capacity=capacity)
+
+  monkeypatch.setattr(generation, "_prefill_chunk", spy_chunk)
+  monkeypatch.setattr(generation, "_empty_state", spy_state)
+  model = _model("dense")
+  out = pisa_jax.generate(model, PROMPTS, max_new_tokens=4, prefill_chunk=4096)
+  assert seen == [("capacity", 32), ("chunk", 32)]
+  one = pisa_jax.generate(model, PROMPTS, max_new_tokens=4)
+  np.testing.assert_array_equal(out.tokens, one.tokens)
+
+
+def test_stop_tokens_may_be_any_iterable(dense_greedy):
+  model, free = _model("dense"), dense_greedy
+  stop = int(free.tokens[1, 4])
+  want = pisa_jax.generate(model, PROMPTS, max_new_tokens=NEW_TOKENS,
+                           initial_capacity=INITIAL_CAPACITY, stop_tokens=(stop,))
+  for given in ({stop}, iter([stop]), (t for t in [stop]), {stop: None}.keys()):
+    out = pisa_jax.generate(model, PROMPTS, max_new_tokens=NEW_TOKENS,
+                            initial_capacity=INITIAL_CAPACITY, stop_tokens=given)
+    np.testing.assert_array_equal(out.tokens, want.tokens)
+    np.testing.assert_array_equal(out.stopped, want.stopped)
+  assert want.stopped.any()
+
+
+def test_ids_past_the_vocabulary_are_never_drawn_nor_returned():
+  """vocab_size=50 in a table padded to 64 rows: at any temperature every token is below 50,
+  and the logits are the 50 ids'."""
+  model = _model("dense", vocab_size=50)
+  out = pisa_jax.generate(model, [[1, 2, 3], [4]], max_new_tokens=40, temperature=1e9,
+                          seed=0, return_logits=True)
+  assert out.tokens.max() < 50 and out.tokens.min() >= 0
+  assert out.logits.shape == (2, 40, 50)
+  # Nearly uniform at this temperature: ids from the whole range are drawn.
+  assert len(np.unique(out.tokens)) > 25
+
+
 def test_chunked_prefill_is_refused_where_the_model_has_none():
   model = _model("dense")
   with pytest.raises(TypeError, match="prefill_chunk needs a model with a prefill_chunk method"):

@@ -175,6 +175,14 @@ def test_the_model_config_field_reaches_the_cache_and_is_checked():
   with pytest.raises(ValueError, match=re.escape(
       "model.summary_dtype='float16' must be one of ('float32', 'bfloat16')")):
     validate(bad)
+  # Every kind's field is checked; only the pyramid's kinds take bfloat16.
+  for attention, dtype, message in (("dense", "float16", "must be one of"),
+                                    ("dense", BF16, "model.attention='dense' has none"),
+                                    ("nsa", BF16, "model.attention='nsa' has none")):
+    bad = dataclasses.replace(config, model=dataclasses.replace(
+        config.model, attention=attention, summary_dtype=dtype))
+    with pytest.raises(ValueError, match=re.escape(message)):
+      validate(bad)
 
 
 @pytest.mark.slow  # ~12 s, mostly compilation; the field's path to the cache is tested above
