@@ -11,8 +11,10 @@ tokenizer.json trained here with `tokenizers`. Beside them, golden.npz holds the
 transformers' float32 logits `[T, V]` (eager attention), and golden.json the versions that made
 them. tests/test_pretrained.py loads each folder and must reproduce the logits.
 
-  llama   Llama 3.2-like: "llama3" RoPE scaling (original context 64, so every band of the
-          rule is used at head dim 16), tied embeddings, GQA 4 / 2
+  llama   Llama 3.2-like: "llama3" RoPE scaling (original context 64: at head dim 8 its
+          wavelengths 6.3 / 167 / 4443 / 118K tokens fall in the kept and the divided bands, none
+          in the interpolated one, which the GGUF rope_freqs test pins against the numpy rule),
+          tied embeddings, GQA 4 / 2
   qwen2   q, k and v biases, untied embeddings, GQA 6 / 2 (groups of 3)
   qwen3   q / k RMSNorm, head_dim 16 beside hidden 32 / 4 heads, all four projections biased
           (attention_bias), tied embeddings, one KV head
