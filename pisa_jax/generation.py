@@ -159,9 +159,9 @@ def generate(model: DecodeModel, prompt_tokens, *, max_new_tokens: int, temperat
       not with prompt_segment_ids. A multiple of the model's block size keeps the
       kernels' tiles whole.
     initial_capacity: tokens per row the cache is first allocated for (default: the longest
-      prompt plus max_new_tokens, so it never grows). A smaller one bounds the memory of rows that
-      stop early; the cache then grows between power-of-two buckets, one recompile of the step
-      each.
+      prompt plus max_new_tokens, so it never grows). A smaller one saves memory when every row
+      stops early: the cache grows with the longest row, stopped or not, between power-of-two
+      buckets, one recompile of the step each.
     return_logits: also return the logits of every step (`Generation.logits`).
     steps_per_call: tokens each jitted call generates, in a loop on the device that ends early
       when every row has stopped (>= 1). A call per token leaves the device idle while the host
