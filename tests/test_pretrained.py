@@ -815,7 +815,8 @@ def test_an_imported_run_reads_only_a_corpus_of_its_own_tokenizer(tmp_path):
                                   "train.steps=1", "train.eval_batches=0"])
   _corpus(gpt2)
   with pytest.raises(ValueError, match=r"data\.path=.*gpt2.* was tokenized by test, not by this "
-                                       r"run's .*tokenizer\.json: prepare it with"):
+                                       r"run's .*tokenizer\.json \(its meta\.json records no "
+                                       r"vocabulary digest\): prepare it with"):
     trainer.train(read_run_config(run), run, progress=False, quiet=True)
   # Another tokenizer's corpus (a second import's, its tokenizer retrained on other text).
   (tmp_path / "run2").mkdir()
@@ -825,7 +826,7 @@ def test_an_imported_run_reads_only_a_corpus_of_its_own_tokenizer(tmp_path):
   _corpus(other, run=tmp_path / "run2")
   config = read_run_config(run)
   config = dataclasses.replace(config, data=dataclasses.replace(config.data, path=str(other)))
-  with pytest.raises(ValueError, match=r"not by this run's"):
+  with pytest.raises(ValueError, match=r"not by this run's .*tokenizer\.json: prepare it with"):
     trainer.train(config, run, progress=False, quiet=True)
   # The run's own corpus trains; pisa-prepare-data --tokenizer RUN records the digest.
   docs = tmp_path / "docs"

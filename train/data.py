@@ -221,9 +221,11 @@ def check_tokenizer(meta: dict, folder, workdir) -> None:
   if digest is None:
     raise ValueError(f"data.path={str(folder)!r} was tokenized by {source} and this run reads "
                      f"GPT-2's BPE ({workdir} has no tokenizer.json)")
+  # A corpus prepared before digests were recorded may be of the same tokenizer: it says so.
+  unknown = "" if recorded else " (its meta.json records no vocabulary digest)"
   raise ValueError(f"data.path={str(folder)!r} was tokenized by {source}, not by this run's "
-                   f"{workdir}/tokenizer.json: prepare it with `pisa-prepare-data --tokenizer "
-                   f"{workdir} --out DIR`")
+                   f"{workdir}/tokenizer.json{unknown}: prepare it with `pisa-prepare-data "
+                   f"--tokenizer {workdir} --out DIR`")
 
 
 def make_batches(config, split: str, *, global_batch: int, accum: int, process_index: int = 0,
