@@ -306,28 +306,32 @@ def _worker(args) -> None:
 # ----------------------------------------------------------------------------- the benchmark
 
 
-def selected(args, *, run: bool = True) -> list[Case]:
-  """The cases --cases selects of the grid (run=True), or of those `left_out` (run=False)."""
-  if run:
-    cases = grid(args.presets, args.lengths, args.batches, long=args.long)
-  else:
-    cases = left_out(args.presets, args.lengths, args.batches)
-  if args.cases:
-    patterns = args.cases.split(",")
-    cases = [c for c in cases if any(fnmatch.fnmatch(c.name, p) for p in patterns)]
-    if run and not cases and not selected(args, run=False):
-      raise SystemExit(f"--cases {args.cases!r} matches no case (--list shows them)")
+def _matching(args, cases: list[Case]) -> list[Case]:
+  patterns = args.cases.split(",") if args.cases else ["*"]
+  return [c for c in cases if any(fnmatch.fnmatch(c.name, p) for p in patterns)]
+
+
+def not_run(args) -> list[Case]:
+  """The `left_out` cases --cases selects: rows that say why they were not run."""
+  return _matching(args, left_out(args.presets, args.lengths, args.batches))
+
+
+def selected(args) -> list[Case]:
+  """The grid's cases --cases selects."""
+  cases = _matching(args, grid(args.presets, args.lengths, args.batches, long=args.long))
+  if not cases and not not_run(args):
+    raise SystemExit(f"--cases {args.cases!r} matches no case (--list shows them)")
   return cases
 
 
 def measure(args, rec: _record.Recorder) -> None:
   from pisa_jax.train.provenance import environment
 
-  cases, not_run = selected(args), selected(args, run=False)
+  cases, skipped = selected(args), not_run(args)
   env = environment()
   # One device a result: rows of earlier calls on another device (or not saying) are dropped.
   earlier = [r for r in args.earlier_rows
-             if r["case"] not in {c.name for c in cases + not_run}]
+             if r["case"] not in {c.name for c in cases + skipped}]
   kept = [r for r in earlier if r.get("device") == env["device"]]
   for row in kept:
     rec.add(**row)
@@ -355,7 +359,7 @@ def measure(args, rec: _record.Recorder) -> None:
       row = _spawn(case, args, None)
     rec.add(**base, **row)
     print(table({"rows": [r for r in rec.rows if r["case"] == case.name]}), flush=True)
-  for case in not_run:
+  for case in skipped:
     rec.add(case=case.name, preset=case.preset, attention=case.attention, batch=case.batch,
             length=case.length, prefill_chunk=None, date=env["date"], commit=env["commit"],
             device=env["device"], error=LEFT_OUT)
@@ -479,7 +483,7 @@ def main(argv=None) -> dict | None:
     cases = selected(args)
     for case in cases:
       print(f"{case.name:36s} ~{estimate_s(case, args.new_tokens, args.cached):6.0f} s")
-    for case in selected(args, run=False):
+    for case in not_run(args):
       print(f"{case.name:36s} {LEFT_OUT}")
     for calls in plan(cases, args.call_seconds, args.new_tokens, args.cached):
       total = sum(estimate_s(c, args.new_tokens, args.cached) for c in calls)

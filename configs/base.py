@@ -214,7 +214,7 @@ def validate(config: Config) -> Config:
     raise ValueError(f"model.compute_dtype={m.compute_dtype!r} must be one of {COMPUTE_DTYPES}")
   if m.remat not in REMAT_POLICIES:
     raise ValueError(f"model.remat={m.remat!r} must be one of {REMAT_POLICIES}")
-  if m.summary_dtype not in _checks.SUMMARY_DTYPES:
+  if m.summary_dtype not in _checks.SUMMARY_DTYPES:  # a name: the config is JSON
     raise ValueError(f"model.summary_dtype={m.summary_dtype!r} must be one of "
                      f"{_checks.SUMMARY_DTYPES}")
   if m.summary_dtype != "float32" and m.attention not in SPARSE_ATTENTION_KINDS:

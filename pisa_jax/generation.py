@@ -171,8 +171,9 @@ def generate(model: DecodeModel, prompt_tokens, *, max_new_tokens: int, temperat
   Returns:
     A `Generation`: tokens `[B, S]`, per-row lengths, whether each row stopped (and the logits).
   """
-  if not _is_int(stop_tokens) and not isinstance(stop_tokens, (str, bytes)):
-    stop_tokens = tuple(stop_tokens)  # an iterator or a set: read once here, checked below
+  _check_model(model)
+  # Checked once: an iterator is read here, and `stopped` below uses the checked ids.
+  stop_tokens = _check_stop_tokens(stop_tokens, model.vocab_size)
   steps = list(generate_stream(
       model, prompt_tokens, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
       stop_tokens=stop_tokens, key=key, seed=seed, prompt_lengths=prompt_lengths,
@@ -186,7 +187,7 @@ def generate(model: DecodeModel, prompt_tokens, *, max_new_tokens: int, temperat
   tokens = np.stack(steps, axis=1)
   lengths = (tokens != PAD).sum(axis=1).astype(np.int32)
   last = tokens[np.arange(tokens.shape[0]), np.maximum(lengths - 1, 0)]
-  stopped = np.isin(last, np.asarray(stop_tokens, np.int64)) & (lengths > 0)
+  stopped = np.isin(last, stop_tokens) & (lengths > 0)
   return Generation(tokens=tokens, lengths=lengths, stopped=stopped, logits=logits)
 
 

@@ -208,15 +208,15 @@ class MQARBatches:
     }
 
 
-def check_tokenizer(meta: dict, folder, workdir) -> None:
+def check_tokenizer(meta: dict, folder, workdir) -> str | None:
   """A run reads only a corpus of its own tokenizer: a run with a tokenizer.json (`pisa-import`)
   one that `pisa-prepare-data --tokenizer RUN` wrote (its SHA-256 in meta.json), any other run
-  one of GPT-2's BPE (no SHA-256 recorded)."""
+  one of GPT-2's BPE (no SHA-256 recorded). Returns the run's digest (None: GPT-2's BPE)."""
   from pisa_jax.train.tokenizer import tokenizer_digest
 
   digest, recorded = tokenizer_digest(workdir), meta.get("tokenizer_sha256")
   if digest == recorded:
-    return
+    return digest
   source = meta.get("tokenizer", "gpt2")
   if digest is None:
     raise ValueError(f"data.path={str(folder)!r} was tokenized by {source} and this run reads "
@@ -247,11 +247,10 @@ def make_batches(config, split: str, *, global_batch: int, accum: int, process_i
       vocab_size=m.vocab_size, process_index=process_index, process_count=process_count,
       packing=d.packing,
   )
-  if workdir is not None:
-    check_tokenizer(windows.meta, d.path, workdir)
+  digest = None if workdir is None else check_tokenizer(windows.meta, d.path, workdir)
   if split != "train" or not d.retrieval_fraction:
     return windows
-  if workdir is not None and (Path(workdir) / "tokenizer.json").is_file():
+  if digest is not None:
     raise ValueError(f"data.retrieval_fraction={d.retrieval_fraction}: the needle mixture is "
                      f"written in GPT-2's BPE and this run reads its own {workdir}/tokenizer.json; "
                      f"set data.retrieval_fraction=0")

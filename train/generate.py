@@ -153,7 +153,6 @@ def main(argv: list[str] | None = None) -> int:
     restore.read_run_config(args.workdir)  # a folder that is no run fails before jax loads
   except restore.NoCheckpointError as e:
     parser.error(f"--{e}")
-
   compilation_cache.enable_for(parser)
 
   try:
