@@ -62,7 +62,9 @@ FAMILIES = ("single_key", "multi_key", "multi_query", "multi_value")
 # every change to what they hold, so that a result records which documents it trained on (the
 # replication manifest's fingerprint includes it). 2: multi_value answers in document order.
 # 3: no copula extends another ("is now" taught " now" after an answer prefix's "is").
-NEEDLE_GENERATOR = 3
+# 4: a share of needles write a colon after the copula ("... equals: 4821"), which the answer
+# prefixes never hold: a model learns to skip punctuation between the key and its value.
+NEEDLE_GENERATOR = 4
 # The random stream of the mixture within a step (the text windows use the bare [seed, split,
 # step]).
 _STREAM = 1
@@ -160,6 +162,10 @@ LINKS = ("of", "for", "issued to", "assigned to", "belonging to", "recorded for"
 # RULER's "... is" with " now" in nearly every sample (teacher-forced hits 0%).
 COPULAS = ("is", "reads", "equals", "was set to", "has been recorded as",
            "was listed as", "stands at", "remains", "was given as")
+# The share of composed needles with a colon after the copula. Dense models trained without any
+# answered RULER's "... is" (its needles read "... is: V") by copying prose after "is" in the
+# haystack (" blue."), teacher-forced hits 13% at 1K (H100, 2026-12-06).
+COLON_SHARE = 0.3
 HAS = ("has", "holds", "keeps", "uses", "was given", "received", "carries", "was issued", "got",
        "owns")
 INTROS = ("", "", "", "", "Note that ", "For the record, ", "Incidentally, ", "Please note: ",
@@ -323,6 +329,8 @@ class ComposedTemplates(FixedTemplates):
 
   def needle(self, rng, attr: str) -> str:
     link, copula = _link_copula(rng)
+    if rng.random() < COLON_SHARE:
+      copula += ":"
     frame = _pick(rng, NEEDLE_FRAMES)
     intro = _pick(rng, INTROS)
     if frame.startswith(("entry", "{Attr}")) and not intro.endswith(": "):
