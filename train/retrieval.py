@@ -32,9 +32,9 @@ The templates, keys and values are this module's own and disjoint from `pisa-eva
 (`train.evaluation.ruler`), so that the evaluation measures retrieval, not a memorised template.
 Keys are capitalised pseudo-word names ("Vorandel Kestrum"), letter-digit tags ("QX-482"),
 lowercase pseudo-words, or two words of the haystack's own prose outside RULER's adjective and
-noun lists ("harvest fielding"; `haystack_key_words`), never RULER's adjective-noun pairs or
-uuids. Values are numbers of 4-6, 8 or 9 digits, two to six groups of four hex digits
-("3fa9-91bc") or pseudo-words, never seven digits or uuids. No template shares a four-word
+noun lists ("harvest fielding", half of them hyphenated; `haystack_key_words`), never RULER's
+adjective-noun pairs or uuids. Values are numbers of 4-6, 8 or 9 digits, two to six groups of
+four hex digits ("3fa9-91bc") or pseudo-words, never seven digits or uuids. No template shares a four-word
 sequence or one of RULER's telling words ("special", "magic", "mentioned", ...) with RULER's
 (tests/test_replication.py checks all three).
 
@@ -63,7 +63,8 @@ FAMILIES = ("single_key", "multi_key", "multi_query", "multi_value")
 # replication manifest's fingerprint includes it). 2: multi_value answers in document order.
 # 3: no copula extends another ("is now" taught " now" after an answer prefix's "is").
 # 4: a share of needles write a colon after the copula ("... equals: 4821"), which the answer
-# prefixes never hold: a model learns to skip punctuation between the key and its value.
+# prefixes never hold: a model learns to skip punctuation between the key and its value; and
+# half the keys of two haystack words are hyphenated ("harvest-fielding").
 NEEDLE_GENERATOR = 4
 # The random stream of the mixture within a step (the text windows use the bare [seed, split,
 # step]).
@@ -231,6 +232,9 @@ COMPOSED_PREAMBLES = (
 )
 PREAMBLE_VERBS = ("Read", "Go through", "Study", "Look over", "Scan")
 KEY_FORMATS = ("name", "tag", "word", "words")
+# The share of "words" keys joined by a hyphen: a key of several tokens with punctuation inside,
+# as keys often are ("harvest-fielding"), in words of the haystack and never RULER's lists.
+HYPHEN_SHARE = 0.5
 # "words" keys are drawn only from a haystack that offers at least this many key words.
 MIN_KEY_WORDS = 100
 VALUE_FORMATS = ("digits", "hex", "word")
@@ -264,11 +268,12 @@ def draw_key(rng: np.random.Generator, kind: str, words: tuple[str, ...] = ()) -
     return f"{letters}-{int(rng.integers(10, 10_000))}"
   if kind == "word":    # "taxoumirk"
     return pseudo_word(rng, 3)
-  if kind == "words":   # "harvest fielding"
+  if kind == "words":   # "harvest fielding" or "harvest-fielding"
     if len(words) < 2:
       raise ValueError(f"key kind 'words' needs at least two key words, got {len(words)}")
     first, second = rng.choice(len(words), 2, replace=False)
-    return f"{words[first]} {words[second]}"
+    joint = "-" if rng.random() < HYPHEN_SHARE else " "
+    return f"{words[first]}{joint}{words[second]}"
   raise ValueError(f"key kind {kind!r}: expected one of {KEY_FORMATS}")
 
 
