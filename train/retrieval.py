@@ -34,9 +34,9 @@ Keys are capitalised pseudo-word names ("Vorandel Kestrum"), letter-digit tags (
 lowercase pseudo-words, or two words of the haystack's own prose outside RULER's adjective and
 noun lists ("harvest fielding", half of them hyphenated; `haystack_key_words`), never RULER's
 adjective-noun pairs or uuids. Values are numbers of 4-6, 8 or 9 digits, two to six groups of
-four hex digits ("3fa9-91bc") or pseudo-words, never seven digits or uuids. No template shares a four-word
-sequence or one of RULER's telling words ("special", "magic", "mentioned", ...) with RULER's
-(tests/test_replication.py checks all three).
+four hex digits ("3fa9-91bc") or pseudo-words, never seven digits or uuids. No template shares a
+four-word sequence or one of RULER's telling words ("special", "magic", "mentioned", ...) with
+RULER's (tests/test_replication.py checks all three).
 
 Packed with `segment_ids` (`data.packing`): every document attends only to itself, positions
 restart, and the loss on its answer tokens is weighted `data.retrieval_answer_weight`. Rows are
