@@ -11,10 +11,9 @@ tokenizer.json trained here with `tokenizers`. Beside them, golden.npz holds the
 transformers' float32 logits `[T, V]` (eager attention), and golden.json the versions that made
 them. tests/test_pretrained.py loads each folder and must reproduce the logits.
 
-  llama   Llama 3.2-like: "llama3" RoPE scaling (original context 64: at head dim 8 its
-          wavelengths 6.3 / 167 / 4443 / 118K tokens fall in the kept and the divided bands, none
-          in the interpolated one, which the GGUF rope_freqs test pins against the numpy rule),
-          tied embeddings, GQA 4 / 2
+  llama   Llama 3.2-like: "llama3" RoPE scaling (original context 256: at head dim 8 its
+          wavelengths 6.3 / 167 / 4443 / 118K tokens fall in the kept band (below 64), the
+          interpolated one (64-256) and the divided one), tied embeddings, GQA 4 / 2
   qwen2   q, k and v biases, untied embeddings, GQA 6 / 2 (groups of 3)
   qwen3   q / k RMSNorm, head_dim 16 beside hidden 32 / 4 heads, all four projections biased
           (attention_bias), tied embeddings, one KV head
@@ -40,7 +39,7 @@ MODELS = {
         hidden_size=32, num_attention_heads=4, num_key_value_heads=2, rope_theta=500_000.0,
         tie_word_embeddings=True,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 256})),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(
         hidden_size=48, num_attention_heads=6, num_key_value_heads=2, rope_theta=1_000_000.0,
         tie_word_embeddings=False)),

@@ -107,12 +107,14 @@ def numpy_forward(hf: dict, w: dict[str, np.ndarray], tokens: list[int]) -> np.n
 # ----------------------------------------------------------------------------- checkpoints
 
 ARCHITECTURES = {
-    # Llama 3.2-like: "llama3" RoPE scaling (every band at these wavelengths), tied embeddings.
+    # Llama 3.2-like: "llama3" RoPE scaling, tied embeddings. Head dim 8 at base 500,000: its
+    # wavelengths 6.3 / 167 / 4443 / 118K tokens fall in every band of the rule (kept below 64,
+    # interpolated 64-256, divided above; `_llama3_bands`).
     "llama3": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2,
                    hidden_size=32, rope_theta=500_000.0, tie_word_embeddings=True,
                    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0,
-                                 "original_max_position_embeddings": 64}),
+                                 "original_max_position_embeddings": 256}),
     # SmolLM2-like: plain RoPE, untied.
     "llama": dict(model_type="llama", num_attention_heads=6, num_key_value_heads=2,
                   hidden_size=48, rope_theta=100_000.0, tie_word_embeddings=False),
@@ -505,6 +507,25 @@ def test_transformers_5_rope_parameters_read_as_rope_scaling():
 GOLDEN = Path(__file__).parent / "data" / "pretrained"
 
 
+def _llama3_bands(hf: dict) -> list[str]:
+  """The band of Llama 3.1's RoPE rule each frequency of `hf` (a config.json) falls in: "kept"
+  (wavelength below original context / high_freq_factor), "divided" (above original context /
+  low_freq_factor) or "interpolated" between them."""
+  scaling = hf.get("rope_scaling") or hf["rope_parameters"]
+  theta = hf.get("rope_theta", scaling.get("rope_theta"))
+  head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+  wavelengths = 2 * np.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)
+  old = scaling["original_max_position_embeddings"]
+  short, long = old / scaling["high_freq_factor"], old / scaling["low_freq_factor"]
+  return ["kept" if w < short else "divided" if w > long else "interpolated"
+          for w in wavelengths]
+
+
+def test_llama3_checkpoints_reach_every_band_of_the_rule():
+  assert _llama3_bands(random_checkpoint("llama3")[0]) == [
+      "kept", "interpolated", "divided", "divided"]
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
 def test_transformers_golden_logits(name):
   """Folders saved by transformers' save_pretrained with its own float32 logits
@@ -515,6 +536,9 @@ def test_transformers_golden_logits(name):
                 f"benchmarks.make_pretrained_golden --out tests/data/pretrained` where torch and "
                 f"transformers are installed")
   golden = np.load(folder / "golden.npz")
+  if name == "llama":  # the golden must reach every band of the llama3 rule
+    assert set(_llama3_bands(json.loads((folder / "config.json").read_text()))) == {
+        "kept", "interpolated", "divided"}
   model, _, _ = load_pretrained(folder, compute_dtype="float32")
   want = golden["logits"]
   got = _logits(model, golden["prompt"].tolist())
