@@ -97,8 +97,10 @@ _DATA = {
     "haystack_corpora": ("strs", ()), "tokenizer": ((str,), None), "ruler_dir": ((str,), None),
     "wheels": ((str,), None), "retrieval_fraction": (float, _REQUIRED),
     "retrieval_min_length": (int, 256), "retrieval_answer_weight": (float, 1.0),
-    "retrieval_templates": (str, "fixed"),
+    "retrieval_templates": (str, "fixed"), "retrieval_text_share": (float, 0.0),
 }
+# Data fields added after results were made, at the default that reproduces those results.
+_ADDED_DATA_DEFAULTS = {"retrieval_text_share": 0.0}
 _STAGE = {
     "name": (str, _REQUIRED), "enabled": (bool, True), "methods": (("strs",), None),
     "seq_len": (int, _REQUIRED), "top_k": (int, _REQUIRED), "rope_base": (float, _REQUIRED),
@@ -271,6 +273,10 @@ def _data_settings(data: dict) -> dict:
 
   out = {k: v for k, v in data.items()
          if k not in ("text", "haystack", "tokenizer", "ruler_dir", "wheels")}
+  # A setting added later counts only away from its default, the behaviour before it existed.
+  for name, default in _ADDED_DATA_DEFAULTS.items():
+    if out.get(name) == default:
+      out.pop(name)
   # The needle documents change with the code that makes them, not only with these settings.
   return out | {"needle_generator": NEEDLE_GENERATOR}
 
@@ -362,7 +368,8 @@ def stage_config(m: Manifest, run: Run, index: int, *, init_from: str | None, de
                     retrieval_min_length=d["retrieval_min_length"],
                     retrieval_max_length=stage.retrieval_max_length,
                     retrieval_answer_weight=d["retrieval_answer_weight"],
-                    retrieval_templates=d["retrieval_templates"])
+                    retrieval_templates=d["retrieval_templates"],
+                    retrieval_text_share=d["retrieval_text_share"])
   train = TrainConfig(
       seq_len=stage.seq_len, per_device_batch=stage.batch // devices,
       grad_accum=stage.grad_accum, steps=stage.steps, peak_lr=stage.peak_lr,

@@ -227,7 +227,9 @@ def setup_section(res: Results) -> str:
       f"layers, d {b['d_model']}, MLP {b['mlp_dim']}, {b['num_heads']} query / "
       f"{b['num_kv_heads']} KV heads of {b['head_dim']}, C = {b['block_size']}, GPT-2 "
       f"vocabulary. Text: `{d['text']}` ({', '.join(d['text_corpora']) or 'as prepared'}); "
-      f"needle haystack: `{d['haystack']}` ({', '.join(d['haystack_corpora']) or 'as prepared'});"
+      f"needle haystack: `{d['haystack']}` ({', '.join(d['haystack_corpora']) or 'as prepared'})"
+      + (f", the text's in {100 * d['retrieval_text_share']:.0f}% of the documents"
+         if d.get("retrieval_text_share") else "") + ";"
       f" {100 * d['retrieval_fraction']:.0f}% of each batch's rows are needle documents "
       f"(at least {d['retrieval_min_length']} tokens).", "",
   ]

@@ -200,6 +200,16 @@ class Record:
     self.save()
 
 
+def passes(tokens: int, mixture: dict, data: dict) -> dict:
+  """How many times a stage of `tokens` training tokens reads the text and the haystack corpus:
+  the needle documents' share of the tokens is haystack, the text's in mixture["text_share"] of
+  them (at most: a needle document's haystack is its length less its needles and question)."""
+  needles = tokens * mixture["token_fraction"]
+  share = mixture.get("text_share", 0.0)
+  return {"text": (tokens - needles + needles * share) / data["text_train_tokens"],
+          "haystack": needles * (1 - share) / data["haystack_train_tokens"]}
+
+
 def _metrics(workdir: Path) -> list[dict]:
   path = workdir / "metrics.jsonl"
   if not path.is_file():
@@ -326,17 +336,12 @@ def train_stage(m: Manifest, run: Run, index: int, workdir: Path, init_from: Pat
   steady = logged[1:] or logged
   tokens = timing["end_step"] * timing["tokens_per_step"]
   mixture = timing["mixture"]
-  text_tokens = tokens * (1 - mixture["token_fraction"])
   row = {
       "stage": stage.name, "config": config.to_dict(), "params": count_params(config.model),
       "steps": timing["end_step"], "planned_steps": config.train.steps,
       "truncated": timing["truncated"], "matched_wall": timing.get("matched_wall"),
       "tokens": tokens, "tokens_per_step": timing["tokens_per_step"],
-      "passes": {"text": text_tokens / record.record["data"]["text_train_tokens"],
-                 # At most: a needle document's haystack is its length less its needles and
-                 # question.
-                 "haystack": tokens * mixture["token_fraction"]
-                 / record.record["data"]["haystack_train_tokens"]},
+      "passes": passes(tokens, mixture, record.record["data"]),
       "mixture": mixture, "compile_seconds": timing["compile_seconds"],
       "train_seconds": timing["train_seconds"],
       "tokens_per_s": (sum(r["tokens_per_s"] for r in steady) / len(steady)) if steady else None,

@@ -58,8 +58,11 @@ class DataConfig:
   # retrieval_max_length (None: the row) long; the loss on answer tokens is weighted
   # retrieval_answer_weight. Needs packing. retrieval_templates: "fixed" (a few lists of
   # sentences) or "composed" (sentences built from parts: thousands of forms).
+  # retrieval_text_share of the needle documents take their haystack from data.path's train
+  # split instead: a small haystack corpus is otherwise read many times over.
   retrieval_fraction: float = 0.0
   retrieval_path: str | None = None
+  retrieval_text_share: float = 0.0
   retrieval_min_length: int = 256
   retrieval_max_length: int | None = None
   retrieval_answer_weight: float = 1.0
@@ -334,6 +337,9 @@ def _validate_retrieval(d: DataConfig, m: ModelConfig, t: TrainConfig) -> None:
   if d.retrieval_templates not in ("fixed", "composed"):
     raise ValueError(f"data.retrieval_templates={d.retrieval_templates!r}: expected 'fixed' or "
                      f"'composed'")
+  if not 0 <= d.retrieval_text_share <= 1:
+    raise ValueError(f"data.retrieval_text_share={d.retrieval_text_share} must be in [0, 1]: "
+                     f"the share of needle documents whose haystack is data.path's text")
   if not d.retrieval_fraction:
     return
   if d.source != "tokens" or not d.packing:
@@ -357,6 +363,7 @@ def _validate_retrieval(d: DataConfig, m: ModelConfig, t: TrainConfig) -> None:
                      f"train.seq_len={t.seq_len}]: a row's last document may need to split")
   if not d.retrieval_answer_weight > 0:
     raise ValueError(f"data.retrieval_answer_weight={d.retrieval_answer_weight} must be > 0")
+
 
 
 def _validate_context_parallel(d: DataConfig, t: TrainConfig) -> None:

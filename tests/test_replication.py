@@ -170,6 +170,8 @@ def test_the_shipped_manifest_gives_every_method_the_same_config_but_attention()
     (("retrieval_fraction = 0.5", "retrieval_fraction = 1.5"), "retrieval_fraction=1.5 must be"),
     (("retrieval_fraction = 0.5", 'retrieval_fraction = 0.5\nretrieval_templates = "mixed"'),
      "data.retrieval_templates='mixed': expected 'fixed' or 'composed'"),
+    (("retrieval_fraction = 0.5", "retrieval_fraction = 0.5\nretrieval_text_share = 1.5"),
+     "data.retrieval_text_share=1.5 must be in [0, 1]"),
     (("mqar_pairs = [16]", "mqar_pairs = [128]"), "no eval.mqar_pairs fits"),
     (("[summary]", "[sumary]"), "unknown section 'sumary'"),
 ])
@@ -242,6 +244,39 @@ def test_needle_documents_are_well_formed(maker, family):
       places.append(text.index(found[0]))
     if doc.family == "multi_value":
       assert places == sorted(places), (doc.answers, doc.needles)
+
+
+@needs_bpe
+def test_a_text_share_draws_haystacks_from_the_text(maker):
+  from pisa_jax.train.retrieval import NeedleMaker
+
+  enc = maker.encoding
+  # A text of other sentences: each document's haystack is one source's, or the other's.
+  text = np.array(enc.encode_ordinary(" ".join(
+      f"Line {i} of the manual lists option {i % 97}." for i in range(3000))) + [EOT_TOKEN],
+      np.uint16)
+  templates = maker.templates.name
+  half = NeedleMaker(maker.haystack, enc, templates=templates, text=text, text_share=0.5)
+  none = NeedleMaker(maker.haystack, enc, templates=templates, text=text, text_share=0.0)
+  counts = {True: 0, False: 0}
+  for i in range(40):
+    rng = [11, i]
+    doc = half.make(np.random.default_rng(rng), 600, "single_key")
+    words = enc.decode(doc.tokens[:-1].tolist())
+    counts[doc.from_text] += 1
+    if not doc.ledger:
+      assert ("of the manual lists option" in words) == doc.from_text
+      assert ("tells of the" in words) != doc.from_text
+    # A share of 0 draws nothing more: the documents are those of a maker without text.
+    plain = maker.make(np.random.default_rng(rng), 600, "single_key")
+    np.testing.assert_array_equal(none.make(np.random.default_rng(rng), 600, "single_key").tokens,
+                                  plain.tokens)
+    assert not plain.from_text
+  assert counts[True] >= 10 and counts[False] >= 10, counts
+  with pytest.raises(ValueError, match="text_share=0.5 needs the text tokens"):
+    NeedleMaker(maker.haystack, enc, text_share=0.5)
+  with pytest.raises(ValueError, match=r"text_share=1.5 must be in \[0, 1\]"):
+    NeedleMaker(maker.haystack, enc, text=text, text_share=1.5)
 
 
 @needs_bpe
@@ -490,13 +525,24 @@ def test_the_config_chooses_the_template_set(toy_data):
   from pisa_jax.configs import Config, DataConfig, ModelConfig, TrainConfig, validate
   from pisa_jax.train import data as train_data
 
-  def config(templates):
+  def config(templates, text_share=0.0):
     return Config(
         model=ModelConfig(vocab_size=50_257),
         data=DataConfig(source="tokens", path=str(toy_data / "text"), packing=True,
                         retrieval_fraction=0.5, retrieval_path=str(toy_data / "haystack"),
-                        retrieval_min_length=128, retrieval_templates=templates),
+                        retrieval_min_length=128, retrieval_templates=templates,
+                        retrieval_text_share=text_share),
         train=TrainConfig(seq_len=512, per_device_batch=2, grad_accum=1))
+
+  # data.retrieval_text_share reaches the maker, which draws from the run's train text.
+  windows = train_data.make_batches(config("composed", 1.0), "train", global_batch=2, accum=1)
+  assert windows.describe()["text_share"] == 1.0
+  docs = [d for step in range(2) for row in windows.chosen_rows(step)
+          for d in windows.documents(step, int(row))]
+  assert docs and all(d.from_text for d in docs)
+  np.testing.assert_array_equal(windows.maker.text, windows.text.tokens)
+  with pytest.raises(ValueError, match=r"data.retrieval_text_share=-0.1 must be in \[0, 1\]"):
+    validate(config("fixed", -0.1))
 
   questions = {}
   for templates in ("fixed", "composed"):
@@ -742,6 +788,12 @@ def test_a_stage_for_some_methods_leaves_the_others_results_done(tmp_path, monke
     assert edited != TOY
     other = rep.load_manifest(_manifest(tmp_path / name, edited))
     assert (other.fingerprint("pisa") == m.fingerprint("pisa")) == same, name
+  # A field added later: at its default (the documents as before it) it keeps the fingerprint.
+  for share, same in (("0.0", True), ("0.5", False)):
+    edited = TOY.replace("retrieval_fraction = 0.5",
+                         f"retrieval_fraction = 0.5\nretrieval_text_share = {share}", 1)
+    other = rep.load_manifest(_manifest(tmp_path / f"share{share}", edited))
+    assert (other.fingerprint("pisa") == m.fingerprint("pisa")) == same, share
   # So does a new version of the code that makes the needle documents.
   from pisa_jax.train import retrieval
 
@@ -1085,6 +1137,13 @@ def test_toy_pipeline_end_to_end(toy_data, tmp_path, monkeypatch, capsys):
   assert "dense-s0: done" in capsys.readouterr().out
   report.summarize(rep.load_manifest(path), results)
   assert "| Full attention | 1 |" in (results / "summary.md").read_text()
+
+
+def test_passes_count_the_text_read_as_haystack():
+  data = {"text_train_tokens": 1000, "haystack_train_tokens": 100}
+  assert rep.passes(400, {"token_fraction": 0.5}, data) == {"text": 0.2, "haystack": 2.0}
+  assert rep.passes(400, {"token_fraction": 0.5, "text_share": 0.25}, data) == {
+      "text": 0.25, "haystack": 1.5}
 
 
 def _run_toy(path: Path, tmp_path: Path, monkeypatch) -> dict:

@@ -261,4 +261,5 @@ def make_batches(config, split: str, *, global_batch: int, accum: int, process_i
                           min_length=d.retrieval_min_length,
                           max_length=d.retrieval_max_length,
                           answer_weight=d.retrieval_answer_weight,
-                          templates=d.retrieval_templates)
+                          templates=d.retrieval_templates,
+                          text_share=d.retrieval_text_share)

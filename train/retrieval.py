@@ -9,7 +9,8 @@ row; a row's last document takes what is left):
   " " answer "."  <|endoftext|>
 
 The haystack is a slice of the train split of `data.retrieval_path` (a pisa-prepare-data folder of
-text held out of `data.path`), starting at a sentence, its end-of-text tokens turned into blank
+text held out of `data.path`), or, in `data.retrieval_text_share` of the documents, of
+`data.path`'s own train split, starting at a sentence, its end-of-text tokens turned into blank
 lines. Four families, as RULER's (Hsieh et al., 2024), each with its own draws:
 
   family       keys  values per key  keys asked  haystack
@@ -407,6 +408,7 @@ class NeedleDocument:
   question: str
   ledger: bool
   filler: bool = False         # the haystack is a few sentences repeated
+  from_text: bool = False      # the haystack is the run's text, not its haystack corpus
 
 
 @dataclasses.dataclass(frozen=True)
@@ -521,8 +523,14 @@ class NeedleMaker:
   as long as the longest document asked for.
   """
 
-  def __init__(self, haystack: np.ndarray, encoding=None, *, templates: str = "fixed"):
+  def __init__(self, haystack: np.ndarray, encoding=None, *, templates: str = "fixed",
+               text: np.ndarray | None = None, text_share: float = 0.0):
+    if not 0 <= text_share <= 1:
+      raise ValueError(f"{text_share=} must be in [0, 1]")
+    if text_share and text is None:
+      raise ValueError(f"{text_share=} needs the text tokens to draw those haystacks from")
     self.templates = template_set(templates)
+    self.text, self.text_share = text, text_share
     if encoding is None:
       from pisa_jax.train.tokenizer import gpt2_encoding
       encoding = gpt2_encoding()
@@ -560,6 +568,9 @@ class NeedleMaker:
                      f"needle and answer leave fewer than {_MIN_HAYSTACK} haystack tokens")
 
   def _build(self, rng, draw: _Draw, length: int) -> NeedleDocument | None:
+    # No draw at a share of 0: the documents of NEEDLE_GENERATOR 4 stay as they were.
+    from_text = bool(self.text_share) and rng.random() < self.text_share
+    source = self.text if from_text else self.haystack
     head = self.encode(draw.preamble + "\n") if draw.preamble else []
     tail = self.encode("\n" + draw.question)
     answer = self.encode(draw.answer)
@@ -570,9 +581,9 @@ class NeedleMaker:
       return None
     filler = not draw.ledger and rng.random() < _FILLER_SHARE
     if draw.ledger:
-      hay, spots = self._ledger(rng, draw, n_hay)
+      hay, spots = self._ledger(rng, draw, n_hay, source)
     else:
-      hay = self._filler(rng, n_hay) if filler else self._prose(rng, n_hay)
+      hay = self._filler(rng, n_hay, source) if filler else self._prose(rng, n_hay, source)
       # Between sentences: after a sentence-ending token, or at either end.
       spots = np.unique(np.concatenate([[0, n_hay], np.flatnonzero(self.ends[hay]) + 1]))
     # Each needle at a uniform depth, moved to the nearest place between sentences (or records).
@@ -594,32 +605,34 @@ class NeedleMaker:
         tokens=tokens, answer=(answer_start, answer_start + len(answer)), family=draw.family,
         keys=draw.keys, asked=draw.asked, answers=draw.answers, needles=draw.needles,
         depths=tuple(float(x) / n_hay for x in at), question=draw.question, ledger=draw.ledger,
-        filler=filler)
+        filler=filler, from_text=from_text)
 
-  def _prose(self, rng, n: int) -> np.ndarray:
-    """n haystack tokens from a random sentence start, end-of-text tokens as paragraph breaks."""
-    last = len(self.haystack) - n
+  def _prose(self, rng, n: int, source: np.ndarray) -> np.ndarray:
+    """n tokens of `source` (the haystack or the text) from a random sentence start, end-of-text
+    tokens as paragraph breaks."""
+    last = len(source) - n
     if last < 1:
-      raise ValueError(f"the haystack holds {len(self.haystack)} tokens, fewer than the {n + 1} "
+      raise ValueError(f"the haystack holds {len(source)} tokens, fewer than the {n + 1} "
                        f"a document of this length needs")
     offset = int(rng.integers(0, last))
-    look = np.asarray(self.haystack[offset:offset + min(64, last - offset)], np.int32)
+    look = np.asarray(source[offset:offset + min(64, last - offset)], np.int32)
     ends = np.flatnonzero(self.ends[look])
     if ends.size:
       offset += int(ends[0]) + 1
-    hay = np.asarray(self.haystack[offset:offset + n], np.int32)
+    hay = np.asarray(source[offset:offset + n], np.int32)
     return np.where(hay == EOT_TOKEN, _PARAGRAPH, hay)
 
-  def _filler(self, rng, n: int) -> np.ndarray:
+  def _filler(self, rng, n: int, source: np.ndarray) -> np.ndarray:
     """n tokens of one to three haystack sentences repeated (a span cut at _FILLER_SPAN tokens
     where no sentence ends sooner)."""
-    span = self._prose(rng, min(n, _FILLER_SPAN))
+    span = self._prose(rng, min(n, _FILLER_SPAN), source)
     ends = np.flatnonzero(self.ends[span]) + 1
     if ends.size:
       span = span[:ends[min(int(rng.integers(3)), ends.size - 1)]]
     return np.resize(span, n)
 
-  def _ledger(self, rng, draw: _Draw, n: int) -> tuple[np.ndarray, np.ndarray]:
+  def _ledger(self, rng, draw: _Draw, n: int,
+              source: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """n tokens of distractor records (other keys, the same attribute and formats), a prose
     fragment first to make up the length; the places between records."""
     lines: list[list[int]] = []
@@ -634,7 +647,7 @@ class NeedleMaker:
         break
       lines.append(line)
       total += len(line)
-    fragment = self._prose(rng, n - total) if n > total else np.zeros(0, np.int32)
+    fragment = self._prose(rng, n - total, source) if n > total else np.zeros(0, np.int32)
     bounds = len(fragment) + np.cumsum([0] + [len(x) for x in lines])
     hay = np.concatenate([fragment] + [np.asarray(x, np.int32) for x in lines])
     return hay.astype(np.int32), np.unique(np.concatenate([[0], bounds]))
@@ -646,7 +659,7 @@ class RetrievalMixture:
 
   def __init__(self, text: TokenWindows, haystack_path: str, *, fraction: float,
                min_length: int, answer_weight: float, max_length: int | None = None,
-               encoding=None, templates: str = "fixed"):
+               encoding=None, templates: str = "fixed", text_share: float = 0.0):
     if not text.packing:
       raise ValueError("the retrieval mixture needs packed text windows (data.packing=true)")
     if not 0 < fraction <= 1:
@@ -654,7 +667,8 @@ class RetrievalMixture:
     haystack = TokenWindows(haystack_path, "train", seq_len=text.seq_len, global_batch=1,
                             accum=1, seed=0, vocab_size=EOT_TOKEN + 1, packing=True)
     self.text = text
-    self.maker = NeedleMaker(haystack.tokens, encoding, templates=templates)
+    self.maker = NeedleMaker(haystack.tokens, encoding, templates=templates,
+                             text=text.tokens if text_share else None, text_share=text_share)
     self.haystack_tokens = len(haystack.tokens)
     row = text.seq_len + 1
     if max_length is not None and not 2 * min_length <= max_length <= row:
@@ -716,5 +730,6 @@ class RetrievalMixture:
     return {"rows_per_step": self.rows_per_step, "token_fraction": self.token_fraction,
             "min_length": self.min_length, "max_length": self.max_length,
             "answer_weight": self.answer_weight, "templates": self.maker.templates.name,
-            "haystack_tokens": self.haystack_tokens, "families": list(FAMILIES),
+            "haystack_tokens": self.haystack_tokens, "text_share": self.maker.text_share,
+            "families": list(FAMILIES),
             "key_formats": list(self.maker.key_formats), "key_words": len(self.maker.key_words)}
