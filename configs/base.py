@@ -341,6 +341,10 @@ def _validate_retrieval(d: DataConfig, m: ModelConfig, t: TrainConfig) -> None:
     raise ValueError(f"data.retrieval_text_share={d.retrieval_text_share} must be in [0, 1]: "
                      f"the share of needle documents whose haystack is data.path's text")
   if not d.retrieval_fraction:
+    if d.retrieval_text_share:
+      raise ValueError(f"data.retrieval_text_share={d.retrieval_text_share} needs "
+                       f"data.retrieval_fraction > 0: it shares out the needle documents' "
+                       f"haystacks, and without the mixture there are none")
     return
   if d.source != "tokens" or not d.packing:
     raise ValueError(f"data.retrieval_fraction={d.retrieval_fraction} needs data.source='tokens' "
@@ -363,7 +367,6 @@ def _validate_retrieval(d: DataConfig, m: ModelConfig, t: TrainConfig) -> None:
                      f"train.seq_len={t.seq_len}]: a row's last document may need to split")
   if not d.retrieval_answer_weight > 0:
     raise ValueError(f"data.retrieval_answer_weight={d.retrieval_answer_weight} must be > 0")
-
 
 
 def _validate_context_parallel(d: DataConfig, t: TrainConfig) -> None:

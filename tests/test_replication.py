@@ -7,6 +7,7 @@ end on the CPU (both stages and every evaluation; `slow`, with a two-stage smoke
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -540,9 +541,15 @@ def test_the_config_chooses_the_template_set(toy_data):
   docs = [d for step in range(2) for row in windows.chosen_rows(step)
           for d in windows.documents(step, int(row))]
   assert docs and all(d.from_text for d in docs)
-  np.testing.assert_array_equal(windows.maker.text, windows.text.tokens)
+  assert windows.maker.text is windows.text.tokens  # the text's memmap itself, never a copy
   with pytest.raises(ValueError, match=r"data.retrieval_text_share=-0.1 must be in \[0, 1\]"):
     validate(config("fixed", -0.1))
+  without = config("fixed", 0.5)
+  without = dataclasses.replace(without, data=dataclasses.replace(without.data,
+                                                                  retrieval_fraction=0.0))
+  with pytest.raises(ValueError, match=r"data.retrieval_text_share=0.5 needs "
+                                       r"data.retrieval_fraction > 0"):
+    validate(without)
 
   questions = {}
   for templates in ("fixed", "composed"):

@@ -33,11 +33,12 @@ The templates, keys and values are this module's own and disjoint from `pisa-eva
 (`train.evaluation.ruler`), so that the evaluation measures retrieval, not a memorised template.
 Keys are capitalised pseudo-word names ("Vorandel Kestrum"), letter-digit tags ("QX-482"),
 lowercase pseudo-words, or two words of the haystack's own prose outside RULER's adjective and
-noun lists ("harvest fielding", half of them hyphenated; `haystack_key_words`), never RULER's
-adjective-noun pairs or uuids. Values are numbers of 4-6, 8 or 9 digits, two to six groups of
-four hex digits ("3fa9-91bc") or pseudo-words, never seven digits or uuids. No template shares a
-four-word sequence or one of RULER's telling words ("special", "magic", "mentioned", ...) with
-RULER's (tests/test_replication.py checks all three).
+noun lists ("harvest fielding", half of them hyphenated; `haystack_key_words`, of the haystack
+corpus even where a document's haystack is the run's text), never RULER's adjective-noun pairs
+or uuids. Values are numbers of 4-6, 8 or 9 digits, two to six groups of four hex digits
+("3fa9-91bc") or pseudo-words, never seven digits or uuids. No template shares a four-word
+sequence or one of RULER's telling words ("special", "magic", "mentioned", ...) with RULER's
+(tests/test_replication.py checks all three).
 
 Packed with `segment_ids` (`data.packing`): every document attends only to itself, positions
 restart, and the loss on its answer tokens is weighted `data.retrieval_answer_weight`. Rows are
@@ -164,7 +165,8 @@ LINKS = ("of", "for", "issued to", "assigned to", "belonging to", "recorded for"
 # RULER's "... is" with " now" in nearly every sample (teacher-forced hits 0%).
 COPULAS = ("is", "reads", "equals", "was set to", "has been recorded as",
            "was listed as", "stands at", "remains", "was given as")
-# The share of composed needles with a colon after the copula. Dense models trained without any
+# The share of composed needles with a copula that write a colon after it (3 of the 9 frames
+# have one: about 10% of all composed needles). Dense models trained without any
 # answered RULER's "... is" (its needles read "... is: V") by copying prose after "is" in the
 # haystack (" blue."), teacher-forced hits 13% at 1K (H100, 2026-12-06).
 COLON_SHARE = 0.3
@@ -612,8 +614,10 @@ class NeedleMaker:
     tokens as paragraph breaks."""
     last = len(source) - n
     if last < 1:
-      raise ValueError(f"the haystack holds {len(source)} tokens, fewer than the {n + 1} "
-                       f"a document of this length needs")
+      where = ("the run's text (data.path)" if source is self.text
+               else "the haystack (data.retrieval_path)")
+      raise ValueError(f"{where} holds {len(source)} tokens, fewer than the {n + 1} a "
+                       f"document of this length needs")
     offset = int(rng.integers(0, last))
     look = np.asarray(source[offset:offset + min(64, last - offset)], np.int32)
     ends = np.flatnonzero(self.ends[look])
