@@ -99,8 +99,8 @@ _DATA = {
     "retrieval_min_length": (int, 256), "retrieval_answer_weight": (float, 1.0),
     "retrieval_templates": (str, "fixed"), "retrieval_text_share": (float, 0.0),
 }
-# Data fields added after results were made, at the default that reproduces those results.
-_ADDED_DATA_DEFAULTS = {"retrieval_text_share": 0.0}
+# Data fields added after results were made: at their default (_DATA's), the behaviour before.
+_ADDED_DATA_FIELDS = ("retrieval_text_share",)
 _STAGE = {
     "name": (str, _REQUIRED), "enabled": (bool, True), "methods": (("strs",), None),
     "seq_len": (int, _REQUIRED), "top_k": (int, _REQUIRED), "rope_base": (float, _REQUIRED),
@@ -274,8 +274,8 @@ def _data_settings(data: dict) -> dict:
   out = {k: v for k, v in data.items()
          if k not in ("text", "haystack", "tokenizer", "ruler_dir", "wheels")}
   # A setting added later counts only away from its default, the behaviour before it existed.
-  for name, default in _ADDED_DATA_DEFAULTS.items():
-    if out.get(name) == default:
+  for name in _ADDED_DATA_FIELDS:
+    if out.get(name) == _DATA[name][1]:
       out.pop(name)
   # The needle documents change with the code that makes them, not only with these settings.
   return out | {"needle_generator": NEEDLE_GENERATOR}

@@ -508,17 +508,14 @@ GOLDEN = Path(__file__).parent / "data" / "pretrained"
 
 
 def _llama3_bands(hf: dict) -> list[str]:
-  """The band of Llama 3.1's RoPE rule each frequency of `hf` (a config.json) falls in: "kept"
-  (wavelength below original context / high_freq_factor), "divided" (above original context /
-  low_freq_factor) or "interpolated" between them."""
+  """The band of Llama 3.1's RoPE rule each frequency of `hf` (a config.json, transformers 4's
+  rope_scaling or 5's rope_parameters) falls in, read off `llama_cpp_rope_factors`: "kept"
+  (factor 1), "divided" (the whole factor) or "interpolated" between them."""
   scaling = hf.get("rope_scaling") or hf["rope_parameters"]
   theta = hf.get("rope_theta", scaling.get("rope_theta"))
-  head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-  wavelengths = 2 * np.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)
-  old = scaling["original_max_position_embeddings"]
-  short, long = old / scaling["high_freq_factor"], old / scaling["low_freq_factor"]
-  return ["kept" if w < short else "divided" if w > long else "interpolated"
-          for w in wavelengths]
+  factors = llama_cpp_rope_factors({**hf, "rope_scaling": scaling, "rope_theta": theta})
+  return ["kept" if f == 1 else "divided" if f == scaling["factor"] else "interpolated"
+          for f in factors]
 
 
 def test_llama3_checkpoints_reach_every_band_of_the_rule():
